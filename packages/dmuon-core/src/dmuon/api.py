@@ -1,0 +1,285 @@
+"""The public entry points of the ownership protocol: ``dedicate_params`` and its companions.
+
+Owns the wiring of the three independent decisions — partition (who owns each parameter),
+hook boundary (which module's hooks move it) and the owner step (``optim``) — for one model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import warnings
+from collections.abc import Callable, Iterator
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from dmuon import fsdp2
+from dmuon.group import BoundaryGroup
+from dmuon.hooks import DedicatedState
+from dmuon.mesh import build_ownership_mesh
+from dmuon.param import DedicatedParam, is_dedicated, make_placeholder, mark_dedicated
+from dmuon.partition import OwnerCoord, ParamSpec, layer_id_of, plan_ownership
+from dmuon.policy import resolve_param_policy
+
+logger = logging.getLogger("dmuon")
+
+Predicate = Callable[[str, nn.Parameter], bool]
+
+NO_MATCH_WARNING = (
+    "dedicate_params: no parameters matched the predicate. Print the 2-D parameters to see their "
+    "names and adjust the predicate:\n"
+    "    for name, param in model.named_parameters():\n"
+    "        if param.ndim == 2:\n"
+    "            print(name, param.shape)"
+)
+
+_STATE_ATTR = "_dmuon_state"
+
+
+def dedicate_params(
+    model: nn.Module,
+    mesh,
+    predicate: Predicate,
+    *,
+    replicate_mesh=None,
+    reshard_after_forward: bool = True,
+    hook_boundary_predicate: Callable[[nn.Module], bool] | None = None,
+    param_policy=None,
+    compute_dtype: torch.dtype | None = None,
+    process_group_policy: str = "isolated",
+    layer_id_fn: Callable[[str], str | None] | None = None,
+    timeout: timedelta | None = None,
+) -> dict[str, OwnerCoord]:
+    """Give every parameter selected by ``predicate`` one owner rank; returns FQN -> owner.
+
+    Call once on the whole model, after TP ``parallelize_module`` and before ``fully_shard``
+    (which then skips the dedicated parameters by itself). ``mesh`` is the 1-D data-parallel
+    DeviceMesh (the ``"shard"`` dim under HSDP, with ``replicate_mesh`` its ``"replicate"``
+    dim), or None when torch.distributed is not initialised (everything is owned locally).
+
+    Args:
+        predicate: ``(name, param) -> bool`` choosing the dedicated parameters.
+        reshard_after_forward: True (Z3) frees the broadcast weights after forward and
+            broadcasts them again for backward; False (Z2) keeps them through backward.
+        hook_boundary_predicate: picks, for each parameter, the lowest ancestor module for
+            which it is True as the module whose hooks move it (default: the ``layers.N`` /
+            ``blocks.N`` module around it, else its parent module).
+        param_policy: ``ParamPolicy`` or dict; ``defaults.param_dtype`` is the forward compute
+            dtype (None inherits the parameter's), ``defaults.reduce_dtype`` the gradient
+            reduce dtype (None: the gradient's).
+        compute_dtype: legacy spelling of ``param_policy.defaults.param_dtype``.
+        process_group_policy: ``"isolated"`` clones the mesh's process groups so dmuon's
+            asynchronous collectives never interleave with the trainer's; ``"shared"`` reuses them.
+        layer_id_fn: ``name -> layer id`` for models whose names the default
+            ``(layers|blocks|layer|h|block).N`` rule does not understand.
+        timeout: timeout of the process groups dmuon creates (default: the default group's).
+    """
+    if getattr(model, _STATE_ATTR, None) is not None:
+        raise RuntimeError(
+            "dedicate_params was already called on this model; call it once, on the whole model."
+        )
+    if fsdp2.is_fully_sharded(model):
+        raise RuntimeError(
+            "dedicate_params must be called before fully_shard: this model already has FSDP2 "
+            "modules. Call dmuon.dedicate_params(model, ...) first, then fully_shard each layer "
+            "and the root."
+        )
+    if mesh is not None:
+        fsdp2.require_fully_shard_integration()
+    policy = resolve_param_policy(param_policy, compute_dtype)
+    selected = _select(model, predicate)
+    if not selected:
+        warnings.warn(NO_MATCH_WARNING, UserWarning, stacklevel=2)
+    ownership_mesh = build_ownership_mesh(mesh, replicate_mesh, process_group_policy, timeout)
+
+    specs = [
+        ParamSpec(name=name, shape=tuple(param.shape), layer_id=layer_id_of(name, layer_id_fn))
+        for name, _, _, param in selected
+    ]
+    plan = plan_ownership(specs, ownership_mesh.num_shards, ownership_mesh.num_replicas)
+    if plan.unlayered and len(plan.unlayered) > 1:
+        warnings.warn(
+            f"dedicate_params: no layer id found for {len(plan.unlayered)} parameters "
+            f"({_preview(plan.unlayered)}); they are partitioned as one layer, which can put "
+            "too many large matrices on one owner (out of memory). Name layers like "
+            "'layers.N' / 'blocks.N', or pass layer_id_fn=lambda name: ...",
+            UserWarning,
+            stacklevel=2,
+        )
+    logger.info("%s %s", _rank_tag(), plan.describe())
+
+    params: dict[str, DedicatedParam] = {}
+    for name, module, attr, param in selected:
+        owner = plan.owners[name]
+        mark_dedicated(param)
+        params[name] = DedicatedParam(
+            fqn=name,
+            module=module,
+            attr=attr,
+            shape=param.shape,
+            param_dtype=policy.defaults.param_dtype or param.dtype,
+            reduce_dtype=policy.defaults.reduce_dtype,
+            requires_grad=param.requires_grad,
+            owner=owner,
+            is_owner=ownership_mesh.is_me(owner),
+            placeholder=make_placeholder(param),
+            original=param,
+        )
+    boundaries = _group_by_boundary(model, params, hook_boundary_predicate, ownership_mesh,
+                                    reshard_after_forward)
+    state = DedicatedState(
+        model=model, mesh=ownership_mesh, plan=plan, params=params, boundaries=boundaries
+    )
+    state.register_hooks()
+    object.__setattr__(model, _STATE_ATTR, state)
+    if not any(p.original.is_meta for p in params.values()):
+        state.ensure_adopted()
+    return dict(plan.owners)
+
+
+def get_dedicated_state(model: nn.Module) -> DedicatedState:
+    state = getattr(model, _STATE_ATTR, None)
+    if state is None:
+        raise ValueError(
+            f"{type(model).__name__} has no dedicated parameters: call "
+            "dmuon.dedicate_params(model, mesh, predicate) before fully_shard and before "
+            "constructing dmuon.Muon(model, ...)."
+        )
+    return state
+
+
+def dedicated_parameters(model: nn.Module) -> set[nn.Parameter]:
+    """The parameters FSDP2 must ignore (for ``fully_shard(..., ignored_params=...)``)."""
+    return {p for p in model.parameters() if is_dedicated(p)}
+
+
+def wait_all_replicate_broadcasts(model: nn.Module) -> None:
+    """Wait for every pending post-step publish (before exit or checkpointing)."""
+    get_dedicated_state(model).wait_all_replicate_broadcasts()
+
+
+@contextlib.contextmanager
+def no_sync(model: nn.Module) -> Iterator[None]:
+    """Accumulate gradients locally: no reduce to owners (nor FSDP2 reduce-scatter) inside."""
+    from torch.distributed.fsdp import FSDPModule
+
+    state = get_dedicated_state(model)
+    fsdp_modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    previous = state.requires_gradient_sync
+    state.requires_gradient_sync = False
+    for module in fsdp_modules:
+        module.set_requires_gradient_sync(False, recurse=False)
+    try:
+        yield
+    finally:
+        state.requires_gradient_sync = previous
+        for module in fsdp_modules:
+            module.set_requires_gradient_sync(previous, recurse=False)
+
+
+# ---- selection and hook boundaries ------------------------------------------------------------
+
+
+def _select(model: nn.Module, predicate: Predicate):
+    """(name, module, attr, param) for each selected parameter, in registration order."""
+    names_of: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names_of.setdefault(id(param), []).append(name)
+    selected = []
+    for module_name, module in model.named_modules():
+        for attr, param in module.named_parameters(recurse=False):
+            name = f"{module_name}.{attr}" if module_name else attr
+            if names_of[id(param)][0] != name or not predicate(name, param):
+                continue
+            if len(names_of[id(param)]) > 1:
+                warnings.warn(
+                    f"dedicate_params: {name} is tied to {names_of[id(param)][1:]}; tied "
+                    "parameters are left to FSDP2 (AdamW route).",
+                    UserWarning,
+                    stacklevel=3,
+                )
+                continue
+            if isinstance(param, DTensor):
+                _reject_dtensor(name, param)
+            selected.append((name, module, attr, param))
+    return selected
+
+
+def _reject_dtensor(name: str, param: DTensor) -> None:
+    if param.device_mesh.mesh_dim_names is None:
+        raise ValueError(
+            "DMuon requires named DeviceMesh for TP detection: parameter "
+            f"{name} is a DTensor on an unnamed mesh. Build meshes with names, e.g. "
+            'init_device_mesh("cuda", (dp_size, tp_size), mesh_dim_names=("dp", "tp")).'
+        )
+    raise ValueError(
+        f"parameter {name} is a DTensor on mesh dims {param.device_mesh.mesh_dim_names}: "
+        "dmuon-core does not dedicate tensor-parallel parameters yet. Exclude it from the "
+        "predicate (it then stays with FSDP2 and the AdamW route)."
+    )
+
+
+def _group_by_boundary(
+    model: nn.Module,
+    params: dict[str, DedicatedParam],
+    hook_boundary_predicate: Callable[[nn.Module], bool] | None,
+    mesh,
+    reshard_after_forward: bool,
+) -> list[BoundaryGroup]:
+    modules = dict(model.named_modules())
+    by_boundary: dict[str, list[DedicatedParam]] = {}
+    fallback: list[str] = []
+    for name, p in params.items():
+        module_name = name.rpartition(".")[0]
+        boundary = _boundary_of(module_name, modules, hook_boundary_predicate)
+        if boundary is None:
+            boundary = module_name
+            fallback.append(name)
+        by_boundary.setdefault(boundary, []).append(p)
+    if fallback:
+        warnings.warn(
+            f"dedicate_params: no hook boundary found for {len(fallback)} parameters "
+            f"({_preview(fallback)}); each uses its parent module as boundary. Pass "
+            "hook_boundary_predicate=lambda module: ... to choose boundaries.",
+            UserWarning,
+            stacklevel=3,
+        )
+    # Boundaries in module registration order (the initial guess of the forward order).
+    order = {name: i for i, name in enumerate(modules)}
+    return [
+        BoundaryGroup(modules[boundary], members, mesh, reshard_after_forward)
+        for boundary, members in sorted(by_boundary.items(), key=lambda kv: order[kv[0]])
+    ]
+
+
+def _boundary_of(
+    module_name: str,
+    modules: dict[str, nn.Module],
+    hook_boundary_predicate: Callable[[nn.Module], bool] | None,
+) -> str | None:
+    if hook_boundary_predicate is not None:
+        candidate = module_name
+        while True:
+            if hook_boundary_predicate(modules[candidate]):
+                return candidate
+            if not candidate:
+                return None
+            candidate = candidate.rpartition(".")[0]
+    # The same rule as the partition's layer id (``layers.N``, ``blocks.N``, ...).
+    return layer_id_of(module_name + ".weight")
+
+
+def _preview(names, limit: int = 5) -> str:
+    names = list(names)
+    more = f", ... {len(names) - limit} more" if len(names) > limit else ""
+    return ", ".join(names[:limit]) + more
+
+
+def _rank_tag() -> str:
+    if dist.is_initialized():
+        return f"[DMuon][rank={dist.get_rank()}/{dist.get_world_size()}]"
+    return "[DMuon][rank=0/1]"

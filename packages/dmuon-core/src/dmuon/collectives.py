@@ -1,0 +1,57 @@
+"""The collectives of the ownership protocol, one function each, and their completion handles.
+
+Owns how a collective is issued and how its completion is awaited; it must not decide which
+tensors move (that is ``group``) or when (that is ``hooks`` and ``optim``).
+
+[Note: handles instead of events]
+Every collective is issued with ``async_op=True`` and returns its work handle; the protocol waits
+on the handle only where the data is consumed. On NCCL, ``Work.wait()`` makes the *current CUDA
+stream* wait for the collective's stream (no host synchronisation), so the handle plays the role
+of a CUDA event. On gloo (CPU in CI, or CUDA tensors on one shared GPU) ``wait()`` blocks the host
+until the background transfer is done. One code path serves both, so the asynchronous paths
+(prefetch, pending publishes, drains) really run in CI.
+
+Reductions use SUM and the owner divides afterwards: gloo has no AVG, and one formula keeps NCCL
+and gloo numerically alike.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+
+
+class Handle(Protocol):
+    def wait(self) -> object: ...
+
+
+class _Done:
+    """The handle of a collective that needed no communication (a group of one)."""
+
+    def wait(self) -> bool:
+        return True
+
+
+DONE: Handle = _Done()
+
+
+def broadcast(tensor: torch.Tensor, src_rank: int, group: dist.ProcessGroup | None) -> Handle:
+    """Send ``tensor`` from global rank ``src_rank`` into the same tensor on every group rank."""
+    if group is None:
+        return DONE
+    return dist.broadcast(tensor, src=src_rank, group=group, async_op=True)
+
+
+def reduce_sum(tensor: torch.Tensor, dst_rank: int, group: dist.ProcessGroup | None) -> Handle:
+    """Sum ``tensor`` over the group into global rank ``dst_rank`` (other ranks' copies are junk)."""
+    if group is None:
+        return DONE
+    return dist.reduce(tensor, dst=dst_rank, op=dist.ReduceOp.SUM, group=group, async_op=True)
+
+
+def wait_all(handles: Iterable[Handle]) -> None:
+    for handle in handles:
+        handle.wait()

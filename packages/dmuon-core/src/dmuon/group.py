@@ -1,0 +1,335 @@
+"""A hook boundary's dedicated parameters, packed into per-owner segments, and their collectives.
+
+Owns the memory layout of one boundary and the four data movements of the protocol on it:
+unshard (broadcast from owners), reshard (free), reduce (gradients to owners) and publish (the
+new weights across the replicate axis). It must not decide when these happen (``hooks`` and
+``optim`` do) nor do any optimizer math.
+
+[Note: segments]
+A boundary's parameters are grouped by the shard index of their owner: segment ``s`` holds, in a
+fixed order, every parameter owned by a slot ``(s, r)`` for any replica ``r``, sorted by ``r``.
+The rank with shard index ``s`` is the *root* of segment ``s`` in its replica: it keeps that
+segment resident (its "local segment") and broadcasts it in one collective — the coalesced
+broadcast per owner. Other segments are received into buffers that exist only while the boundary
+is unsharded (their storage is resized to 0 in between, so the unsharded parameters built over
+them survive as autograd leaves, as in FSDP2).
+
+In HSDP, every replica's rank ``(s, r)`` holds segment ``s``. Its true owner ``(s, r0)`` publishes
+its slice after each step over the replicate group; the other replicas receive it into the same
+slice. Gradients take the reverse path: reduce over the shard group to ``(s, r)``, then each
+owner's slice over the replicate group to ``(s, r0)``. Each gradient travels with one extra
+element, 1 where the rank produced a gradient and 0 where it did not, so the owner knows whether
+any rank produced one (a parameter unused everywhere keeps ``grad=None``, like in one process).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from dmuon import collectives
+from dmuon.collectives import Handle
+from dmuon.mesh import OwnershipMesh
+from dmuon.param import DedicatedParam
+from dmuon.partition import OwnerCoord
+
+
+@dataclass(eq=False, slots=True, kw_only=True)
+class Segment:
+    shard: int  # shard index of the root
+    dtype: torch.dtype
+    params: list[DedicatedParam]  # sorted by owner replica
+    is_local: bool  # this rank is the segment's root in its replica
+    buffer: torch.Tensor  # (numel,) in the compute dtype
+    # Per owner replica: its slice of the values [start, end) and of the gradient message.
+    value_ranges: dict[int, tuple[int, int]] = field(default_factory=dict)
+    message_ranges: dict[int, tuple[int, int]] = field(default_factory=dict)
+
+    @property
+    def numel(self) -> int:
+        return self.buffer.numel()
+
+    @property
+    def nbytes(self) -> int:
+        return self.buffer.numel() * self.buffer.element_size()
+
+
+@dataclass(eq=False, slots=True)
+class _PendingReduce:
+    segment: Segment
+    message: torch.Tensor  # packed gradients and their flags, in the reduce dtype
+    handle: Handle
+
+
+class BoundaryGroup:
+    """The dedicated parameters moved by one hook-boundary module."""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        params: list[DedicatedParam],
+        mesh: OwnershipMesh,
+        reshard_after_forward: bool,
+    ) -> None:
+        self.module = module
+        self.params = params
+        self.mesh = mesh
+        self.reshard_after_forward = reshard_after_forward
+        self.segments: list[Segment] = []
+        self.is_unsharded = False
+        self._pending_unshard: list[Handle] = []
+        self._pending_publish: list[Handle] = []
+        self._pending_reduce: list[_PendingReduce] = []
+        # Backward bookkeeping, driven by ``hooks``: grad-enabled forwards since the last
+        # backward, post-backwards seen, and whether this backward already reduced.
+        self.in_backward = False
+        self.forward_count = 0
+        self.backward_count = 0
+        self.reduced_this_backward = False
+
+    # ---- layout ----------------------------------------------------------------------------
+
+    def build_segments(self, device: torch.device) -> None:
+        """Lay out the segments and bind every unsharded parameter to its slice."""
+
+        def segment_key(p: DedicatedParam) -> tuple[int, str]:
+            return p.owner.shard, str(p.param_dtype)
+
+        ordered = sorted(self.params, key=lambda p: (*segment_key(p), p.owner.replicate))
+        for (shard, _), members in itertools.groupby(ordered, key=segment_key):
+            members = list(members)
+            segment = self._make_segment(shard, members, device)
+            self.segments.append(segment)
+
+    def _make_segment(
+        self, shard: int, members: list[DedicatedParam], device: torch.device
+    ) -> Segment:
+        dtype = members[0].param_dtype
+        numel = sum(p.numel for p in members)
+        is_local = shard == self.mesh.coord.shard
+        segment = Segment(
+            shard=shard,
+            dtype=dtype,
+            params=members,
+            is_local=is_local,
+            buffer=torch.empty(numel, dtype=dtype, device=device),
+        )
+        value_offset = message_offset = 0
+        for replicate, owned in itertools.groupby(members, key=lambda p: p.owner.replicate):
+            owned = list(owned)
+            value_start, message_start = value_offset, message_offset
+            for p in owned:
+                p.segment_offset = value_offset
+                value_offset += p.numel
+                message_offset += p.numel + 1
+            segment.value_ranges[replicate] = (value_start, value_offset)
+            segment.message_ranges[replicate] = (message_start, message_offset)
+        for p in members:
+            p.bind_unsharded(segment.buffer)
+        if not is_local:
+            _free(segment.buffer)
+        return segment
+
+    def _root_rank(self, segment: Segment) -> int:
+        return self.mesh.global_rank(OwnerCoord(segment.shard, self.mesh.coord.replicate))
+
+    # ---- adoption: the weights become the owners' ------------------------------------------
+
+    def adopt(self) -> None:
+        """Fill the local segment from the module's full weights and create the fp32 masters.
+
+        Every rank of segment ``s`` fills it from its own copy of the weights; in HSDP the owners
+        then publish theirs synchronously, so the replicas start from the owner's values.
+        """
+        with torch.no_grad():
+            for segment in self.segments:
+                if not segment.is_local:
+                    continue
+                for p in segment.params:
+                    assert p.original is not None
+                    view = _slice(segment.buffer, p.segment_offset, p.shape)
+                    view.copy_(p.original.detach())
+                    if p.is_owner:
+                        p.master = _make_master(view, p.original)
+        for p in self.params:
+            p.original = None
+        self.publish()
+        self.wait_for_publish()
+
+    def refresh_from_masters(self) -> None:
+        """Copy updated fp32 masters into the local segment (a no-op where they alias it)."""
+        with torch.no_grad():
+            for segment in self.segments:
+                if not segment.is_local:
+                    continue
+                for p in segment.params:
+                    if p.master is None:
+                        continue
+                    view = _slice(segment.buffer, p.segment_offset, p.shape)
+                    if view.data_ptr() != p.master.data_ptr():
+                        view.copy_(p.master)
+
+    # ---- forward/backward: broadcast from owners, free ---------------------------------------
+
+    def unshard(self) -> None:
+        """Issue the broadcasts of every segment from its root (returns without waiting)."""
+        if self.is_unsharded or self._pending_unshard:
+            return
+        # A local segment is the broadcast source: its pending publish must land first.
+        self.wait_for_publish()
+        for segment in self.segments:
+            if not segment.is_local:
+                _allocate(segment.buffer)
+            self._pending_unshard.append(
+                collectives.broadcast(segment.buffer, self._root_rank(segment), self.mesh.shard_group)
+            )
+
+    def wait_for_unshard(self) -> None:
+        if self.is_unsharded:
+            return
+        self.unshard()
+        collectives.wait_all(self._pending_unshard)
+        self._pending_unshard.clear()
+        self.is_unsharded = True
+
+    def reshard(self) -> None:
+        if self._pending_unshard:  # a prefetch that was never consumed
+            self.wait_for_unshard()
+        for segment in self.segments:
+            if not segment.is_local:
+                _free(segment.buffer)
+        self.is_unsharded = False
+
+    def register_unsharded(self) -> None:
+        for p in self.params:
+            p.register_unsharded()
+
+    def register_placeholders(self) -> None:
+        for p in self.params:
+            p.register_placeholder()
+
+    # ---- backward: gradients to the owners --------------------------------------------------
+
+    def reduce_gradients(self) -> None:
+        """Pack this rank's gradients per segment and start reducing them to the segment roots."""
+        for segment in self.segments:
+            message = _pack_gradients(segment.params)
+            handle = collectives.reduce_sum(
+                message, self._root_rank(segment), self.mesh.shard_group
+            )
+            self._pending_reduce.append(_PendingReduce(segment, message, handle))
+        self.reduced_this_backward = True
+
+    def finish_reduce(self) -> None:
+        """Wait for this boundary's reduces, run the replicate stage, accumulate into masters."""
+        pending, self._pending_reduce = self._pending_reduce, []
+        second_stage: list[tuple[_PendingReduce, Handle]] = []
+        for item in pending:
+            item.handle.wait()
+            if not item.segment.is_local:
+                continue
+            for replicate, (start, end) in item.segment.message_ranges.items():
+                src = OwnerCoord(item.segment.shard, replicate)
+                handle = collectives.reduce_sum(
+                    item.message[start:end], self.mesh.global_rank(src), self.mesh.replicate_group
+                )
+                second_stage.append((item, handle))
+        divisor = self.mesh.num_slots
+        for item, handle in second_stage:
+            handle.wait()
+        for item in pending:
+            if item.segment.is_local:
+                _unpack_into_masters(item.segment, item.message, divisor)
+
+    # ---- after the step: publish across replicas ---------------------------------------------
+
+    def publish(self) -> None:
+        """Start broadcasting each owner's slice of the local segments over the replicate axis."""
+        if self.mesh.replicate_group is None:
+            return
+        self.wait_for_publish()
+        for segment in self.segments:
+            if not segment.is_local:
+                continue
+            for replicate, (start, end) in segment.value_ranges.items():
+                src = self.mesh.global_rank(OwnerCoord(segment.shard, replicate))
+                self._pending_publish.append(
+                    collectives.broadcast(
+                        segment.buffer[start:end], src, self.mesh.replicate_group
+                    )
+                )
+
+    def wait_for_publish(self) -> None:
+        collectives.wait_all(self._pending_publish)
+        self._pending_publish.clear()
+
+    @property
+    def has_pending_publish(self) -> bool:
+        return bool(self._pending_publish)
+
+
+def _pack_gradients(params: list[DedicatedParam]) -> torch.Tensor:
+    """[grad_0 (flattened), flag_0, grad_1, flag_1, ...] in the reduce dtype; clears the grads."""
+    pieces = []
+    for p in params:
+        grad = p.unsharded.grad if p.unsharded is not None else None
+        dtype = p.reduce_dtype or (grad.dtype if grad is not None else p.param_dtype)
+        device = p.unsharded.device
+        if grad is None:
+            pieces += [torch.zeros(p.numel, dtype=dtype, device=device), _flag(0, dtype, device)]
+        else:
+            pieces += [grad.reshape(-1).to(dtype), _flag(1, dtype, device)]
+            p.unsharded.grad = None
+    dtypes = {piece.dtype for piece in pieces}
+    if len(dtypes) > 1:  # mixed gradient dtypes within one segment: reduce in the widest
+        widest = max(dtypes, key=lambda d: torch.finfo(d).bits)
+        pieces = [piece.to(widest) for piece in pieces]
+    return torch.cat(pieces)
+
+
+def _unpack_into_masters(segment: Segment, message: torch.Tensor, divisor: int) -> None:
+    flag_positions, offset = [], 0
+    for p in segment.params:
+        offset += p.numel
+        flag_positions.append(offset)
+        offset += 1
+    # One device-to-host read per segment: whether any rank produced each gradient.
+    produced = message[flag_positions].tolist()
+    for p, position, count in zip(segment.params, flag_positions, produced):
+        if not p.is_owner or p.master is None or count == 0:
+            continue
+        grad = message[position - p.numel : position].view(p.shape).to(torch.float32) / divisor
+        if p.master.grad is None:
+            p.master.grad = grad
+        else:
+            p.master.grad.add_(grad)
+
+
+def _flag(value: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return torch.full((1,), value, dtype=dtype, device=device)
+
+
+def _slice(buffer: torch.Tensor, offset: int, shape: torch.Size) -> torch.Tensor:
+    return buffer[offset : offset + math.prod(shape)].view(shape)
+
+
+def _make_master(view: torch.Tensor, original: torch.Tensor) -> nn.Parameter:
+    if view.dtype == torch.float32:
+        # The compute dtype is fp32: the master is the local segment itself, no second copy.
+        return nn.Parameter(view, requires_grad=original.requires_grad)
+    return nn.Parameter(original.detach().to(torch.float32).clone(), requires_grad=original.requires_grad)
+
+
+def _allocate(buffer: torch.Tensor) -> None:
+    nbytes = buffer.numel() * buffer.element_size()
+    if buffer.untyped_storage().size() != nbytes:
+        buffer.untyped_storage().resize_(nbytes)
+
+
+def _free(buffer: torch.Tensor) -> None:
+    if buffer.untyped_storage().size() != 0:
+        buffer.untyped_storage().resize_(0)

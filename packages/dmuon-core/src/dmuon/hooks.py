@@ -1,0 +1,253 @@
+"""When data moves: the forward and backward hooks on hook-boundary modules.
+
+Owns the per-model protocol state (the boundaries, their forward order, the end-of-backward
+callback, gradient-sync on/off) and the hook functions. What moves is ``group``'s concern; this
+module only decides when.
+
+One training step, as the hooks see it::
+
+    pre-forward(b)   unshard b (wait for its broadcast), register its unsharded params,
+                     prefetch the next boundary, wrap b's inputs to detect b's post-backward
+    post-forward(b)  placeholders back; Z3: free; hook b's outputs for pre-backward
+    pre-backward(b)  unshard b again (Z3), register params, prefetch the previous boundary
+    post-backward(b) placeholders back, free, reduce b's gradients to their owners
+    end of backward  reduce boundaries whose inputs needed no grad; wait; gradients to masters
+
+[Note: activation checkpointing]
+With non-reentrant checkpointing a boundary's forward re-runs inside backward. Its outputs'
+pre-backward hook fires before the recompute, so the boundary is already unsharded; the
+pre-forward hook then only re-registers the unsharded parameters, and the post-forward hook
+leaves everything in place. Inside backward the hooks never issue a collective of their own.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+from torch.autograd import Variable
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from dmuon.group import BoundaryGroup
+from dmuon.mesh import OwnershipMesh
+from dmuon.param import DedicatedParam
+from dmuon.partition import OwnershipPlan
+
+
+def _in_backward() -> bool:
+    return torch._C._current_graph_task_id() != -1
+
+
+class DedicatedState:
+    """Everything ``dedicate_params`` set up on one model."""
+
+    def __init__(
+        self,
+        *,
+        model: nn.Module,
+        mesh: OwnershipMesh,
+        plan: OwnershipPlan,
+        params: dict[str, DedicatedParam],
+        boundaries: list[BoundaryGroup],
+    ) -> None:
+        self.model = model
+        self.mesh = mesh
+        self.plan = plan
+        self.params = params
+        self.boundaries = boundaries
+        self.requires_gradient_sync = True
+        self.is_adopted = False
+        # Forward order of the boundaries, recorded during the first forward; prefetch uses it.
+        self._forward_order: list[BoundaryGroup] = []
+        self._forward_order_final = False
+        # Boundaries that ran a grad-enabled forward since the last backward, in order.
+        self._forwarded: list[BoundaryGroup] = []
+        self._end_of_backward_queued = False
+        self._handles: list[torch.utils.hooks.RemovableHandle] = []
+
+    # ---- setup --------------------------------------------------------------------------------
+
+    def register_hooks(self) -> None:
+        for group in self.boundaries:
+            self._handles.append(
+                group.module.register_forward_pre_hook(
+                    functools.partial(_pre_forward, self, group), with_kwargs=True
+                )
+            )
+            self._handles.append(
+                group.module.register_forward_hook(functools.partial(_post_forward, self, group))
+            )
+
+    def ensure_adopted(self) -> None:
+        """Move the weights into the owners' segments (deferred for meta-device models)."""
+        if self.is_adopted:
+            return
+        for p in self.params.values():
+            current = p.module._parameters[p.attr]
+            if current is not p.placeholder:
+                p.original = current
+            if p.original is None or p.original.is_meta:
+                raise RuntimeError(
+                    f"dedicated parameter {p.fqn!r} is still on the meta device. Materialise the "
+                    "model (model.to_empty(device=...) and initialise the weights) before the "
+                    "first forward and before constructing dmuon.Muon."
+                )
+        for group in self.boundaries:
+            group.build_segments(next(iter(group.params)).original.device)
+        for group in self.boundaries:
+            group.adopt()
+            group.register_placeholders()
+        self.is_adopted = True
+
+    # ---- prefetch order -------------------------------------------------------------------------
+
+    def _record_forward(self, group: BoundaryGroup) -> None:
+        if self._forward_order_final:
+            return
+        if group in self._forward_order:
+            self._forward_order_final = True
+        else:
+            self._forward_order.append(group)
+
+    def _neighbour(self, group: BoundaryGroup, step: int) -> BoundaryGroup | None:
+        if not self._forward_order_final or group not in self._forward_order:
+            return None
+        index = self._forward_order.index(group) + step
+        return self._forward_order[index] if 0 <= index < len(self._forward_order) else None
+
+    # ---- backward bookkeeping -------------------------------------------------------------------
+
+    def _queue_end_of_backward(self) -> None:
+        if not self._end_of_backward_queued:
+            self._end_of_backward_queued = True
+            Variable._execution_engine.queue_callback(self._end_of_backward)
+
+    def _end_of_backward(self) -> None:
+        self._end_of_backward_queued = False
+        forwarded = list(dict.fromkeys(self._forwarded))  # unique, in forward order
+        self._forwarded.clear()
+        # Boundaries whose inputs needed no grad never saw their post-backward: finish them in
+        # reverse forward order, the same on every rank.
+        for group in reversed(forwarded):
+            if not group.reduced_this_backward:
+                _finish_backward(self, group)
+        for group in reversed(forwarded):
+            if self.requires_gradient_sync:
+                group.finish_reduce()
+            group.in_backward = group.reduced_this_backward = False
+            group.forward_count = group.backward_count = 0
+
+    # ---- user-facing drains ---------------------------------------------------------------------
+
+    def wait_all_replicate_broadcasts(self) -> None:
+        for group in self.boundaries:
+            group.wait_for_publish()
+
+    def iter_owned_masters(self) -> Iterator[DedicatedParam]:
+        for p in self.params.values():
+            if p.master is not None:
+                yield p
+
+
+# ---- the hooks ------------------------------------------------------------------------------
+
+
+def _pre_forward(
+    state: DedicatedState, group: BoundaryGroup, module: nn.Module, args: tuple, kwargs: dict
+) -> tuple[tuple, dict] | None:
+    if _in_backward():  # activation-checkpoint recompute: see [Note: activation checkpointing]
+        group.wait_for_unshard()
+        group.register_unsharded()
+        return None
+    state.ensure_adopted()
+    state._record_forward(group)
+    group.wait_for_unshard()
+    group.register_unsharded()
+    following = state._neighbour(group, +1)
+    if following is not None:
+        following.unshard()
+    if not torch.is_grad_enabled():
+        return None
+    group.forward_count += 1
+    return _attach_post_backward(state, group, args, kwargs)
+
+
+def _post_forward(
+    state: DedicatedState, group: BoundaryGroup, module: nn.Module, args: tuple, output: Any
+) -> None:
+    if _in_backward():
+        return None
+    group.register_placeholders()
+    grad_tensors = [
+        t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad
+    ]
+    if grad_tensors:
+        state._forwarded.append(group)
+        hook = functools.partial(_pre_backward, state, group)
+        for tensor in grad_tensors:
+            tensor.register_hook(hook)
+    if group.reshard_after_forward or not grad_tensors:
+        group.reshard()
+    return None  # the output object is returned untouched (ModelOutput, dataclasses, ...)
+
+
+def _pre_backward(state: DedicatedState, group: BoundaryGroup, grad: torch.Tensor) -> None:
+    state._queue_end_of_backward()
+    if not group.in_backward:
+        group.in_backward = True
+        group.wait_for_unshard()
+        group.register_unsharded()
+        previous = state._neighbour(group, -1)
+        if previous is not None and previous in state._forwarded:
+            previous.unshard()
+    return None
+
+
+def _finish_backward(state: DedicatedState, group: BoundaryGroup) -> None:
+    group.in_backward = False
+    group.register_placeholders()
+    group.reshard()
+    if state.requires_gradient_sync:
+        group.reduce_gradients()
+    else:
+        group.reduced_this_backward = True
+
+
+def _on_post_backward(state: DedicatedState, group: BoundaryGroup) -> None:
+    group.backward_count += 1
+    # A boundary used k times in one forward sees k post-backwards; reduce after the last.
+    if group.backward_count == group.forward_count and not group.reduced_this_backward:
+        _finish_backward(state, group)
+
+
+class _PostBackward(torch.autograd.Function):
+    """Identity on a boundary's inputs; its backward runs once the boundary's backward is done."""
+
+    @staticmethod
+    def forward(ctx, callback, *inputs: torch.Tensor):  # type: ignore[override]
+        ctx.callback = callback
+        return tuple(t.view_as(t) for t in inputs)
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor):  # type: ignore[override]
+        ctx.callback()
+        return (None, *grads)
+
+
+def _attach_post_backward(
+    state: DedicatedState, group: BoundaryGroup, args: tuple, kwargs: dict
+) -> tuple[tuple, dict] | None:
+    leaves, spec = tree_flatten((args, kwargs))
+    positions = [
+        i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor) and t.requires_grad
+    ]
+    if not positions:
+        return None
+    callback = functools.partial(_on_post_backward, state, group)
+    wrapped = _PostBackward.apply(callback, *(leaves[i] for i in positions))
+    for i, tensor in zip(positions, wrapped):
+        leaves[i] = tensor
+    return tree_unflatten(leaves, spec)

@@ -1,0 +1,227 @@
+"""``dmuon.Muon``: Muon on the matrices this rank owns, AdamW on everything else.
+
+Owns the update math of the owner step and the two routes; it must not move data itself beyond
+asking each boundary to refresh and publish its weights after the step.
+
+Routes (one param group each, so ``torch.optim.lr_scheduler`` scales both):
+- ``"muon"``: the fp32 masters of the dedicated matrices this rank owns;
+- ``"adamw"``: the fp32 masters of owned dedicated non-matrix parameters, and every other
+  trainable parameter of the model (FSDP2's sharded DTensors: updated shard-locally).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from dmuon.api import get_dedicated_state
+from dmuon.param import ADAMW_ROUTE, MUON_ROUTE, is_dedicated
+from dmuon_kernels.newton_schulz import NewtonSchulz
+
+# Muon's update is scaled by 0.2 * sqrt(max(m, n)) so its RMS matches AdamW's.
+MUON_RMS_MATCH = 0.2
+
+
+class Muon(torch.optim.Optimizer):
+    """Distributed Muon for a model prepared with ``dmuon.dedicate_params``.
+
+    Args:
+        model: the model ``dedicate_params`` was called on (before or after ``fully_shard``).
+        lr, momentum, nesterov, weight_decay: the Muon route (decoupled weight decay).
+        ns_backend: ``"gram"``, ``"direct"`` or a configured ``dmuon.NewtonSchulz``; every rank
+            must use the same one (checked once at construction).
+        adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay: the AdamW route.
+        replicate_async: under HSDP, publish the new weights across replicas asynchronously
+            after ``step()`` (waited for by the next forward) instead of synchronously.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        lr: float = 0.02,
+        momentum: float = 0.95,
+        nesterov: bool = True,
+        weight_decay: float = 0.0,
+        ns_backend: str | NewtonSchulz = "gram",
+        adamw_lr: float = 1e-3,
+        adamw_betas: tuple[float, float] = (0.9, 0.999),
+        adamw_eps: float = 1e-8,
+        adamw_weight_decay: float = 0.01,
+        replicate_async: bool = True,
+    ) -> None:
+        _check_hyperparameters(
+            lr=lr, momentum=momentum, weight_decay=weight_decay, adamw_lr=adamw_lr,
+            adamw_betas=adamw_betas, adamw_eps=adamw_eps, adamw_weight_decay=adamw_weight_decay,
+        )
+        self._dedicated = get_dedicated_state(model)
+        self._dedicated.ensure_adopted()
+        self._newton_schulz = _resolve_newton_schulz(ns_backend)
+        self.replicate_async = replicate_async
+
+        owned = list(self._dedicated.iter_owned_masters())
+        others = list(
+            {id(p): p for p in model.parameters() if p.requires_grad and not is_dedicated(p)}.values()
+        )
+        muon_group = dict(
+            params=[p.master for p in owned if p.route == MUON_ROUTE],
+            route=MUON_ROUTE, lr=lr, momentum=momentum, nesterov=nesterov,
+            weight_decay=weight_decay,
+        )
+        adamw_group = dict(
+            params=[p.master for p in owned if p.route == ADAMW_ROUTE] + others,
+            route=ADAMW_ROUTE, lr=adamw_lr, betas=tuple(adamw_betas), eps=adamw_eps,
+            weight_decay=adamw_weight_decay,
+        )
+        super().__init__([muon_group, adamw_group], defaults={})
+        self._check_ranks_agree()
+
+    @property
+    def newton_schulz(self) -> NewtonSchulz:
+        return self._newton_schulz
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None):  # type: ignore[override]
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        # A publish still in flight from the previous step reads the weights we are about to
+        # change: drain it first (two steps without a forward in between stay correct).
+        self._dedicated.wait_all_replicate_broadcasts()
+        for group in self.param_groups:
+            if group["route"] == MUON_ROUTE:
+                self._muon_step(group)
+            else:
+                self._adamw_step(group)
+        for boundary in self._dedicated.boundaries:
+            boundary.refresh_from_masters()
+            boundary.publish()
+            if not self.replicate_async:
+                boundary.wait_for_publish()
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none=set_to_none)
+        for p in self._dedicated.params.values():  # gradients kept locally under no_sync
+            if p.unsharded is not None:
+                p.unsharded.grad = None
+
+    # ---- the Muon route -------------------------------------------------------------------------
+
+    def _muon_step(self, group: dict) -> None:
+        lr, mu, wd = group["lr"], group["momentum"], group["weight_decay"]
+        updates_by_shape: dict[tuple[int, int], list[tuple[nn.Parameter, torch.Tensor]]] = (
+            defaultdict(list)
+        )
+        for master in group["params"]:
+            if master.grad is None:
+                continue
+            grad = master.grad.reshape(master.shape[0], -1)  # trailing dims flattened into n
+            state = self.state[master]
+            if "momentum_buffer" not in state:
+                buffer = state["momentum_buffer"] = grad.clone()
+            else:
+                buffer = state["momentum_buffer"]
+                buffer.mul_(mu).add_(grad)
+            update = grad.add(buffer, alpha=mu) if group["nesterov"] else buffer
+            updates_by_shape[tuple(update.shape)].append((master, update))
+        # Same-shape matrices are orthogonalised in one batched call.
+        for shape, items in updates_by_shape.items():
+            stacked = torch.stack([update for _, update in items])
+            orthogonal = self._newton_schulz(stacked)
+            scale = MUON_RMS_MATCH * math.sqrt(max(shape))
+            for (master, _), ortho in zip(items, orthogonal):
+                master.mul_(1 - lr * wd)
+                master.add_(ortho.view(master.shape), alpha=-lr * scale)
+
+    # ---- the AdamW route ------------------------------------------------------------------------
+
+    def _adamw_step(self, group: dict) -> None:
+        lr, (beta1, beta2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+        for param in group["params"]:
+            if param.grad is None:
+                continue
+            weight, grad = _local(param), _local(param.grad)
+            state = self.state[param]
+            if not state:
+                state["step"] = torch.zeros((), dtype=torch.float32)
+                state["exp_avg"] = torch.zeros_like(weight)
+                state["exp_avg_sq"] = torch.zeros_like(weight)
+            state["step"] += 1
+            step = state["step"].item()
+            exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
+            weight.mul_(1 - lr * wd)
+            exp_avg.lerp_(grad, 1 - beta1)
+            exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+            bias_correction1 = 1 - beta1**step
+            bias_correction2 = 1 - beta2**step
+            denominator = (exp_avg_sq.sqrt() / math.sqrt(bias_correction2)).add_(eps)
+            weight.addcdiv_(exp_avg, denominator, value=-lr / bias_correction1)
+
+    # ---- construction checks --------------------------------------------------------------------
+
+    def _check_ranks_agree(self) -> None:
+        """Every rank must use the same NS request and dedicate the same parameters."""
+        group = self._dedicated.mesh.world_group
+        if group is None:
+            return
+        mine = {
+            "newton_schulz": self._newton_schulz.config,
+            "dedicated": [(p.fqn, tuple(p.shape)) for p in self._dedicated.params.values()],
+        }
+        everyone: list[dict | None] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(everyone, mine, group=group)
+        ranks = dist.get_process_group_ranks(group)
+        for key, what in (
+            ("newton_schulz", "Newton-Schulz settings (ns_backend / NewtonSchulz(...))"),
+            ("dedicated", "dedicated parameters (names and shapes)"),
+        ):
+            reference = everyone[0][key]
+            differing = [rank for rank, seen in zip(ranks, everyone) if seen[key] != reference]
+            if differing:
+                mismatch = next(seen[key] for seen in everyone if seen[key] != reference)
+                raise ValueError(
+                    f"dmuon.Muon: ranks {differing} use different {what} from rank {ranks[0]}: "
+                    f"rank {ranks[0]} has {_short(reference)}, rank {differing[0]} has "
+                    f"{_short(mismatch)}. Every rank must build the same model, call "
+                    "dedicate_params with the same predicate, and construct dmuon.Muon with the "
+                    "same ns_backend."
+                )
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _resolve_newton_schulz(ns_backend: str | NewtonSchulz) -> NewtonSchulz:
+    if isinstance(ns_backend, NewtonSchulz):
+        return ns_backend
+    if isinstance(ns_backend, str):
+        return NewtonSchulz(backend=ns_backend)
+    raise TypeError(
+        f"ns_backend must be 'gram', 'direct' or a dmuon.NewtonSchulz, got "
+        f"{type(ns_backend).__name__}: {ns_backend!r}."
+    )
+
+
+def _check_hyperparameters(*, adamw_betas, **values: float) -> None:
+    for name, value in values.items():
+        if not isinstance(value, (int, float)) or value < 0 or math.isnan(value):
+            raise ValueError(f"dmuon.Muon: {name} must be a non-negative number, got {value!r}.")
+    if not 0 <= values["momentum"] < 1:
+        raise ValueError(f"dmuon.Muon: momentum must be in [0, 1), got {values['momentum']!r}.")
+    if len(adamw_betas) != 2 or not all(0 <= beta < 1 for beta in adamw_betas):
+        raise ValueError(
+            f"dmuon.Muon: adamw_betas must be two numbers in [0, 1), got {adamw_betas!r}."
+        )
+
+
+def _short(value, limit: int = 300) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."

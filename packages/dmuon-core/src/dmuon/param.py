@@ -1,0 +1,93 @@
+"""A dedicated parameter: one matrix (or vector) with one owner rank.
+
+Owns the per-parameter state: where the parameter lives on its module, its owner coordinate, the
+0-element placeholder that stays registered on the module outside forward/backward, the unsharded
+parameter that autograd sees during forward/backward, and — on the owner only — the fp32 master
+copy the optimizer updates. It must not issue collectives.
+
+[Note: placeholder and unsharded parameter]
+Outside forward and backward the module holds a 0-element ``nn.Parameter`` (the placeholder): it
+keeps ``named_parameters()`` and ``state_dict()`` keys intact while holding no memory, and FSDP2
+is told to ignore it. During forward (and backward) the module holds the *unsharded parameter*: an
+``nn.Parameter`` of the full shape whose storage is a slice of its boundary's segment buffer.
+It is built with ``set_`` rather than as a view so that it has its own version counter: refilling
+the segment for backward (Z3) must not trip autograd's check on tensors it saved in forward.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from dmuon.partition import OwnerCoord
+
+# Attribute set on every placeholder (and on a dedicated parameter awaiting adoption) so that
+# FSDP2 and the optimizer leave it alone.
+DEDICATED_TAG = "_dmuon_dedicated"
+
+MUON_ROUTE = "muon"
+ADAMW_ROUTE = "adamw"
+
+
+def make_placeholder(like: nn.Parameter) -> nn.Parameter:
+    placeholder = nn.Parameter(
+        torch.empty(0, dtype=like.dtype, device=like.device), requires_grad=like.requires_grad
+    )
+    mark_dedicated(placeholder)
+    return placeholder
+
+
+def mark_dedicated(param: nn.Parameter) -> None:
+    setattr(param, DEDICATED_TAG, True)
+
+
+def is_dedicated(param: torch.Tensor) -> bool:
+    """True for placeholders and for dedicated parameters not yet adopted."""
+    return getattr(param, DEDICATED_TAG, False)
+
+
+@dataclass(eq=False, slots=True, kw_only=True)
+class DedicatedParam:
+    fqn: str
+    module: nn.Module
+    attr: str  # name of the parameter on ``module``
+    shape: torch.Size
+    param_dtype: torch.dtype  # forward compute dtype
+    reduce_dtype: torch.dtype | None  # None: the gradient's dtype
+    requires_grad: bool
+    owner: OwnerCoord
+    is_owner: bool
+    placeholder: nn.Parameter
+    # Offset (in elements) into the segment of the owner's shard index within its boundary.
+    segment_offset: int = 0
+    # Set once the boundary allocates its segments.
+    unsharded: nn.Parameter | None = None
+    # fp32 master copy; on the owner only, once adopted.
+    master: nn.Parameter | None = None
+    # The original full parameter, kept until adoption (meta-device models are adopted after
+    # ``to_empty()`` + init).
+    original: nn.Parameter | None = field(default=None, repr=False)
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def route(self) -> str:
+        # Muon orthogonalises matrices; trailing dims of >2-D weights are flattened into columns.
+        return MUON_ROUTE if len(self.shape) >= 2 else ADAMW_ROUTE
+
+    def register_unsharded(self) -> None:
+        self.module._parameters[self.attr] = self.unsharded
+
+    def register_placeholder(self) -> None:
+        self.module._parameters[self.attr] = self.placeholder
+
+    def bind_unsharded(self, segment: torch.Tensor) -> None:
+        """Create the unsharded parameter over ``segment[offset : offset + numel]``."""
+        data = torch.empty(0, dtype=segment.dtype, device=segment.device)
+        data.set_(segment.untyped_storage(), self.segment_offset, self.shape)
+        self.unsharded = nn.Parameter(data, requires_grad=self.requires_grad)
