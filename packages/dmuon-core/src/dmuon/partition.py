@@ -1,0 +1,540 @@
+"""Who owns each dedicated parameter: a pure function of names, shapes and mesh sizes.
+
+Owns: the layer id of a parameter name, the Newton-Schulz cost model, the packing of a layer's
+small parameters into one unit, and the global Longest-Processing-Time placement of units on the
+(shard, replicate) owner grid.
+
+Must not: touch tensors, devices, ``torch.distributed`` or process groups (it does not even
+import torch). It runs anywhere for any world size (the planner in dmuon-tools uses it for
+10,000-slot what-ifs) and gives the same answer on every rank because it depends only on its
+arguments, never on hash or set iteration order.
+
+[Note: slot order]
+The owner grid has ``num_shards * num_replicas`` slots. Slot ``i`` is the owner
+``OwnerCoord(shard=i % num_shards, replicate=i // num_shards)``: replicate-major, so that ties
+(which go to the lowest slot) spread consecutive units over different shard indices first.
+``OwnershipPlan.loads[i]`` is the load of slot ``i``.
+
+[Note: spreading a layer versus balance]
+Two passes keep the two goals apart. First, plain LPT decides balance: units, heaviest first
+(ties: smallest parameter name), each go to the least-loaded slot (ties: lowest slot). That gives
+the classic bound: the heaviest owner carries at most ``total/S + c`` where ``c`` is the cost of
+the unit that made it heaviest (and exactly the largest unit when it sits alone).
+
+Second, same-layer collisions are removed only by changes that never make the heaviest owner
+heavier than the first pass left it, so the balance bound still holds:
+- move: the colliding unit goes to the least-loaded slot without its layer, if that slot's load
+  plus the unit's cost stays at or below the heaviest load;
+- rotate: otherwise, a cycle of moves among units of exactly equal cost (loads unchanged) that
+  takes the unit off its slot, each unit landing on a slot without its layer (breadth-first over
+  slots).
+Lightest colliding units are repaired first. Layers with more units than slots are left as LPT
+placed them. When balance and spreading conflict, balance wins; ``crowded_layers`` and
+``describe()`` report the layers left sharing an owner.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import re
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+DEFAULT_SMALL_PARAM_NUMEL = 5_000_000
+"""Parameters with fewer elements than this are packed per layer into one unit (one owner)."""
+
+LAYER_CONTAINER_NAMES = frozenset({"layers", "blocks", "layer", "h", "block"})
+"""Module-list names whose ``<name>.<index>`` children are transformer blocks."""
+
+_INDEX = re.compile(r"[0-9]+")
+_FLOP_PER_GFLOP = 1e9
+_LIST_LOADS_UP_TO_SLOTS = 8  # describe() lists every owner's load up to this many slots
+
+
+@dataclass(frozen=True, slots=True)
+class OwnerCoord:
+    """Owner coordinate in the (shard, replicate) grid."""
+
+    shard: int
+    replicate: int = 0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ParamSpec:
+    """What the partition knows about one parameter."""
+
+    name: str  # fully-qualified name, as in model.named_parameters()
+    shape: tuple[int, ...]
+    layer_id: str | None  # e.g. "model.layers.3"; None = no layer found
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise TypeError(
+                f"ParamSpec.name must be a non-empty str, got {self.name!r}; "
+                "pass the parameter's fully-qualified name from model.named_parameters()"
+            )
+        shape = self.shape
+        if not isinstance(shape, Sequence) or isinstance(shape, str):
+            raise TypeError(
+                f"ParamSpec {self.name!r}: shape must be a tuple of ints, got {shape!r}; "
+                "pass tuple(param.shape)"
+            )
+        if any(isinstance(d, bool) or not isinstance(d, int) for d in shape):
+            raise TypeError(
+                f"ParamSpec {self.name!r}: shape must contain only ints, got {tuple(shape)!r}; "
+                "pass tuple(param.shape)"
+            )
+        if len(shape) == 0:
+            raise ValueError(
+                f"ParamSpec {self.name!r}: empty shape (); a scalar parameter cannot be "
+                "dedicated. Exclude it with the predicate (or give it shape (1,))"
+            )
+        if any(d < 0 for d in shape):
+            raise ValueError(
+                f"ParamSpec {self.name!r}: negative dimension in shape {tuple(shape)!r}; "
+                "pass tuple(param.shape)"
+            )
+        if type(shape) is not tuple:
+            object.__setattr__(self, "shape", tuple(shape))
+        if self.layer_id is not None and not isinstance(self.layer_id, str):
+            raise TypeError(
+                f"ParamSpec {self.name!r}: layer_id must be a str or None, got "
+                f"{self.layer_id!r}; use layer_id_of(name) or your layer_id_fn's result"
+            )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class OwnershipUnit:
+    """Parameters that always share one owner: a large matrix alone, or a layer's small ones."""
+
+    names: tuple[str, ...]  # in input order
+    layer_id: str | None
+    cost: float  # FLOPs, see param_cost
+    owner: OwnerCoord
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class OwnershipPlan:
+    """The owner of every parameter plus the load it puts on each slot (see [Note: slot order])."""
+
+    owners: dict[str, OwnerCoord]  # parameter name -> owner, in input order; do not mutate
+    units: tuple[OwnershipUnit, ...]  # in placement order: heaviest first
+    loads: tuple[float, ...]  # FLOPs per slot; slot i -> owner_of_slot(i)
+    num_shards: int
+    num_replicas: int
+    unlayered: tuple[str, ...]  # names whose layer_id is None (callers warn about them)
+
+    @property
+    def num_slots(self) -> int:
+        return self.num_shards * self.num_replicas
+
+    @property
+    def imbalance(self) -> float:
+        """Heaviest owner's load over the mean load; 1.0 when nothing costs anything."""
+        total = math.fsum(self.loads)
+        if total == 0.0:
+            return 1.0
+        return max(self.loads) / (total / len(self.loads))
+
+    @property
+    def crowded_layers(self) -> tuple[str, ...]:
+        """Layers with two or more units on one owner (their broadcasts serialise there)."""
+        seen: dict[str, set[OwnerCoord]] = {}
+        crowded: dict[str, None] = {}
+        for unit in self.units:
+            if unit.layer_id is None:
+                continue
+            owners = seen.setdefault(unit.layer_id, set())
+            if unit.owner in owners:
+                crowded[unit.layer_id] = None
+            owners.add(unit.owner)
+        return tuple(crowded)
+
+    def owner_of_slot(self, slot: int) -> OwnerCoord:
+        return OwnerCoord(shard=slot % self.num_shards, replicate=slot // self.num_shards)
+
+    def slot_of(self, owner: OwnerCoord) -> int:
+        return owner.replicate * self.num_shards + owner.shard
+
+    def describe(self) -> str:
+        """One log line: counts, per-owner load summary, imbalance, spreading, unlayered."""
+        num_slots = self.num_slots
+        loads_gflop = [load / _FLOP_PER_GFLOP for load in self.loads]
+        mean = math.fsum(loads_gflop) / num_slots
+        heaviest_slot = max(range(num_slots), key=lambda slot: (self.loads[slot], -slot))
+        heaviest = self.owner_of_slot(heaviest_slot)
+        layers = {unit.layer_id for unit in self.units if unit.layer_id is not None}
+        parts = [
+            f"dmuon partition: {len(self.owners)} params in {len(self.units)} units over "
+            f"{num_slots} owners (G={self.num_shards} x R={self.num_replicas})",
+            f"load min/mean/max = {min(loads_gflop):,.1f}/{mean:,.1f}/{max(loads_gflop):,.1f} "
+            f"GFLOP",
+            f"imbalance {self.imbalance:.3f}",
+            f"heaviest owner (shard={heaviest.shard}, replicate={heaviest.replicate})",
+        ]
+        if num_slots <= _LIST_LOADS_UP_TO_SLOTS:
+            parts.append("per owner GFLOP " + " ".join(f"{x:,.1f}" for x in loads_gflop))
+        parts.append(f"{sum(1 for load in self.loads if load == 0.0)} owners own nothing")
+        parts.append(
+            f"{len(layers) - len(self.crowded_layers)}/{len(layers)} layers on distinct owners"
+        )
+        if self.unlayered:
+            shown = ", ".join(self.unlayered[:3]) + (", ..." if len(self.unlayered) > 3 else "")
+            parts.append(f"{len(self.unlayered)} params without a layer id ({shown})")
+        return "; ".join(parts)
+
+
+def layer_id_of(name: str, layer_id_fn: Callable[[str], str | None] | None = None) -> str | None:
+    """The transformer block a parameter belongs to, as a module path prefix of its name.
+
+    With ``layer_id_fn``, its result is returned (a str or None). Otherwise the innermost ancestor
+    ``<c>.<N>`` with ``c`` in ``layers, blocks, layer, h, block`` (whole name components, the
+    parameter's own last component excluded) is used:
+    ``model.layers.3.self_attn.q_proj.weight -> model.layers.3``,
+    ``visual.blocks.5.attn.qkv.weight -> visual.blocks.5``,
+    ``encoder.layer.2.attention.self.query.weight -> encoder.layer.2``,
+    ``transformer.h.7.mlp.c_fc.weight -> transformer.h.7``,
+    ``swin.encoder.layers.0.blocks.1.attention.self.query.weight -> swin.encoder.layers.0.blocks.1``
+    (a Swin stage holds many blocks: innermost gives the block).
+
+    One exception gives T5 its block: a ``layer.M`` directly after another match
+    (``block.1.layer.0``) is a sub-layer of that block (T5 keeps a block's attention and
+    feed-forward in ``block.N.layer.0/1/2``), so ``block.1.layer.0.SelfAttention.q.weight ->
+    block.1``. Names with no match (``lm_head.weight``) give None.
+    """
+    if layer_id_fn is not None:
+        layer_id = layer_id_fn(name)
+        if layer_id is not None and not isinstance(layer_id, str):
+            raise TypeError(
+                f"layer_id_fn({name!r}) returned {layer_id!r} ({type(layer_id).__name__}); "
+                "it must return the layer's module path as a str (e.g. 'model.layers.3') or None"
+            )
+        return layer_id
+    parts = name.split(".")
+    chosen_end = 0  # number of components in the chosen layer id; 0 = none
+    last_match_end = -1
+    # i + 2 < len(parts): the match must be an ancestor, not the parameter itself.
+    for i in range(len(parts) - 2):
+        if parts[i] not in LAYER_CONTAINER_NAMES or not _INDEX.fullmatch(parts[i + 1]):
+            continue
+        is_sublayer = parts[i] == "layer" and last_match_end == i
+        if not is_sublayer:
+            chosen_end = i + 2
+        last_match_end = i + 2
+    return ".".join(parts[:chosen_end]) if chosen_end else None
+
+
+def make_param_specs(
+    named_shapes: Iterable[tuple[str, Sequence[int]]],
+    layer_id_fn: Callable[[str], str | None] | None = None,
+) -> tuple[ParamSpec, ...]:
+    """ParamSpecs for ``(name, shape)`` pairs, with layer ids from :func:`layer_id_of`."""
+    return tuple(
+        ParamSpec(name=name, shape=tuple(shape), layer_id=layer_id_of(name, layer_id_fn))
+        for name, shape in named_shapes
+    )
+
+
+def ns_cost(shape: Sequence[int]) -> float:
+    """Newton-Schulz FLOPs of a matrix: ``6 n'^2 m' + 14 n'^3``.
+
+    The first dim is m, the trailing dims are flattened into n (a conv weight ``(out, in, kh, kw)``
+    is ``out x in*kh*kw``); ``n' = min(m, n)``, ``m' = max(m, n)``.
+    """
+    return float(_ns_cost_int(shape))
+
+
+def param_cost(shape: Sequence[int]) -> float:
+    """Owner-side cost used for placement: :func:`ns_cost` for >= 2-D, numel for 1-D.
+
+    1-D parameters (norms, biases) take the element-wise AdamW route, whose work is linear in
+    numel, so their numel stands for their cost.
+    """
+    return float(_param_cost_int(tuple(shape)))
+
+
+def plan_ownership(
+    specs: Sequence[ParamSpec],
+    num_shards: int,
+    num_replicas: int = 1,
+    *,
+    small_param_numel: int = DEFAULT_SMALL_PARAM_NUMEL,
+) -> OwnershipPlan:
+    """Give every parameter one owner among the ``num_shards * num_replicas`` slots.
+
+    Units: a parameter with ``numel >= small_param_numel`` is a unit alone; a layer's smaller
+    parameters form one unit (one owner); a small parameter without a layer id is a unit alone (so
+    unlayered parameters never pile onto one owner). Unit cost = sum of :func:`param_cost`.
+
+    Placement: one global LPT greedy over all units, then a repair pass that moves a layer's
+    units onto distinct owners without making the heaviest owner heavier (see [Note: spreading a
+    layer versus balance] in this module's docstring). The result depends only on the set of specs, not on
+    their order (owners are invariant under permutation of ``specs``); ``owners`` and each unit's
+    ``names`` follow input order.
+    """
+    _check_grid_size("num_shards", num_shards, "the size of the shard mesh dim")
+    _check_grid_size(
+        "num_replicas", num_replicas, "the size of the replicate mesh dim (1 = no HSDP)"
+    )
+    if isinstance(small_param_numel, bool) or not isinstance(small_param_numel, int):
+        raise TypeError(
+            f"plan_ownership: small_param_numel must be an int, got {small_param_numel!r}; "
+            f"use an element count such as {DEFAULT_SMALL_PARAM_NUMEL:_}"
+        )
+    if small_param_numel < 0:
+        raise ValueError(
+            f"plan_ownership: small_param_numel must be >= 0, got {small_param_numel}; "
+            "use 0 to give every parameter its own unit"
+        )
+    specs = tuple(specs)
+    _check_specs(specs)
+
+    num_slots = num_shards * num_replicas
+    units = sorted(_build_units(specs, small_param_numel), key=lambda u: (-u.cost, u.order_key))
+    loads = _place_greedy(units, num_slots)
+    _spread_layers(units, loads, num_slots)
+
+    def owner(slot: int) -> OwnerCoord:
+        return OwnerCoord(shard=slot % num_shards, replicate=slot // num_shards)
+
+    owner_by_name: dict[str, OwnerCoord] = {}
+    for unit in units:
+        for name in unit.names:
+            owner_by_name[name] = owner(unit.slot)
+    return OwnershipPlan(
+        owners={spec.name: owner_by_name[spec.name] for spec in specs},
+        units=tuple(
+            OwnershipUnit(
+                names=unit.names,
+                layer_id=unit.layer_id,
+                cost=float(unit.cost),
+                owner=owner(unit.slot),
+            )
+            for unit in units
+        ),
+        loads=tuple(float(load) for load in loads),
+        num_shards=num_shards,
+        num_replicas=num_replicas,
+        unlayered=tuple(spec.name for spec in specs if spec.layer_id is None),
+    )
+
+
+# --- internals ------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class _Unit:
+    names: tuple[str, ...]
+    layer_id: str | None
+    cost: int  # exact integer FLOPs: equal-cost ties and swaps compare exactly
+    order_key: str  # smallest member name: order-independent tie-break
+    slot: int = -1
+
+
+def _ns_cost_int(shape: Sequence[int]) -> int:
+    if len(shape) < 2:
+        raise ValueError(
+            f"ns_cost needs a matrix shape (2 or more dims), got {tuple(shape)!r}; "
+            "1-D parameters are costed by numel (use param_cost)"
+        )
+    m = shape[0]
+    n = math.prod(shape[1:])
+    short, long = min(m, n), max(m, n)
+    return 6 * short * short * long + 14 * short**3
+
+
+def _param_cost_int(shape: tuple[int, ...]) -> int:
+    return _ns_cost_int(shape) if len(shape) >= 2 else math.prod(shape)
+
+
+def _check_grid_size(arg: str, value: object, what: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"plan_ownership: {arg} must be an int >= 1, got {value!r}; pass {what}")
+    if value < 1:
+        raise ValueError(f"plan_ownership: {arg} must be >= 1, got {value}; pass {what}")
+
+
+def _check_specs(specs: tuple[ParamSpec, ...]) -> None:
+    first_index: dict[str, int] = {}
+    for index, spec in enumerate(specs):
+        if not isinstance(spec, ParamSpec):
+            raise TypeError(
+                f"plan_ownership: specs[{index}] is {type(spec).__name__} {spec!r}, not a "
+                "ParamSpec; build specs with make_param_specs(model.named_parameters() shapes)"
+            )
+        if spec.name in first_index:
+            raise ValueError(
+                f"plan_ownership: duplicate parameter name {spec.name!r} at specs"
+                f"[{first_index[spec.name]}] and specs[{index}]; each spec needs the "
+                "parameter's unique fully-qualified name (model.named_parameters())"
+            )
+        first_index[spec.name] = index
+
+
+def _build_units(specs: tuple[ParamSpec, ...], small_param_numel: int) -> list[_Unit]:
+    units: list[_Unit] = []
+    small_by_layer: dict[str, list[ParamSpec]] = {}
+    for spec in specs:
+        if spec.layer_id is not None and math.prod(spec.shape) < small_param_numel:
+            small_by_layer.setdefault(spec.layer_id, []).append(spec)
+        else:
+            units.append(_unit_of([spec], spec.layer_id))
+    units.extend(_unit_of(group, layer_id) for layer_id, group in small_by_layer.items())
+    return units
+
+
+def _unit_of(specs: list[ParamSpec], layer_id: str | None) -> _Unit:
+    names = tuple(spec.name for spec in specs)
+    return _Unit(
+        names=names,
+        layer_id=layer_id,
+        cost=sum(_param_cost_int(spec.shape) for spec in specs),
+        order_key=min(names),
+    )
+
+
+def _place_greedy(units: list[_Unit], num_slots: int) -> list[int]:
+    """Plain LPT: each unit (heaviest first) on the least-loaded slot; sets unit.slot."""
+    loads = [0] * num_slots
+    heap = [(0, slot) for slot in range(num_slots)]  # (load, slot): ties go to the lowest slot
+    for unit in units:
+        load, slot = heapq.heappop(heap)
+        load += unit.cost
+        heapq.heappush(heap, (load, slot))
+        loads[slot] = load
+        unit.slot = slot
+    return loads
+
+
+def _spread_layers(units: list[_Unit], loads: list[int], num_slots: int) -> None:
+    """Resolve same-layer collisions by moves and equal-cost rotations that keep loads in bound."""
+    units_per_layer: dict[str, int] = {}
+    count: dict[str, dict[int, int]] = {}  # layer -> slot -> number of its units there
+    for unit in units:
+        if unit.layer_id is not None:
+            units_per_layer[unit.layer_id] = units_per_layer.get(unit.layer_id, 0) + 1
+            per_slot = count.setdefault(unit.layer_id, {})
+            per_slot[unit.slot] = per_slot.get(unit.slot, 0) + 1
+
+    def is_crowded(unit: _Unit) -> bool:
+        layer = unit.layer_id
+        return (
+            layer is not None
+            and units_per_layer[layer] <= num_slots
+            and count[layer][unit.slot] > 1
+        )
+
+    crowded = [unit for unit in units if is_crowded(unit)]
+    if not crowded:
+        return
+    heaviest = max(loads)
+    # cost -> slot -> units of that cost on that slot (the candidates for rotations).
+    same_cost_at: dict[int, dict[int, list[_Unit]]] = {}
+    for unit in units:
+        same_cost_at.setdefault(unit.cost, {}).setdefault(unit.slot, []).append(unit)
+    # (load, slot) entries; an entry is stale when its load differs from loads[slot].
+    by_load = [(load, slot) for slot, load in enumerate(loads)]
+    heapq.heapify(by_load)
+
+    def relocate(unit: _Unit, slot: int) -> None:
+        if unit.layer_id is not None:
+            per_slot = count[unit.layer_id]
+            per_slot[unit.slot] -= 1
+            per_slot[slot] = per_slot.get(slot, 0) + 1
+        at_slot = same_cost_at[unit.cost]
+        at_slot[unit.slot].remove(unit)
+        at_slot.setdefault(slot, []).append(unit)
+        loads[unit.slot] -= unit.cost
+        loads[slot] += unit.cost
+        unit.slot = slot
+
+    def holds(layer: str | None, slot: int) -> bool:
+        return layer is not None and count[layer].get(slot, 0) > 0
+
+    def least_loaded_without(layer: str) -> int | None:
+        passed_over = []
+        passed_slots = set()
+        found = None
+        while by_load:
+            load, slot = by_load[0]
+            if load != loads[slot] or slot in passed_slots:
+                heapq.heappop(by_load)  # stale or duplicate
+            elif holds(layer, slot):
+                passed_slots.add(slot)
+                passed_over.append(heapq.heappop(by_load))
+            else:
+                found = slot
+                break
+        for entry in passed_over:
+            heapq.heappush(by_load, entry)
+        return found
+
+    # Lightest colliding units first: they are the easiest to fit elsewhere.
+    for unit in reversed(crowded):
+        if not is_crowded(unit):
+            continue  # an earlier repair already resolved this collision
+        target = least_loaded_without(unit.layer_id)
+        if target is not None and loads[target] + unit.cost <= heaviest:
+            source = unit.slot
+            relocate(unit, target)
+            heapq.heappush(by_load, (loads[source], source))
+            heapq.heappush(by_load, (loads[target], target))
+            continue
+        rotation = _find_rotation(unit, same_cost_at[unit.cost], num_slots, holds)
+        for moved, slot in rotation or ():
+            relocate(moved, slot)
+
+
+def _find_rotation(
+    unit: _Unit,
+    same_cost_at: dict[int, list[_Unit]],
+    num_slots: int,
+    holds: Callable[[str | None, int], bool],
+) -> list[tuple[_Unit, int]] | None:
+    """A cycle of equal-cost moves (loads unchanged) that takes ``unit`` off its crowded slot.
+
+    Breadth-first over slots: ``unit`` moves to a slot without its layer, a unit there moves on
+    to a slot without *its* layer, ... until one can move into ``unit``'s old slot. Returns the
+    moves ``[(unit, slot), ...]`` or None. Each slot receives at most one unit, whose layer was
+    absent there, so applying the cycle creates no collision and removes ``unit``'s.
+    """
+    home = unit.slot
+    # Fast path, the usual case: a direct swap (the first cycle breadth-first search would find).
+    for slot in range(num_slots):
+        if slot == home or holds(unit.layer_id, slot):
+            continue
+        for other in same_cost_at.get(slot, ()):
+            if not holds(other.layer_id, home):
+                return [(unit, slot), (other, home)]
+    arrived_by: dict[int, tuple[int, _Unit]] = {}  # slot -> (previous slot, unit that moved in)
+    queue: list[int] = []
+    unvisited = [slot for slot in range(num_slots) if slot != home]
+
+    def visit_from(source: int, mover: _Unit) -> None:
+        nonlocal unvisited
+        blocked = []
+        for slot in unvisited:
+            if holds(mover.layer_id, slot):
+                blocked.append(slot)
+            else:
+                arrived_by[slot] = (source, mover)
+                queue.append(slot)
+        unvisited = blocked
+
+    visit_from(home, unit)
+    head = 0
+    while head < len(queue):
+        slot = queue[head]
+        head += 1
+        for evicted in same_cost_at.get(slot, ()):
+            if not holds(evicted.layer_id, home):
+                moves = [(evicted, home)]
+                while slot != home:
+                    previous, mover = arrived_by[slot]
+                    moves.append((mover, slot))
+                    slot = previous
+                return moves[::-1]
+            if unvisited:
+                visit_from(slot, evicted)
+    return None
