@@ -1,0 +1,358 @@
+"""One-GPU optimizer step benchmark: fused AdamW, torch.optim.Muon and dmuon.Muon on one stack.
+
+The stack is 4 layers of Llama-3-8B-shaped projection matrices (per layer q 4096x4096,
+k 1024x4096, v 1024x4096, o 4096x4096, gate 14336x4096, up 14336x4096, down 4096x14336):
+28 matrices, 0.87 B parameters, fp32 weights. Every optimizer gets the same random gradients
+(set once; ``step()`` does not clear them) and is timed on ``step()`` alone:
+
+- ``torch.optim.AdamW(fused=True)``;
+- ``torch.optim.Muon`` with its defaults except ``adjust_lr_fn="match_rms_adamw"``;
+- ``dmuon.Muon`` at world size 1 (``dedicate_params(model, None, ...)``, no torch.distributed),
+  with its default Newton-Schulz (gram, kernel auto) and with ``NewtonSchulz(kernel="cublas")``.
+  Gradients go straight onto the fp32 masters, as the end of backward leaves them.
+
+Each step is bounded by ``torch.cuda.synchronize()`` on both sides; the table reports the median
+wall time over the timed steps after the warm-up steps (the first warm-up step of dmuon with
+kernel auto includes the per-shape SYRK autotune). CUDA-event times are recorded in the JSON.
+
+Usage (on the GPU machine, from the repository root, packages on PYTHONPATH)::
+
+    python benchmarks/bench_step.py                       # JSON: benchmarks/results/step-<gpu>-<date>.json
+    python benchmarks/bench_step.py --git-sha <sha> --out results.json
+    python benchmarks/bench_step.py --quick               # tiny shapes on CPU: a smoke test
+
+The FLOP floor is the Gram Newton-Schulz cost of the stack (6·n²·m + 14·n³ per n x m matrix,
+n <= m) at 740 TFLOP/s, the H200's measured dense fp16/bf16 GEMM rate (about 55 ms).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch import nn
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+LLAMA3_8B_LAYER: dict[str, tuple[int, int]] = {  # name -> (out_features, in_features)
+    "q_proj": (4096, 4096),
+    "k_proj": (1024, 4096),
+    "v_proj": (1024, 4096),
+    "o_proj": (4096, 4096),
+    "gate_proj": (14336, 4096),
+    "up_proj": (14336, 4096),
+    "down_proj": (4096, 14336),
+}
+QUICK_SHAPE_DIVISOR = 32  # --quick: every dimension / 32 (q 128x128, gate 448x128, ...)
+NUM_LAYERS = 4
+PEAK_TFLOPS = 740.0  # H200 dense fp16/bf16 GEMM, measured (shared/gpu/README.md)
+REFERENCE_FLOOR_MS = 55.0  # the Gram NS floor quoted for this stack
+
+
+class ProjectionStack(nn.Module):
+    """``layers.N.<name>.weight`` for every projection: what partition and boundaries expect."""
+
+    def __init__(self, layer_shapes: dict[str, tuple[int, int]], num_layers: int, device) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList()
+        for _ in range(num_layers):
+            layer = nn.Module()
+            for name, (out_features, in_features) in layer_shapes.items():
+                setattr(
+                    layer, name, nn.Linear(in_features, out_features, bias=False, device=device)
+                )
+            self.layers.append(layer)
+
+
+def gram_ns_flops(shape: tuple[int, int]) -> float:
+    n, m = min(shape), max(shape)
+    return 6.0 * n * n * m + 14.0 * n**3
+
+
+def random_gradients(shapes: list[tuple[int, int]], device, seed: int = 0) -> list[torch.Tensor]:
+    generator = torch.Generator(device=device).manual_seed(seed)
+    return [torch.randn(shape, device=device, generator=generator) for shape in shapes]
+
+
+# ---- timing -------------------------------------------------------------------------------------
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_steps(step: Callable[[], object], device: torch.device, warmup: int, iters: int) -> dict:
+    """Wall time of each ``step()``, bounded by device synchronisation; plus CUDA-event times."""
+    for _ in range(warmup):
+        step()
+    synchronize(device)
+    wall_ms, event_ms = [], []
+    for _ in range(iters):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        synchronize(device)
+        started = time.perf_counter()
+        if device.type == "cuda":
+            start.record()
+        step()
+        if device.type == "cuda":
+            end.record()
+        synchronize(device)
+        wall_ms.append((time.perf_counter() - started) * 1e3)
+        if device.type == "cuda":
+            event_ms.append(start.elapsed_time(end))
+    return {
+        "median_ms": statistics.median(wall_ms),
+        "min_ms": min(wall_ms),
+        "max_ms": max(wall_ms),
+        "event_median_ms": statistics.median(event_ms) if event_ms else None,
+        "wall_ms": wall_ms,
+        "event_ms": event_ms,
+    }
+
+
+# ---- the optimizers -----------------------------------------------------------------------------
+
+
+def plain_parameters(shapes, device) -> list[nn.Parameter]:
+    return [
+        nn.Parameter(torch.nn.init.kaiming_uniform_(torch.empty(shape, device=device)))
+        for shape in shapes
+    ]
+
+
+def bench_torch_optimizer(make_optimizer, shapes, device, warmup: int, iters: int) -> dict:
+    params = plain_parameters(shapes, device)
+    for param, grad in zip(params, random_gradients(shapes, device)):
+        param.grad = grad
+    optimizer = make_optimizer(params)
+    result = time_steps(optimizer.step, device, warmup, iters)
+    del optimizer, params
+    return result
+
+
+def bench_dmuon(ns_backend, layer_shapes, num_layers, device, warmup: int, iters: int) -> dict:
+    import dmuon
+    from dmuon.api import get_dedicated_state
+
+    model = ProjectionStack(layer_shapes, num_layers, device)
+    dmuon.dedicate_params(model, None, predicate=lambda name, p: p.ndim == 2)
+    optimizer = dmuon.Muon(model, ns_backend=ns_backend)
+    masters = [p.master for p in get_dedicated_state(model).iter_owned_masters()]
+    shapes = [tuple(master.shape) for master in masters]
+    for master, grad in zip(masters, random_gradients(shapes, device)):
+        master.grad = grad
+    result = time_steps(optimizer.step, device, warmup, iters)
+    newton_schulz = optimizer.newton_schulz
+    result["newton_schulz"] = repr(newton_schulz)
+    result["kernel"] = newton_schulz.kernel
+    result["kernel_reason"] = newton_schulz.kernel_reason
+    del optimizer, model, masters
+    return result
+
+
+def free_memory(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+# ---- provenance ---------------------------------------------------------------------------------
+
+
+def git_sha(explicit: str | None) -> str:
+    if explicit:
+        return explicit
+    if os.environ.get("DMUON_GIT_SHA"):
+        return os.environ["DMUON_GIT_SHA"]
+    try:
+        sha = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=REPO_ROOT,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+        return sha + ("-dirty" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown (no git checkout; pass --git-sha or set DMUON_GIT_SHA)"
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"CPU ({platform.processor() or platform.machine()})"
+
+
+def slug(text: str) -> str:
+    return "-".join("".join(c if c.isalnum() else " " for c in text.lower()).split())
+
+
+# ---- main ---------------------------------------------------------------------------------------
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="tiny shapes on CPU (smoke test)")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="JSON path (default benchmarks/results/step-<gpu>-<date>.json; none with --quick)",
+    )
+    parser.add_argument("--git-sha", default=None, help="recorded in the JSON (default: git)")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    import dmuon
+    from dmuon_kernels import NewtonSchulz, get_backend_status
+
+    if args.quick:
+        device = torch.device("cpu")
+        layer_shapes = {
+            name: (rows // QUICK_SHAPE_DIVISOR, cols // QUICK_SHAPE_DIVISOR)
+            for name, (rows, cols) in LLAMA3_8B_LAYER.items()
+        }
+    else:
+        if not torch.cuda.is_available():
+            print("bench_step: no CUDA device; run with --quick for the CPU smoke test.")
+            return 2
+        device = torch.device("cuda", torch.cuda.current_device())
+        layer_shapes = LLAMA3_8B_LAYER
+    torch.manual_seed(0)
+    shapes = [shape for _ in range(NUM_LAYERS) for shape in layer_shapes.values()]
+    num_params = sum(rows * cols for rows, cols in shapes)
+    floor_ms = sum(gram_ns_flops(shape) for shape in shapes) / (PEAK_TFLOPS * 1e12) * 1e3
+    name = device_name(device)
+    print(
+        f"bench_step: {len(shapes)} matrices, {num_params / 1e9:.3f} B params (fp32) on {name}; "
+        f"torch {torch.__version__}, dmuon {dmuon.__version__}; "
+        f"median of {args.iters} steps after {args.warmup} warm-up"
+    )
+
+    runs: list[tuple[str, Callable[[], dict]]] = [
+        (
+            "fused AdamW",
+            lambda: bench_torch_optimizer(
+                lambda params: torch.optim.AdamW(params, fused=True),
+                shapes,
+                device,
+                args.warmup,
+                args.iters,
+            ),
+        ),
+        (
+            "torch.optim.Muon",
+            lambda: bench_torch_optimizer(
+                lambda params: torch.optim.Muon(params, adjust_lr_fn="match_rms_adamw"),
+                shapes,
+                device,
+                args.warmup,
+                args.iters,
+            ),
+        ),
+        (
+            "dmuon.Muon (gram, kernel auto)",
+            lambda: bench_dmuon("gram", layer_shapes, NUM_LAYERS, device, args.warmup, args.iters),
+        ),
+        (
+            "dmuon.Muon (gram, kernel cublas)",
+            lambda: bench_dmuon(
+                NewtonSchulz(kernel="cublas"),
+                layer_shapes,
+                NUM_LAYERS,
+                device,
+                args.warmup,
+                args.iters,
+            ),
+        ),
+    ]
+    results: dict[str, dict] = {}
+    for label, run in runs:
+        results[label] = run()
+        free_memory(device)
+        print(f"  {label}: {results[label]['median_ms']:.2f} ms", flush=True)
+
+    adamw = results["fused AdamW"]["median_ms"]
+    torch_muon = results["torch.optim.Muon"]["median_ms"]
+    print()
+    print(
+        f"{'optimizer step':<34} {'median ms':>10} {'min ms':>9} {'vs torch Muon':>14} "
+        f"{'vs fused AdamW':>15}"
+    )
+    for label, result in results.items():
+        print(
+            f"{label:<34} {result['median_ms']:>10.2f} {result['min_ms']:>9.2f} "
+            f"{result['median_ms'] / torch_muon:>13.2f}x {result['median_ms'] / adamw:>14.2f}x"
+        )
+    print()
+    print(
+        f"FLOP floor (Gram NS, 6n²m + 14n³ per matrix, at {PEAK_TFLOPS:.0f} TFLOP/s): "
+        f"{floor_ms:.1f} ms"
+    )
+    for label, result in results.items():
+        if label.startswith("dmuon"):
+            kernel = result["kernel"]
+            print(
+                f"  {label}: {result['median_ms'] - floor_ms:+.1f} ms over the floor "
+                f"({result['median_ms'] / floor_ms:.2f}x); NS kernel that ran: {kernel} "
+                f"({result['kernel_reason']})"
+            )
+    if args.quick:
+        print("(--quick: tiny shapes on CPU; the floor and ratios mean nothing here)")
+
+    date = datetime.datetime.now(datetime.UTC)
+    record = {
+        "benchmark": "bench_step",
+        "quick": args.quick,
+        "device": name,
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "dmuon": dmuon.__version__,
+        "python": sys.version.split()[0],
+        "git_sha": git_sha(args.git_sha),
+        "date": date.isoformat(timespec="seconds"),
+        "num_layers": NUM_LAYERS,
+        "layer_shapes": {key: list(value) for key, value in layer_shapes.items()},
+        "num_params": num_params,
+        "warmup": args.warmup,
+        "iters": args.iters,
+        "timing": "wall time per step() between torch.cuda.synchronize() calls; median",
+        "flop_floor_ms": floor_ms,
+        "flop_floor_peak_tflops": PEAK_TFLOPS,
+        "reference_floor_ms": REFERENCE_FLOOR_MS,
+        "env": {key: os.environ[key] for key in sorted(os.environ) if key.startswith("DMUON_")},
+        "backend_status": get_backend_status(),
+        "results": results,
+    }
+    out = args.out
+    if out is None and not args.quick:
+        out = REPO_ROOT / "benchmarks" / "results" / f"step-{slug(name)}-{date:%Y-%m-%d}.json"
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(record, indent=2, default=str) + "\n")
+        print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
