@@ -58,10 +58,7 @@ class TinyDecoder(nn.Module):
         for index, layer in enumerate(self.layers):
             if index == self.skip_layer:
                 continue
-            if self.checkpoint_layers:
-                x = checkpoint(layer, x, use_reentrant=False)
-            else:
-                x = layer(x)
+            x = checkpoint(layer, x, use_reentrant=False) if self.checkpoint_layers else layer(x)
         return self.lm_head(self.norm(x))
 
 

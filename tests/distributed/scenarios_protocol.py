@@ -35,6 +35,16 @@ class TrainConfig:
     model: dict = field(default_factory=dict)
     weight_decay: float = 0.01
     two_steps_without_forward: bool = False
+    frozen: tuple[str, ...] = ()  # parameter names with requires_grad=False
+
+
+def make_model(config: TrainConfig) -> TinyDecoder:
+    torch.manual_seed(0)
+    model = TinyDecoder(**config.model)
+    for name, param in model.named_parameters():
+        if name in config.frozen:
+            param.requires_grad_(False)
+    return model
 
 
 def build(config: TrainConfig):
@@ -42,17 +52,20 @@ def build(config: TrainConfig):
     world = dist.get_world_size()
     if config.replicas > 1:
         mesh = init_device_mesh(
-            "cpu", (config.replicas, world // config.replicas),
+            "cpu",
+            (config.replicas, world // config.replicas),
             mesh_dim_names=("replicate", "shard"),
         )
         shard_mesh, replicate_mesh, fsdp_mesh = mesh["shard"], mesh["replicate"], mesh
     else:
         shard_mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("shard",))
         replicate_mesh, fsdp_mesh = None, shard_mesh
-    torch.manual_seed(0)
-    model = TinyDecoder(**config.model)
+    model = make_model(config)
     owners = dmuon.dedicate_params(
-        model, shard_mesh, proj_predicate, replicate_mesh=replicate_mesh,
+        model,
+        shard_mesh,
+        proj_predicate,
+        replicate_mesh=replicate_mesh,
         reshard_after_forward=config.reshard_after_forward,
     )
     for layer in model.layers:
@@ -60,7 +73,9 @@ def build(config: TrainConfig):
     fully_shard(model, mesh=fsdp_mesh, reshard_after_forward=config.reshard_after_forward)
     ns_dtype = getattr(torch, config.ns_dtype)
     optimizer = dmuon.Muon(
-        model, lr=0.02, weight_decay=config.weight_decay,
+        model,
+        lr=0.02,
+        weight_decay=config.weight_decay,
         ns_backend=NewtonSchulz(backend=config.ns_backend, dtype=ns_dtype, kernel="cublas"),
         replicate_async=config.replicate_async,
     )
@@ -68,14 +83,16 @@ def build(config: TrainConfig):
 
 
 def build_reference(config: TrainConfig):
-    torch.manual_seed(0)
-    reference = TinyDecoder(**config.model)
+    reference = make_model(config)
     orthogonalize = functools.partial(
         newton_schulz, backend=config.ns_backend, dtype=getattr(torch, config.ns_dtype)
     )
     optimizer = ReferenceMuonAdamW(
-        reference.named_parameters(), proj_predicate, lr=0.02,
-        weight_decay=config.weight_decay, orthogonalize=orthogonalize,
+        reference.named_parameters(),
+        proj_predicate,
+        lr=0.02,
+        weight_decay=config.weight_decay,
+        orthogonalize=orthogonalize,
     )
     return reference, optimizer
 
@@ -143,6 +160,157 @@ def train_against_reference(**kwargs) -> dict:
     return {
         "max_errors": max_errors,
         "losses": losses,
-        "owned": {p.fqn: p.master.detach().clone() for p in get_dedicated_state(model).iter_owned_masters()},
+        "owned": {
+            p.fqn: p.master.detach().clone()
+            for p in get_dedicated_state(model).iter_owned_masters()
+        },
         "owners": {name: (c.shard, c.replicate) for name, c in owners.items()},
+    }
+
+
+def count_step_communication(**kwargs) -> dict:
+    """Bytes moved by dmuon's collectives in one training step (after a warm-up step)."""
+    from tests.distributed.comm_counter import count_collectives
+
+    config = TrainConfig(**kwargs)
+    model, optimizer, _ = build(config)
+    first, second = batches(2, dist.get_world_size())
+    train_step(model, optimizer, first, config)
+    with count_collectives() as log:
+        train_step(model, optimizer, second, config)
+        dmuon.wait_all_replicate_broadcasts(model)
+    state = get_dedicated_state(model)
+    return {
+        "broadcast_received": log.broadcast_bytes_received(),
+        "reduce_sent": log.reduce_bytes_sent(),
+        "numels": [p.numel for p in state.params.values()],
+        "element_size": 4,
+    }
+
+
+def ns_request_mismatch() -> str:
+    """Rank 1 asks for a different Newton-Schulz backend; every rank must get the error."""
+    world = dist.get_world_size()
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("shard",))
+    model = TinyDecoder()
+    dmuon.dedicate_params(model, mesh, proj_predicate)
+    backend = "direct" if dist.get_rank() == 1 else "gram"
+    try:
+        dmuon.Muon(model, ns_backend=backend)
+    except ValueError as error:
+        return str(error)
+    return "no error"
+
+
+def dedicated_set_mismatch() -> str:
+    """Rank 1 dedicates fewer parameters than the others."""
+    world = dist.get_world_size()
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("shard",))
+    model = TinyDecoder()
+    if dist.get_rank() == 1:
+        predicate = lambda name, p: proj_predicate(name, p) and "q_proj" not in name  # noqa: E731
+    else:
+        predicate = proj_predicate
+    try:
+        dmuon.dedicate_params(model, mesh, predicate)
+        dmuon.Muon(model)
+    except ValueError as error:
+        return str(error)
+    return "no error"
+
+
+def three_line_integration() -> list[float]:
+    """SPEC.md's integration, verbatim, on a model with a ``.layers`` list."""
+    world = dist.get_world_size()
+    dp_mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("shard",))
+    torch.manual_seed(0)
+    model = TinyDecoder()
+
+    import dmuon
+
+    dmuon.dedicate_params(model, dp_mesh, predicate=lambda name, p: "proj" in name and p.ndim == 2)
+    for layer in model.layers:
+        fully_shard(layer, mesh=dp_mesh)
+    fully_shard(model, mesh=dp_mesh)
+    optimizer = dmuon.Muon(model, lr=0.02, adamw_lr=1e-3)  # Muon for dedicated, AdamW for the rest
+
+    losses = []
+    batch = batches(1, world)[0]  # the same batch each step: memorising it lowers the loss
+    for _ in range(6):
+        loss = loss_fn(model, rank_rows(batch, dist.get_rank(), world))
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def error_messages() -> dict[str, str]:
+    """Bad meshes and call orders on 2 ranks; each entry is the message dmuon raised."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    world = dist.get_world_size()
+    hsdp = init_device_mesh("cpu", (1, world), mesh_dim_names=("replicate", "shard"))
+    wrong = init_device_mesh("cpu", (1, world), mesh_dim_names=("dp", "fsdp"))
+    flat = init_device_mesh("cpu", (world,), mesh_dim_names=("shard",))
+    cases = {
+        "unnamed": lambda: dict(
+            mesh=hsdp["shard"], replicate_mesh=DeviceMesh("cpu", list(range(world)))
+        ),
+        "1d": lambda: dict(mesh=hsdp["shard"], replicate_mesh=flat),
+        "wrong_names": lambda: dict(mesh=wrong["fsdp"], replicate_mesh=wrong["dp"]),
+        "swapped": lambda: dict(mesh=hsdp["shard"], replicate_mesh=hsdp["shard"]),
+        "2d_as_mesh": lambda: dict(mesh=hsdp, replicate_mesh=None),
+    }
+    messages = {}
+    for case, meshes in cases.items():
+        try:
+            dmuon.dedicate_params(TinyDecoder(), predicate=proj_predicate, **meshes())
+            messages[case] = "no error"
+        except (ValueError, TypeError) as error:
+            messages[case] = str(error)
+
+    model = TinyDecoder()
+    fully_shard(model, mesh=flat)
+    try:
+        dmuon.dedicate_params(model, flat, proj_predicate)
+        messages["after_fully_shard"] = "no error"
+    except RuntimeError as error:
+        messages["after_fully_shard"] = str(error)
+
+    try:
+        dmuon.dedicate_params(TinyDecoder(), None, proj_predicate)
+        messages["mesh_none"] = "no error"
+    except ValueError as error:
+        messages["mesh_none"] = str(error)
+
+    unnamed = DeviceMesh("cpu", list(range(world)))
+    model = TinyDecoder()
+    weight = model.layers[0].q_proj.weight
+    model.layers[0].q_proj.weight = torch.nn.Parameter(
+        distribute_tensor(weight, unnamed, [Shard(0)])
+    )
+    try:
+        dmuon.dedicate_params(model, flat, proj_predicate)
+        messages["tp_unnamed"] = "no error"
+    except ValueError as error:
+        messages["tp_unnamed"] = str(error)
+    return messages
+
+
+def fully_shard_skips_dedicated_parameters() -> dict:
+    """What FSDP2 manages after dedicate_params: nothing dedicated, everything else."""
+    from torch.distributed.tensor import DTensor
+
+    world = dist.get_world_size()
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("shard",))
+    model = TinyDecoder()
+    dmuon.dedicate_params(model, mesh, proj_predicate)
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return {
+        name: (isinstance(param, DTensor), tuple(param.shape))
+        for name, param in model.named_parameters()
     }

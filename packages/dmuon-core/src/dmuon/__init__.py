@@ -16,15 +16,6 @@ from dmuon_kernels._torch_support import require_torch
 
 require_torch("dmuon-core")
 
-from dmuon_kernels import (  # noqa: E402
-    KELLER_COEFFICIENTS,
-    POLAR_EXPRESS_COEFFICIENTS,
-    YOU_COEFFICIENTS,
-    NewtonSchulz,
-    get_backend_status,
-    get_ns_backend,
-)
-
 from dmuon.api import (  # noqa: E402
     dedicate_params,
     dedicated_parameters,
@@ -34,6 +25,14 @@ from dmuon.api import (  # noqa: E402
 from dmuon.optim import Muon  # noqa: E402
 from dmuon.partition import OwnerCoord  # noqa: E402
 from dmuon.policy import ParamDefaults, ParamPolicy  # noqa: E402
+from dmuon_kernels import (  # noqa: E402
+    KELLER_COEFFICIENTS,
+    POLAR_EXPRESS_COEFFICIENTS,
+    YOU_COEFFICIENTS,
+    NewtonSchulz,
+    get_backend_status,
+    get_ns_backend,
+)
 
 __version__ = "0.1.0"
 

@@ -18,6 +18,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from dmuon import fsdp2
+from dmuon.consistency import check_ranks_agree
 from dmuon.group import BoundaryGroup
 from dmuon.hooks import DedicatedState
 from dmuon.mesh import build_ownership_mesh
@@ -95,6 +96,16 @@ def dedicate_params(
     if not selected:
         warnings.warn(NO_MATCH_WARNING, UserWarning, stacklevel=2)
     ownership_mesh = build_ownership_mesh(mesh, replicate_mesh, process_group_policy, timeout)
+    # The partition below must come out the same everywhere: check its inputs first.
+    check_ranks_agree(
+        ownership_mesh.world_group,
+        {
+            "dedicated": (
+                "dedicated parameters (names and shapes)",
+                [(name, tuple(param.shape)) for name, _, _, param in selected],
+            )
+        },
+    )
 
     specs = [
         ParamSpec(name=name, shape=tuple(param.shape), layer_id=layer_id_of(name, layer_id_fn))
@@ -129,8 +140,9 @@ def dedicate_params(
             placeholder=make_placeholder(param),
             original=param,
         )
-    boundaries = _group_by_boundary(model, params, hook_boundary_predicate, ownership_mesh,
-                                    reshard_after_forward)
+    boundaries = _group_by_boundary(
+        model, params, hook_boundary_predicate, ownership_mesh, reshard_after_forward
+    )
     state = DedicatedState(
         model=model, mesh=ownership_mesh, plan=plan, params=params, boundaries=boundaries
     )

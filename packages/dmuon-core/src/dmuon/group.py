@@ -185,7 +185,9 @@ class BoundaryGroup:
             if not segment.is_local:
                 _allocate(segment.buffer)
             self._pending_unshard.append(
-                collectives.broadcast(segment.buffer, self._root_rank(segment), self.mesh.shard_group)
+                collectives.broadcast(
+                    segment.buffer, self._root_rank(segment), self.mesh.shard_group
+                )
             )
 
     def wait_for_unshard(self) -> None:
@@ -239,8 +241,7 @@ class BoundaryGroup:
                 )
                 second_stage.append((item, handle))
         divisor = self.mesh.num_slots
-        for item, handle in second_stage:
-            handle.wait()
+        collectives.wait_all(handle for _, handle in second_stage)
         for item in pending:
             if item.segment.is_local:
                 _unpack_into_masters(item.segment, item.message, divisor)
@@ -258,9 +259,7 @@ class BoundaryGroup:
             for replicate, (start, end) in segment.value_ranges.items():
                 src = self.mesh.global_rank(OwnerCoord(segment.shard, replicate))
                 self._pending_publish.append(
-                    collectives.broadcast(
-                        segment.buffer[start:end], src, self.mesh.replicate_group
-                    )
+                    collectives.broadcast(segment.buffer[start:end], src, self.mesh.replicate_group)
                 )
 
     def wait_for_publish(self) -> None:
@@ -321,7 +320,9 @@ def _make_master(view: torch.Tensor, original: torch.Tensor) -> nn.Parameter:
     if view.dtype == torch.float32:
         # The compute dtype is fp32: the master is the local segment itself, no second copy.
         return nn.Parameter(view, requires_grad=original.requires_grad)
-    return nn.Parameter(original.detach().to(torch.float32).clone(), requires_grad=original.requires_grad)
+    return nn.Parameter(
+        original.detach().to(torch.float32).clone(), requires_grad=original.requires_grad
+    )
 
 
 def _allocate(buffer: torch.Tensor) -> None:

@@ -241,9 +241,7 @@ def _attach_post_backward(
     state: DedicatedState, group: BoundaryGroup, args: tuple, kwargs: dict
 ) -> tuple[tuple, dict] | None:
     leaves, spec = tree_flatten((args, kwargs))
-    positions = [
-        i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor) and t.requires_grad
-    ]
+    positions = [i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor) and t.requires_grad]
     if not positions:
         return None
     callback = functools.partial(_on_post_backward, state, group)

@@ -130,7 +130,9 @@ def _validate_hsdp(mesh: DeviceMesh, replicate_mesh: DeviceMesh) -> tuple[tuple[
     if replicate_mesh.mesh_dim_names is None:
         problem = "replicate_mesh has no mesh_dim_names"
     elif replicate_mesh.ndim != 1:
-        problem = f"replicate_mesh is {replicate_mesh.ndim}-D (dims {replicate_mesh.mesh_dim_names})"
+        problem = (
+            f"replicate_mesh is {replicate_mesh.ndim}-D (dims {replicate_mesh.mesh_dim_names})"
+        )
     elif root is replicate_mesh or root.ndim != 2:
         problem = f"replicate_mesh is not a dim of a 2-D mesh (its root is {root.ndim}-D)"
     elif root.mesh_dim_names != ("replicate", "shard"):
@@ -158,9 +160,7 @@ def _build(
     timeout: timedelta | None,
 ) -> OwnershipMesh:
     rank = dist.get_rank()
-    replicate, shard = next(
-        (r, row.index(rank)) for r, row in enumerate(rank_grid) if rank in row
-    )
+    replicate, shard = next((r, row.index(rank)) for r, row in enumerate(rank_grid) if rank in row)
     num_replicas, num_shards = len(rank_grid), len(rank_grid[0])
     columns = [tuple(row[s] for row in rank_grid) for s in range(num_shards)]
     if process_group_policy == "isolated":

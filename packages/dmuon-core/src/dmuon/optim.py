@@ -16,11 +16,11 @@ from collections import defaultdict
 from collections.abc import Callable
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
 from dmuon.api import get_dedicated_state
+from dmuon.consistency import check_ranks_agree
 from dmuon.param import ADAMW_ROUTE, MUON_ROUTE, is_dedicated
 from dmuon_kernels.newton_schulz import NewtonSchulz
 
@@ -56,8 +56,13 @@ class Muon(torch.optim.Optimizer):
         replicate_async: bool = True,
     ) -> None:
         _check_hyperparameters(
-            lr=lr, momentum=momentum, weight_decay=weight_decay, adamw_lr=adamw_lr,
-            adamw_betas=adamw_betas, adamw_eps=adamw_eps, adamw_weight_decay=adamw_weight_decay,
+            lr=lr,
+            momentum=momentum,
+            weight_decay=weight_decay,
+            adamw_lr=adamw_lr,
+            adamw_betas=adamw_betas,
+            adamw_eps=adamw_eps,
+            adamw_weight_decay=adamw_weight_decay,
         )
         self._dedicated = get_dedicated_state(model)
         self._dedicated.ensure_adopted()
@@ -66,16 +71,24 @@ class Muon(torch.optim.Optimizer):
 
         owned = list(self._dedicated.iter_owned_masters())
         others = list(
-            {id(p): p for p in model.parameters() if p.requires_grad and not is_dedicated(p)}.values()
+            {
+                id(p): p for p in model.parameters() if p.requires_grad and not is_dedicated(p)
+            }.values()
         )
         muon_group = dict(
             params=[p.master for p in owned if p.route == MUON_ROUTE],
-            route=MUON_ROUTE, lr=lr, momentum=momentum, nesterov=nesterov,
+            route=MUON_ROUTE,
+            lr=lr,
+            momentum=momentum,
+            nesterov=nesterov,
             weight_decay=weight_decay,
         )
         adamw_group = dict(
             params=[p.master for p in owned if p.route == ADAMW_ROUTE] + others,
-            route=ADAMW_ROUTE, lr=adamw_lr, betas=tuple(adamw_betas), eps=adamw_eps,
+            route=ADAMW_ROUTE,
+            lr=adamw_lr,
+            betas=tuple(adamw_betas),
+            eps=adamw_eps,
             weight_decay=adamw_weight_decay,
         )
         super().__init__([muon_group, adamw_group], defaults={})
@@ -143,7 +156,12 @@ class Muon(torch.optim.Optimizer):
     # ---- the AdamW route ------------------------------------------------------------------------
 
     def _adamw_step(self, group: dict) -> None:
-        lr, (beta1, beta2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+        lr, (beta1, beta2), eps, wd = (
+            group["lr"],
+            group["betas"],
+            group["eps"],
+            group["weight_decay"],
+        )
         for param in group["params"]:
             if param.grad is None:
                 continue
@@ -167,32 +185,19 @@ class Muon(torch.optim.Optimizer):
     # ---- construction checks --------------------------------------------------------------------
 
     def _check_ranks_agree(self) -> None:
-        """Every rank must use the same NS request and dedicate the same parameters."""
-        group = self._dedicated.mesh.world_group
-        if group is None:
-            return
-        mine = {
-            "newton_schulz": self._newton_schulz.config,
-            "dedicated": [(p.fqn, tuple(p.shape)) for p in self._dedicated.params.values()],
-        }
-        everyone: list[dict | None] = [None] * dist.get_world_size(group)
-        dist.all_gather_object(everyone, mine, group=group)
-        ranks = dist.get_process_group_ranks(group)
-        for key, what in (
-            ("newton_schulz", "Newton-Schulz settings (ns_backend / NewtonSchulz(...))"),
-            ("dedicated", "dedicated parameters (names and shapes)"),
-        ):
-            reference = everyone[0][key]
-            differing = [rank for rank, seen in zip(ranks, everyone) if seen[key] != reference]
-            if differing:
-                mismatch = next(seen[key] for seen in everyone if seen[key] != reference)
-                raise ValueError(
-                    f"dmuon.Muon: ranks {differing} use different {what} from rank {ranks[0]}: "
-                    f"rank {ranks[0]} has {_short(reference)}, rank {differing[0]} has "
-                    f"{_short(mismatch)}. Every rank must build the same model, call "
-                    "dedicate_params with the same predicate, and construct dmuon.Muon with the "
-                    "same ns_backend."
-                )
+        check_ranks_agree(
+            self._dedicated.mesh.world_group,
+            {
+                "newton_schulz": (
+                    "Newton-Schulz settings (ns_backend / NewtonSchulz(...))",
+                    self._newton_schulz.config,
+                ),
+                "dedicated": (
+                    "dedicated parameters (names and shapes)",
+                    [(p.fqn, tuple(p.shape)) for p in self._dedicated.params.values()],
+                ),
+            },
+        )
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
@@ -220,8 +225,3 @@ def _check_hyperparameters(*, adamw_betas, **values: float) -> None:
         raise ValueError(
             f"dmuon.Muon: adamw_betas must be two numbers in [0, 1), got {adamw_betas!r}."
         )
-
-
-def _short(value, limit: int = 300) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[:limit] + "..."

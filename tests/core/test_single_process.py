@@ -1,0 +1,174 @@
+"""dedicate_params + dmuon.Muon in one process without torch.distributed (the smoke-test setup)."""
+
+import functools
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import dmuon
+from dmuon.api import get_dedicated_state
+from dmuon_kernels import newton_schulz
+from dmuon_kernels.newton_schulz import NewtonSchulz
+from tests.distributed.models import TinyDecoder, batches, loss_fn, proj_predicate
+from tests.reference_optim import ReferenceMuonAdamW
+
+FP32_NS = functools.partial(NewtonSchulz, dtype=torch.float32, kernel="cublas")
+
+
+def test_single_process_training_matches_the_reference_without_torch_distributed():
+    torch.manual_seed(0)
+    model = TinyDecoder()
+    torch.manual_seed(0)
+    reference = TinyDecoder()
+    owners = dmuon.dedicate_params(model, None, proj_predicate)
+    assert set(owners) == {n for n, p in reference.named_parameters() if proj_predicate(n, p)}
+    assert all(owner == dmuon.OwnerCoord(0, 0) for owner in owners.values())
+    optimizer = dmuon.Muon(model, ns_backend=FP32_NS())
+    reference_optimizer = ReferenceMuonAdamW(
+        reference.named_parameters(),
+        proj_predicate,
+        orthogonalize=functools.partial(newton_schulz, dtype=torch.float32),
+    )
+    masters = {p.fqn: p.master for p in get_dedicated_state(model).iter_owned_masters()}
+    for batch in batches(5, 1):
+        loss_fn(model, batch).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        loss_fn(reference, batch).backward()
+        reference_optimizer.step()
+        reference_optimizer.zero_grad()
+    for name, expected in reference.named_parameters():
+        actual = masters.get(name, dict(model.named_parameters())[name])
+        assert torch.allclose(actual, expected, rtol=1e-5, atol=1e-6), name
+
+
+def test_placeholders_keep_parameter_names_and_hold_no_memory_outside_forward():
+    model = TinyDecoder()
+    names = [name for name, _ in model.named_parameters()]
+    dmuon.dedicate_params(model, None, proj_predicate)
+    assert [name for name, _ in model.named_parameters()] == names
+    assert model.layers[0].q_proj.weight.numel() == 0
+    assert set(model.state_dict()) >= {"layers.0.q_proj.weight"}
+
+
+def test_forward_uses_the_param_dtype_of_the_policy_and_masters_stay_fp32():
+    model = TinyDecoder()
+    seen = {}
+
+    def record_dtype(module, args):
+        seen["dtype"] = module.weight.dtype
+
+    model.layers[0].q_proj.register_forward_pre_hook(record_dtype)
+    model.to(torch.bfloat16)
+    dmuon.dedicate_params(
+        model,
+        None,
+        proj_predicate,
+        param_policy=dmuon.ParamPolicy(defaults=dmuon.ParamDefaults(param_dtype=torch.bfloat16)),
+    )
+    dmuon.Muon(model)
+    loss_fn(model, batches(1, 1)[0]).backward()
+    assert seen["dtype"] == torch.bfloat16
+    masters = list(get_dedicated_state(model).iter_owned_masters())
+    assert masters and all(p.master.dtype == torch.float32 for p in masters)
+    assert all(p.master.grad is not None and p.master.grad.dtype == torch.float32 for p in masters)
+
+
+def test_meta_device_models_take_their_masters_from_the_initialised_weights():
+    with torch.device("meta"):
+        model = TinyDecoder()
+    dmuon.dedicate_params(model, None, proj_predicate)
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.fill_(0.5 if "q_proj" in name else 0.25)
+    dmuon.Muon(model)
+    state = get_dedicated_state(model)
+    assert torch.all(state.params["layers.0.q_proj.weight"].master == 0.5)
+    assert torch.all(state.params["layers.2.down_proj.weight"].master == 0.25)
+
+
+def test_meta_device_model_used_before_materialisation_says_how_to_fix_it():
+    with torch.device("meta"):
+        model = TinyDecoder()
+    dmuon.dedicate_params(model, None, proj_predicate)
+    with pytest.raises(RuntimeError, match=r"still on the meta device.*to_empty"):
+        dmuon.Muon(model)
+
+
+# ---- bad input ---------------------------------------------------------------------------------
+
+
+def test_a_predicate_that_matches_nothing_warns_with_the_debugging_hint():
+    model = TinyDecoder()
+    with pytest.warns(UserWarning) as record:
+        dmuon.dedicate_params(model, None, lambda name, p: "linear" in name)
+    message = str(record[0].message)
+    assert message.startswith("dedicate_params: no parameters matched the predicate")
+    assert "print(name, param.shape)" in message and "param.ndim == 2" in message
+
+
+def test_dedicating_a_model_twice_is_refused():
+    model = TinyDecoder()
+    dmuon.dedicate_params(model, None, proj_predicate)
+    with pytest.raises(RuntimeError, match="dedicate_params was already called on this model"):
+        dmuon.dedicate_params(model, None, proj_predicate)
+
+
+def test_muon_without_dedicate_params_says_to_call_it_first():
+    with pytest.raises(ValueError, match=r"call dmuon\.dedicate_params\(model, mesh, predicate\)"):
+        dmuon.Muon(TinyDecoder())
+
+
+def test_compute_dtype_together_with_param_policy_is_refused():
+    with pytest.raises(ValueError, match="param_policy"):
+        dmuon.dedicate_params(
+            TinyDecoder(),
+            None,
+            proj_predicate,
+            compute_dtype=torch.bfloat16,
+            param_policy={"defaults": {"param_dtype": torch.bfloat16}},
+        )
+
+
+def test_legacy_compute_dtype_sets_the_forward_dtype():
+    model = TinyDecoder().to(torch.bfloat16)
+    dmuon.dedicate_params(model, None, proj_predicate, compute_dtype=torch.bfloat16)
+    assert all(p.param_dtype == torch.bfloat16 for p in get_dedicated_state(model).params.values())
+
+
+def test_unknown_process_group_policy_lists_the_choices():
+    with pytest.raises(ValueError, match=r"process_group_policy='private'.*'isolated'"):
+        dmuon.dedicate_params(TinyDecoder(), None, proj_predicate, process_group_policy="private")
+
+
+def test_bad_hyperparameters_are_refused_with_the_value():
+    model = TinyDecoder()
+    dmuon.dedicate_params(model, None, proj_predicate)
+    with pytest.raises(ValueError, match=r"momentum must be in \[0, 1\), got 1.5"):
+        dmuon.Muon(model, momentum=1.5)
+    with pytest.raises(ValueError, match=r"lr must be a non-negative number, got -0.1"):
+        dmuon.Muon(model, lr=-0.1)
+    with pytest.raises(TypeError, match=r"ns_backend must be 'gram', 'direct' or a dmuon"):
+        dmuon.Muon(model, ns_backend=3)
+
+
+def test_parameters_without_a_layer_name_warn_and_fall_back_to_their_parent_module():
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        dmuon.dedicate_params(model, None, lambda name, p: p.ndim == 2)
+    messages = " ".join(str(w.message) for w in record)
+    assert "no layer id found for 2 parameters (0.weight, 1.weight)" in messages
+    assert "no hook boundary found for 2 parameters" in messages
+    model(torch.randn(3, 4)).sum().backward()
+
+
+def test_tools_names_without_dmuon_tools_give_an_install_hint(monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "dmuon_tools", None)
+    with pytest.raises(ImportError, match="pip install dmuon-tools"):
+        dmuon.summarize_param_groups  # noqa: B018
