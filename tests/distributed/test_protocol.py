@@ -206,3 +206,8 @@ def test_fully_shard_skips_dedicated_parameters_without_any_extra_argument(pool2
             assert not is_dtensor and shape == (0,), name
         else:
             assert is_dtensor, name
+
+
+def test_eight_ranks_in_hsdp_2x4_match_the_single_process_reference(pool8):
+    results = pool8.run(train_against_reference, replicas=2, steps=4)
+    assert_matches_reference(results, FP32_TOLERANCE)
