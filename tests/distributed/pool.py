@@ -1,0 +1,449 @@
+"""A persistent pool of gloo worker processes that runs test scenarios on every rank.
+
+Owns: spawning ``world_size`` CPU processes joined in one gloo process group, running a scenario
+function on all of them, collecting per-rank return values, and turning a failure on any rank
+(an exception, a hang, a crash) into one exception in pytest with every failing rank's report.
+It must not know anything about dmuon: scenarios are plain functions in importable modules.
+
+Spawning a gloo group costs seconds (each process imports torch), so one pool serves many
+scenarios. The cost of that reuse is shared state, handled like this:
+
+- Every scenario starts with ``torch.manual_seed(seed)`` / ``random.seed(seed)`` on every rank,
+  fp32 as the default dtype and grad mode on.
+- Scenarios create their own subgroups (``dist.new_group``, ``init_device_mesh``). Groups
+  accumulate over the pool's life; that is harmless, and never reusing one keeps scenarios apart.
+- After any failure (a rank raised, the deadline passed, a process died) the workers are killed
+  and the next scenario gets fresh ones: a failed scenario can leave collectives half-issued,
+  and a gloo group out of step would corrupt whatever runs next. A scenario that *expects* an
+  error should catch it itself and return the message; an escaping exception costs a respawn.
+
+Hangs never block CI: each process group has a short timeout (``DMUON_TEST_PG_TIMEOUT`` seconds,
+default 60) so a collective that only some ranks issue raises on its own, and the pool also
+waits with an overall deadline per scenario (``DMUON_TEST_SCENARIO_DEADLINE``, default 180 s).
+
+Workers write their stdout/stderr (file descriptors 1 and 2, so C++ output included) to one log
+file per rank. After a successful scenario the new output is echoed to this process's stdout,
+which pytest shows only for a failing test; after a failure it is part of the exception message.
+
+Scenario functions must be importable by module name in a fresh process: define them at top
+level of a module under ``tests/`` (e.g. ``tests/distributed/scenarios_*.py``) and pass the
+function itself or ``"tests.distributed.scenarios_x:function_name"``. Arguments and return values
+travel by plain pickle (tensors are copied, never shared).
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib
+import multiprocessing
+import multiprocessing.connection
+import os
+import pickle
+import random
+import shutil
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+PG_TIMEOUT_ENV = "DMUON_TEST_PG_TIMEOUT"
+SCENARIO_DEADLINE_ENV = "DMUON_TEST_SCENARIO_DEADLINE"
+DEFAULT_PG_TIMEOUT_S = 60.0
+DEFAULT_SCENARIO_DEADLINE_S = 180.0
+# Spawning imports torch in every process; 8 processes on 2 busy cores can take a while.
+STARTUP_DEADLINE_S = 120.0
+# Once one rank has failed, how long the others get to report before they are killed: long enough
+# for ranks failing the same check to say so, short enough not to wait for a PG timeout.
+STRAGGLER_GRACE_S = 2.0
+# How much of each rank's output (characters, the tail) goes into a failure message.
+LOG_TAIL_CHARS = 4000
+# A worker whose pipe closed is dying; how long to wait for its exit code.
+EXIT_CODE_WAIT_S = 5.0
+
+Scenario = Callable[..., Any] | str
+
+
+class ScenarioError(Exception):
+    """A scenario failed on at least one rank; the message holds every failing rank's report."""
+
+    def __init__(self, message: str, rank_reports: dict[int, str]) -> None:
+        super().__init__(message)
+        self.rank_reports = rank_reports
+
+
+class ScenarioTimeout(ScenarioError):
+    """Some ranks did not finish the scenario before the pool's deadline."""
+
+
+class WorkerCrash(ScenarioError):
+    """A worker process died (or never started) instead of reporting a result."""
+
+
+def _env_seconds(name: str, default: float) -> float:
+    raw = os.environ.get(name)
+    if raw is None:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} is not a number of seconds; set e.g. {name}=60") from None
+    if value <= 0:
+        raise ValueError(f"{name}={raw!r} must be a positive number of seconds; set e.g. {name}=60")
+    return value
+
+
+def scenario_address(scenario: Scenario) -> tuple[str, str]:
+    """Return ``(module, qualified name)`` under which workers import ``scenario``."""
+    if isinstance(scenario, str):
+        module, _, qualname = scenario.partition(":")
+        if not module or not qualname:
+            raise ValueError(
+                f"scenario {scenario!r} is not of the form 'module:function'; pass e.g. "
+                "'tests.distributed.scenarios_pool:report_rank' or the function itself"
+            )
+        return module, qualname
+    module = getattr(scenario, "__module__", None)
+    qualname = getattr(scenario, "__qualname__", None)
+    if not module or not qualname or "<" in qualname or module == "__main__":
+        raise ValueError(
+            f"scenario {scenario!r} (module {module!r}, name {qualname!r}) cannot be imported by "
+            "a worker process; define it at the top level of a module under tests/, e.g. "
+            "tests/distributed/scenarios_<area>.py"
+        )
+    return module, qualname
+
+
+def _resolve_scenario(module_name: str, qualname: str) -> Callable[..., Any]:
+    try:
+        target: Any = importlib.import_module(module_name)
+    except ImportError as error:
+        raise ImportError(
+            f"worker could not import scenario module {module_name!r}: {error}. Scenario modules "
+            f"must be importable from the repository root (sys.path starts with {sys.path[:3]})"
+        ) from error
+    for part in qualname.split("."):
+        target = getattr(target, part)
+    return target
+
+
+# ----------------------------------------------------------------------------------------------
+# Worker side: everything below up to WorkerPool runs in the spawned processes.
+
+
+def _redirect_output(log_path: str) -> None:
+    # dup2 onto fds 1 and 2 so output written by C++ (gloo warnings) lands in the log as well.
+    log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(log_fd, 1)
+    os.dup2(log_fd, 2)
+    os.close(log_fd)
+    sys.stdout.reconfigure(line_buffering=True)
+    sys.stderr.reconfigure(line_buffering=True)
+
+
+def _reset_global_state(seed: int) -> None:
+    torch.manual_seed(seed)
+    random.seed(seed)
+    torch.set_default_dtype(torch.float32)
+    torch.set_grad_enabled(True)
+
+
+def _worker_main(
+    rank: int,
+    world_size: int,
+    store_port: int,
+    pg_timeout_s: float,
+    connection: multiprocessing.connection.Connection,
+    log_path: str,
+) -> None:
+    _redirect_output(log_path)
+    torch.set_num_threads(1)
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(store_port)
+    os.environ["RANK"] = str(rank)
+    os.environ["WORLD_SIZE"] = str(world_size)
+    if sys.platform == "linux":
+        # Gloo otherwise picks the interface the host name resolves to, which some containers
+        # and CI machines cannot route to themselves; all ranks live on this host.
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    timeout = datetime.timedelta(seconds=pg_timeout_s)
+    store = dist.TCPStore("127.0.0.1", store_port, world_size, is_master=False, timeout=timeout)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
+    connection.send_bytes(pickle.dumps(("ready", None)))
+    while True:
+        try:
+            request = connection.recv_bytes()
+        except EOFError:
+            # The pool went away. Skip the interpreter's slow teardown of torch: nothing to save.
+            os._exit(0)
+        module_name, qualname, kwargs, seed = pickle.loads(request)
+        try:
+            _reset_global_state(seed)
+            result = _resolve_scenario(module_name, qualname)(**kwargs)
+            reply = pickle.dumps(("ok", result))
+        except BaseException:
+            reply = pickle.dumps(("error", traceback.format_exc()))
+        sys.stdout.flush()
+        sys.stderr.flush()
+        connection.send_bytes(reply)
+
+
+# ----------------------------------------------------------------------------------------------
+# Parent side.
+
+
+@dataclass(slots=True)
+class _Worker:
+    rank: int
+    process: multiprocessing.process.BaseProcess
+    connection: multiprocessing.connection.Connection
+    log_path: Path
+    log_offset: int = 0
+
+    def read_new_output(self) -> str:
+        try:
+            with self.log_path.open("rb") as log:
+                log.seek(self.log_offset)
+                data = log.read()
+        except FileNotFoundError:
+            return ""
+        self.log_offset += len(data)
+        return data.decode(errors="replace")
+
+
+class WorkerPool:
+    """``world_size`` gloo processes kept alive across scenarios; see the module docstring.
+
+    ``run(scenario, **kwargs)`` calls ``scenario(**kwargs)`` on every rank and returns the list of
+    per-rank results (index = global rank). Workers start on the first ``run`` and again after any
+    failure. ``close()`` stops them.
+    """
+
+    def __init__(
+        self,
+        world_size: int,
+        *,
+        pg_timeout_s: float | None = None,
+        deadline_s: float | None = None,
+    ) -> None:
+        if world_size < 1:
+            raise ValueError(f"world_size must be at least 1, got {world_size}")
+        self.world_size = world_size
+        self.pg_timeout_s = pg_timeout_s or _env_seconds(PG_TIMEOUT_ENV, DEFAULT_PG_TIMEOUT_S)
+        self.deadline_s = deadline_s or _env_seconds(
+            SCENARIO_DEADLINE_ENV, DEFAULT_SCENARIO_DEADLINE_S
+        )
+        # How many times workers were (re)started; lets tests see a respawn happen.
+        self.generation = 0
+        self._workers: list[_Worker] = []
+        self._store: dist.TCPStore | None = None
+        self._log_dir: str | None = None
+
+    def __repr__(self) -> str:
+        state = "running" if self._workers else "stopped"
+        return f"WorkerPool(world_size={self.world_size}, {state}, generation={self.generation})"
+
+    # -- lifecycle ------------------------------------------------------------------------------
+
+    def _start(self) -> None:
+        # The rendezvous store lives here, bound to a port the OS picked, so concurrent test runs
+        # on one machine never race for a "free" port.
+        self._store = dist.TCPStore(
+            "127.0.0.1",
+            0,
+            self.world_size,
+            is_master=True,
+            wait_for_workers=False,
+            timeout=datetime.timedelta(seconds=STARTUP_DEADLINE_S),
+        )
+        self._log_dir = tempfile.mkdtemp(prefix=f"gloo-pool-{self.world_size}-")
+        self.generation += 1
+        context = multiprocessing.get_context("spawn")
+        for rank in range(self.world_size):
+            parent_end, child_end = context.Pipe(duplex=True)
+            log_path = Path(self._log_dir) / f"rank{rank}.log"
+            process = context.Process(
+                target=_worker_main,
+                args=(
+                    rank,
+                    self.world_size,
+                    self._store.port,
+                    self.pg_timeout_s,
+                    child_end,
+                    str(log_path),
+                ),
+                name=f"gloo-worker-{rank}-of-{self.world_size}",
+                daemon=True,
+            )
+            process.start()
+            child_end.close()
+            self._workers.append(_Worker(rank, process, parent_end, log_path))
+        replies = self._collect(STARTUP_DEADLINE_S)
+        if replies.failed:
+            report = self._failure_report(replies, "starting the gloo workers")
+            self._stop()
+            raise replies.exception_type(report, replies.reports)
+
+    def _stop(self) -> None:
+        # Killing is safe: workers hold nothing worth saving, and it is fast even on a busy machine.
+        for worker in self._workers:
+            worker.connection.close()
+            worker.process.kill()
+        for worker in self._workers:
+            worker.process.join()
+            worker.process.close()
+        self._workers = []
+        self._store = None
+        if self._log_dir is not None:
+            shutil.rmtree(self._log_dir, ignore_errors=True)
+            self._log_dir = None
+
+    def close(self) -> None:
+        """Stop the workers (they are started again by the next ``run``)."""
+        self._stop()
+
+    def __enter__(self) -> WorkerPool:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    # -- running scenarios ----------------------------------------------------------------------
+
+    def run(
+        self,
+        scenario: Scenario,
+        /,
+        *,
+        seed: int = 0,
+        deadline_s: float | None = None,
+        **kwargs: Any,
+    ) -> list[Any]:
+        """Run ``scenario(**kwargs)`` on every rank; return the per-rank results in rank order.
+
+        ``seed`` and ``deadline_s`` are options of the pool, never passed to the scenario.
+        Raises ``ScenarioError`` if any rank raised, ``ScenarioTimeout`` if ranks were still busy
+        after ``deadline_s`` (default: the pool's), ``WorkerCrash`` if a process died.
+        """
+        module_name, qualname = scenario_address(scenario)
+        try:
+            request = pickle.dumps((module_name, qualname, kwargs, seed))
+        except Exception as error:
+            raise TypeError(
+                f"arguments of scenario {module_name}:{qualname} cannot be pickled for the "
+                f"workers ({error}); pass plain values and tensors"
+            ) from error
+        if not self._workers:
+            self._start()
+        for worker in self._workers:
+            worker.connection.send_bytes(request)
+        replies = self._collect(deadline_s or self.deadline_s)
+        if replies.failed:
+            report = self._failure_report(replies, f"scenario {module_name}:{qualname}")
+            self._stop()
+            raise replies.exception_type(report, replies.reports)
+        self._echo_output()
+        return [replies.results[rank] for rank in range(self.world_size)]
+
+    def _collect(self, deadline_s: float) -> _Replies:
+        replies = _Replies()
+        pending = {worker.rank: worker for worker in self._workers}
+        give_up_at = time.monotonic() + deadline_s
+        while pending:
+            remaining = give_up_at - time.monotonic()
+            if remaining <= 0:
+                replies.timed_out = sorted(pending)
+                break
+            waitables: list[Any] = []
+            for worker in pending.values():
+                waitables += [worker.connection, worker.process.sentinel]
+            ready = multiprocessing.connection.wait(waitables, timeout=remaining)
+            for worker in list(pending.values()):
+                if worker.connection in ready or worker.connection.poll():
+                    try:
+                        status, payload = pickle.loads(worker.connection.recv_bytes())
+                    except EOFError:
+                        status, payload = "crashed", None
+                elif worker.process.sentinel in ready:
+                    status, payload = "crashed", None
+                else:
+                    continue
+                del pending[worker.rank]
+                if status == "ok" or status == "ready":
+                    replies.results[worker.rank] = payload
+                elif status == "error":
+                    replies.errors[worker.rank] = payload
+                else:
+                    worker.process.join(EXIT_CODE_WAIT_S)
+                    replies.crashed[worker.rank] = worker.process.exitcode
+            if replies.failed and pending:
+                give_up_at = min(give_up_at, time.monotonic() + STRAGGLER_GRACE_S)
+        return replies
+
+    def _failure_report(self, replies: _Replies, what: str) -> str:
+        lines = [f"{what} failed on a pool of {self.world_size} gloo processes:"]
+        if replies.errors:
+            lines.append(f"  raised on ranks {sorted(replies.errors)}")
+        if replies.crashed:
+            lines.append(f"  processes died: rank -> exit code {replies.crashed}")
+        if replies.timed_out:
+            lines.append(
+                f"  still running at the deadline on ranks {replies.timed_out} (a collective "
+                "issued by only some ranks, or a rank stuck after another failed); workers "
+                "were killed and will be respawned for the next scenario"
+            )
+        for worker in self._workers:
+            rank = worker.rank
+            output = worker.read_new_output()[-LOG_TAIL_CHARS:]
+            if rank not in replies.errors and not output:
+                continue
+            lines.append(f"--- rank {rank} ---")
+            if rank in replies.errors:
+                lines.append(replies.errors[rank].rstrip())
+            if output:
+                lines.append(f"[rank {rank} output, last {LOG_TAIL_CHARS} characters]")
+                lines.append(output.rstrip())
+        return "\n".join(lines)
+
+    def _echo_output(self) -> None:
+        for worker in self._workers:
+            output = worker.read_new_output()
+            if output:
+                sys.stdout.write(f"--- rank {worker.rank} output ---\n{output}")
+
+
+@dataclass(slots=True)
+class _Replies:
+    """What the workers answered to one request (a scenario, or the start-up handshake)."""
+
+    results: dict[int, Any] = field(default_factory=dict)
+    errors: dict[int, str] = field(default_factory=dict)  # rank -> formatted traceback
+    crashed: dict[int, int | None] = field(default_factory=dict)  # rank -> exit code
+    timed_out: list[int] = field(default_factory=list)
+
+    @property
+    def failed(self) -> bool:
+        return bool(self.errors or self.crashed or self.timed_out)
+
+    @property
+    def reports(self) -> dict[int, str]:
+        reports = dict(self.errors)
+        reports.update(
+            {rank: f"process died with exit code {code}" for rank, code in self.crashed.items()}
+        )
+        reports.update({rank: "still running at the deadline" for rank in self.timed_out})
+        return reports
+
+    @property
+    def exception_type(self) -> type[ScenarioError]:
+        if self.crashed:
+            return WorkerCrash
+        if self.timed_out and not self.errors:
+            return ScenarioTimeout
+        return ScenarioError
