@@ -1,0 +1,284 @@
+"""Newton-Schulz speed: dmuon's gram and direct NS against torch.optim.Muon's orthogonalisation.
+
+Every candidate orthogonalises the same fp32 matrix per shape. torch.optim.Muon's NS
+(``torch.optim._muon._zeropower_via_newtonschulz`` with its defaults: Keller's coefficients,
+5 steps, eps 1e-7, bf16 iteration) is the baseline measured in the same run; dmuon's candidates
+use their defaults (Polar Express, 5 steps, fp16 iteration, kernel "auto") and return fp32.
+Times are the median over CUDA-event-timed repetitions after warm-up calls (the warm-up absorbs
+any per-shape SYRK autotune); ratios are baseline_ms / candidate_ms, so > 1 means faster.
+
+Usage (from the repository root, packages installed or on PYTHONPATH)::
+
+    python benchmarks/bench_ns.py                      # CUDA; JSON: benchmarks/results/ns-<gpu>-<date>.json
+    python benchmarks/bench_ns.py --repeats 50 --warmup 10 --out ns.json --git-sha <sha>
+    python benchmarks/bench_ns.py --quick              # small shapes on CPU, a smoke test (no JSON
+                                                       # unless --out is given; CPU fp16 matmuls
+                                                       # are slow, so its ratios mean nothing)
+    hatch run bench-ns --quick
+
+Adding columns: a candidate is a name and a zero-argument factory returning ``f(G) -> Tensor``;
+a factory that raises (e.g. a kernel not installed) gives a column marked unavailable with the
+reason. Another script can extend the default list::
+
+    from bench_ns import Candidate, default_candidates, main
+    main(candidates=[*default_candidates(),
+                     Candidate("quack", lambda: NewtonSchulz(kernel="quack"))])
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor
+from torch.optim import _muon as torch_muon
+
+from dmuon_kernels import NewtonSchulz, __version__, get_backend_status
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
+
+# (rows, cols) of the matrices Muon meets in 1B-70B models.
+SHAPES: list[tuple[int, int]] = [
+    (1024, 4096),
+    (4096, 4096),
+    (4096, 14336),
+    (8192, 8192),
+    (8192, 28672),
+]
+QUICK_SHAPES: list[tuple[int, int]] = [(128, 512), (256, 256), (64, 1024)]
+BASELINE = "torch.optim.Muon"
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A table column: ``build()`` returns the callable that is timed on each input."""
+
+    name: str
+    build: Callable[[], Callable[[Tensor], Tensor]]
+
+
+def torch_muon_orthogonalise() -> Callable[[Tensor], Tensor]:
+    coefficients = (torch_muon.DEFAULT_A, torch_muon.DEFAULT_B, torch_muon.DEFAULT_C)
+    steps, eps = torch_muon.DEFAULT_NS_STEPS, torch_muon.EPS
+    return lambda G: torch_muon._zeropower_via_newtonschulz(G, coefficients, steps, eps)
+
+
+def default_candidates() -> list[Candidate]:
+    return [
+        Candidate(BASELINE, torch_muon_orthogonalise),
+        Candidate("dmuon gram", lambda: NewtonSchulz("gram")),
+        Candidate("dmuon direct", lambda: NewtonSchulz("direct")),
+    ]
+
+
+def time_calls(
+    function: Callable[[Tensor], Tensor], G: Tensor, *, warmup: int, repeats: int
+) -> list[float]:
+    """Milliseconds per call: CUDA events on CUDA (one pair per call), wall clock on CPU."""
+    for _ in range(warmup):
+        function(G)
+    times = []
+    if G.is_cuda:
+        torch.cuda.synchronize(G.device)
+        for _ in range(repeats):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            function(G)
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+    else:
+        for _ in range(repeats):
+            begin = time.perf_counter()
+            function(G)
+            times.append(1e3 * (time.perf_counter() - begin))
+    return times
+
+
+def git_sha(explicit: str | None) -> str:
+    if explicit:
+        return explicit
+    if os.environ.get("DMUON_GIT_SHA"):
+        return os.environ["DMUON_GIT_SHA"]
+    try:
+        sha = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=REPO_ROOT,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return f"{sha}-dirty" if dirty else sha
+
+
+def device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
+def default_out_path(device: torch.device, date: datetime.datetime) -> Path:
+    slug = re.sub(r"[^a-z0-9]+", "-", device_name(device).lower()).strip("-")
+    return RESULTS_DIR / f"ns-{slug}-{date:%Y-%m-%d}.json"
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="small shapes on CPU (smoke test)")
+    parser.add_argument("--warmup", type=int, default=None, help="untimed calls (default 5; 1)")
+    parser.add_argument("--repeats", type=int, default=None, help="timed calls (default 20; 3)")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="JSON path (default benchmarks/results/ns-<gpu>-<date>.json; none with --quick)",
+    )
+    parser.add_argument("--git-sha", default=None, help="recorded in the JSON (default: git)")
+    return parser.parse_args(argv)
+
+
+def run(
+    candidates: Sequence[Candidate],
+    shapes: Sequence[tuple[int, int]],
+    device: torch.device,
+    *,
+    warmup: int,
+    repeats: int,
+) -> list[dict]:
+    """One result per (shape, candidate): median and all times, or why it did not run."""
+    built: dict[str, Callable[[Tensor], Tensor] | str] = {}
+    for candidate in candidates:
+        try:
+            built[candidate.name] = candidate.build()
+        except Exception as error:  # the column says why instead of the run stopping
+            built[candidate.name] = f"{type(error).__name__}: {error}"
+    results = []
+    generator = torch.Generator(device=device).manual_seed(0)
+    for rows, cols in shapes:
+        G = torch.randn(rows, cols, device=device, dtype=torch.float32, generator=generator)
+        for candidate in candidates:
+            function = built[candidate.name]
+            entry: dict = {"shape": [rows, cols], "candidate": candidate.name}
+            if isinstance(function, str):
+                entry.update(median_ms=None, times_ms=[], error=function)
+            else:
+                try:
+                    times = time_calls(function, G, warmup=warmup, repeats=repeats)
+                    entry.update(median_ms=statistics.median(times), times_ms=times, error=None)
+                except Exception as error:
+                    entry.update(
+                        median_ms=None, times_ms=[], error=f"{type(error).__name__}: {error}"
+                    )
+            results.append(entry)
+        del G
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    for entry in results:
+        baseline = next(
+            r for r in results if r["shape"] == entry["shape"] and r["candidate"] == BASELINE
+        )
+        both = entry["median_ms"] and baseline["median_ms"]
+        entry["speedup_vs_torch"] = baseline["median_ms"] / entry["median_ms"] if both else None
+    return results
+
+
+def format_table(results: list[dict], candidates: Sequence[Candidate]) -> str:
+    names = [candidate.name for candidate in candidates]
+    width = max(22, *(len(name) + 2 for name in names))
+    lines = ["shape".rjust(12) + "".join(name.rjust(width) for name in names)]
+    shapes = list(dict.fromkeys(tuple(entry["shape"]) for entry in results))
+    for shape in shapes:
+        cells = []
+        for name in names:
+            entry = next(
+                r for r in results if tuple(r["shape"]) == shape and r["candidate"] == name
+            )
+            if entry["median_ms"] is None:
+                cell = "unavailable"
+            elif name == BASELINE:
+                cell = f"{entry['median_ms']:.2f} ms"
+            else:
+                cell = f"{entry['median_ms']:.2f} ms ({entry['speedup_vs_torch']:.2f}x)"
+            cells.append(cell.rjust(width))
+        lines.append(f"{shape[0]:>5}x{shape[1]:<6}" + "".join(cells))
+    errors = {r["candidate"]: r["error"] for r in results if r["error"]}
+    lines += [f"{name}: {error}" for name, error in errors.items()]
+    return "\n".join(lines)
+
+
+def _or_default(value: int | None, default: int) -> int:
+    return default if value is None else value
+
+
+def main(argv: Sequence[str] | None = None, candidates: Sequence[Candidate] | None = None) -> int:
+    args = parse_args(argv)
+    candidates = list(candidates) if candidates is not None else default_candidates()
+    if args.quick:
+        device, shapes = torch.device("cpu"), QUICK_SHAPES
+        warmup, repeats = _or_default(args.warmup, 1), _or_default(args.repeats, 3)
+    else:
+        if not torch.cuda.is_available():
+            print(
+                "bench_ns: no CUDA device; run with --quick for a CPU smoke test", file=sys.stderr
+            )
+            return 2
+        device, shapes = torch.device("cuda", torch.cuda.current_device()), SHAPES
+        warmup, repeats = _or_default(args.warmup, 5), _or_default(args.repeats, 20)
+    date = datetime.datetime.now(datetime.UTC)
+
+    results = run(candidates, shapes, device, warmup=warmup, repeats=repeats)
+    print(
+        f"Newton-Schulz on {device_name(device)}, fp32 input, median of {repeats} after {warmup} "
+        f"warm-up; (x) = speedup vs {BASELINE}"
+    )
+    print(format_table(results, candidates))
+
+    out = (
+        args.out
+        if args.out is not None
+        else (None if args.quick else default_out_path(device, date))
+    )
+    if out is not None:
+        record = {
+            "benchmark": "newton_schulz",
+            "date": date.isoformat(timespec="seconds"),
+            "git_sha": git_sha(args.git_sha),
+            "device": device_name(device),
+            "torch": torch.__version__,
+            "cuda": torch.version.cuda,
+            "dmuon_kernels": __version__,
+            "inputs": {
+                "shapes": [list(shape) for shape in shapes],
+                "input_dtype": "float32",
+                "warmup": warmup,
+                "repeats": repeats,
+                "quick": args.quick,
+                "candidates": [candidate.name for candidate in candidates],
+                "baseline": BASELINE,
+            },
+            "backend_status": get_backend_status(),
+            "results": results,
+        }
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(record, indent=2) + "\n")
+        print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
