@@ -16,13 +16,15 @@ Two iterations compute the same polynomial up to rounding (with X of shape n x m
   (default 2) the segment closes: ``X <- Q·X``, ``R <- X·Xᵀ``; this bounds Q (and so fp16
   rounding) to the product of a few steps' gains.
 
-Every symmetric product (X·Xᵀ, and R² = R·Rᵀ since R is symmetric) goes through
-``dmuon_kernels.syrk`` so a faster SYRK kernel accelerates both iterations.
+Every symmetric product goes through ``dmuon_kernels.syrk``: X·Xᵀ and R² = R·Rᵀ (R symmetric)
+through ``syrk``, and the Gram form's products of commuting symmetric matrices (Z·Q, R·Z,
+Z·R_step) through ``symmetric_product``, so a faster symmetric kernel accelerates both iterations.
 
-Gram-or-direct rule: with the products this module issues, the gram form costs about
-6·n²·m + 23·n³ SYRK-weighted FLOPs against 15·n²·m + 5·n³ for direct, so it only pays when the
-long side is at least twice the short side (``GRAM_MIN_ASPECT_RATIO``); below that the "gram"
-backend runs the direct iteration (same polynomial, fewer FLOPs, no accumulated Q).
+Gram-or-direct rule: with full products for the commuting ones (cuBLAS), the gram form costs
+about 6·n²·m + 23·n³ SYRK-weighted FLOPs against 15·n²·m + 5·n³ for direct (14·n³ instead of
+23·n³ with a symmetric kernel), so it only pays when the long side is at least twice the short
+side (``GRAM_MIN_ASPECT_RATIO``); below that the "gram" backend runs the direct iteration (same
+polynomial, fewer FLOPs, no accumulated Q).
 
 This module must not know about devices beyond what torch gives it, nor import torch.distributed.
 """
@@ -38,6 +40,7 @@ import torch
 from torch import Tensor
 
 from dmuon_kernels.coefficients import CoefficientTable, validate_coefficients
+from dmuon_kernels.graphs import GraphedFunction
 from dmuon_kernels.status import (
     default_device,
     effective_kernel,
@@ -45,7 +48,7 @@ from dmuon_kernels.status import (
     ns_syrk_kernel,
     require_ns_kernel,
 )
-from dmuon_kernels.syrk import AUTO, CUBLAS, canonical_kernel_name, syrk
+from dmuon_kernels.syrk import AUTO, CUBLAS, canonical_kernel_name, symmetric_product, syrk
 
 BACKENDS = ("gram", "direct")
 ITERATION_DTYPES: tuple[torch.dtype, ...] = (torch.float16, torch.bfloat16, torch.float32)
@@ -152,10 +155,15 @@ def gram_iteration(
             X = _mm(Q, X)  # (.., n, m)
             R = syrk(X, kernel=kernel)
         Z = syrk(R, C=R, alpha=c, beta=b, kernel=kernel)  # b·R + c·R²
-        Q = _plus_identity(Z, a) if starts_segment else _addmm(Q, Z, Q, beta=a)
+        # Z, Q, R and R_step are polynomials in the segment's first R, so they commute and
+        # every product below is symmetric: symmetric kernels compute half of it.
+        if starts_segment:
+            Q = _plus_identity(Z, a)
+        else:
+            Q = symmetric_product(Z, Q, C=Q, beta=a, kernel=kernel)  # a·Q + Z·Q
         if not ends_segment:
-            R_step = _addmm(R, R, Z, beta=a)  # R·(a·I + Z)
-            R = _addmm(R_step, Z, R_step, beta=a)  # (a·I + Z)·R·(a·I + Z)
+            R_step = symmetric_product(R, Z, C=R, beta=a, kernel=kernel)  # R·(a·I + Z)
+            R = symmetric_product(Z, R_step, C=R_step, beta=a, kernel=kernel)  # (aI+Z)R(aI+Z)
     return _mm(Q, X)
 
 
@@ -174,10 +182,16 @@ def orthogonalize(
     eps: float,
     dtype: torch.dtype,
     kernel: str,
+    output_dtype: torch.dtype | None = None,
 ) -> Tensor:
-    """``newton_schulz`` on already-validated arguments (the per-call fast path)."""
+    """``newton_schulz`` on already-validated arguments (the per-call fast path).
+
+    The result has G's dtype unless ``output_dtype`` says otherwise (``NewtonSchulz`` keeps the
+    iteration dtype inside its CUDA graph and casts outside it, which saves a copy).
+    """
+    output_dtype = G.dtype if output_dtype is None else output_dtype
     if G.numel() == 0:
-        return torch.zeros_like(G)
+        return torch.zeros_like(G, dtype=output_dtype)
     rows, cols = G.shape[-2], G.shape[-1]
     X = G.to(torch.float32)
     transposed = rows > cols
@@ -193,7 +207,7 @@ def orthogonalize(
         X = direct_iteration(X, coefficients, kernel=kernel)
     if transposed:
         X = X.mT
-    return X.reshape(G.shape).to(G.dtype)
+    return X.reshape(G.shape).to(output_dtype)
 
 
 def validate_input(G: object) -> Tensor:
@@ -335,6 +349,7 @@ class NewtonSchulz:
         self.kernel, self.kernel_reason = effective_kernel(
             self._syrk_kernel, self.dtype, default_device()
         )
+        self._graphed = GraphedFunction(self._iterate, name=f"NewtonSchulz({self.backend!r})")
 
     @property
     def config(self) -> NSConfig:
@@ -348,15 +363,25 @@ class NewtonSchulz:
         )
 
     def __call__(self, G: Tensor) -> Tensor:
-        """Orthogonalise G (m, n) or a batch (..., m, n); returns G's shape and dtype."""
+        """Orthogonalise G (m, n) or a batch (..., m, n); returns G's shape and dtype.
+
+        On CUDA each (shape, strides, dtype, device) replays as a CUDA graph from its second call
+        (bit-identical to eager; ``DMUON_NS_CUDA_GRAPH=0`` turns it off, see
+        ``dmuon_kernels.graphs``).
+        """
+        return self._graphed(validate_input(G), out_dtype=G.dtype)
+
+    def _iterate(self, G: Tensor) -> Tensor:
+        """The eager computation the graphs capture; returns the iteration dtype."""
         return orthogonalize(
-            validate_input(G),
+            G,
             backend=self.backend,
             coefficients=self.coefficients,
             restart_iterations=self.restart_iterations,
             eps=DEFAULT_EPS,
             dtype=self.dtype,
             kernel=self._syrk_kernel,
+            output_dtype=self.dtype,
         )
 
     def __repr__(self) -> str:

@@ -190,7 +190,19 @@ def get_ns_backend(ns: NewtonSchulz | None = None) -> str:
         details += f"; {ORIGIN_DETERMINISTIC}"
     if ns.dtype not in KERNEL_DTYPES:
         details += f"; {str(ns.dtype).removeprefix('torch.')} iteration"
+    if ns.kernel_origin == ORIGIN_AUTO and ns.kernel != CUBLAS:
+        details += _autotune_summary()
     return f"{form} NS · kernel={ns.kernel} ({details})"
+
+
+def _autotune_summary() -> str:
+    """``"; autotune kept cuBLAS for 2 of 9 problems"`` once "auto" sent problems to cuBLAS."""
+    autotune = sys.modules.get("dmuon_kernels.syrk.autotune")  # loaded by the first auto call
+    if autotune is None:
+        return ""
+    counts = autotune.chosen_backends()
+    kept = counts.get(CUBLAS, 0)
+    return f"; autotune kept cuBLAS for {kept} of {sum(counts.values())} problems" if kept else ""
 
 
 def _distribution_version(name: str) -> str | None:

@@ -10,6 +10,10 @@ A backend is any object (usually a module) with::
     is_available() -> tuple[bool, str]      # (usable here?, human-readable reason)
     syrk(A, C, alpha, beta) -> Tensor       # A (..., M, K), C (..., M, M) or None; symmetric out
 
+and optionally ``symmetric_product(A, B, C, alpha, beta)`` for ``alpha·A·B + beta·C`` when A·B is
+known to be symmetric (commuting symmetric A and B, as in Newton-Schulz's Gram iteration); a
+backend without it runs that operation on the torch path.
+
 Fallback rules, in order:
 1. an unknown kernel name raises ValueError naming the valid choices;
 2. an explicit kernel that is registered but unavailable raises RuntimeError with its reason and
@@ -60,6 +64,10 @@ KERNEL_DTYPES: tuple[torch.dtype, ...] = (torch.float16, torch.bfloat16)
 AUTOTUNE_MODULE = "dmuon_kernels.syrk.autotune"
 
 QUACK_MIN_SM = 90
+
+# The operations a backend may implement (autotune verdicts are per operation).
+SYRK = "syrk"
+SYMMETRIC_PRODUCT = "symmetric_product"
 
 
 class SyrkBackend(Protocol):
@@ -195,7 +203,7 @@ def auto_candidate(device: torch.device) -> tuple[str, str]:
     return choice
 
 
-def _per_shape_verdict(candidate: str, A: Tensor, C: Tensor | None) -> str:
+def _per_shape_verdict(candidate: str, A: Tensor, C: Tensor | None, op: str) -> str:
     """Let the autotuner keep ``candidate`` or send this shape to cuBLAS."""
     try:
         autotune = importlib.import_module(AUTOTUNE_MODULE)
@@ -204,11 +212,12 @@ def _per_shape_verdict(candidate: str, A: Tensor, C: Tensor | None) -> str:
             raise
         return candidate
     choose_kernel = getattr(autotune, "choose_kernel", None)
-    return candidate if choose_kernel is None else choose_kernel(candidate, A, C)
+    return candidate if choose_kernel is None else choose_kernel(candidate, A, C, op=op)
 
 
-def resolve_kernel(kernel: str, A: Tensor, C: Tensor | None = None) -> str:
-    """The backend that runs ``syrk(A, C, kernel=kernel)``; see the module docstring's rules."""
+def resolve_kernel(kernel: str, A: Tensor, C: Tensor | None = None, *, op: str = SYRK) -> str:
+    """The backend that runs ``syrk(A, C, kernel=kernel)`` (or ``op``, e.g. SYMMETRIC_PRODUCT);
+    see the module docstring's rules."""
     name = canonical_kernel_name(kernel)
     if name not in (AUTO, CUBLAS):
         require_available(name)
@@ -217,7 +226,7 @@ def resolve_kernel(kernel: str, A: Tensor, C: Tensor | None = None) -> str:
     if name == AUTO:
         name = auto_candidate(A.device)[0]
         if name != CUBLAS:
-            name = _per_shape_verdict(name, A, C)
+            name = _per_shape_verdict(name, A, C, op)
     return name
 
 
@@ -268,6 +277,36 @@ def syrk(
     return backend.syrk(A, C, float(alpha), float(beta))
 
 
+def symmetric_product(
+    A: Tensor,
+    B: Tensor,
+    *,
+    C: Tensor | None = None,
+    alpha: float = 1.0,
+    beta: float = 0.0,
+    kernel: str = AUTO,
+) -> Tensor:
+    """Return ``alpha·A·B + beta·C`` for square A, B, C (..., M, M) when A·B is symmetric.
+
+    The caller guarantees the symmetry (A and B symmetric and commuting, e.g. polynomials in the
+    same Gram matrix): symmetric kernels compute one triangle and mirror it, so a non-symmetric
+    product would come back symmetrised. Kernel resolution is ``syrk``'s; a backend without
+    ``symmetric_product`` runs the torch path.
+    """
+    _validate_operands(A, C, alpha, beta)
+    if not isinstance(B, Tensor) or B.shape != A.shape or A.shape[-1] != A.shape[-2]:
+        shape = tuple(B.shape) if isinstance(B, Tensor) else type(B).__name__
+        raise ValueError(
+            f"symmetric_product takes square A and B of the same shape; got A "
+            f"{tuple(A.shape)} and B {shape}"
+        )
+    backend = get_backend(resolve_kernel(kernel, A, C, op=SYMMETRIC_PRODUCT))
+    product = getattr(backend, SYMMETRIC_PRODUCT, None)
+    if product is None:
+        product = getattr(get_backend(CUBLAS), SYMMETRIC_PRODUCT)
+    return product(A, B, C, float(alpha), float(beta))
+
+
 __all__ = [
     "KERNEL_ALIASES",
     "KERNEL_DTYPES",
@@ -282,6 +321,7 @@ __all__ = [
     "require_available",
     "resolve_kernel",
     "sm_version",
+    "symmetric_product",
     "syrk",
     "unregister_backend",
 ]

@@ -34,3 +34,20 @@ def syrk(A: Tensor, C: Tensor | None, alpha: float, beta: float) -> Tensor:
     else:
         out = torch.baddbmm(C.reshape(-1, rows, rows), A3, A3.mT, beta=beta, alpha=alpha)
     return out.reshape(*batch_shape, rows, rows)
+
+
+def symmetric_product(A: Tensor, B: Tensor, C: Tensor | None, alpha: float, beta: float) -> Tensor:
+    """Return ``alpha·A·B + beta·C`` for square A, B, C (..., M, M): a full product here."""
+    batch_shape, rows = A.shape[:-2], A.shape[-2]
+    if A.dim() == 2:
+        if C is None or beta == 0.0:
+            return torch.mm(A, B) if alpha == 1.0 else torch.mm(A, B).mul_(alpha)
+        return torch.addmm(C, A, B, beta=beta, alpha=alpha)
+    A3, B3 = A.reshape(-1, rows, rows), B.reshape(-1, rows, rows)
+    if C is None or beta == 0.0:
+        out = torch.bmm(A3, B3)
+        if alpha != 1.0:
+            out.mul_(alpha)
+    else:
+        out = torch.baddbmm(C.reshape(-1, rows, rows), A3, B3, beta=beta, alpha=alpha)
+    return out.reshape(*batch_shape, rows, rows)

@@ -1,0 +1,172 @@
+"""CUDA-graph replay of a fixed tensor function, one graph per (shape, strides, dtype, device).
+
+Owns capture, replay and the fall back to eager. Newton-Schulz launches a few dozen small kernels
+per matrix; replaying them as one graph removes the launch gaps (the host cost that dominates
+small matrices). It must not know what the function computes, and must never change a result:
+
+- the first call with a new signature runs eagerly, so everything lazy inside the function (SYRK
+  autotuning, kernel compilation, handle creation) happens outside any capture;
+- the second call captures on a private stream after one more eager run on that stream, replays
+  once, and keeps the graph only if the replay is bit-identical to that eager run;
+- a capture that fails (or a replay that differs) warns once for that signature and leaves it
+  eager for good; the failed graph object is dropped, so it can never be replayed;
+- inputs on the CPU, inputs that need grad, calls made while another capture is in progress, and
+  everything when ``DMUON_NS_CUDA_GRAPH=0`` run eagerly.
+
+The function must be a pure function of its one tensor argument (same input, same output), and
+must not keep references to its intermediates. Each call returns a fresh tensor.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from dmuon_kernels.status import log_rank_tagged
+
+CUDA_GRAPH_ENV = "DMUON_NS_CUDA_GRAPH"
+
+Signature = tuple[tuple[int, ...], tuple[int, ...], torch.dtype, torch.device]
+
+
+def cuda_graphs_enabled() -> bool:
+    """False when ``DMUON_NS_CUDA_GRAPH`` is 0/false/off/no; on by default."""
+    value = os.environ.get(CUDA_GRAPH_ENV, "1").strip().lower()
+    return value not in ("0", "false", "off", "no")
+
+
+@dataclass(slots=True)
+class _Captured:
+    graph: torch.cuda.CUDAGraph
+    static_input: Tensor
+    static_output: Tensor
+
+
+class GraphedFunction:
+    """Call ``fn(x)`` through a CUDA graph per input signature, eagerly where it cannot.
+
+    ``enabled=None`` reads ``DMUON_NS_CUDA_GRAPH`` now. ``name`` appears in warnings.
+    """
+
+    def __init__(
+        self,
+        fn: Callable[[Tensor], Tensor],
+        *,
+        name: str = "Newton-Schulz",
+        enabled: bool | None = None,
+    ) -> None:
+        self.fn = fn
+        self.name = name
+        self.enabled = cuda_graphs_enabled() if enabled is None else bool(enabled)
+        self._captured: dict[Signature, _Captured] = {}
+        self._warmed: set[Signature] = set()  # ran eagerly once; capture on the next call
+        self._eager_only: dict[Signature, str] = {}  # signature -> why it stays eager
+        self._pools: dict[torch.device, object] = {}
+        self._streams: dict[torch.device, torch.cuda.Stream] = {}
+
+    def __call__(self, x: Tensor, *, out_dtype: torch.dtype | None = None) -> Tensor:
+        """``fn(x)`` cast to ``out_dtype`` (default: fn's dtype), always a fresh tensor."""
+        signature = _signature(x)
+        captured = self._captured.get(signature)
+        if captured is not None:
+            captured.static_input.copy_(x)
+            captured.graph.replay()
+            return _fresh(captured.static_output, out_dtype)
+        if not self._may_capture(x, signature):
+            return _cast(self.fn(x), out_dtype)
+        if signature not in self._warmed:
+            self._warmed.add(signature)
+            return _cast(self.fn(x), out_dtype)
+        return _fresh(self._capture(x, signature), out_dtype)
+
+    def mode(self, x: Tensor) -> str:
+        """``"graph"`` when ``x``'s signature replays a graph, else ``"eager"`` (for tests/reports)."""
+        return "graph" if _signature(x) in self._captured else "eager"
+
+    def eager_reasons(self) -> dict[Signature, str]:
+        """Signatures that stay eager because capture failed, with the reason."""
+        return dict(self._eager_only)
+
+    def clear(self) -> None:
+        """Drop every graph (their memory returns to the allocator when no tensor uses it)."""
+        self._captured.clear()
+        self._warmed.clear()
+        self._eager_only.clear()
+        self._pools.clear()
+
+    def _may_capture(self, x: Tensor, signature: Signature) -> bool:
+        return (
+            self.enabled
+            and x.is_cuda
+            and not (x.requires_grad and torch.is_grad_enabled())
+            and signature not in self._eager_only
+            and not torch.cuda.is_current_stream_capturing()
+        )
+
+    def _capture(self, x: Tensor, signature: Signature) -> Tensor:
+        """Capture fn for ``signature``; return fn(x) (from the graph, or eager on failure)."""
+        device = x.device
+        stream = self._streams.get(device)
+        if stream is None:
+            stream = self._streams[device] = torch.cuda.Stream(device)
+        pool = self._pools.get(device)
+        if pool is None:
+            pool = self._pools[device] = torch.cuda.graph_pool_handle()
+        static_input = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=device)
+        static_input.copy_(x)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.stream(stream):
+                # One eager run on the capture stream: lazy per-stream state (e.g. a cuBLAS
+                # workspace) is created outside the capture, and it is the replay's reference.
+                expected = self.fn(static_input)
+            with torch.cuda.graph(
+                graph, pool=pool, stream=stream, capture_error_mode="thread_local"
+            ):
+                static_output = self.fn(static_input)
+            torch.cuda.current_stream(device).wait_stream(stream)
+            graph.replay()
+            identical = torch.equal(static_output, expected)
+        except Exception as exc:  # any failure inside capture leaves this signature eager
+            del graph
+            self._stay_eager(signature, f"capture failed ({type(exc).__name__}: {exc})")
+            torch.cuda.current_stream(device).wait_stream(stream)
+            return self.fn(x)
+        if not identical:
+            del graph
+            self._stay_eager(signature, "the graph replay was not bit-identical to eager")
+            return expected
+        self._captured[signature] = _Captured(graph, static_input, static_output)
+        return static_output
+
+    def _stay_eager(self, signature: Signature, reason: str) -> None:
+        self._eager_only[signature] = reason
+        shape, _, dtype, device = signature
+        message = (
+            f"{self.name}: CUDA-graph replay is off for shape={shape} dtype={dtype} on {device} "
+            f"because {reason}; this shape runs eagerly (same results, more launch overhead). "
+            f"Set {CUDA_GRAPH_ENV}=0 to skip capture altogether."
+        )
+        warnings.warn(message, RuntimeWarning, stacklevel=4)
+        log_rank_tagged(message)
+
+
+def _signature(x: Tensor) -> Signature:
+    return (tuple(x.shape), tuple(x.stride()), x.dtype, x.device)
+
+
+def _cast(y: Tensor, out_dtype: torch.dtype | None) -> Tensor:
+    return y if out_dtype is None else y.to(out_dtype)
+
+
+def _fresh(static: Tensor, out_dtype: torch.dtype | None) -> Tensor:
+    """A tensor the next replay will not overwrite: the cast when it copies, else a clone."""
+    if out_dtype is not None and out_dtype != static.dtype:
+        return static.to(out_dtype)
+    return static.clone()

@@ -1,0 +1,388 @@
+"""Per-shape autotune for ``kernel="auto"``: keep the faster SYRK kernel only where it is right.
+
+Owns the verdict for each problem (M, K, batch, dtype, with or without C) on each GPU model:
+the first time a problem is seen, the hardware ladder's candidate (quack or cute) is
+
+1. cross-checked against cuBLAS: on the same random inputs, the candidate's relative error
+   against an fp32 product must be within ``ERROR_RATIO_LIMIT`` times cuBLAS's own error against
+   that product, plus a small floor (``ERROR_FLOOR_ULPS`` units of the dtype's rounding);
+2. timed against cuBLAS on the GPU alone (``timing.median_ms``), interleaved, after warm-up;
+
+and wins only when it passes the check and is at least ``WIN_MARGIN`` faster; otherwise the
+problem runs on cuBLAS, so "auto" is never slower than cuBLAS by more than timing noise.
+Verdicts live in memory and in ``syrk.cache``'s JSON file; the key holds the library versions,
+so an upgrade re-tunes. Progress lines go through the rank-tagged logger
+(``DMUON_SYRK_AUTOTUNE_LOG=0`` silences them).
+
+Tuning runs on private random inputs drawn from a private generator: it never reads or writes
+the caller's tensors and never advances the global RNG, so it changes no result beyond which
+kernel's rounding the caller gets. It must not run while a CUDA graph is being captured (Newton-
+Schulz runs each shape eagerly before capturing it); if asked to, it answers cuBLAS for that call
+and records nothing.
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+import dmuon_kernels
+from dmuon_kernels.status import log_rank_tagged
+from dmuon_kernels.syrk import CUBLAS, SYMMETRIC_PRODUCT, SYRK
+from dmuon_kernels.syrk.cache import VerdictCache
+from dmuon_kernels.syrk.timing import median_ms
+
+AUTOTUNE_LOG_ENV = "DMUON_SYRK_AUTOTUNE_LOG"
+BASELINE = CUBLAS
+
+# The candidate's error may be this many times cuBLAS's (both against the same fp32 product).
+ERROR_RATIO_LIMIT = 2.0
+# ...plus this many units of the dtype's rounding (2^-11 for fp16, 2^-8 for bf16), so two kernels
+# that both round correctly never fail on a lucky cuBLAS draw.
+ERROR_FLOOR_ULPS = 0.25
+# The candidate must beat cuBLAS by this fraction; inside timing noise cuBLAS is kept.
+WIN_MARGIN = 0.01
+# alpha/beta used when tuning a problem with C (any values other than 1 and 0 exercise the general
+# epilogue, which is what Newton-Schulz's b·R + c·R² uses).
+TUNING_ALPHA_WITH_C, TUNING_BETA_WITH_C = 0.75, -1.25
+TUNING_SEED = 0x5EED
+
+
+def autotune_log_enabled() -> bool:
+    """False when ``DMUON_SYRK_AUTOTUNE_LOG`` is 0/false/off/no; read at every line."""
+    value = os.environ.get(AUTOTUNE_LOG_ENV, "1").strip().lower()
+    return value not in ("0", "false", "off", "no")
+
+
+def _log(message: str) -> None:
+    if autotune_log_enabled():
+        log_rank_tagged(f"SYRK autotune {message}")
+
+
+@dataclass(frozen=True, slots=True)
+class SyrkProblem:
+    """What one verdict is about: ``op`` on ``A`` (batch, M, K) (batch 0 = unbatched), with or
+    without C. ``op`` is "syrk" (A·Aᵀ) or "symmetric_product" (A·B, square, M = K)."""
+
+    M: int
+    K: int
+    batch: int
+    dtype: torch.dtype
+    has_c: bool
+    op: str = SYRK
+
+    @classmethod
+    def of(cls, A: Tensor, C: Tensor | None, op: str = SYRK) -> SyrkProblem:
+        batch = 0 if A.dim() == 2 else math.prod(A.shape[:-2])
+        return cls(int(A.shape[-2]), int(A.shape[-1]), batch, A.dtype, C is not None, op)
+
+    @property
+    def dtype_name(self) -> str:
+        return str(self.dtype).removeprefix("torch.")
+
+    def describe(self) -> str:
+        """``shape=(4096,14336) dtype=float16`` plus batch and C when present, for log lines."""
+        text = f"shape=({self.M},{self.K}) dtype={self.dtype_name}"
+        if self.op != SYRK:
+            text += f" op={self.op}"
+        if self.batch:
+            text += f" batch={self.batch}"
+        if self.has_c:
+            text += " with_c=True"
+        return text
+
+
+def library_versions(candidate: str, candidate_module: object) -> dict[str, str]:
+    """The versions a verdict depends on: ours, torch, CUDA, and the candidate's libraries."""
+    versions = {
+        "dmuon-kernels": dmuon_kernels.__version__,
+        "torch": torch.__version__,
+        "cuda": str(torch.version.cuda),
+    }
+    versions_fn = getattr(candidate_module, "versions", None)
+    if callable(versions_fn):
+        versions.update({str(k): str(v) for k, v in versions_fn().items()})
+    return versions
+
+
+def verdict_key(problem: SyrkProblem, candidate: str, versions: dict[str, str]) -> str:
+    """The cache key: the problem, the candidate and every version (sorted), as one string."""
+    version_text = ",".join(f"{name}={value}" for name, value in sorted(versions.items()))
+    return (
+        f"op={problem.op};M={problem.M};K={problem.K};batch={problem.batch};"
+        f"dtype={problem.dtype_name};"
+        f"with_c={int(problem.has_c)};candidate={candidate};versions={version_text}"
+    )
+
+
+def gpu_model(device: torch.device) -> str:
+    """``"NVIDIA H200 (SM90)"``: the name and compute capability, which file the verdict goes in."""
+    major, minor = torch.cuda.get_device_capability(device)
+    return f"{torch.cuda.get_device_name(device)} (SM{major}{minor})"
+
+
+def _unit_roundoff(dtype: torch.dtype) -> float:
+    return float(torch.finfo(dtype).eps) / 2
+
+
+class SyrkAutotuner:
+    """Verdicts per GPU model, in memory and in the JSON cache under ``cache_dir``.
+
+    ``cache_dir=None`` reads ``DMUON_CACHE_DIR`` (default ``~/.cache/dmuon``) when a file is
+    first needed. Each instance keeps its own memory, so tests use fresh ones.
+    """
+
+    def __init__(
+        self,
+        cache_dir: str | os.PathLike[str] | None = None,
+        *,
+        get_backend: Callable[[str], object] | None = None,
+    ) -> None:
+        self.cache_dir = cache_dir
+        # Name -> backend module; defaults to the dispatcher's registry.
+        self._get_backend = get_backend
+        self._caches: dict[str, VerdictCache] = {}
+        self._versions: dict[str, dict[str, str]] = {}
+        # (candidate, device, problem) -> backend: the per-call fast path, no string keys.
+        self._chosen: dict[tuple[str, torch.device, SyrkProblem], str] = {}
+
+    def backend(self, name: str) -> object:
+        if self._get_backend is not None:
+            return self._get_backend(name)
+        from dmuon_kernels.syrk import get_backend
+
+        return get_backend(name)
+
+    def cache_for(self, model: str) -> VerdictCache:
+        cache = self._caches.get(model)
+        if cache is None:
+            cache = self._caches[model] = VerdictCache(model, self.cache_dir)
+        return cache
+
+    def choose(self, candidate: str, A: Tensor, C: Tensor | None = None, *, op: str = SYRK) -> str:
+        """The backend to run ``op`` on A (and C): ``candidate`` where it won, else cuBLAS."""
+        if candidate == BASELINE:
+            return BASELINE
+        problem = SyrkProblem.of(A, C, op)
+        chosen_key = (candidate, A.device, problem)
+        chosen = self._chosen.get(chosen_key)
+        if chosen is not None:
+            return chosen
+        chosen = self._verdict_if_known(candidate, problem, A.device)
+        if chosen is None:
+            if A.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                return BASELINE  # never tune inside a capture, and remember nothing
+            chosen = self.tune(candidate, problem, A.device)
+        self._chosen[chosen_key] = chosen
+        return chosen
+
+    def _key(
+        self, candidate: str, problem: SyrkProblem, device: torch.device
+    ) -> tuple[VerdictCache, str]:
+        model = gpu_model(device) if device.type == "cuda" else "cpu"
+        if candidate not in self._versions:
+            self._versions[candidate] = library_versions(candidate, self.backend(candidate))
+        key = verdict_key(problem, candidate, self._versions[candidate])
+        return self.cache_for(model), key
+
+    def _verdict_if_known(
+        self, candidate: str, problem: SyrkProblem, device: torch.device
+    ) -> str | None:
+        cache, key = self._key(candidate, problem, device)
+        verdict = cache.get(key)
+        if verdict is None:
+            return None
+        backend = str(verdict["backend"])
+        return backend if backend in (candidate, BASELINE) else None
+
+    def tune(self, candidate: str, problem: SyrkProblem, device: torch.device) -> str:
+        """Cross-check and time ``candidate`` against cuBLAS on ``problem``; record the verdict."""
+        cache, key = self._key(candidate, problem, device)
+        _log(f"candidate started {problem.describe()} backend={candidate}")
+        try:
+            verdict = _measure(
+                problem, device, candidate, self.backend(candidate), self.backend(BASELINE)
+            )
+            persist = True
+        except torch.cuda.OutOfMemoryError as exc:
+            verdict = _failed(candidate, f"out of memory while tuning ({exc})")
+            persist = False  # another process (or a later run) may have the memory
+        except Exception as exc:  # a candidate that raises loses; the reason is logged
+            verdict = _failed(candidate, f"{candidate} raised {type(exc).__name__}: {exc}")
+            persist = False
+        verdict.update(
+            {
+                "op": problem.op,
+                "shape": [problem.M, problem.K],
+                "batch": problem.batch,
+                "dtype": problem.dtype_name,
+                "with_c": problem.has_c,
+                "recorded": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+            }
+        )
+        cache.put(key, verdict, persist=persist)
+        _log(f"verdict {problem.describe()} backend={verdict['backend']} ({verdict['reason']})")
+        return str(verdict["backend"])
+
+
+def _failed(candidate: str, reason: str) -> dict[str, object]:
+    return {"backend": BASELINE, "candidate": candidate, "reason": reason}
+
+
+@dataclass(slots=True)
+class _TuningInputs:
+    A: Tensor  # (batch?, M, K)
+    B: Tensor | None  # (batch?, M, M) for symmetric_product: A + I, so A·B = A² + A exactly
+    C: Tensor | None  # (batch?, M, M) symmetric
+    alpha: float
+    beta: float
+
+    def run(self, backend: object, op: str) -> Tensor:
+        if op == SYMMETRIC_PRODUCT:
+            return backend.symmetric_product(self.A, self.B, self.C, self.alpha, self.beta)  # type: ignore[attr-defined]
+        return backend.syrk(self.A, self.C, self.alpha, self.beta)  # type: ignore[attr-defined]
+
+    def fp32_reference(self) -> Tensor:
+        """alpha·A·B + beta·C (B = Aᵀ for syrk) in true fp32, TF32 off for this product only."""
+        previous = torch.get_float32_matmul_precision()
+        torch.set_float32_matmul_precision("highest")
+        try:
+            A32 = self.A.float()
+            B32 = A32.mT if self.B is None else self.B.float()
+            product = torch.matmul(A32, B32).mul_(self.alpha)
+            return product if self.C is None else product.add_(self.C.float(), alpha=self.beta)
+        finally:
+            torch.set_float32_matmul_precision(previous)
+
+
+def _symmetric(shape: tuple[int, ...], generator: torch.Generator, device: torch.device) -> Tensor:
+    S = torch.randn(shape, generator=generator, device=device, dtype=torch.float32)
+    return (S + S.mT) / 2
+
+
+def _tuning_inputs(problem: SyrkProblem, device: torch.device) -> _TuningInputs:
+    generator = torch.Generator(device=device)
+    generator.manual_seed(TUNING_SEED)
+    lead = (problem.batch,) if problem.batch else ()
+    square = (*lead, problem.M, problem.M)
+    C = _symmetric(square, generator, device).to(problem.dtype) if problem.has_c else None
+    alpha, beta = (TUNING_ALPHA_WITH_C, TUNING_BETA_WITH_C) if problem.has_c else (1.0, 0.0)
+    if problem.op == SYMMETRIC_PRODUCT:
+        # Symmetric with a zero diagonal, so B = A + I is exact in any dtype and commutes with A.
+        A32 = _symmetric(square, generator, device).mul_(problem.M**-0.25)
+        A32.diagonal(dim1=-2, dim2=-1).zero_()
+        A = A32.to(problem.dtype)
+        B = A.clone()
+        B.diagonal(dim1=-2, dim2=-1).fill_(1.0)
+        return _TuningInputs(A, B, C, alpha, beta)
+    # Scale so A·Aᵀ has entries of order 1 off the diagonal and sqrt(K) on it: well inside fp16.
+    A32 = torch.randn(
+        (*lead, problem.M, problem.K), generator=generator, device=device, dtype=torch.float32
+    ).mul_(problem.K**-0.25)
+    return _TuningInputs(A32.to(problem.dtype), None, C, alpha, beta)
+
+
+def _relative_error(out: Tensor, reference: Tensor) -> float:
+    difference = torch.linalg.vector_norm((out.float() - reference).flatten())
+    return float(difference / torch.linalg.vector_norm(reference.flatten()).clamp_min(1e-30))
+
+
+def _measure(
+    problem: SyrkProblem,
+    device: torch.device,
+    candidate: str,
+    candidate_module: object,
+    baseline_module: object,
+) -> dict[str, object]:
+    if problem.op == SYMMETRIC_PRODUCT and not hasattr(candidate_module, SYMMETRIC_PRODUCT):
+        return {
+            "backend": BASELINE,
+            "candidate": candidate,
+            "reason": f"{candidate} has no symmetric_product",
+        }
+    inputs = _tuning_inputs(problem, device)
+    reference = inputs.fp32_reference()
+    candidate_out = inputs.run(candidate_module, problem.op)
+    baseline_out = inputs.run(baseline_module, problem.op)
+    candidate_error = _relative_error(candidate_out, reference)
+    baseline_error = _relative_error(baseline_out, reference)
+    del reference, candidate_out, baseline_out
+    bound = ERROR_RATIO_LIMIT * baseline_error + ERROR_FLOOR_ULPS * _unit_roundoff(problem.dtype)
+    verdict: dict[str, object] = {
+        "candidate": candidate,
+        "candidate_error": candidate_error,
+        "cublas_error": baseline_error,
+    }
+    if not candidate_error <= bound:  # also catches NaN
+        verdict.update(
+            backend=BASELINE,
+            reason=(
+                f"{candidate} failed the cross-check: relative error {candidate_error:.3g} > "
+                f"{bound:.3g} ({ERROR_RATIO_LIMIT:g}x cuBLAS's {baseline_error:.3g} + floor)"
+            ),
+        )
+        return verdict
+
+    timings = median_ms(
+        {
+            candidate: lambda: inputs.run(candidate_module, problem.op),
+            BASELINE: lambda: inputs.run(baseline_module, problem.op),
+        },
+        device,
+    )
+    candidate_ms, baseline_ms = timings[candidate], timings[BASELINE]
+    wins = candidate_ms < (1.0 - WIN_MARGIN) * baseline_ms
+    verdict.update(
+        backend=candidate if wins else BASELINE,
+        candidate_ms=candidate_ms,
+        cublas_ms=baseline_ms,
+        reason=(
+            f"{candidate} {candidate_ms:.4f} ms vs cublas {baseline_ms:.4f} ms, "
+            f"error {candidate_error:.3g} vs {baseline_error:.3g}"
+        ),
+    )
+    return verdict
+
+
+_default_tuner: SyrkAutotuner | None = None
+
+
+def default_autotuner() -> SyrkAutotuner:
+    """The process-wide tuner the dispatcher uses (cache folder from ``DMUON_CACHE_DIR``)."""
+    global _default_tuner
+    if _default_tuner is None:
+        _default_tuner = SyrkAutotuner()
+    return _default_tuner
+
+
+def choose_kernel(candidate: str, A: Tensor, C: Tensor | None, *, op: str = SYRK) -> str:
+    """Dispatcher hook: the backend that runs this call under ``kernel="auto"``."""
+    return default_autotuner().choose(candidate, A, C, op=op)
+
+
+def chosen_backends() -> dict[str, int]:
+    """How many problems this process has run under "auto", per backend (for status reports)."""
+    counts: dict[str, int] = {}
+    for backend in default_autotuner()._chosen.values():
+        counts[backend] = counts.get(backend, 0) + 1
+    return counts
+
+
+__all__ = [
+    "AUTOTUNE_LOG_ENV",
+    "ERROR_RATIO_LIMIT",
+    "SyrkAutotuner",
+    "SyrkProblem",
+    "autotune_log_enabled",
+    "choose_kernel",
+    "chosen_backends",
+    "default_autotuner",
+    "gpu_model",
+    "verdict_key",
+]

@@ -1,0 +1,375 @@
+"""SYRK autotune verdicts and their JSON cache: concurrency, corruption, invalidation, logging.
+
+Everything here runs on the CPU: the cache is plain standard library, and the autotuner runs its
+real cross-check and timing on CPU tensors when given CPU backends (the dispatcher only asks it
+on CUDA). The candidates are small backends written here: one exact, one wrong by 1%.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import pickle
+import re
+import subprocess
+import sys
+import textwrap
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from dmuon_kernels.syrk import autotune, cublas
+from dmuon_kernels.syrk import cache as cache_module
+from dmuon_kernels.syrk.autotune import SyrkAutotuner, SyrkProblem
+from dmuon_kernels.syrk.cache import (
+    CACHE_FORMAT,
+    CACHE_FORMAT_VERSION,
+    VerdictCache,
+    cache_file_name,
+    default_cache_dir,
+)
+
+GPU = "Test GPU X1"
+
+
+class ExactBackend:
+    """A SYRK backend that rounds the float64 product once: more accurate than cuBLAS."""
+
+    def __init__(self, relative_error: float = 0.0, library_version: str = "1.0") -> None:
+        self.relative_error = relative_error
+        self.library_version = library_version
+        self.calls = 0
+
+    def is_available(self) -> tuple[bool, str]:
+        return True, "test backend"
+
+    def versions(self) -> dict[str, str]:
+        return {"test-lib": self.library_version}
+
+    def syrk(self, A, C, alpha, beta):
+        self.calls += 1
+        A64 = A.double()
+        out = alpha * (1.0 + self.relative_error) * (A64 @ A64.mT)
+        if C is not None:
+            out = out + beta * C.double()
+        return out.to(A.dtype)
+
+    def symmetric_product(self, A, B, C, alpha, beta):
+        self.calls += 1
+        out = alpha * (1.0 + self.relative_error) * (A.double() @ B.double())
+        if C is not None:
+            out = out + beta * C.double()
+        return out.to(A.dtype)
+
+
+def tuner_with(tmp_path: Path, candidate: ExactBackend) -> SyrkAutotuner:
+    backends = {"cublas": cublas, "exact": candidate}
+    return SyrkAutotuner(cache_dir=tmp_path, get_backend=backends.__getitem__)
+
+
+def a_matrix(rows: int = 24, cols: int = 40, dtype=torch.float16, seed: int = 0) -> torch.Tensor:
+    return torch.randn(rows, cols, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+def autotune_lines(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if "SYRK autotune" in r.getMessage()]
+
+
+@pytest.fixture(autouse=True)
+def _visible_autotune_log(monkeypatch):
+    monkeypatch.delenv(autotune.AUTOTUNE_LOG_ENV, raising=False)
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.setenv("WORLD_SIZE", "8")
+
+
+# -- the cache file ------------------------------------------------------------------------------
+
+
+def test_cache_dir_comes_from_dmuon_cache_dir_else_home(monkeypatch, tmp_path):
+    monkeypatch.setenv("DMUON_CACHE_DIR", str(tmp_path))
+    assert default_cache_dir() == tmp_path
+    monkeypatch.delenv("DMUON_CACHE_DIR")
+    assert default_cache_dir() == Path("~/.cache/dmuon").expanduser()
+    assert cache_file_name("NVIDIA H200 (SM90)") == "syrk-autotune-nvidia-h200-sm90.json"
+
+
+def test_a_verdict_survives_in_a_readable_json_file(tmp_path):
+    VerdictCache(GPU, tmp_path).put("key-a", {"backend": "quack", "candidate_ms": 0.5})
+    document = json.loads((tmp_path / cache_file_name(GPU)).read_text())
+    assert document["format"] == CACHE_FORMAT
+    assert document["format_version"] == CACHE_FORMAT_VERSION
+    assert document["gpu"] == GPU
+    assert document["verdicts"] == {"key-a": {"backend": "quack", "candidate_ms": 0.5}}
+    assert VerdictCache(GPU, tmp_path).get("key-a") == {"backend": "quack", "candidate_ms": 0.5}
+
+
+def test_writers_merge_with_what_is_on_disk(tmp_path):
+    first, second = VerdictCache(GPU, tmp_path), VerdictCache(GPU, tmp_path)
+    first.put("from-first", {"backend": "quack"})
+    second.put("from-second", {"backend": "cublas"})  # second never read the file before
+    fresh = VerdictCache(GPU, tmp_path)
+    assert fresh.get("from-first") == {"backend": "quack"}
+    assert fresh.get("from-second") == {"backend": "cublas"}
+
+
+WRITER_SCRIPT = textwrap.dedent(
+    """
+    import importlib.util, sys, warnings
+    warnings.simplefilter("error")  # a corrupt read would warn: make it fail the process
+    spec = importlib.util.spec_from_file_location("verdict_cache", sys.argv[1])
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    writer, count, folder = int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+    for i in range(count):
+        module.VerdictCache("Test GPU X1", folder).put(f"w{writer}-k{i}", {"backend": "quack"})
+        # read the shared file back while the other writers are replacing it
+        reader = module.VerdictCache("Test GPU X1", folder)
+        assert reader.get(f"w{writer}-k{i}") == {"backend": "quack"}, (writer, i)
+    """
+)
+
+
+def test_eight_processes_writing_at_once_lose_nothing_and_never_corrupt_the_file(tmp_path):
+    # Real processes (like 8 ranks of one node) load the cache module by path: it needs no torch.
+    script = tmp_path / "writer.py"
+    script.write_text(WRITER_SCRIPT)
+    folder = tmp_path / "cache"
+    writers, per_writer = 8, 25
+    processes = [
+        subprocess.Popen(
+            [sys.executable, str(script), cache_module.__file__, str(w), str(per_writer), folder],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for w in range(writers)
+    ]
+    failures = []
+    for process in processes:
+        _, stderr = process.communicate(timeout=120)
+        if process.returncode != 0:
+            failures.append(stderr)
+    assert failures == []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        document = json.loads((folder / cache_file_name(GPU)).read_text())
+    expected = {f"w{w}-k{i}" for w in range(writers) for i in range(per_writer)}
+    assert set(document["verdicts"]) == expected
+    assert [p.name for p in folder.iterdir() if p.suffix == ".tmp"] == []
+
+
+@pytest.mark.parametrize(
+    ("content", "problem"),
+    [
+        ("{not json", "not valid JSON"),
+        ('["a", "list"]', "top level is a list"),
+        (json.dumps({"format": "someone-else", "verdicts": {}}), "format is 'someone-else'"),
+        (
+            json.dumps({"format": CACHE_FORMAT, "format_version": 99, "gpu": GPU, "verdicts": {}}),
+            "format_version is 99",
+        ),
+        (
+            json.dumps(
+                {"format": CACHE_FORMAT, "format_version": 1, "gpu": "Other GPU", "verdicts": {}}
+            ),
+            "written for GPU 'Other GPU'",
+        ),
+        (
+            json.dumps(
+                {"format": CACHE_FORMAT, "format_version": 1, "gpu": GPU, "verdicts": {"k": 3}}
+            ),
+            "have no backend name",
+        ),
+    ],
+    ids=["corrupt", "not-an-object", "foreign", "newer-format", "other-gpu", "bad-verdict"],
+)
+def test_an_invalid_file_is_ignored_with_one_warning_and_rebuilt(tmp_path, content, problem):
+    path = tmp_path / cache_file_name(GPU)
+    path.write_text(content)
+    cache = VerdictCache(GPU, tmp_path)
+    with pytest.warns(RuntimeWarning, match="autotune cache .* is ignored because") as caught:
+        assert cache.get("k") is None
+        cache.put("k2", {"backend": "quack"})  # re-reads the bad file to merge: no second warning
+        assert cache.get("k") is None
+    assert len(caught) == 1
+    assert problem in str(caught[0].message)
+    assert "delete it" in str(caught[0].message)
+    rebuilt = json.loads(path.read_text())
+    assert rebuilt["format"] == CACHE_FORMAT
+    assert rebuilt["verdicts"] == {"k2": {"backend": "quack"}}
+
+
+class _WritesMarkerWhenUnpickled:
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.touch, (self.marker,))
+
+
+def test_a_pickle_in_place_of_the_cache_is_never_unpickled(tmp_path):
+    marker = tmp_path / "unpickled"
+    path = tmp_path / cache_file_name(GPU)
+    path.write_bytes(pickle.dumps(_WritesMarkerWhenUnpickled(marker)))
+    with pytest.warns(RuntimeWarning, match="not valid JSON"):
+        assert VerdictCache(GPU, tmp_path).get("anything") is None
+    assert not marker.exists()
+
+
+def test_an_unwritable_cache_folder_keeps_verdicts_in_memory(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    cache = VerdictCache(GPU, blocker / "sub")  # cannot create a folder under a file
+    with pytest.warns(RuntimeWarning, match="could not be written"):
+        cache.put("k", {"backend": "quack"})
+    assert cache.get("k") == {"backend": "quack"}
+
+
+# -- the autotuner -------------------------------------------------------------------------------
+
+
+def test_a_wrong_candidate_fails_the_cross_check_and_cublas_is_kept(tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="dmuon_kernels")
+    wrong = ExactBackend(relative_error=0.01)
+    assert tuner_with(tmp_path, wrong).choose("exact", a_matrix()) == "cublas"
+    (verdict,) = json.loads((tmp_path / "syrk-autotune-cpu.json").read_text())["verdicts"].values()
+    assert verdict["backend"] == "cublas"
+    assert "failed the cross-check" in verdict["reason"]
+    assert verdict["candidate_error"] > autotune.ERROR_RATIO_LIMIT * verdict["cublas_error"]
+    assert any("backend=cublas" in line and "verdict" in line for line in autotune_lines(caplog))
+
+
+def test_a_correct_candidate_passes_and_the_verdict_records_both_timings(tmp_path):
+    exact = ExactBackend()
+    chosen = tuner_with(tmp_path, exact).choose("exact", a_matrix())
+    (verdict,) = json.loads((tmp_path / "syrk-autotune-cpu.json").read_text())["verdicts"].values()
+    assert chosen == verdict["backend"]
+    # The faster one wins; on this CPU either may, so check the rule, not the outcome.
+    expected = "exact" if verdict["candidate_ms"] < 0.99 * verdict["cublas_ms"] else "cublas"
+    assert chosen == expected
+    assert verdict["candidate_error"] <= verdict["cublas_error"]
+    assert (verdict["shape"], verdict["dtype"], verdict["with_c"]) == ([24, 40], "float16", False)
+
+
+def test_autotune_lines_are_rank_tagged_and_name_shape_dtype_and_backend(tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="dmuon_kernels")
+    tuner_with(tmp_path, ExactBackend()).choose("exact", a_matrix(24, 40))
+    started, verdict = autotune_lines(caplog)
+    assert started == (
+        "[DMuon][rank=3/8] SYRK autotune candidate started shape=(24,40) dtype=float16 "
+        "backend=exact"
+    )
+    assert verdict.startswith("[DMuon][rank=3/8] SYRK autotune verdict shape=(24,40) dtype=float16")
+
+
+def test_dmuon_syrk_autotune_log_0_silences_the_lines_but_still_tunes(
+    tmp_path, caplog, monkeypatch
+):
+    monkeypatch.setenv("DMUON_SYRK_AUTOTUNE_LOG", "0")
+    caplog.set_level(logging.INFO, logger="dmuon_kernels")
+    candidate = ExactBackend(relative_error=0.01)
+    assert tuner_with(tmp_path, candidate).choose("exact", a_matrix()) == "cublas"
+    assert candidate.calls > 0
+    assert autotune_lines(caplog) == []
+
+
+def test_a_cached_verdict_is_reused_by_a_new_process_without_retuning(tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="dmuon_kernels")
+    first = tuner_with(tmp_path, ExactBackend()).choose("exact", a_matrix())
+    caplog.clear()
+    candidate = ExactBackend()
+    again = tuner_with(tmp_path, candidate)  # a fresh tuner: empty memory, same folder
+    assert again.choose("exact", a_matrix(seed=5)) == first
+    assert candidate.calls == 0
+    assert autotune_lines(caplog) == []
+
+
+def test_a_library_version_change_invalidates_the_verdict(tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="dmuon_kernels")
+    tuner_with(tmp_path, ExactBackend(library_version="1.0")).choose("exact", a_matrix())
+    caplog.clear()
+    upgraded = ExactBackend(library_version="2.0")
+    tuner_with(tmp_path, upgraded).choose("exact", a_matrix())
+    assert upgraded.calls > 0
+    assert any("candidate started" in line for line in autotune_lines(caplog))
+    verdicts = json.loads((tmp_path / "syrk-autotune-cpu.json").read_text())["verdicts"]
+    assert sorted(re.search(r"test-lib=([^,]+)", key).group(1) for key in verdicts) == [
+        "1.0",
+        "2.0",
+    ]
+
+
+def test_each_problem_gets_its_own_verdict(tmp_path):
+    candidate = ExactBackend()
+    tuner = tuner_with(tmp_path, candidate)
+    A = a_matrix(16, 32)
+    C = torch.randn(16, 16, generator=torch.Generator().manual_seed(1)).half()
+    C = (C + C.mT) / 2
+    tuner.choose("exact", A)
+    tuner.choose("exact", A, C)
+    tuner.choose("exact", a_matrix(16, 32, dtype=torch.bfloat16))
+    tuner.choose("exact", A.expand(3, 16, 32))
+    tuner.choose("exact", C, C, op=autotune.SYMMETRIC_PRODUCT)
+    calls = candidate.calls
+    tuner.choose("exact", a_matrix(16, 32, seed=9))  # same problem, other values: no tuning
+    assert candidate.calls == calls
+    keys = json.loads((tmp_path / "syrk-autotune-cpu.json").read_text())["verdicts"]
+    assert len(keys) == 5
+
+
+def test_tuning_never_advances_the_global_random_generator(tmp_path):
+    before = torch.get_rng_state()
+    tuner_with(tmp_path, ExactBackend()).choose("exact", a_matrix())
+    assert torch.equal(torch.get_rng_state(), before)
+
+
+def test_a_candidate_without_symmetric_product_keeps_cublas_for_that_operation(tmp_path):
+    class SyrkOnly:
+        def versions(self):
+            return {}
+
+        def syrk(self, A, C, alpha, beta):
+            return ExactBackend().syrk(A, C, alpha, beta)
+
+    backends = {"cublas": cublas, "syrk_only": SyrkOnly()}
+    tuner = SyrkAutotuner(cache_dir=tmp_path, get_backend=backends.__getitem__)
+    S = a_matrix(16, 16)
+    assert tuner.choose("syrk_only", S, op=autotune.SYMMETRIC_PRODUCT) == "cublas"
+
+
+def test_the_cache_key_holds_problem_candidate_and_every_version():
+    problem = SyrkProblem(M=4096, K=14336, batch=8, dtype=torch.bfloat16, has_c=True)
+    key = autotune.verdict_key(problem, "quack", {"torch": "2.11", "quack-kernels": "0.5.0"})
+    assert key == (
+        "op=syrk;M=4096;K=14336;batch=8;dtype=bfloat16;with_c=1;candidate=quack;"
+        "versions=quack-kernels=0.5.0,torch=2.11"
+    )
+
+
+def test_autotune_log_switch_accepts_the_usual_spellings(monkeypatch):
+    for value, enabled in [("0", False), ("false", False), ("OFF", False), ("1", True), ("", True)]:
+        monkeypatch.setenv("DMUON_SYRK_AUTOTUNE_LOG", value)
+        assert autotune.autotune_log_enabled() is enabled, value
+    monkeypatch.delenv("DMUON_SYRK_AUTOTUNE_LOG")
+    assert autotune.autotune_log_enabled()
+
+
+def test_cache_module_imports_nothing_but_the_standard_library():
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import importlib.util, sys; "
+            f"s = importlib.util.spec_from_file_location('c', {cache_module.__file__!r}); "
+            "m = importlib.util.module_from_spec(s); s.loader.exec_module(m); "
+            "print('torch' in sys.modules)",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**os.environ, "PYTHONPATH": ""},
+    )
+    assert result.stdout.strip() == "False"
