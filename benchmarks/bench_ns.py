@@ -16,6 +16,12 @@ Usage (from the repository root, packages installed or on PYTHONPATH)::
                                                        # are slow, so its ratios mean nothing)
     hatch run bench-ns --quick
 
+Columns: torch.optim.Muon's NS (baseline); dmuon gram with kernel="auto" and CUDA graphs (the
+default), the same without graphs, the same on cuBLAS only; dmuon direct; the gram-newton-schulz
+package (quack kernels, torch.compile "reduce-overhead"; a baseline, never a dependency: it is
+imported only here and its column says why when it is missing). A batched case follows: a stack
+of 8 same-shape 1024x4096 matrices, one batched call against 8 separate calls.
+
 Adding columns: a candidate is a name and a zero-argument factory returning ``f(G) -> Tensor``;
 a factory that raises (e.g. a kernel not installed) gives a column marked unavailable with the
 reason. Another script can extend the default list::
@@ -75,12 +81,81 @@ def torch_muon_orthogonalise() -> Callable[[Tensor], Tensor]:
     return lambda G: torch_muon._zeropower_via_newtonschulz(G, coefficients, steps, eps)
 
 
+def newton_schulz_without_graphs(backend: str, **kwargs) -> NewtonSchulz:
+    """A NewtonSchulz built with DMUON_NS_CUDA_GRAPH=0 (read at construction)."""
+    previous = os.environ.get("DMUON_NS_CUDA_GRAPH")
+    os.environ["DMUON_NS_CUDA_GRAPH"] = "0"
+    try:
+        return NewtonSchulz(backend, **kwargs)
+    finally:
+        if previous is None:
+            del os.environ["DMUON_NS_CUDA_GRAPH"]
+        else:
+            os.environ["DMUON_NS_CUDA_GRAPH"] = previous
+
+
+def gram_newton_schulz_package() -> Callable[[Tensor], Tensor]:
+    """The gram-newton-schulz package (quack kernels, torch.compile reduce-overhead), with the
+    same Polar Express table and restart as dmuon. A benchmark baseline only: imported here."""
+    from gram_newton_schulz import GramNewtonSchulz
+
+    from dmuon_kernels import POLAR_EXPRESS_COEFFICIENTS
+
+    return GramNewtonSchulz(
+        ns_coefficients=[list(row) for row in POLAR_EXPRESS_COEFFICIENTS],
+        gram_newton_schulz_reset_iterations=[2],
+    )
+
+
 def default_candidates() -> list[Candidate]:
     return [
         Candidate(BASELINE, torch_muon_orthogonalise),
+        # gram + kernel="auto" + CUDA graphs: the default configuration
         Candidate("dmuon gram", lambda: NewtonSchulz("gram")),
+        Candidate("dmuon gram no-graphs", lambda: newton_schulz_without_graphs("gram")),
+        Candidate("dmuon gram cublas", lambda: NewtonSchulz("gram", kernel="cublas")),
         Candidate("dmuon direct", lambda: NewtonSchulz("direct")),
+        Candidate("gram-newton-schulz pkg", gram_newton_schulz_package),
     ]
+
+
+# Batched case: same-shape matrices owned by one rank, one batched call against one call each.
+BATCHED_CASE = (8, 1024, 4096)
+QUICK_BATCHED_CASE = (4, 64, 256)
+
+
+def batched_candidates() -> list[Candidate]:
+    def separate_calls() -> Callable[[Tensor], Tensor]:
+        ns = NewtonSchulz("gram")
+        return lambda stack: torch.stack([ns(matrix) for matrix in stack])
+
+    return [
+        Candidate("dmuon gram, one call per matrix", separate_calls),
+        Candidate("dmuon gram, one batched call", lambda: NewtonSchulz("gram")),
+        Candidate("gram-newton-schulz pkg, batched", gram_newton_schulz_package),
+    ]
+
+
+def run_batched(
+    case: tuple[int, int, int], device: torch.device, *, warmup: int, repeats: int
+) -> list[dict]:
+    """Median ms of each batched candidate on one (B, m, n) stack; ratios vs separate calls."""
+    generator = torch.Generator(device=device).manual_seed(1)
+    stack = torch.randn(case, device=device, dtype=torch.float32, generator=generator)
+    results = []
+    for candidate in batched_candidates():
+        entry: dict = {"stack": list(case), "candidate": candidate.name}
+        try:
+            times = time_calls(candidate.build(), stack, warmup=warmup, repeats=repeats)
+            entry.update(median_ms=statistics.median(times), times_ms=times, error=None)
+        except Exception as error:  # the row says why instead of the run stopping
+            entry.update(median_ms=None, times_ms=[], error=f"{type(error).__name__}: {error}")
+        results.append(entry)
+    separate = results[0]["median_ms"]
+    for entry in results:
+        both = separate and entry["median_ms"]
+        entry["speedup_vs_separate_calls"] = separate / entry["median_ms"] if both else None
+    return results
 
 
 def time_calls(
@@ -247,6 +322,15 @@ def main(argv: Sequence[str] | None = None, candidates: Sequence[Candidate] | No
         f"warm-up; (x) = speedup vs {BASELINE}"
     )
     print(format_table(results, candidates))
+    batched_case = QUICK_BATCHED_CASE if args.quick else BATCHED_CASE
+    batched = run_batched(batched_case, device, warmup=warmup, repeats=repeats)
+    print(f"batched stack {batched_case}:")
+    for entry in batched:
+        if entry["median_ms"] is None:
+            print(f"  {entry['candidate']:<34} unavailable: {entry['error']}")
+        else:
+            speedup = entry["speedup_vs_separate_calls"]
+            print(f"  {entry['candidate']:<34} {entry['median_ms']:8.3f} ms ({speedup:.2f}x)")
 
     out = (
         args.out
@@ -273,6 +357,7 @@ def main(argv: Sequence[str] | None = None, candidates: Sequence[Candidate] | No
             },
             "backend_status": get_backend_status(),
             "results": results,
+            "batched": batched,
         }
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(record, indent=2) + "\n")

@@ -250,6 +250,8 @@ def _call(
     api: _QuackApi, A: Tensor, B: Tensor, C: Tensor | None, alpha: float, beta: float
 ) -> Tensor:
     """quack's ``gemm_symmetric(A, B, C=..., alpha=..., beta=...)`` on prepared operands."""
+    if C is None:
+        beta = 1.0  # unused without C; 1.0 selects quack's plain epilogue (one compile fewer)
     kwargs: dict[str, object] = {"C": C, "alpha": alpha, "beta": beta}
     if api.accepts_out:
         out_shape = (*A.shape[:-1], A.shape[-2])

@@ -1,0 +1,210 @@
+"""SYRK speed: cuBLAS's full product ``a @ a.T`` against quack, cute and ``kernel="auto"``.
+
+For each dtype (fp16, bf16) and shape A (M, K), every column computes A·Aᵀ on the same input:
+``cublas`` is ``a @ a.T`` (the full product, what torch does), ``quack`` and ``cute`` the
+backends (a column says why when a backend is unavailable), ``auto`` the dispatcher with its
+per-shape autotune (tuned during warm-up, so its verdict is in place before timing). A second
+table does the same for ``symmetric_product`` (A·B with A, B commuting symmetric n x n; the
+Gram iteration's other products) against ``torch.mm``.
+
+Timing is ``dmuon_kernels.syrk.timing.median_ms``, the autotuner's own: GPU-only (a spin kernel
+keeps the host's launch overhead out), CUDA events, the columns interleaved, median of
+``--repeats`` regions of about 1 ms each. Ratios are cublas_ms / column_ms (> 1 is faster) and
+``auto / best`` compares auto with the faster of cuBLAS and quack, in the same run.
+
+Usage (repository root, packages on PYTHONPATH)::
+
+    python benchmarks/bench_syrk.py                         # JSON: benchmarks/results/syrk-<gpu>-<date>.json
+    python benchmarks/bench_syrk.py --out syrk.json --repeats 25 --git-sha <sha>
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.metadata
+import json
+import re
+import subprocess
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+
+from dmuon_kernels import __version__
+from dmuon_kernels.syrk import (
+    backend_availability,
+    get_backend,
+    resolve_kernel,
+    symmetric_product,
+    syrk,
+)
+from dmuon_kernels.syrk.timing import median_ms
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
+
+SHAPES = [(1024, 4096), (4096, 4096), (4096, 14336), (8192, 8192), (8192, 28672)]
+SQUARE_SIZES = [1024, 4096, 8192]  # symmetric_product: the Gram matrices of the shapes above
+DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+BACKENDS = ("quack", "cute")
+COLUMNS = ("cublas", *BACKENDS, "auto")
+
+
+def git_sha(explicit: str | None) -> str:
+    if explicit:
+        return explicit
+    try:
+        return subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True, check=True
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def versions() -> dict[str, str | None]:
+    found: dict[str, str | None] = {"torch": torch.__version__, "cuda": torch.version.cuda}
+    found["dmuon-kernels"] = __version__
+    for name in ("quack-kernels", "nvidia-cutlass-dsl", "triton"):
+        try:
+            found[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            found[name] = None
+    return found
+
+
+def syrk_columns(A: torch.Tensor) -> dict[str, Callable[[], object] | str]:
+    """Column name -> zero-argument call on A, or the reason the column cannot run."""
+    columns: dict[str, Callable[[], object] | str] = {"cublas": lambda: A @ A.T}
+    for name in BACKENDS:
+        available, reason = backend_availability(name)
+        backend = get_backend(name)
+        columns[name] = (lambda b=backend: b.syrk(A, None, 1.0, 0.0)) if available else reason
+    columns["auto"] = lambda: syrk(A, kernel="auto")
+    return columns
+
+
+def product_columns(S: torch.Tensor, B: torch.Tensor) -> dict[str, Callable[[], object] | str]:
+    columns: dict[str, Callable[[], object] | str] = {"cublas": lambda: torch.mm(S, B)}
+    for name in BACKENDS:
+        available, reason = backend_availability(name)
+        backend = get_backend(name)
+        if available and not hasattr(backend, "symmetric_product"):
+            available, reason = False, f"{name} has no symmetric_product"
+        columns[name] = (
+            (lambda b=backend: b.symmetric_product(S, B, None, 1.0, 0.0)) if available else reason
+        )
+    columns["auto"] = lambda: symmetric_product(S, B, kernel="auto")
+    return columns
+
+
+def measure(
+    label: list[int], dtype_name: str, columns: dict[str, Callable[[], object] | str], *,
+    repeats: int, chosen: str,
+) -> dict:  # fmt: skip
+    runnable = {name: fn for name, fn in columns.items() if callable(fn)}
+    for fn in runnable.values():  # warm-up: compiles quack, tunes "auto"
+        fn()
+    timings = median_ms(runnable, torch.device("cuda"), repeats=repeats)
+    entry: dict = {"shape": label, "dtype": dtype_name, "auto_chose": chosen, "median_ms": {}}
+    entry["unavailable"] = {name: fn for name, fn in columns.items() if isinstance(fn, str)}
+    entry["median_ms"] = {name: timings.get(name) for name in columns}
+    cublas_ms = timings["cublas"]
+    entry["speedup_vs_cublas"] = {name: cublas_ms / ms for name, ms in timings.items()}
+    best = min(ms for name, ms in timings.items() if name in ("cublas", "quack"))
+    entry["auto_vs_best_of_cublas_quack"] = best / timings["auto"]
+    return entry
+
+
+def run(repeats: int) -> tuple[list[dict], list[dict]]:
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    syrk_rows, product_rows = [], []
+    for dtype_name, dtype in DTYPES.items():
+        for M, K in SHAPES:
+            A = torch.randn(M, K, device="cuda", generator=generator).mul_(K**-0.25).to(dtype)
+            chosen = resolve_kernel("auto", A)
+            syrk_rows.append(
+                measure([M, K], dtype_name, syrk_columns(A), repeats=repeats, chosen=chosen)
+            )
+            del A
+            torch.cuda.empty_cache()
+        for n in SQUARE_SIZES:
+            S = torch.randn(n, n, device="cuda", generator=generator).mul_(n**-0.25)
+            S = ((S + S.T) / 2).to(dtype)
+            B = (0.5 * S.float() + 0.1 * (S.float() @ S.float())).to(dtype)  # a polynomial in S
+            chosen = resolve_kernel("auto", S, op="symmetric_product")
+            product_rows.append(
+                measure([n, n], dtype_name, product_columns(S, B), repeats=repeats, chosen=chosen)
+            )
+            del S, B
+            torch.cuda.empty_cache()
+    return syrk_rows, product_rows
+
+
+def format_table(title: str, rows: Sequence[dict]) -> str:
+    lines = [
+        title,
+        f"{'dtype':>9} {'shape':>12}"
+        + "".join(f"{c:>18}" for c in COLUMNS)
+        + f"{'auto/best':>11}  auto chose",
+    ]
+    for row in rows:
+        cells = []
+        for name in COLUMNS:
+            ms = row["median_ms"].get(name)
+            if ms is None:
+                cells.append(f"{'n/a':>18}")
+            elif name == "cublas":
+                cells.append(f"{ms:>12.3f} ms   ")
+            else:
+                cells.append(f"{ms:>8.3f} ({row['speedup_vs_cublas'][name]:.2f}x)  ")
+        shape = f"{row['shape'][0]}x{row['shape'][1]}"
+        lines.append(
+            f"{row['dtype']:>9} {shape:>12}" + "".join(cells)
+            + f"{row['auto_vs_best_of_cublas_quack']:>10.3f}  {row['auto_chose']}"
+        )  # fmt: skip
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=25, help="timed regions per column")
+    parser.add_argument("--out", type=Path, default=None, help="JSON path")
+    parser.add_argument("--git-sha", default=None, help="recorded in the JSON (default: git)")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_syrk: needs a CUDA device", file=sys.stderr)
+        return 2
+    date = datetime.datetime.now(datetime.UTC)
+    gpu = torch.cuda.get_device_name()
+    syrk_rows, product_rows = run(args.repeats)
+    print(f"SYRK on {gpu}, GPU-only median ms; (x) = speedup vs cuBLAS a @ a.T")
+    print(format_table("A·Aᵀ for A (M, K):", syrk_rows))
+    unavailable = {k: v for row in syrk_rows for k, v in row["unavailable"].items()}
+    for name, reason in unavailable.items():
+        print(f"{name}: {reason}")
+    print(format_table("symmetric_product S·B, (n, n):", product_rows))
+    slug = re.sub(r"[^a-z0-9]+", "-", gpu.lower()).strip("-")
+    out = args.out or RESULTS_DIR / f"syrk-{slug}-{date:%Y-%m-%d}.json"
+    record = {
+        "benchmark": "syrk",
+        "date": date.isoformat(timespec="seconds"),
+        "git_sha": git_sha(args.git_sha),
+        "device": gpu,
+        "compute_capability": list(torch.cuda.get_device_capability()),
+        "versions": versions(),
+        "timing": "GPU-only (spin kernel ahead of each region), CUDA events, interleaved, median",
+        "inputs": {"shapes": SHAPES, "square_sizes": SQUARE_SIZES, "dtypes": list(DTYPES),
+                   "repeats": args.repeats},
+        "syrk": syrk_rows,
+        "symmetric_product": product_rows,
+    }  # fmt: skip
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(record, indent=2) + "\n")
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

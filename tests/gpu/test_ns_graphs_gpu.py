@@ -1,0 +1,128 @@
+"""Newton-Schulz on the GPU: every kernel against float64 oracles, CUDA-graph replay bit-identical
+to eager, failed captures left eager, and batched NS equal to one call per matrix."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from dmuon_kernels import NewtonSchulz, reference
+from dmuon_kernels.coefficients import POLAR_EXPRESS_COEFFICIENTS
+from dmuon_kernels.graphs import GraphedFunction
+from tests.kernels.ns_matrices import (
+    LOW_PRECISION_RATIO,
+    log_spectrum,
+    matrix_with_spectrum,
+    plain_loop_error,
+    relative_error,
+)
+
+# wide (gram form), square (direct form), tall (transposed gram)
+CASES = {"wide": (256, 1024), "square": (384, 384), "tall": (1024, 256)}
+
+
+def spectrum_matrix(rows, cols, seed=0):
+    return matrix_with_spectrum(rows, cols, log_spectrum(min(rows, cols), 1e-3), seed=seed)
+
+
+@pytest.mark.parametrize("kernel", ["cublas", "quack", "auto"])
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_gpu_newton_schulz_is_within_twice_the_plain_loop_error(kernel, case, request):
+    if kernel == "quack":
+        request.getfixturevalue("needs_quack")
+    rows, cols = CASES[case]
+    G = spectrum_matrix(rows, cols)
+    exact = reference.newton_schulz_by_svd(G, POLAR_EXPRESS_COEFFICIENTS)
+    yardstick = plain_loop_error(G, POLAR_EXPRESS_COEFFICIENTS, torch.float16)
+    ns = NewtonSchulz(kernel=kernel)
+    out = ns(G.cuda())
+    assert out.dtype == torch.float32 and out.shape == G.shape
+    assert relative_error(out.cpu(), exact) <= LOW_PRECISION_RATIO * yardstick
+
+
+@pytest.mark.parametrize("backend", ["gram", "direct"])
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_graph_replay_is_bit_identical_to_eager(backend, case, monkeypatch):
+    rows, cols = CASES[case]
+    inputs = [spectrum_matrix(rows, cols, seed=s).cuda() for s in range(4)]
+    monkeypatch.setenv("DMUON_NS_CUDA_GRAPH", "0")
+    eager = NewtonSchulz(backend)
+    monkeypatch.setenv("DMUON_NS_CUDA_GRAPH", "1")
+    graphed = NewtonSchulz(backend)
+    modes = []
+    for G in inputs:  # call 1 eager (autotune), call 2 captures, calls 3-4 replay
+        assert torch.equal(graphed(G), eager(G))
+        modes.append(graphed._graphed.mode(G))
+    assert modes == ["eager", "graph", "graph", "graph"]
+    assert eager._graphed.mode(inputs[0]) == "eager"
+
+
+def test_replayed_outputs_are_fresh_tensors():
+    ns = NewtonSchulz()
+    G1, G2 = (spectrum_matrix(128, 512, seed=s).cuda() for s in (5, 6))
+    ns(G1)
+    first = ns(G1)  # captured
+    kept = first.clone()
+    ns(G2)  # replays into the graph's static output
+    assert torch.equal(first, kept)
+
+
+def test_failed_capture_does_not_leave_a_replayable_graph():
+    def syncs_with_the_host(x):
+        scale = float(x.abs().max())  # a host sync: not capturable
+        return x / scale
+
+    graphed = GraphedFunction(syncs_with_the_host, name="test function")
+    x = torch.randn(64, 64, device="cuda")
+    expected = syncs_with_the_host(x)
+    assert torch.equal(graphed(x), expected)  # eager warm-up
+    with pytest.warns(RuntimeWarning, match="CUDA-graph replay is off for shape=\\(64, 64\\)"):
+        assert torch.equal(graphed(x), expected)  # capture fails -> eager result
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # warned once: later calls are quiet
+        y = torch.randn(64, 64, device="cuda")
+        assert torch.equal(graphed(y), syncs_with_the_host(y))
+    assert graphed.mode(x) == "eager"
+    assert "capture failed" in next(iter(graphed.eager_reasons().values()))
+    # the CUDA context is healthy after the failed capture
+    assert torch.equal(torch.ones(3, device="cuda") * 2, torch.full((3,), 2.0, device="cuda"))
+
+
+def test_a_function_that_refuses_capture_stays_eager_and_correct():
+    def refuses_capture(x):
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("this library cannot be captured")
+        return x * 3
+
+    graphed = GraphedFunction(refuses_capture)
+    x = torch.randn(32, 16, device="cuda")
+    graphed(x)
+    with pytest.warns(RuntimeWarning, match="cannot be captured"):
+        assert torch.equal(graphed(x), x * 3)
+    assert graphed.mode(x) == "eager"
+
+
+@pytest.mark.parametrize("backend", ["gram", "direct"])
+def test_batched_newton_schulz_equals_one_call_per_matrix(backend):
+    stack = torch.stack([spectrum_matrix(256, 1024, seed=s) for s in range(4)]).cuda()
+    ns = NewtonSchulz(backend)
+    batched = ns(stack)
+    for i in range(stack.shape[0]):
+        single = ns(stack[i])
+        exact = reference.newton_schulz_by_svd(stack[i].cpu(), POLAR_EXPRESS_COEFFICIENTS)
+        yardstick = plain_loop_error(stack[i].cpu(), POLAR_EXPRESS_COEFFICIENTS, torch.float16)
+        # same polynomial; batched kernels may round differently, never worse than the rule
+        assert relative_error(batched[i].cpu(), exact) <= LOW_PRECISION_RATIO * yardstick
+        assert relative_error(batched[i].cpu(), single.cpu()) <= LOW_PRECISION_RATIO * yardstick
+
+
+def test_batched_newton_schulz_replays_as_one_graph():
+    ns = NewtonSchulz()
+    stack = torch.stack([spectrum_matrix(128, 512, seed=s) for s in range(8)]).cuda()
+    eager = NewtonSchulz()
+    eager._graphed.enabled = False
+    for _ in range(3):
+        assert torch.equal(ns(stack), eager(stack))
+    assert ns._graphed.mode(stack) == "graph"

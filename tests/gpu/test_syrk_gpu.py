@@ -1,0 +1,123 @@
+"""Every SYRK backend on the GPU against an fp32 product, with quack's relative rule: a kernel's
+error against the fp32 product may be at most twice cuBLAS's own error on the same inputs (plus
+a quarter of the dtype's rounding unit, so two correctly rounding kernels never fail on a draw).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from dmuon_kernels import NewtonSchulz, get_ns_backend
+from dmuon_kernels.syrk import autotune, get_backend, resolve_kernel, symmetric_product, syrk
+from dmuon_kernels.syrk.cache import cache_file_name
+
+DTYPES = (torch.float16, torch.bfloat16)
+# (batch, M, K): aligned, M and K not multiples of 8 (padding path), a batch, a tall-ish one.
+SHAPES = ((None, 256, 1024), (None, 200, 777), (3, 128, 512), (None, 1024, 256))
+
+
+def operands(batch, M, K, dtype, seed=0):
+    generator = torch.Generator(device="cuda").manual_seed(seed)
+    lead = () if batch is None else (batch,)
+    A = torch.randn((*lead, M, K), device="cuda", generator=generator).mul_(K**-0.25)
+    S = torch.randn((*lead, M, M), device="cuda", generator=generator)
+    return A.to(dtype), ((S + S.mT) / 2).to(dtype)
+
+
+def fp32_product(A, B, C, alpha, beta):
+    previous = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")
+    try:
+        out = alpha * (A.float() @ B.float())
+        return out if C is None else out + beta * C.float()
+    finally:
+        torch.set_float32_matmul_precision(previous)
+
+
+def relative_error(actual, reference):
+    return ((actual.float() - reference).norm() / reference.norm()).item()
+
+
+def assert_within_twice_cublas(out, cublas_out, reference, dtype):
+    floor = 0.25 * torch.finfo(dtype).eps / 2
+    error, cublas_error = relative_error(out, reference), relative_error(cublas_out, reference)
+    assert error <= 2 * cublas_error + floor, (error, cublas_error)
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("alpha_beta", [(1.0, 0.0), (0.75, -1.25)], ids=["plain", "with_c"])
+def test_quack_syrk_is_within_twice_cublas_error_of_fp32(needs_quack, shape, dtype, alpha_beta):
+    alpha, beta = alpha_beta
+    A, C = operands(*shape, dtype)
+    C = C if beta else None
+    reference = fp32_product(A, A.mT, C, alpha, beta)
+    out = syrk(A, C=C, alpha=alpha, beta=beta, kernel="quack")
+    cublas_out = syrk(A, C=C, alpha=alpha, beta=beta, kernel="cublas")
+    assert out.shape == cublas_out.shape and out.dtype == dtype
+    assert torch.equal(out, out.mT), "quack mirrors its upper triangle: exactly symmetric"
+    assert_within_twice_cublas(out, cublas_out, reference, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_quack_accepts_transposed_views(needs_quack, dtype):
+    X, _ = operands(None, 768, 256, dtype, seed=1)  # tall: Newton-Schulz uses Xᵀ·X = syrk(X.mT)
+    A = X.mT  # (256, 768), M-contiguous
+    reference = fp32_product(A, A.mT, None, 1.0, 0.0)
+    assert_within_twice_cublas(syrk(A, kernel="quack"), syrk(A, kernel="cublas"), reference, dtype)
+
+
+@pytest.mark.parametrize("batch", [None, 4], ids=["single", "batched"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_quack_symmetric_product_is_within_twice_cublas_error(needs_quack, batch, dtype):
+    S, C = operands(batch, 512, 512, dtype, seed=2)
+    S = ((S.float() + S.float().mT) / 2).to(dtype)
+    R = S.float() @ S.float()
+    B = (0.5 * S.float() + 0.1 * R).to(dtype)  # a polynomial in S: S·B is symmetric
+    reference = fp32_product(S, B, C, 1.0, 0.5)
+    out = symmetric_product(S, B, C=C, beta=0.5, kernel="quack")
+    cublas_out = symmetric_product(S, B, C=C, beta=0.5, kernel="cublas")
+    assert torch.equal(out, out.mT)
+    assert_within_twice_cublas(out, cublas_out, reference, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_auto_gives_exactly_the_chosen_backends_result(dtype):
+    A, C = operands(None, 512, 2048, dtype, seed=3)
+    for kwargs in ({}, {"C": C, "alpha": 0.5, "beta": -1.0}):
+        out = syrk(A, kernel="auto", **kwargs)
+        chosen = resolve_kernel("auto", A, kwargs.get("C"))
+        expected = get_backend(chosen).syrk(
+            A, kwargs.get("C"), kwargs.get("alpha", 1.0), kwargs.get("beta", 0.0)
+        )
+        assert torch.equal(out, expected), chosen
+
+
+def test_auto_verdicts_are_written_to_the_cache_folder_per_gpu_model(needs_quack):
+    A, _ = operands(None, 384, 1536, torch.float16, seed=4)
+    syrk(A, kernel="auto")
+    path = Path(os.environ["DMUON_CACHE_DIR"]) / cache_file_name(autotune.gpu_model(A.device))
+    verdicts = json.loads(path.read_text())["verdicts"]
+    mine = [v for v in verdicts.values() if v["shape"] == [384, 1536] and v["dtype"] == "float16"]
+    assert len(mine) == 1
+    assert mine[0]["backend"] in ("quack", "cublas")
+    assert mine[0]["candidate_error"] <= 2 * mine[0]["cublas_error"] + 1e-4
+
+
+def test_kernel_quack_constructs_and_is_reported(needs_quack):
+    ns = NewtonSchulz(kernel="quack")
+    assert ns.kernel == "quack"
+    assert get_ns_backend(ns).startswith("Gram NS · kernel=quack (SM")
+    assert "Tri Dao quack" in get_ns_backend(ns)
+
+
+def test_quack_refuses_fp32_with_the_fix(needs_quack):
+    from dmuon_kernels.syrk import quack
+
+    with pytest.raises(ValueError, match=r"takes float16 or bfloat16, got A\.dtype=torch\.float32"):
+        quack.syrk(torch.zeros(8, 8, device="cuda"), None, 1.0, 0.0)
