@@ -284,7 +284,11 @@ class WorkerPool:
             process.start()
             child_end.close()
             self._workers.append(_Worker(rank, process, parent_end, log_path))
-        replies = self._collect(STARTUP_DEADLINE_S)
+        try:
+            replies = self._collect(STARTUP_DEADLINE_S)
+        except BaseException:
+            self._stop()  # half-started workers must not be taken for a ready pool
+            raise
         if replies.failed:
             report = self._failure_report(replies, "starting the gloo workers")
             self._stop()
@@ -341,9 +345,15 @@ class WorkerPool:
             ) from error
         if not self._workers:
             self._start()
-        for worker in self._workers:
-            worker.connection.send_bytes(request)
-        replies = self._collect(deadline_s or self.deadline_s)
+        try:
+            for worker in self._workers:
+                worker.connection.send_bytes(request)
+            replies = self._collect(deadline_s or self.deadline_s)
+        except BaseException:
+            # Interrupted (pytest-timeout, Ctrl-C) with the scenario still running: its late
+            # replies would be taken for the next scenario's, so these workers cannot be reused.
+            self._stop()
+            raise
         if replies.failed:
             report = self._failure_report(replies, f"scenario {module_name}:{qualname}")
             self._stop()

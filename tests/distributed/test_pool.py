@@ -66,6 +66,7 @@ def test_worker_output_of_a_passing_scenario_goes_to_the_test_stdout(pool2, caps
 
 
 def test_a_collective_issued_by_one_rank_fails_at_the_deadline_and_the_pool_recovers(pool2):
+    pool2.run(scenarios_pool.sum_of_ranks)  # make sure workers are up before counting respawns
     generation = pool2.generation
     with pytest.raises(ScenarioTimeout, match="still running at the deadline on ranks") as failure:
         pool2.run(scenarios_pool.only_rank_zero_all_reduces, deadline_s=3)
