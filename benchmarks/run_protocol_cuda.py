@@ -55,6 +55,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 from torch.distributed.fsdp import fully_shard  # noqa: E402
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset  # noqa: E402
 
 import dmuon  # noqa: E402
 from dmuon.api import get_dedicated_state  # noqa: E402
@@ -160,22 +161,38 @@ def build_reference(device: torch.device):
     return reference, optimizer
 
 
-def visible_weights(model) -> dict[str, torch.Tensor]:
-    """Full weights this rank can see: its owned dedicated masters and every FSDP2 parameter."""
+def visible_weights(model) -> dict[str, tuple[torch.Tensor, tuple[slice, ...]]]:
+    """What this rank holds, with the region of the full weight it covers: its owned dedicated
+    masters (whole) and its local shard of every FSDP2 parameter.
+
+    Shards are compared in place rather than gathered with ``full_tensor()``: DTensor's
+    functional all-gather crashes on gloo with CUDA tensors (torch 2.11), and comparing the
+    local shards checks the same numbers without it.
+    """
     state = get_dedicated_state(model)
-    weights = {p.fqn: p.master.detach().clone() for p in state.iter_owned_masters()}
+    weights = {
+        p.fqn: (p.master.detach().clone(), (slice(None),)) for p in state.iter_owned_masters()
+    }
     for name, param in model.named_parameters():
-        if name not in state.params:
-            weights[name] = param.full_tensor().detach().clone()
+        if name in state.params:
+            continue
+        shape, offset = compute_local_shape_and_global_offset(
+            param.shape, param.device_mesh, param.placements
+        )
+        region = tuple(slice(start, start + size) for start, size in zip(offset, shape))
+        weights[name] = (param.to_local().detach().clone(), region)
     return weights
 
 
-def max_relative_error(weights: dict[str, torch.Tensor], reference) -> float:
+def max_relative_error(weights, reference) -> float:
     expected = dict(reference.named_parameters())
-    return max(
-        ((value - expected[name]).norm() / expected[name].norm().clamp_min(1e-30)).item()
-        for name, value in weights.items()
-    )
+    errors = []
+    for name, (value, region) in weights.items():
+        target = expected[name][region]
+        if target.numel() == 0:
+            continue
+        errors.append(((value - target).norm() / target.norm().clamp_min(1e-30)).item())
+    return max(errors)
 
 
 def all_ranks(value: float, op: dist.ReduceOp, device: torch.device) -> float:
@@ -228,7 +245,8 @@ def bit_identical(first: dict, second: dict, device: torch.device) -> bool:
         second["_weights"].keys()
     )
     same = same and all(
-        torch.equal(value, second["_weights"][name]) for name, value in first["_weights"].items()
+        torch.equal(value, second["_weights"][name][0])
+        for name, (value, _) in first["_weights"].items()
     )
     return all_ranks(float(same), dist.ReduceOp.MIN, device) == 1.0
 
