@@ -33,11 +33,11 @@ for label, X in [("k-major", A), ("m-major", A.T.contiguous().T)]:
 PY
       ;;
     tests)
-      timeout 300 python3 -m pytest tests/gpu -q -rs -p no:cacheprovider 2>&1 | tee "$OUT/tests.log" | tail -40 ;;
+      timeout ${TESTS_TIMEOUT:-300} python3 -m pytest tests/gpu -q -rs -p no:cacheprovider 2>&1 | tee "$OUT/tests.log" | tail -40 ;;
     syrk)
-      timeout 240 python3 benchmarks/bench_syrk.py --out "$OUT/syrk.json" --git-sha "$sha" 2>&1 | tee "$OUT/syrk.log" | grep -v "SYRK autotune" ;;
+      timeout ${SYRK_TIMEOUT:-240} python3 benchmarks/bench_syrk.py --out "$OUT/syrk.json" --git-sha "$sha" 2>&1 | tee "$OUT/syrk.log" | grep -v "SYRK autotune" ;;
     ns)
-      timeout 300 python3 benchmarks/bench_ns.py --out "$OUT/ns.json" --git-sha "$sha" 2>&1 | tee "$OUT/ns.log" | grep -v "SYRK autotune" ;;
+      timeout ${NS_TIMEOUT:-300} python3 benchmarks/bench_ns.py --out "$OUT/ns.json" --git-sha "$sha" 2>&1 | tee "$OUT/ns.log" | grep -v "SYRK autotune" ;;
   esac
   echo "== step $step took $(( $(date +%s) - start ))s"
 done
