@@ -5,7 +5,8 @@ For each dtype (fp16, bf16) and shape A (M, K), every column computes A·Aᵀ on
 backends (a column says why when a backend is unavailable), ``auto`` the dispatcher with its
 per-shape autotune (tuned during warm-up, so its verdict is in place before timing). A second
 table does the same for ``symmetric_product`` (A·B with A, B commuting symmetric n x n; the
-Gram iteration's other products) against ``torch.mm``.
+Gram iteration's other products) against ``torch.mm``, a third for ``matmul`` (0.5·C + A·B,
+Newton-Schulz's non-symmetric products) against ``torch.addmm``.
 
 Timing is ``dmuon_kernels.syrk.timing.median_ms``, the autotuner's own: GPU-only (a spin kernel
 keeps the host's launch overhead out), CUDA events, the columns interleaved, median of
@@ -36,6 +37,7 @@ from dmuon_kernels import __version__
 from dmuon_kernels.syrk import (
     backend_availability,
     get_backend,
+    matmul,
     resolve_kernel,
     symmetric_product,
     syrk,
@@ -47,6 +49,9 @@ RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
 
 SHAPES = [(1024, 4096), (4096, 4096), (4096, 14336), (8192, 8192), (8192, 28672)]
 SQUARE_SIZES = [1024, 4096, 8192]  # symmetric_product: the Gram matrices of the shapes above
+# matmul (M, K, N): Newton-Schulz's Q·X and poly·X for the shapes above
+MATMUL_SHAPES = [(1024, 1024, 4096), (4096, 4096, 4096), (4096, 4096, 14336), (8192, 8192, 8192),
+                 (8192, 8192, 28672)]  # fmt: skip
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 BACKENDS = ("quack", "cute")
 COLUMNS = ("cublas", *BACKENDS, "auto")
@@ -99,6 +104,23 @@ def product_columns(S: torch.Tensor, B: torch.Tensor) -> dict[str, Callable[[], 
     return columns
 
 
+def matmul_columns(
+    A: torch.Tensor, B: torch.Tensor, C: torch.Tensor
+) -> dict[str, Callable[[], object] | str]:
+    """a·X + P·X as Newton-Schulz's direct step issues it: torch.addmm against the backends."""
+    columns: dict[str, Callable[[], object] | str] = {
+        "cublas": lambda: torch.addmm(C, A, B, beta=0.5)
+    }
+    for name in BACKENDS:
+        available, reason = backend_availability(name)
+        backend = get_backend(name)
+        if available and not hasattr(backend, "matmul"):
+            available, reason = False, f"{name} has no matmul"
+        columns[name] = (lambda b=backend: b.matmul(A, B, C, 1.0, 0.5)) if available else reason
+    columns["auto"] = lambda: matmul(A, B, C=C, beta=0.5, kernel="auto")
+    return columns
+
+
 def measure(
     label: list[int], dtype_name: str, columns: dict[str, Callable[[], object] | str], *,
     repeats: int, chosen: str,
@@ -117,9 +139,9 @@ def measure(
     return entry
 
 
-def run(repeats: int) -> tuple[list[dict], list[dict]]:
+def run(repeats: int) -> tuple[list[dict], list[dict], list[dict]]:
     generator = torch.Generator(device="cuda").manual_seed(0)
-    syrk_rows, product_rows = [], []
+    syrk_rows, product_rows, matmul_rows = [], [], []
     for dtype_name, dtype in DTYPES.items():
         for M, K in SHAPES:
             A = torch.randn(M, K, device="cuda", generator=generator).mul_(K**-0.25).to(dtype)
@@ -139,13 +161,25 @@ def run(repeats: int) -> tuple[list[dict], list[dict]]:
             )
             del S, B
             torch.cuda.empty_cache()
-    return syrk_rows, product_rows
+        for M, K, N in MATMUL_SHAPES:
+            A, B, C = (
+                torch.randn(shape, device="cuda", generator=generator).mul_(K**-0.25).to(dtype)
+                for shape in ((M, K), (K, N), (M, N))
+            )
+            chosen = resolve_kernel("auto", A, C, op="matmul", B=B)
+            matmul_rows.append(
+                measure([M, K, N], dtype_name, matmul_columns(A, B, C), repeats=repeats,
+                        chosen=chosen)
+            )  # fmt: skip
+            del A, B, C
+            torch.cuda.empty_cache()
+    return syrk_rows, product_rows, matmul_rows
 
 
 def format_table(title: str, rows: Sequence[dict]) -> str:
     lines = [
         title,
-        f"{'dtype':>9} {'shape':>12}"
+        f"{'dtype':>9} {'shape':>16}"
         + "".join(f"{c:>18}" for c in COLUMNS)
         + f"{'auto/best':>11}  auto chose",
     ]
@@ -159,9 +193,9 @@ def format_table(title: str, rows: Sequence[dict]) -> str:
                 cells.append(f"{ms:>12.3f} ms   ")
             else:
                 cells.append(f"{ms:>8.3f} ({row['speedup_vs_cublas'][name]:.2f}x)  ")
-        shape = f"{row['shape'][0]}x{row['shape'][1]}"
+        shape = "x".join(str(size) for size in row["shape"])
         lines.append(
-            f"{row['dtype']:>9} {shape:>12}" + "".join(cells)
+            f"{row['dtype']:>9} {shape:>16}" + "".join(cells)
             + f"{row['auto_vs_best_of_cublas_quack']:>10.3f}  {row['auto_chose']}"
         )  # fmt: skip
     return "\n".join(lines)
@@ -178,13 +212,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     date = datetime.datetime.now(datetime.UTC)
     gpu = torch.cuda.get_device_name()
-    syrk_rows, product_rows = run(args.repeats)
+    syrk_rows, product_rows, matmul_rows = run(args.repeats)
     print(f"SYRK on {gpu}, GPU-only median ms; (x) = speedup vs cuBLAS a @ a.T")
     print(format_table("A·Aᵀ for A (M, K):", syrk_rows))
     unavailable = {k: v for row in syrk_rows for k, v in row["unavailable"].items()}
     for name, reason in unavailable.items():
         print(f"{name}: {reason}")
     print(format_table("symmetric_product S·B, (n, n):", product_rows))
+    print(format_table("matmul 0.5·C + A·B, (M, K, N) (cublas = torch.addmm):", matmul_rows))
     slug = re.sub(r"[^a-z0-9]+", "-", gpu.lower()).strip("-")
     out = args.out or RESULTS_DIR / f"syrk-{slug}-{date:%Y-%m-%d}.json"
     record = {
@@ -195,10 +230,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         "compute_capability": list(torch.cuda.get_device_capability()),
         "versions": versions(),
         "timing": "GPU-only (spin kernel ahead of each region), CUDA events, interleaved, median",
-        "inputs": {"shapes": SHAPES, "square_sizes": SQUARE_SIZES, "dtypes": list(DTYPES),
-                   "repeats": args.repeats},
+        "inputs": {"shapes": SHAPES, "square_sizes": SQUARE_SIZES, "matmul_shapes": MATMUL_SHAPES,
+                   "dtypes": list(DTYPES), "repeats": args.repeats},
         "syrk": syrk_rows,
         "symmetric_product": product_rows,
+        "matmul": matmul_rows,
     }  # fmt: skip
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(record, indent=2) + "\n")

@@ -10,6 +10,7 @@ from dmuon_kernels.fused import (
     muon_momentum_,
     muon_momentum_normalize_,
     muon_normalize,
+    normalize_cast,
 )
 
 MOMENTUM = 0.95
@@ -88,3 +89,17 @@ def test_triton_apply_update_matches_the_fallback(needs_triton, ortho_layout):
     muon_apply_update_(master_gpu, ortho.cuda(), 0.02, 0.1, 0.2 * 2048**0.5)
     muon_apply_update_(master, ortho, 0.02, 0.1, 0.2 * 2048**0.5)
     assert relative_error(master_gpu, master) < 1e-6
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("layout", ["single", "batched", "transposed"])
+def test_triton_normalize_cast_equals_the_torch_expression_bitwise(needs_triton, dtype, layout):
+    generator = torch.Generator(device="cuda").manual_seed(5)
+    shape = {"single": (300, 1000), "batched": (4, 300, 1000), "transposed": (1000, 300)}[layout]
+    X = torch.randn(shape, device="cuda", generator=generator)
+    if layout == "transposed":
+        X = X.mT  # Newton-Schulz's view of a tall matrix
+    norm = torch.linalg.matrix_norm(X, keepdim=True)
+    out = normalize_cast(X, norm, 1e-7, dtype)
+    assert out.is_contiguous()
+    assert torch.equal(out, (X / (norm + 1e-7)).to(dtype))

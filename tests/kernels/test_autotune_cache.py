@@ -57,6 +57,9 @@ class ExactBackend:
             out = out + beta * C.double()
         return out.to(A.dtype)
 
+    def matmul(self, A, B, C, alpha, beta):
+        return self.symmetric_product(A, B, C, alpha, beta)
+
     def symmetric_product(self, A, B, C, alpha, beta):
         self.calls += 1
         out = alpha * (1.0 + self.relative_error) * (A.double() @ B.double())
@@ -313,11 +316,14 @@ def test_each_problem_gets_its_own_verdict(tmp_path):
     tuner.choose("exact", a_matrix(16, 32, dtype=torch.bfloat16))
     tuner.choose("exact", A.expand(3, 16, 32))
     tuner.choose("exact", C, C, op=autotune.SYMMETRIC_PRODUCT)
+    tuner.choose("exact", C, op=autotune.MATMUL, B=A)  # (16, 16) @ (16, 32)
     calls = candidate.calls
     tuner.choose("exact", a_matrix(16, 32, seed=9))  # same problem, other values: no tuning
     assert candidate.calls == calls
     keys = json.loads((tmp_path / "syrk-autotune-cpu.json").read_text())["verdicts"]
-    assert len(keys) == 5
+    assert len(keys) == 6
+    (matmul_verdict,) = [v for v in keys.values() if v["op"] == "matmul"]
+    assert matmul_verdict["shape"] == [16, 16, 32]
 
 
 def test_tuning_never_advances_the_global_random_generator(tmp_path):
@@ -338,6 +344,15 @@ def test_a_candidate_without_symmetric_product_keeps_cublas_for_that_operation(t
     tuner = SyrkAutotuner(cache_dir=tmp_path, get_backend=backends.__getitem__)
     S = a_matrix(16, 16)
     assert tuner.choose("syrk_only", S, op=autotune.SYMMETRIC_PRODUCT) == "cublas"
+
+
+def test_a_matmul_key_holds_all_three_dimensions():
+    problem = SyrkProblem(
+        M=1024, K=1024, batch=0, dtype=torch.float16, has_c=True, op="matmul", N=4096
+    )
+    key = autotune.verdict_key(problem, "quack", {})
+    assert key.startswith("op=matmul;M=1024;K=1024;N=4096;batch=0;")
+    assert problem.describe() == "shape=(1024,1024,4096) dtype=float16 op=matmul with_c=True"
 
 
 def test_the_cache_key_holds_problem_candidate_and_every_version():

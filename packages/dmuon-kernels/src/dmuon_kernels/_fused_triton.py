@@ -54,26 +54,35 @@ def _momentum_kernel(
 
 @triton.jit
 def _normalize_kernel(
-    src_ptr,  # (rows, cols), strides (src_rs, src_cs)
-    dst_ptr,  # (rows, cols), strides (dst_rs, dst_cs)
-    sq_norm_ptr,  # () fp32
+    src_ptr,  # (batch, rows, cols), strides (src_bs, src_rs, src_cs)
+    dst_ptr,  # (batch, rows, cols), strides (dst_bs, dst_rs, dst_cs)
+    norm_ptr,  # (batch,) fp32, stride norm_bs: the norm, or its square when SQUARED
     rows,
     cols,
+    src_bs,
     src_rs,
     src_cs,
+    dst_bs,
     dst_rs,
     dst_cs,
+    norm_bs,
     eps,
+    SQUARED: tl.constexpr,
     TILE_R: tl.constexpr,
     TILE_C: tl.constexpr,
 ):
+    batch = tl.program_id(2).to(tl.int64)
     r = (tl.program_id(0).to(tl.int64) * TILE_R + tl.arange(0, TILE_R))[:, None]
     c = (tl.program_id(1).to(tl.int64) * TILE_C + tl.arange(0, TILE_C))[None, :]
     mask = (r < rows) & (c < cols)
-    denominator = tl.sqrt_rn(tl.load(sq_norm_ptr)) + eps
-    x = tl.load(src_ptr + r * src_rs + c * src_cs, mask=mask, other=0.0).to(tl.float32)
-    y = tl.div_rn(x, denominator)
-    tl.store(dst_ptr + r * dst_rs + c * dst_cs, y.to(dst_ptr.dtype.element_ty), mask=mask)
+    norm = tl.load(norm_ptr + batch * norm_bs).to(tl.float32)
+    if SQUARED:
+        norm = tl.sqrt_rn(norm)
+    src = src_ptr + batch * src_bs + r * src_rs + c * src_cs
+    x = tl.load(src, mask=mask, other=0.0).to(tl.float32)
+    y = tl.div_rn(x, norm + eps)
+    dst = dst_ptr + batch * dst_bs + r * dst_rs + c * dst_cs
+    tl.store(dst, y.to(dst_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -155,13 +164,20 @@ def momentum(
     return update, _momentum_pass(grad, buf, momentum, nesterov, first_step, update)
 
 
-def normalize(update: Tensor, sq_norm: Tensor, eps: float, out: Tensor) -> None:
-    rows, cols = update.shape
-    if update.numel() == 0:
+def normalize(src: Tensor, norm: Tensor, eps: float, out: Tensor, *, squared: bool) -> None:
+    """out = src / (norm + eps) (sqrt(norm) when ``squared``); src/out (rows, cols) or
+    (batch, rows, cols), norm one value per matrix."""
+    if src.numel() == 0:
         return
-    _normalize_kernel[_grid_2d(rows, cols)](
-        update, out, sq_norm.float(), rows, cols, *update.stride(), *out.stride(), eps,
-        TILE_R=TILE_ROWS, TILE_C=TILE_COLS, num_warps=WARPS_2D,
+    src3, out3 = (t if t.dim() == 3 else t.unsqueeze(0) for t in (src, out))
+    batch, rows, cols = src3.shape
+    norm = norm.float().reshape(-1)
+    if norm.numel() != batch:
+        norm = norm.expand(batch)
+    norm_stride = norm.stride(0) if batch > 1 else 0
+    _normalize_kernel[(*_grid_2d(rows, cols), batch)](
+        src3, out3, norm, rows, cols, *src3.stride(), *out3.stride(), norm_stride, eps,
+        SQUARED=squared, TILE_R=TILE_ROWS, TILE_C=TILE_COLS, num_warps=WARPS_2D,
     )  # fmt: skip
 
 

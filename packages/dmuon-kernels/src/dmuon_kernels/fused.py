@@ -17,6 +17,8 @@ The math (SPEC "The optimizer math"), with μ the momentum and g the gradient:
   recomputes u from g and the new buf (the same bytes as reading u back, one buffer less).
 - ``muon_apply_update_``: ``W = W·(1 − lr·wd) − lr·scale·O`` into the fp32 master, any layout of
   O (Newton-Schulz returns tall matrices as transposed views). One pass.
+- ``normalize_cast``: ``(X / (norm + eps)).to(dtype)`` per matrix of a batch, one pass (Newton-
+  Schulz's input stage; bit-identical to the torch expression).
 
 The norm needs every element of u before any can be scaled, so two passes is the minimum for the
 first three; the update is one.
@@ -25,6 +27,7 @@ first three; the update is one.
 from __future__ import annotations
 
 import importlib.util
+import math
 
 import torch
 from torch import Tensor
@@ -128,9 +131,31 @@ def muon_normalize(
     _check_same_shape("muon_normalize", update, out)
     kernels = _kernels(update, out, sq_norm)
     if kernels is not None:
-        kernels.normalize(_as_matrix(update), sq_norm, float(eps), _as_matrix(out))
+        kernels.normalize(_as_matrix(update), sq_norm, float(eps), _as_matrix(out), squared=True)
         return out
     out.copy_(update.float() / (sq_norm.sqrt() + eps))
+    return out
+
+
+def normalize_cast(
+    X: Tensor,  # (n, m) or (B, n, m), any strides
+    norm: Tensor,  # one Frobenius norm per matrix: (1, 1) or (B, 1, 1)
+    eps: float,
+    dtype: torch.dtype,
+    out: Tensor | None = None,  # X's shape, ``dtype``
+) -> Tensor:  # ``out``, else a new contiguous tensor
+    """``(X / (norm + eps)).to(dtype)`` in one pass on CUDA (Newton-Schulz's input stage).
+
+    Equal to the torch expression bit for bit: the sum and the quotient are IEEE-rounded fp32,
+    then rounded once to ``dtype``.
+    """
+    kernels = _kernels(X, norm)
+    if kernels is None or X.dim() not in (2, 3) or norm.numel() not in (1, math.prod(X.shape[:-2])):
+        result = (X / (norm + eps)).to(dtype)
+        return result if out is None else out.copy_(result)
+    if out is None:
+        out = torch.empty(X.shape, dtype=dtype, device=X.device)
+    kernels.normalize(X, norm, float(eps), out, squared=False)
     return out
 
 
@@ -193,5 +218,6 @@ __all__ = [
     "muon_momentum_",
     "muon_momentum_normalize_",
     "muon_normalize",
+    "normalize_cast",
     "triton_available",
 ]

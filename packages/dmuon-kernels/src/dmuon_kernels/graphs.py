@@ -74,7 +74,8 @@ class GraphedFunction:
         signature = _signature(x)
         captured = self._captured.get(signature)
         if captured is not None:
-            captured.static_input.copy_(x)
+            if x is not captured.static_input:  # callers may write the input there directly
+                captured.static_input.copy_(x)
             captured.graph.replay()
             return _fresh(captured.static_output, out_dtype)
         if not self._may_capture(x, signature):
@@ -83,6 +84,21 @@ class GraphedFunction:
             self._warmed.add(signature)
             return _cast(self.fn(x), out_dtype)
         return _fresh(self._capture(x, signature), out_dtype)
+
+    def static_input(
+        self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+    ) -> Tensor | None:
+        """The captured graph's input buffer for contiguous inputs of this shape, or None.
+
+        A caller that produces the input anyway can write it there and pass the buffer itself,
+        which saves the copy into the graph (Newton-Schulz normalises straight into it).
+        """
+        strides, step = [], 1
+        for size in reversed(shape):  # the strides of a contiguous tensor of `shape`
+            strides.insert(0, step)
+            step *= max(size, 1)
+        captured = self._captured.get((tuple(shape), tuple(strides), dtype, device))
+        return None if captured is None else captured.static_input
 
     def mode(self, x: Tensor) -> str:
         """``"graph"`` when ``x``'s signature replays a graph, else ``"eager"`` (for tests/reports)."""
@@ -135,6 +151,7 @@ class GraphedFunction:
             identical = torch.equal(static_output, expected)
         except Exception as exc:  # any failure inside capture leaves this signature eager
             del graph
+            _end_generator_capture(stream, pool)
             self._stay_eager(signature, f"capture failed ({type(exc).__name__}: {exc})")
             torch.cuda.current_stream(device).wait_stream(stream)
             return self.fn(x)
@@ -155,6 +172,27 @@ class GraphedFunction:
         )
         warnings.warn(message, RuntimeWarning, stacklevel=4)
         log_rank_tagged(message)
+
+
+def _end_generator_capture(stream: torch.cuda.Stream, pool: object) -> None:
+    """Leave the CUDA random generator usable after a capture that failed midway.
+
+    A capture that raises before it ends normally leaves torch's CUDA generator in capture mode,
+    and every later random op fails with "Offset increment outside graph capture encountered
+    unexpectedly". One empty capture runs the generator's capture prologue and epilogue and so
+    ends that mode (see test_failed_capture_does_not_leave_a_replayable_graph).
+    """
+    empty = torch.cuda.CUDAGraph()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "the CUDA Graph is empty"
+        try:
+            with torch.cuda.graph(
+                empty, pool=pool, stream=stream, capture_error_mode="thread_local"
+            ):
+                pass
+        except Exception:  # nothing more can be done here; the caller warns about the failure
+            pass
+    del empty
 
 
 def _signature(x: Tensor) -> Signature:

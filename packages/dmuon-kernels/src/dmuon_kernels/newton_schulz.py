@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -40,6 +41,7 @@ import torch
 from torch import Tensor
 
 from dmuon_kernels.coefficients import CoefficientTable, validate_coefficients
+from dmuon_kernels.fused import normalize_cast
 from dmuon_kernels.graphs import GraphedFunction
 from dmuon_kernels.status import (
     default_device,
@@ -48,7 +50,14 @@ from dmuon_kernels.status import (
     ns_syrk_kernel,
     require_ns_kernel,
 )
-from dmuon_kernels.syrk import AUTO, CUBLAS, canonical_kernel_name, symmetric_product, syrk
+from dmuon_kernels.syrk import (
+    AUTO,
+    CUBLAS,
+    canonical_kernel_name,
+    matmul,
+    symmetric_product,
+    syrk,
+)
 
 BACKENDS = ("gram", "direct")
 ITERATION_DTYPES: tuple[torch.dtype, ...] = (torch.float16, torch.bfloat16, torch.float32)
@@ -109,17 +118,6 @@ def validate_eps(eps: object) -> float:
     return float(eps)
 
 
-def _mm(A: Tensor, B: Tensor) -> Tensor:
-    return torch.mm(A, B) if A.dim() == 2 else torch.bmm(A, B)
-
-
-def _addmm(C: Tensor, A: Tensor, B: Tensor, *, beta: float) -> Tensor:
-    """``beta·C + A·B``."""
-    if C.dim() == 2:
-        return torch.addmm(C, A, B, beta=beta)
-    return torch.baddbmm(C, A, B, beta=beta)
-
-
 def _plus_identity(Z: Tensor, a: float) -> Tensor:
     """``Z + a·I`` as a new tensor."""
     out = Z.clone()
@@ -132,7 +130,7 @@ def direct_iteration(X: Tensor, coefficients: CoefficientTable, *, kernel: str =
     for a, b, c in coefficients:
         A = syrk(X, kernel=kernel)  # (.., n, n)
         poly = syrk(A, C=A, alpha=c, beta=b, kernel=kernel)  # b·A + c·A², A symmetric
-        X = _addmm(X, poly, X, beta=a)
+        X = matmul(poly, X, C=X, beta=a, kernel=kernel)  # a·X + poly·X
     return X
 
 
@@ -152,7 +150,7 @@ def gram_iteration(
         starts_segment = i == 0 or i in restarts
         ends_segment = i == last or (i + 1) in restarts
         if starts_segment and i > 0:
-            X = _mm(Q, X)  # (.., n, m)
+            X = matmul(Q, X, kernel=kernel)  # (.., n, m)
             R = syrk(X, kernel=kernel)
         Z = syrk(R, C=R, alpha=c, beta=b, kernel=kernel)  # b·R + c·R²
         # Z, Q, R and R_step are polynomials in the segment's first R, so they commute and
@@ -164,13 +162,55 @@ def gram_iteration(
         if not ends_segment:
             R_step = symmetric_product(R, Z, C=R, beta=a, kernel=kernel)  # R·(a·I + Z)
             R = symmetric_product(Z, R_step, C=R_step, beta=a, kernel=kernel)  # (aI+Z)R(aI+Z)
-    return _mm(Q, X)
+    return matmul(Q, X, kernel=kernel)
 
 
 def uses_gram_form(rows: int, cols: int) -> bool:
     """Whether the "gram" backend iterates on the Gram matrix for an (rows, cols) matrix."""
     short, long = min(rows, cols), max(rows, cols)
     return long >= GRAM_MIN_ASPECT_RATIO * short
+
+
+def normalized_shape(G: Tensor) -> tuple[int, ...]:
+    """The shape of ``normalized_input(G)``: (n', m') or (B, n', m') with n' <= m'."""
+    rows, cols = sorted(G.shape[-2:])
+    return (rows, cols) if G.dim() == 2 else (math.prod(G.shape[:-2]), rows, cols)
+
+
+def normalized_input(
+    G: Tensor, *, eps: float, dtype: torch.dtype, out: Tensor | None = None
+) -> Tensor:
+    """Stage 1: G (..., m, n) -> X (n', m') or (B, n', m') in ``dtype`` with rows <= cols, each
+    matrix divided by its own Frobenius norm + eps (one fused pass on CUDA with Triton), written
+    into ``out`` when given (contiguous, ``normalized_shape(G)``)."""
+    X = G.to(torch.float32)
+    if G.shape[-2] > G.shape[-1]:
+        X = X.mT
+    if G.dim() > 3:
+        X = X.reshape(-1, *X.shape[-2:])
+    norm = torch.linalg.matrix_norm(X, keepdim=True)  # Frobenius, one per matrix
+    return normalize_cast(X, norm, eps, dtype, out)
+
+
+def iterate(
+    X: Tensor,
+    *,
+    backend: str,
+    coefficients: CoefficientTable,
+    restart_iterations: Sequence[int],
+    kernel: str,
+) -> Tensor:
+    """Stage 2: the iteration on a normalised X (rows <= cols); the part CUDA graphs replay."""
+    if backend == "gram" and uses_gram_form(X.shape[-2], X.shape[-1]):
+        return gram_iteration(X, coefficients, restart_iterations, kernel=kernel)
+    return direct_iteration(X, coefficients, kernel=kernel)
+
+
+def restored_output(X: Tensor, G: Tensor) -> Tensor:
+    """Stage 3: X back in G's orientation, shape and dtype."""
+    if G.shape[-2] > G.shape[-1]:
+        X = X.mT
+    return X.reshape(G.shape).to(G.dtype)
 
 
 def orthogonalize(
@@ -182,32 +222,19 @@ def orthogonalize(
     eps: float,
     dtype: torch.dtype,
     kernel: str,
-    output_dtype: torch.dtype | None = None,
 ) -> Tensor:
-    """``newton_schulz`` on already-validated arguments (the per-call fast path).
-
-    The result has G's dtype unless ``output_dtype`` says otherwise (``NewtonSchulz`` keeps the
-    iteration dtype inside its CUDA graph and casts outside it, which saves a copy).
-    """
-    output_dtype = G.dtype if output_dtype is None else output_dtype
+    """``newton_schulz`` on already-validated arguments (the per-call fast path)."""
     if G.numel() == 0:
-        return torch.zeros_like(G, dtype=output_dtype)
-    rows, cols = G.shape[-2], G.shape[-1]
-    X = G.to(torch.float32)
-    transposed = rows > cols
-    if transposed:
-        X = X.mT
-    if G.dim() > 3:
-        X = X.reshape(-1, *X.shape[-2:])
-    norm = torch.linalg.matrix_norm(X, keepdim=True)  # Frobenius, one per matrix
-    X = (X / (norm + eps)).to(dtype)
-    if backend == "gram" and uses_gram_form(rows, cols):
-        X = gram_iteration(X, coefficients, restart_iterations, kernel=kernel)
-    else:
-        X = direct_iteration(X, coefficients, kernel=kernel)
-    if transposed:
-        X = X.mT
-    return X.reshape(G.shape).to(output_dtype)
+        return torch.zeros_like(G)
+    X = normalized_input(G, eps=eps, dtype=dtype)
+    X = iterate(
+        X,
+        backend=backend,
+        coefficients=coefficients,
+        restart_iterations=restart_iterations,
+        kernel=kernel,
+    )
+    return restored_output(X, G)
 
 
 def validate_input(G: object) -> Tensor:
@@ -369,19 +396,24 @@ class NewtonSchulz:
         (bit-identical to eager; ``DMUON_NS_CUDA_GRAPH=0`` turns it off, see
         ``dmuon_kernels.graphs``).
         """
-        return self._graphed(validate_input(G), out_dtype=G.dtype)
+        G = validate_input(G)
+        if G.numel() == 0:
+            return torch.zeros_like(G)
+        # Normalising writes the graph's input (fp16, rows <= cols) straight into the captured
+        # graph's buffer; the output is cast back to G's dtype outside the graph, which is also
+        # the copy that frees the static output for the next replay.
+        buffer = self._graphed.static_input(normalized_shape(G), self.dtype, G.device)
+        X = normalized_input(G, eps=DEFAULT_EPS, dtype=self.dtype, out=buffer)
+        return restored_output(self._graphed(X, out_dtype=G.dtype), G)
 
-    def _iterate(self, G: Tensor) -> Tensor:
-        """The eager computation the graphs capture; returns the iteration dtype."""
-        return orthogonalize(
-            G,
+    def _iterate(self, X: Tensor) -> Tensor:
+        """The computation the CUDA graphs capture: the iteration on a normalised X."""
+        return iterate(
+            X,
             backend=self.backend,
             coefficients=self.coefficients,
             restart_iterations=self.restart_iterations,
-            eps=DEFAULT_EPS,
-            dtype=self.dtype,
             kernel=self._syrk_kernel,
-            output_dtype=self.dtype,
         )
 
     def __repr__(self) -> str:

@@ -11,8 +11,10 @@ A backend is any object (usually a module) with::
     syrk(A, C, alpha, beta) -> Tensor       # A (..., M, K), C (..., M, M) or None; symmetric out
 
 and optionally ``symmetric_product(A, B, C, alpha, beta)`` for ``alpha·A·B + beta·C`` when A·B is
-known to be symmetric (commuting symmetric A and B, as in Newton-Schulz's Gram iteration); a
-backend without it runs that operation on the torch path.
+known to be symmetric (commuting symmetric A and B, as in Newton-Schulz's Gram iteration) and
+``matmul(A, B, C, alpha, beta)`` for a plain ``alpha·A·B + beta·C`` (Newton-Schulz's other
+products); a backend without one runs that operation on the torch path. Each operation is
+resolved (and autotuned under "auto") on its own.
 
 Fallback rules, in order:
 1. an unknown kernel name raises ValueError naming the valid choices;
@@ -68,6 +70,7 @@ QUACK_MIN_SM = 90
 # The operations a backend may implement (autotune verdicts are per operation).
 SYRK = "syrk"
 SYMMETRIC_PRODUCT = "symmetric_product"
+MATMUL = "matmul"
 
 
 class SyrkBackend(Protocol):
@@ -203,7 +206,9 @@ def auto_candidate(device: torch.device) -> tuple[str, str]:
     return choice
 
 
-def _per_shape_verdict(candidate: str, A: Tensor, C: Tensor | None, op: str) -> str:
+def _per_shape_verdict(
+    candidate: str, A: Tensor, C: Tensor | None, op: str, B: Tensor | None
+) -> str:
     """Let the autotuner keep ``candidate`` or send this shape to cuBLAS."""
     try:
         autotune = importlib.import_module(AUTOTUNE_MODULE)
@@ -212,12 +217,16 @@ def _per_shape_verdict(candidate: str, A: Tensor, C: Tensor | None, op: str) -> 
             raise
         return candidate
     choose_kernel = getattr(autotune, "choose_kernel", None)
-    return candidate if choose_kernel is None else choose_kernel(candidate, A, C, op=op)
+    if choose_kernel is None:
+        return candidate
+    return choose_kernel(candidate, A, C, op=op, B=B)
 
 
-def resolve_kernel(kernel: str, A: Tensor, C: Tensor | None = None, *, op: str = SYRK) -> str:
-    """The backend that runs ``syrk(A, C, kernel=kernel)`` (or ``op``, e.g. SYMMETRIC_PRODUCT);
-    see the module docstring's rules."""
+def resolve_kernel(
+    kernel: str, A: Tensor, C: Tensor | None = None, *, op: str = SYRK, B: Tensor | None = None
+) -> str:
+    """The backend that runs ``syrk(A, C, kernel=kernel)`` (or ``op`` on A, B, C, e.g.
+    SYMMETRIC_PRODUCT or MATMUL); see the module docstring's rules."""
     name = canonical_kernel_name(kernel)
     if name not in (AUTO, CUBLAS):
         require_available(name)
@@ -226,7 +235,7 @@ def resolve_kernel(kernel: str, A: Tensor, C: Tensor | None = None, *, op: str =
     if name == AUTO:
         name = auto_candidate(A.device)[0]
         if name != CUBLAS:
-            name = _per_shape_verdict(name, A, C, op)
+            name = _per_shape_verdict(name, A, C, op, B)
     return name
 
 
@@ -307,6 +316,44 @@ def symmetric_product(
     return product(A, B, C, float(alpha), float(beta))
 
 
+def matmul(
+    A: Tensor,
+    B: Tensor,
+    *,
+    C: Tensor | None = None,
+    alpha: float = 1.0,
+    beta: float = 0.0,
+    kernel: str = AUTO,
+) -> Tensor:
+    """Return ``alpha·A·B + beta·C`` for A (..., M, K), B (..., K, N), C (..., M, N).
+
+    Newton-Schulz's non-symmetric products go through here so "auto" can pick, per shape, a
+    faster GEMM than cuBLAS where one exists. Kernel resolution is ``syrk``'s; a backend without
+    ``matmul`` runs the torch path.
+    """
+    if (
+        not isinstance(A, Tensor)
+        or not isinstance(B, Tensor)
+        or A.dim() < 2
+        or A.shape[:-2] != B.shape[:-2]
+        or A.shape[-1] != B.shape[-2]
+    ):
+        shapes = [tuple(t.shape) if isinstance(t, Tensor) else type(t).__name__ for t in (A, B)]
+        raise ValueError(
+            f"matmul takes A (..., M, K) and B (..., K, N) with the same batch; got A "
+            f"{shapes[0]} and B {shapes[1]}"
+        )
+    expected = (*A.shape[:-1], B.shape[-1])
+    if C is not None and (not isinstance(C, Tensor) or tuple(C.shape) != expected):
+        shape = tuple(C.shape) if isinstance(C, Tensor) else type(C).__name__
+        raise ValueError(f"matmul C must have shape {expected}; got {shape}")
+    backend = get_backend(resolve_kernel(kernel, A, C, op=MATMUL, B=B))
+    product = getattr(backend, MATMUL, None)
+    if product is None:
+        product = getattr(get_backend(CUBLAS), MATMUL)
+    return product(A, B, C, float(alpha), float(beta))
+
+
 __all__ = [
     "KERNEL_ALIASES",
     "KERNEL_DTYPES",
@@ -317,6 +364,7 @@ __all__ = [
     "canonical_kernel_name",
     "get_backend",
     "kernel_choices",
+    "matmul",
     "register_backend",
     "require_available",
     "resolve_kernel",

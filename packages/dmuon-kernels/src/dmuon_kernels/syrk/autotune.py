@@ -34,7 +34,7 @@ from torch import Tensor
 
 import dmuon_kernels
 from dmuon_kernels.status import log_rank_tagged
-from dmuon_kernels.syrk import CUBLAS, SYMMETRIC_PRODUCT, SYRK
+from dmuon_kernels.syrk import CUBLAS, MATMUL, SYMMETRIC_PRODUCT, SYRK
 from dmuon_kernels.syrk.cache import VerdictCache
 from dmuon_kernels.syrk.timing import median_ms
 
@@ -68,7 +68,8 @@ def _log(message: str) -> None:
 @dataclass(frozen=True, slots=True)
 class SyrkProblem:
     """What one verdict is about: ``op`` on ``A`` (batch, M, K) (batch 0 = unbatched), with or
-    without C. ``op`` is "syrk" (A·Aᵀ) or "symmetric_product" (A·B, square, M = K)."""
+    without C. ``op`` is "syrk" (A·Aᵀ), "symmetric_product" (A·B, square, M = K) or "matmul"
+    (A·B with B (K, N); N is 0 for the other two)."""
 
     M: int
     K: int
@@ -76,11 +77,15 @@ class SyrkProblem:
     dtype: torch.dtype
     has_c: bool
     op: str = SYRK
+    N: int = 0
 
     @classmethod
-    def of(cls, A: Tensor, C: Tensor | None, op: str = SYRK) -> SyrkProblem:
+    def of(
+        cls, A: Tensor, C: Tensor | None, op: str = SYRK, B: Tensor | None = None
+    ) -> SyrkProblem:
         batch = 0 if A.dim() == 2 else math.prod(A.shape[:-2])
-        return cls(int(A.shape[-2]), int(A.shape[-1]), batch, A.dtype, C is not None, op)
+        N = int(B.shape[-1]) if op == MATMUL and B is not None else 0
+        return cls(int(A.shape[-2]), int(A.shape[-1]), batch, A.dtype, C is not None, op, N)
 
     @property
     def dtype_name(self) -> str:
@@ -88,7 +93,8 @@ class SyrkProblem:
 
     def describe(self) -> str:
         """``shape=(4096,14336) dtype=float16`` plus batch and C when present, for log lines."""
-        text = f"shape=({self.M},{self.K}) dtype={self.dtype_name}"
+        shape = f"{self.M},{self.K},{self.N}" if self.op == MATMUL else f"{self.M},{self.K}"
+        text = f"shape=({shape}) dtype={self.dtype_name}"
         if self.op != SYRK:
             text += f" op={self.op}"
         if self.batch:
@@ -115,7 +121,9 @@ def verdict_key(problem: SyrkProblem, candidate: str, versions: dict[str, str]) 
     """The cache key: the problem, the candidate and every version (sorted), as one string."""
     version_text = ",".join(f"{name}={value}" for name, value in sorted(versions.items()))
     return (
-        f"op={problem.op};M={problem.M};K={problem.K};batch={problem.batch};"
+        f"op={problem.op};M={problem.M};K={problem.K};"
+        + (f"N={problem.N};" if problem.op == MATMUL else "")
+        + f"batch={problem.batch};"
         f"dtype={problem.dtype_name};"
         f"with_c={int(problem.has_c)};candidate={candidate};versions={version_text}"
     )
@@ -165,11 +173,19 @@ class SyrkAutotuner:
             cache = self._caches[model] = VerdictCache(model, self.cache_dir)
         return cache
 
-    def choose(self, candidate: str, A: Tensor, C: Tensor | None = None, *, op: str = SYRK) -> str:
-        """The backend to run ``op`` on A (and C): ``candidate`` where it won, else cuBLAS."""
+    def choose(
+        self,
+        candidate: str,
+        A: Tensor,
+        C: Tensor | None = None,
+        *,
+        op: str = SYRK,
+        B: Tensor | None = None,
+    ) -> str:
+        """The backend to run ``op`` on A (B, C): ``candidate`` where it won, else cuBLAS."""
         if candidate == BASELINE:
             return BASELINE
-        problem = SyrkProblem.of(A, C, op)
+        problem = SyrkProblem.of(A, C, op, B)
         chosen_key = (candidate, A.device, problem)
         chosen = self._chosen.get(chosen_key)
         if chosen is not None:
@@ -219,7 +235,9 @@ class SyrkAutotuner:
         verdict.update(
             {
                 "op": problem.op,
-                "shape": [problem.M, problem.K],
+                "shape": [problem.M, problem.K, problem.N]
+                if problem.op == MATMUL
+                else [problem.M, problem.K],
                 "batch": problem.batch,
                 "dtype": problem.dtype_name,
                 "with_c": problem.has_c,
@@ -238,12 +256,15 @@ def _failed(candidate: str, reason: str) -> dict[str, object]:
 @dataclass(slots=True)
 class _TuningInputs:
     A: Tensor  # (batch?, M, K)
-    B: Tensor | None  # (batch?, M, M) for symmetric_product: A + I, so A·B = A² + A exactly
-    C: Tensor | None  # (batch?, M, M) symmetric
+    B: Tensor | None  # symmetric_product: (batch?, M, M), A + I so A·B = A² + A exactly;
+    #                   matmul: (batch?, K, N)
+    C: Tensor | None  # (batch?, M, M) symmetric; (batch?, M, N) for matmul
     alpha: float
     beta: float
 
     def run(self, backend: object, op: str) -> Tensor:
+        if op == MATMUL:
+            return backend.matmul(self.A, self.B, self.C, self.alpha, self.beta)  # type: ignore[attr-defined]
         if op == SYMMETRIC_PRODUCT:
             return backend.symmetric_product(self.A, self.B, self.C, self.alpha, self.beta)  # type: ignore[attr-defined]
         return backend.syrk(self.A, self.C, self.alpha, self.beta)  # type: ignore[attr-defined]
@@ -271,8 +292,16 @@ def _tuning_inputs(problem: SyrkProblem, device: torch.device) -> _TuningInputs:
     generator.manual_seed(TUNING_SEED)
     lead = (problem.batch,) if problem.batch else ()
     square = (*lead, problem.M, problem.M)
-    C = _symmetric(square, generator, device).to(problem.dtype) if problem.has_c else None
     alpha, beta = (TUNING_ALPHA_WITH_C, TUNING_BETA_WITH_C) if problem.has_c else (1.0, 0.0)
+    if problem.op == MATMUL:
+        shapes = ((problem.M, problem.K), (problem.K, problem.N), (problem.M, problem.N))
+        A32, B32, C32 = (
+            torch.randn((*lead, *shape), generator=generator, device=device).mul_(problem.K**-0.25)
+            for shape in shapes
+        )
+        C = C32.to(problem.dtype) if problem.has_c else None
+        return _TuningInputs(A32.to(problem.dtype), B32.to(problem.dtype), C, alpha, beta)
+    C = _symmetric(square, generator, device).to(problem.dtype) if problem.has_c else None
     if problem.op == SYMMETRIC_PRODUCT:
         # Symmetric with a zero diagonal, so B = A + I is exact in any dtype and commutes with A.
         A32 = _symmetric(square, generator, device).mul_(problem.M**-0.25)
@@ -300,11 +329,11 @@ def _measure(
     candidate_module: object,
     baseline_module: object,
 ) -> dict[str, object]:
-    if problem.op == SYMMETRIC_PRODUCT and not hasattr(candidate_module, SYMMETRIC_PRODUCT):
+    if problem.op != SYRK and not hasattr(candidate_module, problem.op):
         return {
             "backend": BASELINE,
             "candidate": candidate,
-            "reason": f"{candidate} has no symmetric_product",
+            "reason": f"{candidate} has no {problem.op}",
         }
     inputs = _tuning_inputs(problem, device)
     reference = inputs.fp32_reference()
@@ -361,9 +390,11 @@ def default_autotuner() -> SyrkAutotuner:
     return _default_tuner
 
 
-def choose_kernel(candidate: str, A: Tensor, C: Tensor | None, *, op: str = SYRK) -> str:
+def choose_kernel(
+    candidate: str, A: Tensor, C: Tensor | None, *, op: str = SYRK, B: Tensor | None = None
+) -> str:
     """Dispatcher hook: the backend that runs this call under ``kernel="auto"``."""
-    return default_autotuner().choose(candidate, A, C, op=op)
+    return default_autotuner().choose(candidate, A, C, op=op, B=B)
 
 
 def chosen_backends() -> dict[str, int]:

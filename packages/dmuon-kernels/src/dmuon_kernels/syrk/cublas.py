@@ -51,3 +51,20 @@ def symmetric_product(A: Tensor, B: Tensor, C: Tensor | None, alpha: float, beta
     else:
         out = torch.baddbmm(C.reshape(-1, rows, rows), A3, B3, beta=beta, alpha=alpha)
     return out.reshape(*batch_shape, rows, rows)
+
+
+def matmul(A: Tensor, B: Tensor, C: Tensor | None, alpha: float, beta: float) -> Tensor:
+    """Return ``alpha·A·B + beta·C`` for A (..., M, K), B (..., K, N), C (..., M, N) or None."""
+    if A.dim() == 2:
+        if C is None or beta == 0.0:
+            return torch.mm(A, B) if alpha == 1.0 else torch.mm(A, B).mul_(alpha)
+        return torch.addmm(C, A, B, beta=beta, alpha=alpha)
+    batch_shape, (M, K), N = A.shape[:-2], A.shape[-2:], B.shape[-1]
+    A3, B3 = A.reshape(-1, M, K), B.reshape(-1, K, N)
+    if C is None or beta == 0.0:
+        out = torch.bmm(A3, B3)
+        if alpha != 1.0:
+            out.mul_(alpha)
+    else:
+        out = torch.baddbmm(C.reshape(-1, M, N), A3, B3, beta=beta, alpha=alpha)
+    return out.reshape(*batch_shape, M, N)

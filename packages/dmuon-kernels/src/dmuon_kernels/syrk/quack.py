@@ -1,7 +1,9 @@
 """The quack backend: alpha·A·Aᵀ + beta·C through quack-kernels' symmetric GEMM (SM90+).
 
 Owns the adapter over ``quack.gemm_interface.gemm_symmetric`` (quack-kernels 0.5.0 with
-nvidia-cutlass-dsl 4.5.2, and newer releases whose signature still fits): probing that the
+nvidia-cutlass-dsl 4.5.2, and newer releases whose signature still fits) for ``syrk`` and
+``symmetric_product``, and over its plain ``gemm``/``gemm_add`` (one untuned configuration) for
+``matmul``: probing that the
 library and the GPU can run it, and bringing operands to the layout quack requires. It is the
 only module that imports quack, and only on first use, so importing dmuon_kernels never fails
 because quack is missing. It must not choose between backends (the dispatcher and the autotuner
@@ -48,6 +50,10 @@ class _QuackApi:
     accepts_out: bool
     quack_version: str
     cutlass_version: str
+    # Plain GEMMs (alpha·A·B, alpha·A·B + beta·C) for ``matmul``; None when this release lacks
+    # them with an untuned mode (then ``matmul`` raises and autotune keeps cuBLAS).
+    gemm: Callable[..., Tensor] | None = None
+    gemm_add: Callable[..., Tensor] | None = None
 
 
 _probe_result: _QuackApi | str | None = None  # the probe runs once per process
@@ -110,7 +116,20 @@ def _probe_quack() -> _QuackApi | str:
         accepts_out="out" in parameters,
         quack_version=quack_version,
         cutlass_version=_distribution_version("nvidia-cutlass-dsl"),
+        gemm=_untuned_entry(gemm_interface, "gemm", ("A", "B", "alpha")),
+        gemm_add=_untuned_entry(gemm_interface, "gemm_add", ("A", "B", "C", "alpha", "beta")),
     )
+
+
+def _untuned_entry(module: object, name: str, required: tuple[str, ...]) -> Callable | None:
+    """``module.name`` when it takes ``required`` and ``tuned`` (we pass tuned=False: quack's own
+    autotuner would compile dozens of configurations; ours compares one against cuBLAS)."""
+    entry = getattr(module, name, None)
+    try:
+        parameters = inspect.signature(entry).parameters if callable(entry) else {}
+    except (TypeError, ValueError):
+        return None
+    return entry if all(p in parameters for p in (*required, "tuned")) else None
 
 
 def _quack_api() -> _QuackApi | str:
@@ -244,6 +263,55 @@ def symmetric_product(
         C = _aligned(C, allow_m_major=True)
     out = _call(api, A, B, C, alpha, beta)
     return out[..., :M, :M].contiguous() if pad else out
+
+
+def matmul(
+    A: Tensor,  # (..., M, K)
+    B: Tensor,  # (..., K, N)
+    C: Tensor | None = None,  # (..., M, N)
+    alpha: float = 1.0,
+    beta: float = 0.0,
+) -> Tensor:  # (..., M, N)
+    """``alpha·A·B + beta·C`` through quack's plain GEMM (one default configuration)."""
+    api = _quack_api()
+    if isinstance(api, str):
+        raise RuntimeError(f"SYRK kernel 'quack' cannot run: {api}")
+    if api.gemm is None or api.gemm_add is None:
+        raise RuntimeError(
+            f"quack-kernels {api.quack_version} has no gemm/gemm_add taking tuned=...; "
+            "matmul runs on cuBLAS"
+        )
+    _check_operand(A, None)
+    alpha, beta = float(alpha), float(beta)
+    if beta == 0.0:
+        C = None
+    M, K, N = A.shape[-2], A.shape[-1], B.shape[-1]
+    out_shape = (*A.shape[:-1], N)
+    if C is not None:
+        C = C.to(A.dtype).expand(out_shape)
+    B = B.to(A.dtype)
+    if A.numel() == 0 or B.numel() == 0:
+        out = torch.zeros(out_shape, dtype=A.dtype, device=A.device)
+        return out.add_(C, alpha=beta) if C is not None else out
+    if A.dim() > 3:
+        flat_C = None if C is None else C.reshape(-1, M, N)
+        flat = matmul(A.reshape(-1, M, K), B.reshape(-1, K, N), flat_C, alpha, beta)
+        return flat.reshape(out_shape)
+    step = _elements_per_16_bytes(A)
+    pad_m, pad_k, pad_n = -M % step, -K % step, -N % step
+    if pad_m or pad_k or pad_n:
+        A = torch.nn.functional.pad(A, (0, pad_k, 0, pad_m))
+        B = torch.nn.functional.pad(B, (0, pad_n, 0, pad_k))
+        if C is not None:
+            C = torch.nn.functional.pad(C, (0, pad_n, 0, pad_m))
+    A, B = _aligned(A, allow_m_major=True), _aligned(B, allow_m_major=True)
+    if C is None:
+        out = api.gemm(A, B, alpha=alpha, tuned=False)
+    else:
+        out = api.gemm_add(
+            A, B, _aligned(C, allow_m_major=True), alpha=alpha, beta=beta, tuned=False
+        )
+    return out[..., :M, :N].contiguous() if pad_m or pad_n else out
 
 
 def _call(

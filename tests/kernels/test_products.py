@@ -1,11 +1,12 @@
-"""``symmetric_product``: alpha·A·B + beta·C for commuting symmetric A, B (the Gram form's products)."""
+"""The dispatcher's products besides ``syrk``: ``symmetric_product`` (alpha·A·B + beta·C for
+commuting symmetric A, B, the Gram form's products) and ``matmul`` (the other NS products)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from dmuon_kernels.syrk import symmetric_product
+from dmuon_kernels.syrk import matmul, symmetric_product
 
 
 def commuting_pair(n: int, batch: tuple[int, ...] = (), seed: int = 0):
@@ -37,3 +38,23 @@ def test_symmetric_product_rejects_non_square_or_mismatched_operands():
         ValueError, match=r"square A and B of the same shape; got A \(4, 4\) and B \(4, 5\)"
     ):
         symmetric_product(torch.zeros(4, 4), torch.zeros(4, 5))
+
+
+@pytest.mark.parametrize("batch", [(), (3,), (2, 2)], ids=str)
+def test_matmul_equals_alpha_a_b_plus_beta_c(batch):
+    generator = torch.Generator().manual_seed(3)
+    A, B, C = (
+        torch.randn((*batch, *shape), generator=generator) for shape in ((6, 9), (9, 5), (6, 5))
+    )
+    expected = 0.5 * (A.double() @ B.double()) - 2.0 * C.double()
+    out = matmul(A, B, C=C, alpha=0.5, beta=-2.0)
+    assert out.shape == expected.shape
+    assert ((out.double() - expected).norm() / expected.norm()).item() < 1e-6
+    assert torch.equal(matmul(A, B), A @ B)
+
+
+def test_matmul_rejects_mismatched_operands_with_their_shapes():
+    with pytest.raises(ValueError, match=r"got A \(4, 3\) and B \(4, 5\)"):
+        matmul(torch.zeros(4, 3), torch.zeros(4, 5))
+    with pytest.raises(ValueError, match=r"matmul C must have shape \(4, 5\); got \(5, 4\)"):
+        matmul(torch.zeros(4, 3), torch.zeros(3, 5), C=torch.zeros(5, 4))
