@@ -13,7 +13,7 @@ export PYTHONPATH=$PWD/packages/dmuon-kernels/src:$PWD:${PYTHONPATH:-}
 export PYTHONUNBUFFERED=1
 export DMUON_CACHE_DIR=${DMUON_CACHE_DIR:-$(mktemp -d)}
 steps=${*:-probe tests syrk ns}
-sha=$(git rev-parse HEAD 2>/dev/null || echo "${DMUON_GIT_SHA:-unknown}")
+sha=${DMUON_GIT_SHA:-$(git rev-parse --verify -q HEAD 2>/dev/null || echo unknown)}
 
 for step in $steps; do
   start=$(date +%s)

@@ -104,6 +104,11 @@ class GraphedFunction:
         """``"graph"`` when ``x``'s signature replays a graph, else ``"eager"`` (for tests/reports)."""
         return "graph" if _signature(x) in self._captured else "eager"
 
+    @property
+    def graph_count(self) -> int:
+        """How many signatures replay a captured graph."""
+        return len(self._captured)
+
     def eager_reasons(self) -> dict[Signature, str]:
         """Signatures that stay eager because capture failed, with the reason."""
         return dict(self._eager_only)
@@ -135,7 +140,8 @@ class GraphedFunction:
             pool = self._pools[device] = torch.cuda.graph_pool_handle()
         static_input = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=device)
         static_input.copy_(x)
-        stream.wait_stream(torch.cuda.current_stream(device))
+        caller_stream = torch.cuda.current_stream(device)
+        stream.wait_stream(caller_stream)
         graph = torch.cuda.CUDAGraph()
         try:
             with torch.cuda.stream(stream):
@@ -151,9 +157,16 @@ class GraphedFunction:
             identical = torch.equal(static_output, expected)
         except Exception as exc:  # any failure inside capture leaves this signature eager
             del graph
-            _end_generator_capture(stream, pool)
-            self._stay_eager(signature, f"capture failed ({type(exc).__name__}: {exc})")
-            torch.cuda.current_stream(device).wait_stream(stream)
+            # torch.cuda.graph does not leave its stream when capture_end raises: go back first.
+            torch.cuda.set_stream(caller_stream)
+            caller_stream.wait_stream(stream)
+            reason = f"capture failed ({type(exc).__name__}: {exc})"
+            recovery_problem = _end_generator_capture(device)
+            if recovery_problem is not None:
+                reason += (
+                    f"; resetting the CUDA generator afterwards failed too ({recovery_problem})"
+                )
+            self._stay_eager(signature, reason)
             return self.fn(x)
         if not identical:
             del graph

@@ -406,6 +406,11 @@ class NewtonSchulz:
         X = normalized_input(G, eps=DEFAULT_EPS, dtype=self.dtype, out=buffer)
         return restored_output(self._graphed(X, out_dtype=G.dtype), G)
 
+    @property
+    def graphs(self) -> GraphedFunction:
+        """This instance's CUDA-graph cache (``graph_count``, ``eager_reasons()``), for reports."""
+        return self._graphed
+
     def _iterate(self, X: Tensor) -> Tensor:
         """The computation the CUDA graphs capture: the iteration on a normalised X."""
         return iterate(
