@@ -187,25 +187,27 @@ class GraphedFunction:
         log_rank_tagged(message)
 
 
-def _end_generator_capture(stream: torch.cuda.Stream, pool: object) -> None:
-    """Leave the CUDA random generator usable after a capture that failed midway.
+def _end_generator_capture(device: torch.device) -> str | None:
+    """Leave the CUDA random generator usable after a capture that failed midway; returns why
+    that failed too, or None.
 
-    A capture that raises before it ends normally leaves torch's CUDA generator in capture mode,
-    and every later random op fails with "Offset increment outside graph capture encountered
-    unexpectedly". One empty capture runs the generator's capture prologue and epilogue and so
-    ends that mode (see test_failed_capture_does_not_leave_a_replayable_graph).
+    A capture whose end raises leaves torch's CUDA generator in capture mode, and every later
+    random op fails with "Offset increment outside graph capture encountered unexpectedly". One
+    small successful capture (own stream, own pool) runs the generator's capture prologue and
+    epilogue and so ends that mode (test_failed_capture_does_not_leave_a_replayable_graph).
     """
-    empty = torch.cuda.CUDAGraph()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # "the CUDA Graph is empty"
-        try:
-            with torch.cuda.graph(
-                empty, pool=pool, stream=stream, capture_error_mode="thread_local"
-            ):
-                pass
-        except Exception:  # nothing more can be done here; the caller warns about the failure
-            pass
-    del empty
+    caller_stream = torch.cuda.current_stream(device)
+    stream = torch.cuda.Stream(device)
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
+            torch.empty(1, device=device).zero_()  # one node: never an "empty graph"
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    finally:
+        torch.cuda.set_stream(caller_stream)
+        del graph
+    return None
 
 
 def _signature(x: Tensor) -> Signature:
