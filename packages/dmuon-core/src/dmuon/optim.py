@@ -22,6 +22,7 @@ from torch.distributed.tensor import DTensor
 from dmuon.api import get_dedicated_state
 from dmuon.consistency import check_ranks_agree
 from dmuon.param import ADAMW_ROUTE, MUON_ROUTE, is_dedicated
+from dmuon_kernels.fused import muon_apply_update_, muon_momentum_normalize_
 from dmuon_kernels.newton_schulz import NewtonSchulz
 
 # Muon's update is scaled by 0.2 * sqrt(max(m, n)) so its RMS matches AdamW's.
@@ -129,29 +130,38 @@ class Muon(torch.optim.Optimizer):
 
     def _muon_step(self, group: dict) -> None:
         lr, mu, wd = group["lr"], group["momentum"], group["weight_decay"]
-        updates_by_shape: dict[tuple[int, int], list[tuple[nn.Parameter, torch.Tensor]]] = (
-            defaultdict(list)
-        )
+        newton_schulz = self._newton_schulz
+        masters_by_shape: dict[tuple[int, int], list[nn.Parameter]] = defaultdict(list)
         for master in group["params"]:
-            if master.grad is None:
-                continue
-            grad = master.grad.reshape(master.shape[0], -1)  # trailing dims flattened into n
-            state = self.state[master]
-            if "momentum_buffer" not in state:
-                buffer = state["momentum_buffer"] = grad.clone()
-            else:
-                buffer = state["momentum_buffer"]
-                buffer.mul_(mu).add_(grad)
-            update = grad.add(buffer, alpha=mu) if group["nesterov"] else buffer
-            updates_by_shape[tuple(update.shape)].append((master, update))
-        # Same-shape matrices are orthogonalised in one batched call.
-        for shape, items in updates_by_shape.items():
-            stacked = torch.stack([update for _, update in items])
-            orthogonal = self._newton_schulz(stacked)
-            scale = MUON_RMS_MATCH * math.sqrt(max(shape))
-            for (master, _), ortho in zip(items, orthogonal):
-                master.mul_(1 - lr * wd)
-                master.add_(ortho.view(master.shape), alpha=-lr * scale)
+            if master.grad is not None and master.numel() > 0:
+                # Trailing dims are flattened into columns.
+                masters_by_shape[(master.shape[0], master[0].numel())].append(master)
+        # Same-shape matrices are orthogonalised in one batched call. Momentum, Nesterov and
+        # the normalisation write the Newton-Schulz input directly (rows <= cols, NS dtype);
+        # decay and the scaled update go into the fp32 master in one pass.
+        for (rows, cols), masters in masters_by_shape.items():
+            transposed = rows > cols
+            inputs = newton_schulz.normalized_buffer(
+                (len(masters), min(rows, cols), max(rows, cols)), masters[0].device
+            )
+            for index, master in enumerate(masters):
+                state = self.state[master]
+                first_step = "momentum_buffer" not in state
+                if first_step:
+                    state["momentum_buffer"] = torch.empty(
+                        (rows, cols), dtype=torch.float32, device=master.device
+                    )
+                muon_momentum_normalize_(
+                    master.grad.view(rows, cols), state["momentum_buffer"], mu,
+                    nesterov=group["nesterov"], first_step=first_step,
+                    dtype=newton_schulz.dtype, out=_oriented(inputs[index], transposed),
+                )  # fmt: skip
+            orthogonal = newton_schulz.iterate_normalized(inputs)
+            scale = MUON_RMS_MATCH * math.sqrt(max(rows, cols))
+            for master, ortho in zip(masters, orthogonal):
+                muon_apply_update_(
+                    master.view(rows, cols), _oriented(ortho, transposed), lr, wd, scale
+                )
 
     # ---- the AdamW route ------------------------------------------------------------------------
 
@@ -198,6 +208,11 @@ class Muon(torch.optim.Optimizer):
                 ),
             },
         )
+
+
+def _oriented(matrix: torch.Tensor, transposed: bool) -> torch.Tensor:
+    """Newton-Schulz works on rows <= cols; a tall weight sees its slice transposed."""
+    return matrix.mT if transposed else matrix
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:

@@ -406,6 +406,23 @@ class NewtonSchulz:
         X = normalized_input(G, eps=DEFAULT_EPS, dtype=self.dtype, out=buffer)
         return restored_output(self._graphed(X, out_dtype=G.dtype), G)
 
+    def normalized_buffer(self, shape: tuple[int, int, int], device: torch.device) -> Tensor:
+        """Where a caller that normalises its own input (a fused optimizer step) writes it:
+        (B, n, m) with n <= m in ``self.dtype`` — the captured graph's input buffer when there
+        is one, so no copy is made into the graph."""
+        buffer = self._graphed.static_input(shape, self.dtype, device)
+        return torch.empty(shape, dtype=self.dtype, device=device) if buffer is None else buffer
+
+    def iterate_normalized(self, X: Tensor) -> Tensor:
+        """The iteration alone on X (B, n, m), n <= m, in ``self.dtype``, each matrix already
+        divided by its Frobenius norm + eps; returns a fresh tensor of X's shape and dtype."""
+        if X.dim() != 3 or X.dtype != self.dtype or X.shape[-2] > X.shape[-1]:
+            raise ValueError(
+                f"iterate_normalized takes (B, n, m) with n <= m in {self.dtype}; got "
+                f"{tuple(X.shape)} in {X.dtype}. Use ns(G) for inputs it should normalise itself."
+            )
+        return self._graphed(X)
+
     @property
     def graphs(self) -> GraphedFunction:
         """This instance's CUDA-graph cache (``graph_count``, ``eager_reasons()``), for reports."""
