@@ -36,6 +36,7 @@ class TrainConfig:
     weight_decay: float = 0.01
     two_steps_without_forward: bool = False
     frozen: tuple[str, ...] = ()  # parameter names with requires_grad=False
+    compile_backend: str | None = None  # torch.compile each layer after fully_shard
 
 
 def make_model(config: TrainConfig) -> TinyDecoder:
@@ -71,6 +72,9 @@ def build(config: TrainConfig):
     for layer in model.layers:
         fully_shard(layer, mesh=fsdp_mesh, reshard_after_forward=config.reshard_after_forward)
     fully_shard(model, mesh=fsdp_mesh, reshard_after_forward=config.reshard_after_forward)
+    if config.compile_backend is not None:
+        for layer in model.layers:
+            layer.compile(backend=config.compile_backend)
     ns_dtype = getattr(torch, config.ns_dtype)
     optimizer = dmuon.Muon(
         model,
