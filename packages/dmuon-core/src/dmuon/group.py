@@ -226,25 +226,24 @@ class BoundaryGroup:
             self._pending_reduce.append(_PendingReduce(segment, message, handle))
         self.reduced_this_backward = True
 
-    def finish_reduce(self) -> None:
-        """Wait for this boundary's reduces, run the replicate stage, accumulate into masters."""
+    def finish_reduce(self) -> list[tuple[Segment, torch.Tensor]]:
+        """Wait for this boundary's reduces and run the replicate stage; returns the reduced
+        messages of the local segments for ``accumulate_into_masters``."""
         pending, self._pending_reduce = self._pending_reduce, []
-        second_stage: list[tuple[_PendingReduce, Handle]] = []
+        second_stage: list[Handle] = []
         for item in pending:
             item.handle.wait()
             if not item.segment.is_local:
                 continue
             for replicate, (start, end) in item.segment.message_ranges.items():
-                src = OwnerCoord(item.segment.shard, replicate)
-                handle = collectives.reduce_sum(
-                    item.message[start:end], self.mesh.global_rank(src), self.mesh.replicate_group
+                owner = self.mesh.global_rank(OwnerCoord(item.segment.shard, replicate))
+                second_stage.append(
+                    collectives.reduce_sum(
+                        item.message[start:end], owner, self.mesh.replicate_group
+                    )
                 )
-                second_stage.append((item, handle))
-        divisor = self.mesh.num_slots
-        collectives.wait_all(handle for _, handle in second_stage)
-        for item in pending:
-            if item.segment.is_local:
-                _unpack_into_masters(item.segment, item.message, divisor)
+        collectives.wait_all(second_stage)
+        return [(item.segment, item.message) for item in pending if item.segment.is_local]
 
     # ---- after the step: publish across replicas ---------------------------------------------
 
@@ -290,18 +289,30 @@ def _pack_gradients(params: list[DedicatedParam]) -> torch.Tensor:
     return torch.cat(pieces)
 
 
-def _unpack_into_masters(segment: Segment, message: torch.Tensor, divisor: int) -> None:
-    flag_positions, offset = [], 0
-    for p in segment.params:
-        offset += p.numel
-        flag_positions.append(offset)
-        offset += 1
-    # One device-to-host read per segment: whether any rank produced each gradient.
-    produced = message[flag_positions].tolist()
-    for p, position, count in zip(segment.params, flag_positions, produced):
-        if not p.is_owner or p.master is None or count == 0:
+def accumulate_into_masters(received: list[tuple[Segment, torch.Tensor]], divisor: int) -> None:
+    """Add the owners' averaged gradients to their masters' ``.grad``.
+
+    A gradient that no rank produced leaves ``.grad`` untouched (None stays None). Whether one
+    was produced is read in one device-to-host copy for the whole backward.
+    """
+    if not received:
+        return
+    flag_views, owned = [], []
+    for segment, message in received:
+        offset = 0
+        for p in segment.params:
+            offset += p.numel
+            if p.is_owner and p.master is not None:
+                flag_views.append(message[offset : offset + 1])
+                owned.append((p, message[offset - p.numel : offset]))
+            offset += 1
+    if not owned:
+        return
+    produced = torch.cat(flag_views).tolist()
+    for (p, values), count in zip(owned, produced):
+        if count == 0:
             continue
-        grad = message[position - p.numel : position].view(p.shape).to(torch.float32) / divisor
+        grad = values.view(p.shape).to(torch.float32) / divisor
         if p.master.grad is None:
             p.master.grad = grad
         else:

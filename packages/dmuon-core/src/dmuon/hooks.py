@@ -31,7 +31,7 @@ from torch import nn
 from torch.autograd import Variable
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from dmuon.group import BoundaryGroup
+from dmuon.group import BoundaryGroup, accumulate_into_masters
 from dmuon.mesh import OwnershipMesh
 from dmuon.param import DedicatedParam
 from dmuon.partition import OwnershipPlan
@@ -134,11 +134,13 @@ class DedicatedState:
         for group in reversed(forwarded):
             if not group.reduced_this_backward:
                 _finish_backward(self, group)
+        received = []
         for group in reversed(forwarded):
             if self.requires_gradient_sync:
-                group.finish_reduce()
+                received += group.finish_reduce()
             group.in_backward = group.reduced_this_backward = False
             group.forward_count = group.backward_count = 0
+        accumulate_into_masters(received, divisor=self.mesh.num_slots)
 
     # ---- user-facing drains ---------------------------------------------------------------------
 
