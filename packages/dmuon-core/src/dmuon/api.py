@@ -25,6 +25,7 @@ from dmuon.mesh import build_ownership_mesh
 from dmuon.param import DedicatedParam, is_dedicated, make_placeholder, mark_dedicated
 from dmuon.partition import OwnerCoord, ParamSpec, layer_id_of, plan_ownership
 from dmuon.policy import resolve_param_policy
+from dmuon.profile import ForwardUnshardProfile, forward_profile_requested
 
 logger = logging.getLogger("dmuon")
 
@@ -144,7 +145,12 @@ def dedicate_params(
         model, params, hook_boundary_predicate, ownership_mesh, reshard_after_forward
     )
     state = DedicatedState(
-        model=model, mesh=ownership_mesh, plan=plan, params=params, boundaries=boundaries
+        model=model,
+        mesh=ownership_mesh,
+        plan=plan,
+        params=params,
+        boundaries=boundaries,
+        profile=ForwardUnshardProfile() if forward_profile_requested() else None,
     )
     state.register_hooks()
     object.__setattr__(model, _STATE_ATTR, state)
@@ -263,7 +269,7 @@ def _group_by_boundary(
     # Boundaries in module registration order (the initial guess of the forward order).
     order = {name: i for i, name in enumerate(modules)}
     return [
-        BoundaryGroup(modules[boundary], members, mesh, reshard_after_forward)
+        BoundaryGroup(boundary, modules[boundary], members, mesh, reshard_after_forward)
         for boundary, members in sorted(by_boundary.items(), key=lambda kv: order[kv[0]])
     ]
 

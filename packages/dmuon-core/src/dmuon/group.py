@@ -70,11 +70,13 @@ class BoundaryGroup:
 
     def __init__(
         self,
+        name: str,
         module: nn.Module,
         params: list[DedicatedParam],
         mesh: OwnershipMesh,
         reshard_after_forward: bool,
     ) -> None:
+        self.name = name  # the module's FQN ("" for the root)
         self.module = module
         self.params = params
         self.mesh = mesh
@@ -189,6 +191,15 @@ class BoundaryGroup:
                     segment.buffer, self._root_rank(segment), self.mesh.shard_group
                 )
             )
+
+    @property
+    def is_unsharding(self) -> bool:
+        """Broadcasts issued (e.g. by a prefetch) and not waited for yet."""
+        return bool(self._pending_unshard)
+
+    @property
+    def device(self) -> torch.device:
+        return self.segments[0].buffer.device
 
     def wait_for_unshard(self) -> None:
         if self.is_unsharded:

@@ -35,6 +35,7 @@ from dmuon.group import BoundaryGroup, accumulate_into_masters
 from dmuon.mesh import OwnershipMesh
 from dmuon.param import DedicatedParam
 from dmuon.partition import OwnershipPlan
+from dmuon.profile import ForwardUnshardProfile
 
 
 def _in_backward() -> bool:
@@ -52,12 +53,14 @@ class DedicatedState:
         plan: OwnershipPlan,
         params: dict[str, DedicatedParam],
         boundaries: list[BoundaryGroup],
+        profile: ForwardUnshardProfile | None = None,
     ) -> None:
         self.model = model
         self.mesh = mesh
         self.plan = plan
         self.params = params
         self.boundaries = boundaries
+        self.profile = profile  # forward-unshard wait counters (DMUON_RECORD_FORWARD_PROFILE=1)
         self.requires_gradient_sync = True
         self.is_adopted = False
         # Forward order of the boundaries, recorded during the first forward; prefetch uses it.
@@ -166,7 +169,10 @@ def _pre_forward(
         return None
     state.ensure_adopted()
     state._record_forward(group)
-    group.wait_for_unshard()
+    if state.profile is not None:
+        state.profile.record(group.name, group.is_unsharding, group.device, group.wait_for_unshard)
+    else:
+        group.wait_for_unshard()
     group.register_unsharded()
     following = state._neighbour(group, +1)
     if following is not None:
