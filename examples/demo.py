@@ -235,6 +235,19 @@ def worker(args: argparse.Namespace) -> None:
         "Newton-Schulz in fp16, which CPUs run without fp16 matrix units)"
     )
     dist.destroy_process_group()
+    exit_now(0)
+
+
+def exit_now(code: int) -> None:
+    """Leave without the interpreter's teardown.
+
+    With torch 2.13 on gloo a process sometimes aborts while the interpreter shuts down, after
+    ``destroy_process_group()`` ("terminate called without an active exception"); plain FSDP2
+    without dmuon does it too. Everything is done and flushed by now, so skip that teardown.
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 # ---- the launcher --------------------------------------------------------------------------------
