@@ -166,8 +166,13 @@ def _build(
     if process_group_policy == "isolated":
         # new_group is collective over the whole world: every rank creates every group, in the
         # same order, and keeps the one it belongs to.
-        shard_group = _new_groups(list(rank_grid), rank_grid[replicate], timeout)
-        replicate_group = _new_groups(columns, columns[shard], timeout)
+        # Forward broadcasts and first-stage reduces sit on the critical path: on NCCL their
+        # group gets a high-priority stream; the replicate axis (publish, second-stage reduce)
+        # keeps the default priority, as FSDP2 splits intra- and inter-node traffic.
+        shard_group = _new_groups(
+            list(rank_grid), rank_grid[replicate], timeout, _high_priority_options()
+        )
+        replicate_group = _new_groups(columns, columns[shard], timeout, None)
         world_group = dist.new_group(timeout=timeout)
     else:
         shard_group = mesh.get_group()
@@ -185,13 +190,24 @@ def _build(
 
 
 def _new_groups(
-    all_ranks: list[tuple[int, ...]], mine: tuple[int, ...], timeout: timedelta | None
+    all_ranks: list[tuple[int, ...]],
+    mine: tuple[int, ...],
+    timeout: timedelta | None,
+    pg_options: object | None,
 ) -> dist.ProcessGroup | None:
     if len(mine) == 1:
         return None
     mine_group = None
     for ranks in all_ranks:
-        group = dist.new_group(list(ranks), timeout=timeout)
+        group = dist.new_group(list(ranks), timeout=timeout, pg_options=pg_options)
         if ranks == mine:
             mine_group = group
     return mine_group
+
+
+def _high_priority_options() -> object | None:
+    if dist.get_backend() != "nccl" or not hasattr(dist, "ProcessGroupNCCL"):
+        return None
+    options = dist.ProcessGroupNCCL.Options()
+    options.is_high_priority_stream = True
+    return options
