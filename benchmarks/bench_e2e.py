@@ -1,0 +1,585 @@
+"""End-to-end training step: dmuon against FSDP2 + fused AdamW and naive Muon on FSDP2.
+
+Builds a Llama-style decoder locally (embeddings; per layer RMSNorm, attention q/k/v/o with GQA,
+rotary embedding and causal ``F.scaled_dot_product_attention``, RMSNorm, SwiGLU gate/up/down;
+final norm; lm_head). The default config (d_model 2048, 16 layers, 16 heads, 8 kv heads, ffn
+5632, vocab 32000) has about 1.0 B parameters; sequence 2048, micro-batch 4 per rank, bf16
+compute, fp32 parameters. Every variant builds a fresh model from the same seed, in one run:
+
+- ``fsdp2-adamw``: ``fully_shard`` per layer and root with
+  ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``, ``torch.optim.AdamW(fused=True)``;
+- ``dmuon-z3``: ``dmuon.dedicate_params`` on the ``*proj`` matrices (same dtypes), then the same
+  ``fully_shard``, ``dmuon.Muon(model, lr=0.02, adamw_lr=1e-3)``;
+- ``dmuon-z2``: the same with ``reshard_after_forward=False`` (dmuon and ``fully_shard``);
+- ``naive-muon``: FSDP2 as in ``fsdp2-adamw``, ``torch.optim.Muon`` on the 2-D ``*proj`` DTensor
+  parameters (DTensor runs the Newton-Schulz matmuls with collectives) and fused AdamW on the
+  rest. If it fails, its error is recorded as that variant's result and the run goes on.
+
+Per variant: the median over ``--steps`` timed steps (after ``--warmup``) of the whole step
+(zero_grad + forward + backward + step; CUDA events, one synchronisation per step; the slowest
+rank per step), the optimizer step alone (CUDA events around ``step()``), peak memory per rank
+(``max_memory_allocated``) and the losses (must be finite). On CPU, wall-clock times.
+
+Usage (repository root; on the GPU machine put the package sources on PYTHONPATH)::
+
+    python -m torch.distributed.run --nproc-per-node 1 benchmarks/bench_e2e.py
+    python -m torch.distributed.run --nproc-per-node 8 benchmarks/bench_e2e.py --variants fsdp2-adamw,dmuon-z3
+    python -m torch.distributed.run --nproc-per-node 2 benchmarks/bench_e2e.py --device cpu --quick
+
+Rank 0 prints a table and writes JSON (``--out``; default
+``benchmarks/results/e2e-<gpu>-w<world>-<date>.json``, none with ``--quick`` unless given).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+try:
+    import dmuon
+except ImportError:  # no installed packages (the GPU machine): import the sources
+    for package in ("dmuon-kernels", "dmuon-core"):
+        sys.path.insert(0, str(REPO_ROOT / "packages" / package / "src"))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch import nn  # noqa: E402
+from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # noqa: E402
+from torch.utils.checkpoint import checkpoint  # noqa: E402
+
+import dmuon  # noqa: E402
+from dmuon.api import get_dedicated_state  # noqa: E402
+
+VARIANTS = ("fsdp2-adamw", "dmuon-z3", "dmuon-z2", "naive-muon")
+STEP_TARGET = 1.03  # dmuon step time at most 1.03x FSDP2 + AdamW
+OPTIMIZER_TARGET = 3.0  # dmuon's optimizer step at least 3x faster than naive Muon's
+MUON_LR, ADAMW_LR = 0.02, 1e-3
+
+
+# ---- the model --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    vocab: int = 32000
+    dim: int = 2048
+    layers: int = 16
+    heads: int = 16
+    kv_heads: int = 8
+    ffn: int = 5632
+    rope_theta: float = 10000.0
+
+
+QUICK_CONFIG = ModelConfig(vocab=256, dim=64, layers=2, heads=4, kv_heads=2, ffn=160)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding on (batch, heads, seq, head_dim), the two halves as (real, imaginary)."""
+    first, second = x.chunk(2, dim=-1)
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    return torch.cat((first * cos - second * sin, first * sin + second * cos), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.heads, self.kv_heads = config.heads, config.kv_heads
+        self.head_dim = config.dim // config.heads
+        self.q_proj = nn.Linear(config.dim, config.heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(config.dim, config.kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(config.dim, config.kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(config.heads * self.head_dim, config.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        batch, seq, _ = x.shape
+        q = self.q_proj(x).view(batch, seq, self.heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(batch, seq, self.kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(batch, seq, self.kv_heads, self.head_dim).transpose(1, 2)
+        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(config.dim, config.ffn, bias=False)
+        self.up_proj = nn.Linear(config.dim, config.ffn, bias=False)
+        self.down_proj = nn.Linear(config.ffn, config.dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.attn_norm = nn.RMSNorm(config.dim, eps=1e-5)
+        self.attn = Attention(config)
+        self.mlp_norm = nn.RMSNorm(config.dim, eps=1e-5)
+        self.mlp = SwiGLU(config)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), cos, sin)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class Llama(nn.Module):
+    def __init__(self, config: ModelConfig, seq: int, checkpoint_layers: bool) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab, config.dim)
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.layers))
+        self.norm = nn.RMSNorm(config.dim, eps=1e-5)
+        self.lm_head = nn.Linear(config.dim, config.vocab, bias=False)
+        self.checkpoint_layers = checkpoint_layers
+        head_dim = config.dim // config.heads
+        inverse_freq = config.rope_theta ** (-torch.arange(0, head_dim, 2).float() / head_dim)
+        angles = torch.outer(torch.arange(seq).float(), inverse_freq)
+        self.register_buffer("cos", angles.cos(), persistent=False)
+        self.register_buffer("sin", angles.sin(), persistent=False)
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(module.weight, std=0.02)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed_tokens(tokens)
+        cos, sin = self.cos[: tokens.shape[1]], self.sin[: tokens.shape[1]]
+        for layer in self.layers:
+            if self.checkpoint_layers:
+                # The whole layer call re-runs in backward, its module hooks included.
+                x = checkpoint(layer, x, cos, sin, use_reentrant=False)
+            else:
+                x = layer(x, cos, sin)
+        return self.lm_head(self.norm(x))
+
+
+def is_projection(name: str, param: nn.Parameter) -> bool:
+    return "proj" in name and param.ndim == 2
+
+
+def loss_of(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    logits = model(tokens[:, :-1])
+    return F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
+
+
+# ---- the variants -----------------------------------------------------------------------------
+
+
+class Optimizers:
+    """Several optimizers stepped as one (naive Muon on the matrices + AdamW on the rest)."""
+
+    def __init__(self, *optimizers: torch.optim.Optimizer) -> None:
+        self.optimizers = optimizers
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for optimizer in self.optimizers:
+            optimizer.zero_grad(set_to_none=set_to_none)
+
+    def step(self) -> None:
+        for optimizer in self.optimizers:
+            optimizer.step()
+
+
+def build(variant: str, args: argparse.Namespace, mesh, device: torch.device):
+    """(model, optimizer, extra JSON fields) of one variant, from a fresh seeded model."""
+    torch.manual_seed(0)
+    with device:
+        model = Llama(args.model, args.seq, args.checkpoint)
+    dtype = args.param_dtype
+    mp_policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+    reshard = variant != "dmuon-z2"
+    extra: dict = {}
+    if variant.startswith("dmuon"):
+        dmuon.dedicate_params(
+            model,
+            mesh,
+            predicate=is_projection,
+            reshard_after_forward=reshard,
+            param_policy={"defaults": {"param_dtype": dtype, "reduce_dtype": torch.float32}},
+        )
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp_policy)
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp_policy)
+    if variant == "fsdp2-adamw":
+        optimizer = torch.optim.AdamW(model.parameters(), lr=ADAMW_LR, fused=True)
+    elif variant.startswith("dmuon"):
+        optimizer = dmuon.Muon(model, lr=MUON_LR, adamw_lr=ADAMW_LR)
+        newton_schulz = optimizer.newton_schulz
+        extra["partition"] = get_dedicated_state(model).plan.describe()
+        extra["newton_schulz"] = repr(newton_schulz)
+        extra["ns_kernel"] = f"{newton_schulz.kernel} ({newton_schulz.kernel_reason})"
+    else:
+        named = list(model.named_parameters())
+        matrices = [p for name, p in named if is_projection(name, p)]
+        rest = [p for name, p in named if not is_projection(name, p)]
+        extra["naive_muon_params"] = len(matrices)
+        optimizer = Optimizers(
+            torch.optim.Muon(
+                matrices, lr=MUON_LR, weight_decay=0.0, adjust_lr_fn="match_rms_adamw"
+            ),
+            torch.optim.AdamW(rest, lr=ADAMW_LR, fused=True),
+        )
+    return model, optimizer, extra
+
+
+class Timer:
+    """Milliseconds between start() and stop(): CUDA events on CUDA, the wall clock on CPU."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        if self.cuda:
+            self.begin = torch.cuda.Event(enable_timing=True)
+            self.end = torch.cuda.Event(enable_timing=True)
+
+    def start(self) -> None:
+        if self.cuda:
+            self.begin.record()
+        else:
+            self.started = time.perf_counter()
+
+    def stop(self) -> None:
+        if self.cuda:
+            self.end.record()
+        else:
+            self.stopped = time.perf_counter()
+
+    def ms(self) -> float:
+        """Valid once the device is synchronised."""
+        if self.cuda:
+            return self.begin.elapsed_time(self.end)
+        return (self.stopped - self.started) * 1e3
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure(variant: str, args, mesh, device: torch.device, tokens: torch.Tensor) -> dict:
+    """This rank's per-step times, losses and peak memory for one variant."""
+    # What earlier variants left allocated (caches) counts in this variant's peak.
+    allocated_before = (
+        torch.cuda.memory_allocated(device) / 2**30 if device.type == "cuda" else None
+    )
+    model, optimizer, extra = build(variant, args, mesh, device)
+    step_ms, optimizer_ms, losses = [], [], []
+    for index in range(args.warmup + args.steps):
+        step_timer, optimizer_timer = Timer(device), Timer(device)
+        step_timer.start()
+        optimizer.zero_grad(set_to_none=True)
+        loss = loss_of(model, tokens)
+        loss.backward()
+        optimizer_timer.start()
+        optimizer.step()
+        optimizer_timer.stop()
+        step_timer.stop()
+        synchronize(device)
+        losses.append(loss.item())
+        if index >= args.warmup:
+            step_ms.append(step_timer.ms())
+            optimizer_ms.append(optimizer_timer.ms())
+    if variant.startswith("dmuon"):
+        dmuon.wait_all_replicate_broadcasts(model)
+    peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+    return {
+        "step_ms": step_ms,
+        "optimizer_ms": optimizer_ms,
+        "losses": losses,
+        "peak_gib": peak,
+        "allocated_before_gib": allocated_before,
+        **extra,
+    }
+
+
+def run_variant(variant: str, args, mesh, device: torch.device, tokens) -> dict:
+    """Measure on every rank, then combine on all: slowest rank per step, median over steps."""
+    free_memory(device)
+    # A failing variant is recorded and the run goes on (naive Muon on DTensors may be refused;
+    # an out-of-memory in one variant should not lose the others' numbers). A failure on some
+    # ranks only can still hang the others in a collective: that is left to the launcher.
+    try:
+        local = measure(variant, args, mesh, device, tokens)
+    except Exception as error:
+        local = {"error": f"{type(error).__name__}: {error}", "traceback": traceback.format_exc()}
+    free_memory(device)
+    ranks: list[dict] = [{} for _ in range(dist.get_world_size())]
+    dist.all_gather_object(ranks, local)
+    errors = sorted({r["error"] for r in ranks if "error" in r})
+    if errors:
+        return {"error": errors[0], "errors": errors, "traceback": ranks[0].get("traceback")}
+    step_ms = [max(per_rank) for per_rank in zip(*(r["step_ms"] for r in ranks))]
+    optimizer_ms = [max(per_rank) for per_rank in zip(*(r["optimizer_ms"] for r in ranks))]
+    losses = [r["losses"] for r in ranks]
+    per_rank_keys = ("step_ms", "optimizer_ms", "losses", "peak_gib", "allocated_before_gib")
+    result = {key: value for key, value in ranks[0].items() if key not in per_rank_keys}
+    result.update(
+        step_ms_median=statistics.median(step_ms),
+        optimizer_ms_median=statistics.median(optimizer_ms),
+        step_ms=step_ms,
+        optimizer_ms=optimizer_ms,
+        peak_gib_per_rank=[r["peak_gib"] for r in ranks],
+        allocated_before_gib_per_rank=[r["allocated_before_gib"] for r in ranks],
+        losses_per_rank=losses,
+        losses_finite=all(math.isfinite(x) for per_rank in losses for x in per_rank),
+    )
+    return result
+
+
+def free_memory(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+# ---- report -----------------------------------------------------------------------------------
+
+
+def targets(results: dict, world: int) -> list[dict]:
+    """The two goals, evaluated for each dmuon variant present."""
+    evaluations = []
+    baseline = results.get("fsdp2-adamw", {}).get("step_ms_median")
+    naive = results.get("naive-muon", {})
+    for name in (v for v in results if v.startswith("dmuon") and "error" not in results[v]):
+        result = results[name]
+        if baseline is not None:
+            ratio = result["step_ms_median"] / baseline
+            evaluations.append(
+                dict(
+                    target=f"{name} step <= {STEP_TARGET}x fsdp2-adamw",
+                    value=f"{ratio:.3f}x",
+                    met=ratio <= STEP_TARGET,
+                )
+            )
+        if "optimizer_ms_median" in naive:
+            speedup = naive["optimizer_ms_median"] / result["optimizer_ms_median"]
+            evaluations.append(
+                dict(
+                    target=f"{name} optimizer step >= {OPTIMIZER_TARGET}x faster than naive-muon",
+                    value=f"{speedup:.2f}x",
+                    met=speedup >= OPTIMIZER_TARGET,
+                )
+            )
+        elif "error" in naive:
+            evaluations.append(
+                dict(
+                    target=f"{name} optimizer step >= {OPTIMIZER_TARGET}x faster than naive-muon",
+                    value="naive-muon failed: " + naive["error"].splitlines()[0][:120],
+                    met=None,
+                )
+            )
+    if world == 1:
+        for evaluation in evaluations:
+            evaluation["note"] = "not meaningful at world size 1: no communication"
+    return evaluations
+
+
+def print_report(header: str, results: dict, evaluations: list[dict]) -> None:
+    print(header)
+    print(
+        f"{'variant':<12} {'step ms':>9} {'vs fsdp2':>9} {'opt ms':>9} {'naive/opt':>10} "
+        f"{'peak GiB':>9} {'loss first->last':>18}"
+    )
+    baseline = results.get("fsdp2-adamw", {}).get("step_ms_median")
+    naive = results.get("naive-muon", {}).get("optimizer_ms_median")
+    for name, result in results.items():
+        if "error" in result:
+            print(f"{name:<12} FAILED: {result['error']}")
+            continue
+        step, opt = result["step_ms_median"], result["optimizer_ms_median"]
+        vs_fsdp2 = f"{step / baseline:.3f}x" if baseline else "-"
+        vs_naive = f"{naive / opt:.2f}x" if naive and name.startswith("dmuon") else "-"
+        peaks = [p for p in result["peak_gib_per_rank"] if p is not None]
+        peak = f"{max(peaks):.2f}" if peaks else "-"
+        losses = result["losses_per_rank"][0]
+        finite = "" if result["losses_finite"] else " NOT FINITE"
+        print(
+            f"{name:<12} {step:>9.2f} {vs_fsdp2:>9} {opt:>9.2f} {vs_naive:>10} {peak:>9} "
+            f"{losses[0]:>8.4f}->{losses[-1]:<8.4f}{finite}"
+        )
+    for evaluation in evaluations:
+        verdict = {True: "met", False: "not met", None: "not evaluable"}[evaluation["met"]]
+        note = f" ({evaluation['note']})" if "note" in evaluation else ""
+        print(f"target: {evaluation['target']}: {evaluation['value']} -> {verdict}{note}")
+    for name, result in results.items():
+        if "traceback" in result:
+            print(f"{name} failed on rank 0 with:\n{result['traceback']}")
+        if "partition" in result:
+            print(f"{name}: {result['partition']}; NS kernel {result['ns_kernel']}")
+
+
+# ---- setup and main ---------------------------------------------------------------------------
+
+
+def git_sha() -> str:
+    try:
+        return subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True, check=True
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return os.environ.get("DMUON_GIT_SHA", "unknown")
+
+
+def slug(text: str) -> str:
+    return "-".join("".join(c if c.isalnum() else " " for c in text.lower()).split())
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    parser.add_argument("--quick", action="store_true", help="tiny model, seq 64 (smoke test)")
+    parser.add_argument("--layers", type=int, default=None)
+    parser.add_argument("--dim", type=int, default=None, help="d_model (ffn scales with it)")
+    parser.add_argument("--seq", type=int, default=None, help="default 2048 (64 with --quick)")
+    parser.add_argument("--micro-batch", type=int, default=None, help="per rank; default 4 (2)")
+    parser.add_argument("--steps", type=int, default=None, help="timed steps; default 10 (3)")
+    parser.add_argument("--warmup", type=int, default=None, help="default 3 (1 with --quick)")
+    parser.add_argument(
+        "--variants", default=",".join(VARIANTS), help="comma list of " + ", ".join(VARIANTS)
+    )
+    parser.add_argument(
+        "--checkpoint",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="non-reentrant activation checkpointing per layer (default on)",
+    )
+    parser.add_argument("--param-dtype", choices=("bf16", "fp32"), default="bf16")
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args(argv)
+    quick = args.quick
+    model = QUICK_CONFIG if quick else ModelConfig()
+    dim = args.dim or model.dim
+    args.model = ModelConfig(
+        vocab=model.vocab,
+        dim=dim,
+        layers=args.layers or model.layers,
+        heads=model.heads,
+        kv_heads=model.kv_heads,
+        ffn=model.ffn * dim // model.dim,
+    )
+    args.seq = args.seq or (64 if quick else 2048)
+    args.micro_batch = args.micro_batch or (2 if quick else 4)
+    args.steps = args.steps if args.steps is not None else (3 if quick else 10)
+    args.warmup = args.warmup if args.warmup is not None else (1 if quick else 3)
+    args.param_dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.param_dtype]
+    args.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    unknown = sorted(set(args.variants) - set(VARIANTS))
+    if unknown:
+        parser.error(f"unknown variants {unknown}; choose from {', '.join(VARIANTS)}")
+    return args
+
+
+def setup(args: argparse.Namespace) -> torch.device:
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if args.device == "cuda":
+        if not torch.cuda.is_available():
+            raise SystemExit("bench_e2e: no CUDA device; pass --device cpu --quick for a CPU run.")
+        device = torch.device("cuda", local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=device)
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo")
+    return device
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    device = setup(args)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("shard",))
+    generator = torch.Generator().manual_seed(1000 + rank)  # each rank its own data
+    tokens = torch.randint(
+        0, args.model.vocab, (args.micro_batch, args.seq + 1), generator=generator
+    ).to(device)
+    with torch.device("meta"):
+        num_params = sum(p.numel() for p in Llama(args.model, 1, False).parameters())
+    device_label = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    header = (
+        f"bench_e2e: {device_label} x {world} ({dist.get_backend()}), torch {torch.__version__}; "
+        f"Llama {num_params / 1e6:,.1f} M params ({asdict(args.model)}), seq {args.seq}, "
+        f"micro-batch {args.micro_batch}/rank, compute {args.param_dtype}, fp32 params; "
+        f"activation checkpointing {'ON' if args.checkpoint else 'off'}; "
+        f"median of {args.steps} steps after {args.warmup} warm-up (slowest rank per step)"
+    )
+    if rank == 0:
+        print(header, flush=True)
+
+    results = {}
+    for variant in args.variants:
+        started = time.perf_counter()
+        results[variant] = run_variant(variant, args, mesh, device, tokens)
+        results[variant]["seconds"] = time.perf_counter() - started
+        if rank == 0:
+            summary = results[variant].get("error") or (
+                f"step {results[variant]['step_ms_median']:.2f} ms, "
+                f"optimizer {results[variant]['optimizer_ms_median']:.2f} ms"
+            )
+            print(f"  {variant}: {summary} ({results[variant]['seconds']:.1f} s)", flush=True)
+
+    evaluations = targets(results, world)
+    if rank == 0:
+        print()
+        print_report(header, results, evaluations)
+        date = datetime.datetime.now(datetime.UTC)
+        record = {
+            "benchmark": "bench_e2e",
+            "inputs": {
+                "model": asdict(args.model),
+                "num_params": num_params,
+                "seq": args.seq,
+                "micro_batch": args.micro_batch,
+                "steps": args.steps,
+                "warmup": args.warmup,
+                "checkpoint": args.checkpoint,
+                "param_dtype": str(args.param_dtype),
+                "variants": args.variants,
+                "quick": args.quick,
+                "muon_lr": MUON_LR,
+                "adamw_lr": ADAMW_LR,
+            },
+            "device": device_label,
+            "world_size": world,
+            "backend": dist.get_backend(),
+            "torch": torch.__version__,
+            "cuda": torch.version.cuda,
+            "dmuon": dmuon.__version__,
+            "ns_backend": dmuon.get_ns_backend(),
+            "git_sha": git_sha(),
+            "date": date.isoformat(timespec="seconds"),
+            "timing": "per step: CUDA events around zero_grad+forward+backward+step (wall clock "
+            "on CPU), one synchronisation per step; max over ranks, then median over steps",
+            "env": {key: os.environ[key] for key in sorted(os.environ) if key.startswith("DMUON_")},
+            "targets": evaluations,
+            "results": results,
+        }
+        out = args.out
+        if out is None and not args.quick:
+            name = f"e2e-{slug(device_label)}-w{world}-{date:%Y-%m-%d}.json"
+            out = REPO_ROOT / "benchmarks" / "results" / name
+        if out is not None:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(json.dumps(record, indent=2, default=str) + "\n")
+            print(f"wrote {out}")
+    dist.destroy_process_group()
+    # Exit 1 when a variant other than naive Muon failed or produced a non-finite loss.
+    failed = [v for v, r in results.items() if v != "naive-muon" and not r.get("losses_finite")]
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
