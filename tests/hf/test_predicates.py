@@ -1,0 +1,114 @@
+"""dmuon_hf.default_predicate selects exactly the block projection matrices of each architecture."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import dmuon
+from dmuon_hf import PREDICATES, default_predicate
+from tests.hf.tiny_models import (
+    selected_names,
+    tiny_gpt2,
+    tiny_llama,
+    tiny_mistral,
+    tiny_qwen2,
+    tiny_qwen3,
+    tiny_vit,
+)
+
+LLAMA_FAMILY_PROJECTIONS = [
+    "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+    "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj",
+]  # fmt: skip
+
+
+def expected(prefix: str, projections: list[str], layers: int = 2) -> set[str]:
+    return {f"{prefix}.{i}.{p}.weight" for i in range(layers) for p in projections}
+
+
+@pytest.mark.parametrize("build", [tiny_llama, tiny_mistral, tiny_qwen2, tiny_qwen3])
+def test_llama_family_selects_the_seven_projections_of_every_layer(build):
+    model = build()
+    assert selected_names(model, default_predicate(model)) == expected(
+        "model.layers", LLAMA_FAMILY_PROJECTIONS
+    )
+
+
+def test_qwen2_attention_biases_and_qwen3_qk_norms_are_not_selected():
+    for model in (tiny_qwen2(), tiny_qwen3()):
+        chosen = selected_names(model, default_predicate(model))
+        assert not any(name.endswith(".bias") or "_norm" in name for name in chosen)
+
+
+def test_gpt2_selects_its_conv1d_matrices_and_not_embeddings_or_norms():
+    model = tiny_gpt2()
+    chosen = selected_names(model, default_predicate(model))
+    assert chosen == expected(
+        "transformer.h", ["attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj"]
+    )
+    # Conv1D keeps (in, out) weights: c_fc is (hidden, 4 * hidden), still 2-D.
+    assert model.get_parameter("transformer.h.0.mlp.c_fc.weight").shape == (32, 128)
+
+
+def test_vit_selects_block_projections_and_not_patch_embedding_or_classifier():
+    model = tiny_vit()
+    chosen = selected_names(model, default_predicate(model))
+    assert chosen == expected(
+        "vit.layers",
+        ["attention.q_proj", "attention.k_proj", "attention.v_proj", "attention.o_proj",
+         "mlp.fc1", "mlp.fc2"],
+    )  # fmt: skip
+
+
+def test_vit_predicate_also_matches_the_encoder_layer_names_of_transformers_4():
+    predicate = PREDICATES["vit"]
+    matrix, vector = torch.empty(4, 4), torch.empty(4)
+    block = "vit.encoder.layer.3"
+    for suffix in (
+        "attention.attention.query", "attention.attention.key", "attention.attention.value",
+        "attention.output.dense", "intermediate.dense", "output.dense",
+    ):  # fmt: skip
+        assert predicate(f"{block}.{suffix}.weight", matrix)
+        assert not predicate(f"{block}.{suffix}.bias", vector)
+    assert not predicate("vit.pooler.dense.weight", matrix)
+    assert not predicate("classifier.weight", matrix)
+    assert not predicate(
+        "vit.embeddings.patch_embeddings.projection.weight", torch.empty(4, 3, 2, 2)
+    )
+
+
+def test_bare_backbone_names_without_task_prefix_are_selected():
+    backbone = tiny_llama().model  # LlamaModel: "layers.0...." with no "model." prefix
+    assert selected_names(backbone, default_predicate(backbone)) == expected(
+        "layers", LLAMA_FAMILY_PROJECTIONS
+    )
+
+
+def test_predicates_mapping_lists_the_supported_model_types_and_is_read_only():
+    assert sorted(PREDICATES) == ["gpt2", "llama", "mistral", "qwen2", "qwen3", "vit"]
+    with pytest.raises(TypeError):
+        PREDICATES["bert"] = PREDICATES["llama"]  # type: ignore[index]
+
+
+def test_unsupported_model_type_raises_with_the_supported_list_and_a_custom_predicate():
+    model = tiny_llama()
+    model.config.model_type = "bert"
+    with pytest.raises(ValueError) as error:
+        default_predicate(model)
+    message = str(error.value)
+    assert "no default predicate for LlamaForCausalLM with model_type 'bert'" in message
+    assert "Supported model types: gpt2, llama, mistral, qwen2, qwen3, vit." in message
+    assert "dmuon.dedicate_params(model, mesh, predicate=lambda name, p: p.ndim == 2" in message
+
+
+def test_plain_module_without_config_raises_naming_the_missing_model_type():
+    with pytest.raises(ValueError, match=r"Linear with no config.model_type"):
+        default_predicate(nn.Linear(2, 2))
+
+
+def test_dedicate_params_with_the_default_predicate_dedicates_exactly_the_projections():
+    model = tiny_llama()
+    owners = dmuon.dedicate_params(model, None, default_predicate(model))
+    assert set(owners) == expected("model.layers", LLAMA_FAMILY_PROJECTIONS)
