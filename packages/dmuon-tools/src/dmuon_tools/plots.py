@@ -1,0 +1,117 @@
+"""Plots of a partition and of dmuon's per-step communication (needs ``dmuon-tools[plots]``).
+
+Owns drawing and saving figures; the numbers come from ``owner_load`` and ``comm_plan``.
+matplotlib is imported only when a plot is drawn, so ``import dmuon_tools`` never needs it. Figures
+are built with ``matplotlib.figure.Figure`` directly (no pyplot): no GUI backend, no global state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+from dmuon.partition import OwnershipPlan
+from dmuon_tools._state import dedicated_state_or_none
+from dmuon_tools.comm_plan import COLLECTIVE_KINDS, summarize_comm_plan
+from dmuon_tools.owner_load import FLOP_PER_GFLOP
+
+PLOTS_INSTALL_HINT = "pip install dmuon-tools[plots]"
+# Above this many owners a bar per owner is unreadable (and slow to draw): draw a step line.
+_MAX_BARS = 512
+_BYTES_PER_MIB = 2**20
+
+
+def _figure():
+    try:
+        from matplotlib.figure import Figure
+    except ImportError as error:
+        raise ImportError(
+            f"dmuon_tools.plots needs matplotlib, which is not installed: {PLOTS_INSTALL_HINT}"
+        ) from error
+    return Figure(figsize=(10, 4), layout="constrained")
+
+
+def _plan_of(plan_or_model: OwnershipPlan | nn.Module) -> OwnershipPlan:
+    if isinstance(plan_or_model, OwnershipPlan):
+        return plan_or_model
+    state = dedicated_state_or_none(plan_or_model) if isinstance(plan_or_model, nn.Module) else None
+    if state is None:
+        raise TypeError(
+            "plot_owner_load needs a dmuon.partition.OwnershipPlan or a model prepared with "
+            f"dmuon.dedicate_params, got {type(plan_or_model).__name__}."
+        )
+    return state.plan
+
+
+def plot_owner_load(
+    plan_or_model: OwnershipPlan | nn.Module, path: str | Path, *, title: str | None = None
+) -> Path:
+    """Save a bar chart of the Newton-Schulz load (GFLOP) of every owner slot, with the mean.
+
+    Slot ``i`` is the owner ``(shard=i % G, replicate=i // G)``. Returns the path written (the
+    format follows its suffix: ``.png``, ``.svg``, ``.pdf``, ...).
+    """
+    figure = _figure()
+    plan = _plan_of(plan_or_model)
+    axes = figure.subplots()
+    loads = [load / FLOP_PER_GFLOP for load in plan.loads]
+    slots = range(len(loads))
+    if len(loads) <= _MAX_BARS:
+        axes.bar(slots, loads, width=0.8, color="tab:blue")
+    else:
+        axes.step(slots, loads, where="mid", color="tab:blue", linewidth=0.6)
+    mean = sum(loads) / len(loads)
+    axes.axhline(mean, color="tab:red", linestyle="--", linewidth=1, label=f"mean {mean:,.1f}")
+    axes.set_xlabel(f"owner slot (shard = slot % {plan.num_shards}, replicate = slot // G)")
+    axes.set_ylabel("Newton-Schulz load (GFLOP)")
+    axes.set_title(
+        title
+        or f"dmuon owner load: G={plan.num_shards} x R={plan.num_replicas}, "
+        f"imbalance {plan.imbalance:.3f}"
+    )
+    axes.legend(loc="upper right")
+    return _save(figure, path)
+
+
+def plot_comm_bytes(
+    model_or_summary: nn.Module | Mapping[str, Any], path: str | Path, *, title: str | None = None
+) -> Path:
+    """Save a bar chart of the bytes this rank sends and receives per step, per collective kind.
+
+    Takes the model (its ``summarize_comm_plan``) or a ``summarize_comm_plan`` result. The
+    numbers are the plan's estimates, not measurements.
+    """
+    figure = _figure()
+    summary = (
+        summarize_comm_plan(model_or_summary)
+        if isinstance(model_or_summary, nn.Module)
+        else model_or_summary
+    )
+    per_kind = summary["this_rank"]["per_kind"]
+    axes = figure.subplots()
+    positions = range(len(COLLECTIVE_KINDS))
+    width = 0.4
+    for offset, field, color in (
+        (-width / 2, "sent", "tab:orange"),
+        (width / 2, "received", "tab:green"),
+    ):
+        values = [per_kind[kind][f"{field}_bytes"] / _BYTES_PER_MIB for kind in COLLECTIVE_KINDS]
+        axes.bar([p + offset for p in positions], values, width=width, label=field, color=color)
+    axes.set_xticks(list(positions), [kind.replace("_", "\n") for kind in COLLECTIVE_KINDS])
+    axes.set_ylabel("MiB per step (estimate)")
+    axes.set_title(
+        title
+        or f"dmuon communication per step, rank {summary['rank']} "
+        f"(G={summary['num_shards']} x R={summary['num_replicas']})"
+    )
+    axes.legend(loc="upper right")
+    return _save(figure, path)
+
+
+def _save(figure, path: str | Path) -> Path:
+    path = Path(path)
+    figure.savefig(path)
+    return path

@@ -1,0 +1,91 @@
+"""Scenarios for the dmuon-tools summaries, run on every rank of a gloo pool.
+
+Each trains the tiny decoder of ``tests/distributed/models.py`` exactly like the protocol tests
+(dedicate_params + fully_shard + dmuon.Muon), counts the c10d ops one training step really
+issues, and returns them beside what the summaries say. Summaries come back as JSON text made by
+``json.dumps`` without a ``default``: that they arrive at all proves they are plain JSON.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+import torch.distributed as dist
+
+import dmuon
+from dmuon.api import get_dedicated_state
+from dmuon.profile import FORWARD_PROFILE_ENV
+from dmuon_tools.comm_plan import planned_segment_layouts, segment_layouts
+from tests.distributed.comm_counter import CollectiveLog, count_collectives
+from tests.distributed.models import batches
+from tests.distributed.scenarios_protocol import TrainConfig, build, train_step
+
+
+def _measured_per_kind(log: CollectiveLog, shard_ranks: tuple, replicate_ranks: tuple) -> dict:
+    """The broadcasts and reduces this rank issued, by axis, in summarize_comm_plan's terms."""
+    kinds = {
+        ("broadcast", shard_ranks): "shard_broadcast",
+        ("reduce", shard_ranks): "shard_reduce",
+        ("broadcast", replicate_ranks): "replicate_publish",
+        ("reduce", replicate_ranks): "replicate_reduce",
+    }
+    per_kind = {
+        kind: {"collectives": 0, "payload_bytes": 0, "sent_bytes": 0, "received_bytes": 0}
+        for kind in kinds.values()
+    }
+    unexpected = []
+    for call in log.calls:
+        if call.kind not in ("broadcast", "reduce"):
+            continue  # FSDP2's all-gathers, reduce-scatters and all-reduces
+        kind = kinds.get((call.kind, call.group_ranks))
+        if kind is None:
+            unexpected.append((call.kind, call.group_ranks))
+            continue
+        entry = per_kind[kind]
+        entry["collectives"] += 1
+        entry["payload_bytes"] += call.nbytes
+        if call.kind == "broadcast":
+            entry["sent_bytes" if call.is_root else "received_bytes"] += call.nbytes
+        elif call.is_root:
+            entry["received_bytes"] += call.nbytes * (len(call.group_ranks) - 1)
+        else:
+            entry["sent_bytes"] += call.nbytes
+    return {"per_kind": per_kind, "unexpected": unexpected}
+
+
+def one_step_against_the_summaries(**kwargs) -> dict:
+    """Summaries of a trained model and the collectives of one step (after a warm-up step)."""
+    os.environ[FORWARD_PROFILE_ENV] = "1"
+    try:
+        config = TrainConfig(**kwargs)
+        model, optimizer, _ = build(config)
+    finally:
+        del os.environ[FORWARD_PROFILE_ENV]  # the worker process serves later scenarios
+    first, second = batches(2, dist.get_world_size())
+    train_step(model, optimizer, first, config)
+    with count_collectives() as log:
+        train_step(model, optimizer, second, config)
+        dmuon.wait_all_replicate_broadcasts(model)
+
+    state = get_dedicated_state(model)
+    mesh = state.mesh
+    shard_ranks = tuple(mesh.rank_grid[mesh.coord.replicate])
+    replicate_ranks = tuple(row[mesh.coord.shard] for row in mesh.rank_grid)
+    return {
+        "rank": dist.get_rank(),
+        "comm_plan": json.dumps(dmuon.summarize_comm_plan(model)),
+        "param_groups": json.dumps(dmuon.summarize_param_groups(model, optimizer)),
+        "profile": json.dumps(dmuon.collect_forward_unshard_profile(model)),
+        "measured": _measured_per_kind(log, shard_ranks, replicate_ranks),
+        # The layout the summaries derive before adoption equals the one the buffers have.
+        "planned_layouts": [
+            [dataclasses.astuple(layout) for layout in planned_segment_layouts(boundary.params)]
+            for boundary in state.boundaries
+        ],
+        "built_layouts": [
+            [dataclasses.astuple(layout) for layout in segment_layouts(boundary)]
+            for boundary in state.boundaries
+        ],
+    }
