@@ -1,0 +1,86 @@
+"""One global gradient norm (and clip) over everything a ``dmuon.Muon`` optimizer updates.
+
+Owns the norm that ``DMuonTrainer`` logs and clips with. It must not move weights or
+gradients between ranks: it reads the gradients where they already are and scales them in place.
+
+The gradients of a dmuon model live in three kinds of places, each counted exactly once:
+
+- the owners' fp32 masters of the dedicated parameters: plain tensors, each on exactly one rank
+  of dmuon's world group, so their squared norms are summed over that group;
+- FSDP2's sharded gradients: DTensors, whose norm each mesh reduces by itself;
+- plain tensors of parameters neither dedicated nor sharded: the same on every rank, counted
+  once.
+
+``model.parameters()`` alone would miss the masters (they are not module parameters), which is
+why ``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)`` is wrong for a dmuon model.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.nn.utils import clip_grads_with_norm_, get_total_norm
+
+from dmuon.api import get_dedicated_state
+
+
+@torch.no_grad()
+def clip_dmuon_grad_norm_(
+    model: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float
+) -> torch.Tensor:
+    """Scale every gradient by ``min(1, max_norm / total_norm)``; return the pre-clip norm.
+
+    ``max_norm=float("inf")`` only computes the norm. Collective: every rank must call it.
+    """
+    state = get_dedicated_state(model)
+    owned_master_ids = {id(p.master) for p in state.iter_owned_masters()}
+    with_grad = [
+        p for group in optimizer.param_groups for p in group["params"] if p.grad is not None
+    ]
+    device = _device_of(optimizer)
+
+    owned: list[torch.Tensor] = []
+    sharded: dict[object, list[torch.Tensor]] = defaultdict(list)  # DTensor mesh -> params
+    replicated: list[torch.Tensor] = []
+    for param in with_grad:
+        if id(param) in owned_master_ids:
+            owned.append(param)
+        elif isinstance(param.grad, DTensor):
+            sharded[param.grad.device_mesh].append(param)
+        else:
+            replicated.append(param)
+
+    owned_squared = _squared_norm(owned, device)
+    if state.mesh.world_group is not None:
+        # Issued on every rank, also where this rank owns nothing with a gradient.
+        dist.all_reduce(owned_squared, group=state.mesh.world_group)
+    squared = [owned_squared, _squared_norm(replicated, device)]
+    for params in sharded.values():
+        norm = get_total_norm([p.grad for p in params])
+        norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
+        squared.append(norm.to(device, torch.float32).square())
+    total_norm = torch.stack(squared).sum().sqrt()
+
+    if max_norm != float("inf"):
+        # One call per kind of gradient: plain tensors and each mesh's DTensors do not mix.
+        for params in (owned, replicated, *sharded.values()):
+            if params:
+                clip_grads_with_norm_(params, max_norm, total_norm)
+    return total_norm
+
+
+def _squared_norm(params: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    if not params:
+        return torch.zeros((), dtype=torch.float32, device=device)
+    return get_total_norm([p.grad for p in params]).to(device, torch.float32).square()
+
+
+def _device_of(optimizer: torch.optim.Optimizer) -> torch.device:
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            return param.device
+    return torch.device("cpu")

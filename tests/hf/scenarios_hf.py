@@ -1,0 +1,130 @@
+"""Trainer scenarios run on every rank of a gloo pool (see tests/distributed/pool.py).
+
+Each rank trains the same tiny Llama, prepared with dmuon.dedicate_params + fully_shard, through
+``DMuonTrainer`` on CPU, and a single-process reference of it (plain model, reference Muon/AdamW,
+torch's own clip_grad_norm_) on the whole dataset. The dataset is exactly one optimizer step's
+worth of rows, so every step of both sees all of it: their gradients, losses and weights must
+agree whatever order the sampler deals the rows in.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import shutil
+import tempfile
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.nn.parallel import DistributedDataParallel
+from transformers import TrainingArguments
+
+import dmuon
+from dmuon_hf import DMuonTrainer, default_predicate
+from dmuon_kernels.newton_schulz import NewtonSchulz, newton_schulz
+from tests.distributed.scenarios_protocol import current_weights, relative_errors
+from tests.hf.tiny_models import tiny_llama, token_batch
+from tests.reference_optim import ReferenceMuonAdamW
+
+MUON_LR = 0.02
+ADAMW_LR = 1e-2
+SEQ_LEN = 16
+
+
+def _dataset(rows: int) -> list[dict[str, torch.Tensor]]:
+    tokens = token_batch(rows, seq_len=SEQ_LEN)
+    return [{"input_ids": row, "labels": row} for row in tokens]
+
+
+def _reference_run(steps: int, rows: int, max_grad_norm: float) -> dict:
+    model = tiny_llama(seed=0)
+    optimizer = ReferenceMuonAdamW(
+        model.named_parameters(),
+        default_predicate(model),
+        lr=MUON_LR,
+        adamw_lr=ADAMW_LR,
+        orthogonalize=functools.partial(newton_schulz, backend="gram", dtype=torch.float32),
+    )
+    tokens = token_batch(rows, seq_len=SEQ_LEN)
+    losses, grad_norms = [], []
+    for _ in range(steps):
+        loss = model(input_ids=tokens, labels=tokens).loss
+        loss.backward()
+        max_norm = max_grad_norm if max_grad_norm > 0 else float("inf")
+        grad_norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm).item())
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    with torch.no_grad():
+        eval_loss = model(input_ids=tokens, labels=tokens).loss.item()
+    return {"model": model, "losses": losses, "grad_norms": grad_norms, "eval_loss": eval_loss}
+
+
+def train_with_dmuon_trainer(
+    *, steps: int, per_device_batch: int, accumulation: int, max_grad_norm: float
+) -> dict:
+    """Train through DMuonTrainer; report what Trainer did to the model and the errors."""
+    os.environ.setdefault("LOCAL_RANK", str(dist.get_rank()))  # one host: local = global rank
+    world = dist.get_world_size()
+    rows = world * per_device_batch * accumulation
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("shard",))
+    model = tiny_llama(seed=0)
+    dmuon.dedicate_params(model, mesh, default_predicate(model))
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optimizer = dmuon.Muon(
+        model,
+        lr=MUON_LR,
+        adamw_lr=ADAMW_LR,
+        ns_backend=NewtonSchulz(backend="gram", dtype=torch.float32, kernel="cublas"),
+    )
+    output_dir = tempfile.mkdtemp(prefix="dmuon-hf-trainer-")
+    try:
+        args = TrainingArguments(
+            output_dir=output_dir,
+            use_cpu=True,
+            report_to=[],
+            save_strategy="no",
+            max_steps=steps,
+            per_device_train_batch_size=per_device_batch,
+            per_device_eval_batch_size=per_device_batch * accumulation,
+            gradient_accumulation_steps=accumulation,
+            max_grad_norm=max_grad_norm,
+            lr_scheduler_type="constant",
+            logging_steps=1,
+            dataloader_num_workers=0,
+            disable_tqdm=True,
+            seed=0,
+        )
+        dataset = _dataset(rows)
+        trainer = DMuonTrainer(
+            model=model,
+            args=args,
+            train_dataset=dataset,
+            eval_dataset=dataset,
+            optimizers=(optimizer, None),
+        )
+        trainer.train()
+        # Read the weights before evaluate(): FSDP2 keeps the root's parameters unsharded
+        # after a forward with no backward.
+        weights = current_weights(model)
+        eval_loss = trainer.evaluate()["eval_loss"]
+    finally:
+        shutil.rmtree(output_dir, ignore_errors=True)
+
+    history = [entry for entry in trainer.state.log_history if "loss" in entry]
+    reference = _reference_run(steps, rows, max_grad_norm)
+    errors = relative_errors(weights, reference["model"])
+    return {
+        "model_wrapped_is_model": trainer.model_wrapped is model and trainer.model is model,
+        "model_wrapped_type": type(trainer.model_wrapped).__name__,
+        "ddp_anywhere": any(isinstance(m, DistributedDataParallel) for m in model.modules()),
+        "losses": [entry["loss"] for entry in history],
+        "grad_norms": [entry["grad_norm"] for entry in history],
+        "eval_loss": eval_loss,
+        "reference": {key: reference[key] for key in ("losses", "grad_norms", "eval_loss")},
+        "max_weight_error": max(errors.values()),
+    }
