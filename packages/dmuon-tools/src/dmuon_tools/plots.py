@@ -65,7 +65,9 @@ def plot_owner_load(
         axes.step(slots, loads, where="mid", color="tab:blue", linewidth=0.6)
     mean = sum(loads) / len(loads)
     axes.axhline(mean, color="tab:red", linestyle="--", linewidth=1, label=f"mean {mean:,.1f}")
-    axes.set_xlabel(f"owner slot (shard = slot % {plan.num_shards}, replicate = slot // G)")
+    axes.set_xlabel(
+        f"owner slot (shard = slot % {plan.num_shards}, replicate = slot // {plan.num_shards})"
+    )
     axes.set_ylabel("Newton-Schulz load (GFLOP)")
     axes.set_title(
         title
@@ -101,6 +103,10 @@ def plot_comm_bytes(
         values = [per_kind[kind][f"{field}_bytes"] / _BYTES_PER_MIB for kind in COLLECTIVE_KINDS]
         axes.bar([p + offset for p in positions], values, width=width, label=field, color=color)
     axes.set_xticks(list(positions), [kind.replace("_", "\n") for kind in COLLECTIVE_KINDS])
+    if summary["this_rank"]["total"]["collectives"] == 0:
+        axes.text(
+            0.5, 0.5, "no collectives (one owner slot)", transform=axes.transAxes, ha="center"
+        )
     axes.set_ylabel("MiB per step (estimate)")
     axes.set_title(
         title
