@@ -24,6 +24,7 @@ from transformers import TrainingArguments
 import dmuon
 from dmuon_hf import DMuonTrainer, default_predicate
 from dmuon_kernels.newton_schulz import NewtonSchulz, newton_schulz
+from tests.distributed.comm_counter import count_collectives
 from tests.distributed.scenarios_protocol import current_weights, relative_errors
 from tests.hf.tiny_models import tiny_llama, token_batch
 from tests.reference_optim import ReferenceMuonAdamW
@@ -107,7 +108,8 @@ def train_with_dmuon_trainer(
             eval_dataset=dataset,
             optimizers=(optimizer, None),
         )
-        trainer.train()
+        with count_collectives() as log:
+            trainer.train()
         # Read the weights before evaluate(): FSDP2 keeps the root's parameters unsharded
         # after a forward with no backward.
         weights = current_weights(model)
@@ -127,4 +129,7 @@ def train_with_dmuon_trainer(
         "eval_loss": eval_loss,
         "reference": {key: reference[key] for key in ("losses", "grad_norms", "eval_loss")},
         "max_weight_error": max(errors.values()),
+        # dmuon reduces gradients to their owners with c10d reduce, FSDP2 with reduce_scatter.
+        "reduces_per_step": log.count("reduce") / steps,
+        "reduce_scatters_per_step": log.count("reduce_scatter") / steps,
     }

@@ -20,7 +20,8 @@ What a stock ``Trainer`` does, and what this subclass does instead:
 - gradient accumulation: Accelerate's ``no_sync`` does nothing for an unwrapped model, so every
   micro-batch would reduce; here the non-final micro-batches run under ``dmuon.no_sync``.
 - ``place_model_on_device``: ``model.to(device)`` is never called; the model must already be on
-  ``args.device``.
+  ``args.device``. ``Trainer._wrap_model`` (DataParallel when one process sees several GPUs)
+  returns the model unchanged.
 """
 
 from __future__ import annotations
@@ -107,6 +108,13 @@ class DMuonTrainer(Trainer):
                 "dmuon.dedicate_params and fully_shard (DMuonTrainer never moves it)."
             )
 
+    # ---- wrapping -------------------------------------------------------------------------------
+
+    def _wrap_model(self, model: nn.Module, training: bool = True, dataloader: Any = None):
+        # Trainer's own wraps (DataParallel on several visible GPUs, SageMaker, XLA FSDP) would
+        # replicate or shard a model that dmuon and FSDP2 already distribute.
+        return model
+
     # ---- one micro-batch ------------------------------------------------------------------------
 
     def training_step(
@@ -115,6 +123,13 @@ class DMuonTrainer(Trainer):
         inputs: dict[str, Any],
         num_items_in_batch: torch.Tensor | int | None = None,
     ) -> torch.Tensor:
+        if model is not self.model:
+            raise RuntimeError(
+                f"DMuonTrainer: Trainer handed training_step a {type(model).__name__} wrapping "
+                "the model; dmuon and FSDP2 already reduce every gradient, so a wrapper would "
+                "reduce them twice. Please report this with your transformers and accelerate "
+                "versions."
+            )
         if self._masters_need_zero_grad:
             # Trainer's model.zero_grad() cannot reach the owners' fp32 masters.
             self._dmuon_optimizer.zero_grad()
