@@ -136,6 +136,7 @@ def test_shapes_missing_from_the_ns_table_are_scaled_from_the_nearest_by_flops_a
     code, out, _ = run_cli(
         capsys, "plan", "--config", "qwen2.5-7b", "--mesh", "8", "--ns-table", str(NS_TABLE)
     )
+    assert code == 0
     assert "56 x 3584x3584: " in out and "SCALED from 4096x4096 by FLOPs" in out
 
 
