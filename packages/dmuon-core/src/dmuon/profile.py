@@ -10,12 +10,16 @@ from __future__ import annotations
 
 import os
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
 FORWARD_PROFILE_ENV = "DMUON_RECORD_FORWARD_PROFILE"
+# CUDA event pairs kept per boundary: the timings cover the most recent waits, so a long run's
+# memory stays bounded; the counters cover the whole run.
+TIMED_WAITS_KEPT = 1000
 
 
 def forward_profile_requested() -> bool:
@@ -28,7 +32,9 @@ class BoundaryWaits:
     prefetched: int = 0  # ... whose broadcast had already been issued (by a prefetch)
     host_ms: float = 0.0  # CPU time spent waiting (gloo) or enqueueing the wait (NCCL)
     # (start, end) CUDA events around each wait on the compute stream
-    events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = field(default_factory=list)
+    events: deque[tuple[torch.cuda.Event, torch.cuda.Event]] = field(
+        default_factory=lambda: deque(maxlen=TIMED_WAITS_KEPT)
+    )
 
 
 class ForwardUnshardProfile:
