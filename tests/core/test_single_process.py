@@ -98,6 +98,22 @@ def test_meta_device_model_used_before_materialisation_says_how_to_fix_it():
         dmuon.Muon(model)
 
 
+def test_model_zero_grad_between_steps_is_enough_for_the_owners_masters():
+    model = nn.Sequential(nn.Linear(4, 4, bias=False))
+    dmuon.dedicate_params(model, None, lambda name, p: p.ndim == 2)
+    optimizer = dmuon.Muon(model)
+    master = optimizer.param_groups[0]["params"][0]
+    x = torch.randn(2, 4)
+    model(x).sum().backward()
+    first = master.grad.clone()
+    optimizer.step()
+    model.zero_grad()  # the usual idiom (HF Trainer's); it cannot reach the masters itself
+    model(x).sum().backward()  # the same gradient again (it does not depend on the weight)
+    torch.testing.assert_close(master.grad, first)
+    model(x).sum().backward()  # a second micro-batch before the step accumulates
+    torch.testing.assert_close(master.grad, 2 * first)
+
+
 # ---- bad input ---------------------------------------------------------------------------------
 
 

@@ -62,6 +62,9 @@ class DedicatedState:
         self.boundaries = boundaries
         self.profile = profile  # forward-unshard wait counters (DMUON_RECORD_FORWARD_PROFILE=1)
         self.requires_gradient_sync = True
+        # Set by ``Muon.step()``: the next backward starts the masters' gradients afresh, so the
+        # usual ``model.zero_grad()`` (which cannot see the masters) is enough between steps.
+        self.gradients_consumed = False
         self.is_adopted = False
         # Forward order of the boundaries, recorded during the first forward; prefetch uses it.
         self._forward_order: list[BoundaryGroup] = []
@@ -143,6 +146,10 @@ class DedicatedState:
                 received += group.finish_reduce()
             group.in_backward = group.reduced_this_backward = False
             group.forward_count = group.backward_count = 0
+        if self.gradients_consumed and self.requires_gradient_sync:
+            for p in self.iter_owned_masters():
+                p.master.grad = None
+            self.gradients_consumed = False
         accumulate_into_masters(received, divisor=self.mesh.num_slots)
 
     # ---- user-facing drains ---------------------------------------------------------------------

@@ -40,6 +40,11 @@ class Muon(torch.optim.Optimizer):
         adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay: the AdamW route.
         replicate_async: under HSDP, publish the new weights across replicas asynchronously
             after ``step()`` (waited for by the next forward) instead of synchronously.
+
+    The owners' fp32 masters are not parameters of the model, so ``model.zero_grad()`` cannot
+    reach their gradients; instead ``step()`` consumes them: the next backward starts them
+    afresh (micro-batches before a step still accumulate). ``optimizer.zero_grad()`` clears
+    them at once.
     """
 
     def __init__(
@@ -113,6 +118,7 @@ class Muon(torch.optim.Optimizer):
                 self._muon_step(group)
             else:
                 self._adamw_step(group)
+        self._dedicated.gradients_consumed = True
         for boundary in self._dedicated.boundaries:
             boundary.refresh_from_masters()
             boundary.publish()
