@@ -8,7 +8,12 @@ modules) are imported by that same scheme: ``from tests.reference_optim import .
 names resolve here and in the "spawn" worker processes, which inherit the parent's ``sys.path``.
 ``tests`` has no ``__init__.py``: it is a namespace package rooted in this directory.
 
-This file must stay small: fixtures belong in the conftest of the area that uses them.
+It also holds the session-wide gloo worker pools (one per world size, started on first use):
+every test folder that runs distributed scenarios (distributed, tools, hf) shares them, so a
+session spawns each world size once. Use the ``gloo_pool`` factory
+(``gloo_pool(4).run(scenario, **kwargs)``) or the ``pool2``, ``pool4``, ``pool8`` shortcuts; see
+``tests/distributed/pool.py`` for what a scenario may do. Other fixtures belong in the conftest
+of the area that uses them.
 """
 
 import sys
@@ -18,3 +23,39 @@ REPOSITORY_ROOT = str(Path(__file__).resolve().parents[1])
 
 if REPOSITORY_ROOT not in sys.path:
     sys.path.insert(0, REPOSITORY_ROOT)
+
+
+from collections.abc import Callable, Iterator  # noqa: E402
+
+import pytest  # noqa: E402
+
+from tests.distributed.pool import WorkerPool  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def gloo_pool() -> Iterator[Callable[[int], WorkerPool]]:
+    pools: dict[int, WorkerPool] = {}
+
+    def pool_of(world_size: int) -> WorkerPool:
+        if world_size not in pools:
+            pools[world_size] = WorkerPool(world_size)
+        return pools[world_size]
+
+    yield pool_of
+    for pool in pools.values():
+        pool.close()
+
+
+@pytest.fixture(scope="session")
+def pool2(gloo_pool: Callable[[int], WorkerPool]) -> WorkerPool:
+    return gloo_pool(2)
+
+
+@pytest.fixture(scope="session")
+def pool4(gloo_pool: Callable[[int], WorkerPool]) -> WorkerPool:
+    return gloo_pool(4)
+
+
+@pytest.fixture(scope="session")
+def pool8(gloo_pool: Callable[[int], WorkerPool]) -> WorkerPool:
+    return gloo_pool(8)
