@@ -33,25 +33,18 @@ Rank 0 prints a table and writes JSON (``--out``; default
 from __future__ import annotations
 
 import argparse
-import datetime
 import gc
-import json
 import math
-import os
 import statistics
-import subprocess
 import sys
 import time
 import traceback
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-try:
-    import dmuon
-except ImportError:  # no installed packages (the GPU machine): import the sources
-    for package in ("dmuon-kernels", "dmuon-core"):
-        sys.path.insert(0, str(REPO_ROOT / "packages" / package / "src"))
+import _common
+
+_common.add_package_sources_if_missing()  # before dmuon is imported
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -425,19 +418,6 @@ def print_report(header: str, results: dict, evaluations: list[dict]) -> None:
 # ---- setup and main ---------------------------------------------------------------------------
 
 
-def git_sha() -> str:
-    try:
-        return subprocess.run(
-            ["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True, check=True
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return os.environ.get("DMUON_GIT_SHA", "unknown")
-
-
-def slug(text: str) -> str:
-    return "-".join("".join(c if c.isalnum() else " " for c in text.lower()).split())
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
@@ -483,23 +463,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def setup(args: argparse.Namespace) -> torch.device:
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    if args.device == "cuda":
-        if not torch.cuda.is_available():
-            raise SystemExit("bench_e2e: no CUDA device; pass --device cpu --quick for a CPU run.")
-        device = torch.device("cuda", local_rank % torch.cuda.device_count())
-        torch.cuda.set_device(device)
-        dist.init_process_group("nccl", device_id=device)
-    else:
-        device = torch.device("cpu")
-        dist.init_process_group("gloo")
-    return device
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    device = setup(args)
+    backend = "nccl" if args.device == "cuda" else "gloo"
+    device = _common.start_process_group("bench_e2e", args.device, backend, "--device cpu --quick")
     rank, world = dist.get_rank(), dist.get_world_size()
     mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("shard",))
     generator = torch.Generator().manual_seed(1000 + rank)  # each rank its own data
@@ -508,7 +475,7 @@ def main(argv: list[str] | None = None) -> int:
     ).to(device)
     with torch.device("meta"):
         num_params = sum(p.numel() for p in Llama(args.model, 1, False).parameters())
-    device_label = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    device_label = _common.device_name(device)
     header = (
         f"bench_e2e: {device_label} x {world} ({dist.get_backend()}), torch {torch.__version__}; "
         f"Llama {num_params / 1e6:,.1f} M params ({asdict(args.model)}), seq {args.seq}, "
@@ -535,7 +502,7 @@ def main(argv: list[str] | None = None) -> int:
     if rank == 0:
         print()
         print_report(header, results, evaluations)
-        date = datetime.datetime.now(datetime.UTC)
+        date = _common.utc_now()
         record = {
             "benchmark": "bench_e2e",
             "inputs": {
@@ -555,26 +522,21 @@ def main(argv: list[str] | None = None) -> int:
             "device": device_label,
             "world_size": world,
             "backend": dist.get_backend(),
-            "torch": torch.__version__,
-            "cuda": torch.version.cuda,
-            "dmuon": dmuon.__version__,
+            **_common.versions(dmuon=dmuon.__version__),
             "ns_backend": dmuon.get_ns_backend(),
-            "git_sha": git_sha(),
-            "date": date.isoformat(timespec="seconds"),
+            "git_sha": _common.git_sha(),
+            "date": _common.iso_seconds(date),
             "timing": "per step: CUDA events around zero_grad+forward+backward+step (wall clock "
             "on CPU), one synchronisation per step; max over ranks, then median over steps",
-            "env": {key: os.environ[key] for key in sorted(os.environ) if key.startswith("DMUON_")},
+            "env": _common.dmuon_environment(),
             "targets": evaluations,
             "results": results,
         }
         out = args.out
         if out is None and not args.quick:
-            name = f"e2e-{slug(device_label)}-w{world}-{date:%Y-%m-%d}.json"
-            out = REPO_ROOT / "benchmarks" / "results" / name
+            out = _common.result_path("e2e", device_label, date, f"w{world}")
         if out is not None:
-            out.parent.mkdir(parents=True, exist_ok=True)
-            out.write_text(json.dumps(record, indent=2, default=str) + "\n")
-            print(f"wrote {out}")
+            _common.write_json(out, record)
     dist.destroy_process_group()
     # Exit 1 when a variant other than naive Muon failed or produced a non-finite loss.
     failed = [v for v, r in results.items() if v != "naive-muon" and not r.get("losses_finite")]

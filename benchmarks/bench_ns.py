@@ -34,26 +34,19 @@ reason. Another script can extend the default list::
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
-import re
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
+import _common
 import torch
 from torch import Tensor
 from torch.optim import _muon as torch_muon
 
 from dmuon_kernels import NewtonSchulz, __version__, get_backend_status
-
-REPO_ROOT = Path(__file__).resolve().parent.parent
-RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
 
 # (rows, cols) of the matrices Muon meets in 1B-70B models.
 SHAPES: list[tuple[int, int]] = [
@@ -182,48 +175,14 @@ def time_calls(
     return times
 
 
-def git_sha(explicit: str | None) -> str:
-    if explicit:
-        return explicit
-    if os.environ.get("DMUON_GIT_SHA"):
-        return os.environ["DMUON_GIT_SHA"]
-    try:
-        sha = subprocess.run(
-            ["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True, check=True
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"],
-            cwd=REPO_ROOT,
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-    return f"{sha}-dirty" if dirty else sha
-
-
-def device_name(device: torch.device) -> str:
-    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-
-
-def default_out_path(device: torch.device, date: datetime.datetime) -> Path:
-    slug = re.sub(r"[^a-z0-9]+", "-", device_name(device).lower()).strip("-")
-    return RESULTS_DIR / f"ns-{slug}-{date:%Y-%m-%d}.json"
-
-
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small shapes on CPU (smoke test)")
     parser.add_argument("--warmup", type=int, default=None, help="untimed calls (default 5; 1)")
     parser.add_argument("--repeats", type=int, default=None, help="timed calls (default 20; 3)")
-    parser.add_argument(
-        "--out",
-        type=Path,
-        default=None,
-        help="JSON path (default benchmarks/results/ns-<gpu>-<date>.json; none with --quick)",
+    _common.add_record_options(
+        parser, "JSON path (default benchmarks/results/ns-<gpu>-<date>.json; none with --quick)"
     )
-    parser.add_argument("--git-sha", default=None, help="recorded in the JSON (default: git)")
     return parser.parse_args(argv)
 
 
@@ -314,11 +273,12 @@ def main(argv: Sequence[str] | None = None, candidates: Sequence[Candidate] | No
             return 2
         device, shapes = torch.device("cuda", torch.cuda.current_device()), SHAPES
         warmup, repeats = _or_default(args.warmup, 5), _or_default(args.repeats, 20)
-    date = datetime.datetime.now(datetime.UTC)
+    date = _common.utc_now()
+    label = _common.device_name(device)
 
     results = run(candidates, shapes, device, warmup=warmup, repeats=repeats)
     print(
-        f"Newton-Schulz on {device_name(device)}, fp32 input, median of {repeats} after {warmup} "
+        f"Newton-Schulz on {label}, fp32 input, median of {repeats} after {warmup} "
         f"warm-up; (x) = speedup vs {BASELINE}"
     )
     print(format_table(results, candidates))
@@ -335,17 +295,15 @@ def main(argv: Sequence[str] | None = None, candidates: Sequence[Candidate] | No
     out = (
         args.out
         if args.out is not None
-        else (None if args.quick else default_out_path(device, date))
+        else (None if args.quick else _common.result_path("ns", label, date))
     )
     if out is not None:
         record = {
             "benchmark": "newton_schulz",
-            "date": date.isoformat(timespec="seconds"),
-            "git_sha": git_sha(args.git_sha),
-            "device": device_name(device),
-            "torch": torch.__version__,
-            "cuda": torch.version.cuda,
-            "dmuon_kernels": __version__,
+            "date": _common.iso_seconds(date),
+            "git_sha": _common.git_sha(args.git_sha),
+            "device": label,
+            **_common.versions(dmuon_kernels=__version__),
             "inputs": {
                 "shapes": [list(shape) for shape in shapes],
                 "input_dtype": "float32",
@@ -359,9 +317,7 @@ def main(argv: Sequence[str] | None = None, candidates: Sequence[Candidate] | No
             "results": results,
             "batched": batched,
         }
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(record, indent=2) + "\n")
-        print(f"wrote {out}")
+        _common.write_json(out, record)
     return 0
 
 

@@ -28,22 +28,15 @@ n <= m) at 740 TFLOP/s, the H200's measured dense fp16/bf16 GEMM rate (about 55 
 from __future__ import annotations
 
 import argparse
-import datetime
 import gc
-import json
-import os
-import platform
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 
+import _common
 import torch
 from torch import nn
-
-REPO_ROOT = Path(__file__).resolve().parent.parent
 
 LLAMA3_8B_LAYER: dict[str, tuple[int, int]] = {  # name -> (out_features, in_features)
     "q_proj": (4096, 4096),
@@ -169,40 +162,6 @@ def free_memory(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-# ---- provenance ---------------------------------------------------------------------------------
-
-
-def git_sha(explicit: str | None) -> str:
-    if explicit:
-        return explicit
-    if os.environ.get("DMUON_GIT_SHA"):
-        return os.environ["DMUON_GIT_SHA"]
-    try:
-        sha = subprocess.run(
-            ["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True, check=True
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"],
-            cwd=REPO_ROOT,
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout.strip()
-        return sha + ("-dirty" if dirty else "")
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown (no git checkout; pass --git-sha or set DMUON_GIT_SHA)"
-
-
-def device_name(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    return f"CPU ({platform.processor() or platform.machine()})"
-
-
-def slug(text: str) -> str:
-    return "-".join("".join(c if c.isalnum() else " " for c in text.lower()).split())
-
-
 # ---- main ---------------------------------------------------------------------------------------
 
 
@@ -211,13 +170,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="tiny shapes on CPU (smoke test)")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--iters", type=int, default=10)
-    parser.add_argument(
-        "--out",
-        type=Path,
-        default=None,
-        help="JSON path (default benchmarks/results/step-<gpu>-<date>.json; none with --quick)",
+    _common.add_record_options(
+        parser, "JSON path (default benchmarks/results/step-<gpu>-<date>.json; none with --quick)"
     )
-    parser.add_argument("--git-sha", default=None, help="recorded in the JSON (default: git)")
     return parser.parse_args(argv)
 
 
@@ -242,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     shapes = [shape for _ in range(NUM_LAYERS) for shape in layer_shapes.values()]
     num_params = sum(rows * cols for rows, cols in shapes)
     floor_ms = sum(gram_ns_flops(shape) for shape in shapes) / (PEAK_TFLOPS * 1e12) * 1e3
-    name = device_name(device)
+    name = _common.device_name(device)
     print(
         f"bench_step: {len(shapes)} matrices, {num_params / 1e9:.3f} B params (fp32) on {name}; "
         f"torch {torch.__version__}, dmuon {dmuon.__version__}; "
@@ -320,17 +275,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         print("(--quick: tiny shapes on CPU; the floor and ratios mean nothing here)")
 
-    date = datetime.datetime.now(datetime.UTC)
+    date = _common.utc_now()
     record = {
         "benchmark": "bench_step",
         "quick": args.quick,
         "device": name,
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "dmuon": dmuon.__version__,
+        **_common.versions(dmuon=dmuon.__version__),
         "python": sys.version.split()[0],
-        "git_sha": git_sha(args.git_sha),
-        "date": date.isoformat(timespec="seconds"),
+        "git_sha": _common.git_sha(args.git_sha),
+        "date": _common.iso_seconds(date),
         "num_layers": NUM_LAYERS,
         "layer_shapes": {key: list(value) for key, value in layer_shapes.items()},
         "num_params": num_params,
@@ -340,17 +293,15 @@ def main(argv: list[str] | None = None) -> int:
         "flop_floor_ms": floor_ms,
         "flop_floor_peak_tflops": PEAK_TFLOPS,
         "reference_floor_ms": REFERENCE_FLOOR_MS,
-        "env": {key: os.environ[key] for key in sorted(os.environ) if key.startswith("DMUON_")},
+        "env": _common.dmuon_environment(),
         "backend_status": get_backend_status(),
         "results": results,
     }
     out = args.out
     if out is None and not args.quick:
-        out = REPO_ROOT / "benchmarks" / "results" / f"step-{slug(name)}-{date:%Y-%m-%d}.json"
+        out = _common.result_path("step", name, date)
     if out is not None:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(record, indent=2, default=str) + "\n")
-        print(f"wrote {out}")
+        _common.write_json(out, record)
     return 0
 
 

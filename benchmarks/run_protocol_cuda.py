@@ -30,26 +30,18 @@ when a configuration exceeds ``--tolerance`` or a bit-for-bit check fails.
 from __future__ import annotations
 
 import argparse
-import datetime
 import functools
-import json
 import math
 import os
-import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-# The repository root (for tests.*) and, where the packages are not installed (the GPU machine
-# has no hatch), their sources.
-sys.path.insert(0, str(REPO_ROOT))
-try:
-    import dmuon
-except ImportError:
-    for package in ("dmuon-kernels", "dmuon-core"):
-        sys.path.insert(0, str(REPO_ROOT / "packages" / package / "src"))
+import _common
+
+# The repository root (for tests.*) and, where the packages are not installed, their sources.
+sys.path.insert(0, str(_common.REPO_ROOT))
+_common.add_package_sources_if_missing()
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -255,45 +247,14 @@ def bit_identical(first: dict, second: dict, device: torch.device) -> bool:
 
 
 def setup(args: argparse.Namespace) -> torch.device:
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    if args.device == "cuda":
-        if not torch.cuda.is_available():
-            raise SystemExit("run_protocol_cuda: no CUDA device; pass --device cpu for a CPU run.")
-        device = torch.device("cuda", local_rank % torch.cuda.device_count())
-        torch.cuda.set_device(device)
+    device = _common.start_process_group(
+        "run_protocol_cuda", args.device, args.backend, "--device cpu"
+    )
+    if device.type == "cuda":
         # fp32 means fp32: no TF32 in the model's matmuls or in Newton-Schulz.
         torch.backends.cuda.matmul.allow_tf32 = False
         torch.backends.cudnn.allow_tf32 = False
-    else:
-        if args.backend == "nccl":
-            raise SystemExit("run_protocol_cuda: the nccl backend needs --device cuda.")
-        device = torch.device("cpu")
-    if args.backend == "nccl":
-        dist.init_process_group("nccl", device_id=device)
-    else:
-        dist.init_process_group("gloo")
     return device
-
-
-def git_sha(explicit: str | None) -> str:
-    if explicit or os.environ.get("DMUON_GIT_SHA"):
-        return explicit or os.environ["DMUON_GIT_SHA"]
-    try:
-        return subprocess.run(
-            ["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True, check=True
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown (no git checkout; pass --git-sha or set DMUON_GIT_SHA)"
-
-
-def default_out(device_label: str, backend: str, world: int, date: datetime.datetime) -> Path:
-    slug = "-".join("".join(c if c.isalnum() else " " for c in device_label.lower()).split())
-    return (
-        REPO_ROOT
-        / "benchmarks"
-        / "results"
-        / (f"protocol-{slug}-{backend}-w{world}-{date:%Y-%m-%d}.json")
-    )
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -305,8 +266,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--configs", nargs="*", default=None, help="subset of 1d-z3 1d-z2 hsdp-async hsdp-sync"
     )
-    parser.add_argument("--out", type=Path, default=None)
-    parser.add_argument("--git-sha", default=None, help="recorded in the JSON (default: git)")
+    _common.add_record_options(parser)
     return parser.parse_args(argv)
 
 
@@ -333,7 +293,7 @@ def main(argv: list[str] | None = None) -> int:
             runs["hsdp-async"], runs["hsdp-sync"], device
         )
 
-    device_label = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    device_label = _common.device_name(device)
     failures = [
         name
         for name, run in runs.items()
@@ -363,18 +323,16 @@ def main(argv: list[str] | None = None) -> int:
         verdict = "FAIL: " + ", ".join(failures) if failures else "ok"
         print(f"tolerance {args.tolerance:.1e}: {verdict}")
 
-        date = datetime.datetime.now(datetime.UTC)
+        date = _common.utc_now()
         record = {
             "benchmark": "run_protocol_cuda",
             "device": device_label,
             "device_type": device.type,
             "backend": args.backend,
             "world_size": world,
-            "torch": torch.__version__,
-            "cuda": torch.version.cuda,
-            "dmuon": dmuon.__version__,
-            "git_sha": git_sha(args.git_sha),
-            "date": date.isoformat(timespec="seconds"),
+            **_common.versions(dmuon=dmuon.__version__),
+            "git_sha": _common.git_sha(args.git_sha),
+            "date": _common.iso_seconds(date),
             "steps": args.steps,
             "newton_schulz": repr(new_newton_schulz()),
             "tf32": False if device.type == "cuda" else None,
@@ -387,10 +345,10 @@ def main(argv: list[str] | None = None) -> int:
             "bit_identical": equalities,
             "failures": failures,
         }
-        out = args.out or default_out(device_label, args.backend, world, date)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(record, indent=2) + "\n")
-        print(f"wrote {out}")
+        out = args.out or _common.result_path(
+            "protocol", device_label, date, args.backend, f"w{world}"
+        )
+        _common.write_json(out, record)
     dist.destroy_process_group()
     # With torch 2.13 on gloo a process sometimes aborts during interpreter shutdown, after
     # destroy_process_group() ("terminate called without an active exception"), plain FSDP2
