@@ -1,0 +1,126 @@
+"""SYRK speed of the CuTe DSL kernel, per tile configuration, against cuBLAS (and quack).
+
+For each dtype and shape A (M, K): ``cublas`` is ``a @ a.T`` (the full product), ``quack`` its
+symmetric GEMM (when available), and one column per ``syrk.cute.TILE_CONFIGS`` entry plus
+``cute`` (the configuration the shape class picks). Timing is ``syrk.timing.median_ms`` (GPU-only,
+interleaved, median). Each cute configuration's relative error against an fp32 product is
+recorded next to cuBLAS's. ``triangle_tflops`` divides the M·(M+1)·K flops of one triangle by
+each column's time (so cuBLAS, which computes both triangles, really runs at twice its figure).
+
+Usage (repository root, packages on PYTHONPATH)::
+
+    python benchmarks/bench_cute.py --out cute.json [--dtypes float16 bfloat16] [--no-quack]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.metadata
+import json
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from dmuon_kernels.syrk import backend_availability, get_backend
+from dmuon_kernels.syrk import cute as cute_backend
+from dmuon_kernels.syrk.timing import median_ms
+
+SHAPES = [(1024, 4096), (4096, 4096), (4096, 14336), (8192, 8192), (8192, 28672)]
+DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def relative_error(out: torch.Tensor, reference: torch.Tensor) -> float:
+    return float((out.float() - reference).norm() / reference.norm())
+
+
+def measure(M: int, K: int, dtype: torch.dtype, *, quack: bool, repeats: int) -> dict:
+    generator = torch.Generator(device="cuda").manual_seed(M + K)
+    A = torch.randn(M, K, device="cuda", generator=generator).mul_(K**-0.25).to(dtype)
+    columns = {"cublas": lambda: A @ A.T}
+    if quack and backend_availability("quack")[0]:
+        quack_backend = get_backend("quack")
+        columns["quack"] = lambda: quack_backend.syrk(A, None, 1.0, 0.0)
+    for name in cute_backend.TILE_CONFIGS:
+        columns[f"cute[{name}]"] = lambda n=name: cute_backend.syrk(A, None, 1.0, 0.0, config=n)
+    columns["cute"] = lambda: cute_backend.syrk(A, None, 1.0, 0.0)
+
+    previous = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")
+    reference = A.float() @ A.float().T
+    torch.set_float32_matmul_precision(previous)
+    errors, compile_s = {}, {}
+    for name, fn in columns.items():
+        start = time.perf_counter()
+        out = fn()
+        torch.cuda.synchronize()
+        compile_s[name] = time.perf_counter() - start
+        errors[name] = relative_error(out, reference)
+        del out
+    del reference
+    timings = median_ms(columns, torch.device("cuda"), repeats=repeats)
+    flops = M * (M + 1) * K  # one triangle: M(M+1)/2 dot products of 2K flops
+    return {
+        "shape": [M, K],
+        "dtype": str(dtype).removeprefix("torch."),
+        "shape_class": cute_backend.shape_class(M, 1, A.device),
+        "median_ms": timings,
+        "speedup_vs_cublas": {n: timings["cublas"] / ms for n, ms in timings.items()},
+        "triangle_tflops": {n: flops / ms / 1e9 for n, ms in timings.items()},
+        "relative_error_vs_fp32": errors,
+        "first_call_s": compile_s,
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=list(DTYPES))
+    parser.add_argument("--no-quack", action="store_true")
+    parser.add_argument("--repeats", type=int, default=15)
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_cute: needs a CUDA device", file=sys.stderr)
+        return 2
+    available, reason = backend_availability("cute")
+    if not available:
+        print(f"bench_cute: cute unavailable: {reason}", file=sys.stderr)
+        return 2
+    rows = []
+    for dtype_name in args.dtypes:
+        for M, K in SHAPES:
+            row = measure(M, K, DTYPES[dtype_name], quack=not args.no_quack, repeats=args.repeats)
+            rows.append(row)
+            cells = "  ".join(
+                f"{n} {ms:.3f}ms ({row['speedup_vs_cublas'][n]:.2f}x, "
+                f"err {row['relative_error_vs_fp32'][n]:.1e})"
+                for n, ms in row["median_ms"].items()
+            )
+            print(f"{dtype_name} {M}x{K} [{row['shape_class']}]: {cells}", flush=True)
+    versions = {"torch": torch.__version__, "cuda": str(torch.version.cuda)}
+    for name in ("nvidia-cutlass-dsl", "quack-kernels"):
+        try:
+            versions[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            versions[name] = "not installed"
+    record = {
+        "benchmark": "syrk-cute",
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "device": torch.cuda.get_device_name(),
+        "compute_capability": list(torch.cuda.get_device_capability()),
+        "versions": versions,
+        "tile_configs": {n: str(c) for n, c in cute_backend.TILE_CONFIGS.items()},
+        "timing": "GPU-only (spin kernel ahead of each region), CUDA events, interleaved, median",
+        "syrk": rows,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(record, indent=2) + "\n")
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,174 @@
+"""The CuTe DSL SYRK kernel ("cute") on the GPU against an fp32 product, with quack's rule: its
+error against the fp32 product may be at most twice cuBLAS's own error on the same inputs (plus a
+quarter of the dtype's rounding unit, so two correctly rounding kernels never fail on a draw).
+
+Skipped without CUDA, without nvidia-cutlass-dsl, or on a GPU older than SM80.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dmuon_kernels.syrk import autotune, backend_availability, get_backend, syrk
+from dmuon_kernels.syrk import cute as cute_backend
+
+DTYPES = (torch.float16, torch.bfloat16)
+# (batch, M, K): aligned; M and K off every tile multiple; a batch; K below one k-tile; a long K
+# that is not a multiple of 64; two big enough for the 128-wide tiles (padded, unpadded); tiny; a 4-D batch.
+SHAPES = (
+    (None, 256, 1024),
+    (None, 200, 777),
+    (3, 128, 512),
+    (None, 1000, 24),
+    (None, 300, 4100),
+    (None, 2100, 320),
+    (None, 2048, 512),
+    (None, 5, 3),
+    ((2, 2), 72, 96),
+)
+
+
+@pytest.fixture
+def needs_cute():
+    available, reason = (
+        backend_availability("cute")
+        if torch.cuda.is_available()
+        else (
+            False,
+            "no CUDA",
+        )
+    )
+    if not available:
+        pytest.skip(f"cute unavailable: {reason}")
+
+
+def operands(batch, M, K, dtype, seed=0):
+    generator = torch.Generator(device="cuda").manual_seed(seed)
+    lead = () if batch is None else ((batch,) if isinstance(batch, int) else batch)
+    A = torch.randn((*lead, M, K), device="cuda", generator=generator).mul_(K**-0.25)
+    S = torch.randn((*lead, M, M), device="cuda", generator=generator)
+    return A.to(dtype), ((S + S.mT) / 2).to(dtype)
+
+
+def fp32_product(A, C, alpha, beta):
+    previous = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")
+    try:
+        out = alpha * (A.float() @ A.float().mT)
+        return out if C is None else out + beta * C.float()
+    finally:
+        torch.set_float32_matmul_precision(previous)
+
+
+def relative_error(actual, reference):
+    return ((actual.float() - reference).norm() / reference.norm()).item()
+
+
+def assert_within_twice_cublas(out, cublas_out, reference, dtype):
+    floor = 0.25 * torch.finfo(dtype).eps / 2
+    error, cublas_error = relative_error(out, reference), relative_error(cublas_out, reference)
+    assert error <= 2 * cublas_error + floor, (error, cublas_error)
+
+
+def poison_allocator(numel, dtype):
+    """Leave NaN in the caching allocator's next block of this size, so an output element the
+    kernel never writes shows up as NaN instead of a lucky zero."""
+    poison = torch.full((numel,), float("nan"), dtype=dtype, device="cuda")
+    del poison
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("alpha_beta", [(1.0, 0.0), (0.75, -1.25)], ids=["plain", "with_c"])
+def test_cute_syrk_is_within_twice_cublas_error_of_fp32(needs_cute, shape, dtype, alpha_beta):
+    alpha, beta = alpha_beta
+    A, C = operands(*shape, dtype)
+    C = C if beta else None
+    reference = fp32_product(A, C, alpha, beta)
+    cublas_out = syrk(A, C=C, alpha=alpha, beta=beta, kernel="cublas")
+    poison_allocator(cublas_out.numel(), dtype)
+    out = syrk(A, C=C, alpha=alpha, beta=beta, kernel="cute")
+    assert out.shape == cublas_out.shape and out.dtype == dtype
+    assert bool(out.isfinite().all()), "an output element was never written"
+    assert torch.equal(out, out.mT), "cute writes each element once and mirrors it"
+    assert_within_twice_cublas(out, cublas_out, reference, dtype)
+
+
+@pytest.mark.parametrize("config", sorted(cute_backend.TILE_CONFIGS))
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_every_tile_configuration_is_within_twice_cublas_error(needs_cute, config, dtype):
+    A, C = operands(None, 333, 640, dtype, seed=5)
+    reference = fp32_product(A, C, 0.5, 2.0)
+    cublas_out = syrk(A, C=C, alpha=0.5, beta=2.0, kernel="cublas")
+    poison_allocator(cublas_out.numel(), dtype)
+    out = cute_backend.syrk(A, C, 0.5, 2.0, config=config)
+    assert bool(out.isfinite().all())
+    assert torch.equal(out, out.mT)
+    assert_within_twice_cublas(out, cublas_out, reference, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_cute_accepts_transposed_views(needs_cute, dtype):
+    X, _ = operands(None, 768, 200, dtype, seed=1)  # tall: Newton-Schulz uses Xᵀ·X = syrk(X.mT)
+    A = X.mT  # (200, 768), M-contiguous
+    reference = fp32_product(A, None, 1.0, 0.0)
+    assert_within_twice_cublas(syrk(A, kernel="cute"), syrk(A, kernel="cublas"), reference, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_nan_and_inf_in_a_propagate_like_cublas(needs_cute, dtype):
+    A, _ = operands(None, 160, 96, dtype, seed=2)
+    A[3, 10] = float("nan")
+    A[70, 5] = float("inf")
+    out, expected = syrk(A, kernel="cute"), syrk(A, kernel="cublas")
+    assert torch.equal(out.isnan(), expected.isnan())
+    assert torch.equal(out.isposinf(), expected.isposinf())
+    assert torch.equal(out.isneginf(), expected.isneginf())
+    assert bool(out[3].isnan().all()) and bool(out[70, 70].isposinf())
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_nan_in_c_propagates_only_when_beta_is_nonzero(needs_cute, dtype):
+    A, C = operands(None, 96, 64, dtype, seed=3)
+    C[7, 40] = C[40, 7] = float("nan")
+    assert not bool(syrk(A, C=C, beta=0.0, kernel="cute").isnan().any())
+    out = syrk(A, C=C, beta=0.5, kernel="cute")
+    expected = syrk(A, C=C, beta=0.5, kernel="cublas")
+    assert torch.equal(out.isnan(), expected.isnan())
+    assert bool(out[7, 40].isnan()) and bool(out[40, 7].isnan())
+
+
+def test_kernel_cute_sm80_is_the_same_kernel(needs_cute):
+    A, _ = operands(None, 192, 256, torch.float16, seed=4)
+    assert torch.equal(syrk(A, kernel="cute_sm80"), syrk(A, kernel="cute"))
+    assert torch.equal(syrk(A, kernel="cute"), get_backend("cute").syrk(A, None, 1.0, 0.0))
+
+
+def test_a_warm_process_does_not_recompile_for_new_shapes_of_a_known_class(needs_cute):
+    A, _ = operands(None, 96, 128, torch.float16, seed=6)
+    syrk(A, kernel="cute")
+    compiled = dict(cute_backend._compiled)
+    for M, K in ((100, 64), (64, 1000), (130, 72)):
+        B, _ = operands(None, M, K, torch.float16, seed=M)
+        assert cute_backend.shape_class(M, 1, B.device) == "small"
+        syrk(B, kernel="cute")
+    assert cute_backend._compiled == compiled
+
+
+def test_autotune_cross_check_accepts_cute(needs_cute, tmp_path):
+    tuner = autotune.SyrkAutotuner(tmp_path)
+    A, C = operands(None, 512, 1024, torch.float16, seed=7)
+    for c in (None, C):
+        problem = autotune.SyrkProblem.of(A, c)
+        backend = tuner.tune("cute", problem, A.device)
+        cache, key = tuner._key("cute", problem, A.device)
+        verdict = cache.get(key)
+        assert backend in ("cute", "cublas")
+        assert "candidate_error" in verdict, verdict["reason"]
+        assert verdict["candidate_error"] <= 2 * verdict["cublas_error"] + 1e-4
+
+
+def test_cute_refuses_fp32_with_the_fix(needs_cute):
+    with pytest.raises(ValueError, match=r"takes float16 or bfloat16, got A.dtype=torch.float32"):
+        cute_backend.syrk(torch.ones(8, 8, device="cuda"))

@@ -1,0 +1,91 @@
+"""What the CuTe DSL backend ("cute") promises on a machine without a GPU or without cutlass.
+
+The kernel itself is tested in tests/gpu/test_cute_gpu.py; here: availability and its reason,
+the errors a user gets, and the host-side batch splitting.
+"""
+
+from __future__ import annotations
+
+import itertools
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from dmuon_kernels.syrk import cute as cute_backend
+
+needs_no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only path")
+
+
+@needs_no_cuda
+def test_cute_reports_itself_unavailable_without_a_gpu():
+    available, reason = cute_backend.is_available()
+    assert not available
+    assert "needs a CUDA GPU with SM80 or newer" in reason
+
+
+@pytest.fixture
+def fresh_probe(monkeypatch):
+    """Forget the process's probe result so the test's import path is probed."""
+    monkeypatch.setattr(cute_backend, "_probe_result", None)
+    for name in [n for n in sys.modules if n == "cutlass" or n.startswith("cutlass.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.delitem(sys.modules, "dmuon_kernels.syrk._cute_kernel", raising=False)
+
+
+def test_missing_cutlass_is_the_reason_with_the_install_hint(fresh_probe, monkeypatch):
+    monkeypatch.setattr("importlib.util.find_spec", lambda name, *args: None)
+    reason = cute_backend._cute_api()
+    assert reason == "nvidia-cutlass-dsl is not installed (pip install dmuon-kernels[cute])"
+    assert cute_backend.versions() == {}
+
+
+def test_a_broken_cutlass_install_is_reported_with_its_import_error(
+    fresh_probe, tmp_path, monkeypatch
+):
+    package = tmp_path / "cutlass"
+    package.mkdir()
+    (package / "__init__.py").write_text(
+        textwrap.dedent("raise ImportError('libcute_dsl.so: cannot open shared object file')\n")
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    reason = cute_backend._cute_api()
+    assert isinstance(reason, str)
+    assert "failed to import (ImportError: libcute_dsl.so" in reason
+    assert "pip install dmuon-kernels[cute]" in reason
+
+
+def test_fp32_input_is_refused_with_the_fix():
+    with pytest.raises(ValueError, match=r"takes float16 or bfloat16, got A.dtype=torch.float32"):
+        cute_backend.syrk(torch.ones(8, 8))
+
+
+def test_cpu_input_is_refused_with_the_fix():
+    with pytest.raises(ValueError, match=r"runs on CUDA tensors, got A on cpu; move A to the GPU"):
+        cute_backend.syrk(torch.ones(8, 8, dtype=torch.float16))
+
+
+def test_an_unknown_tile_configuration_names_the_choices():
+    A = torch.ones(8, 8, dtype=torch.float16)
+    with pytest.raises(
+        ValueError, match=r"config must be one of '128x128_4warps', .* or None; got 'huge'"
+    ):
+        cute_backend.syrk(A, config="huge")
+    assert set(cute_backend.SHAPE_CLASS_CONFIGS.values()) <= set(cute_backend.TILE_CONFIGS)
+
+
+def test_batch_chunks_cover_the_batch_in_int32_sized_aligned_launches():
+    chunks = cute_backend._batch_chunks(100, 2**24, 1000 * 1000)
+    assert chunks[0][0] == 0 and chunks[-1][1] == 100
+    assert all(a[1] == b[0] for a, b in itertools.pairwise(chunks))
+    sizes = [stop - start for start, stop in chunks]
+    assert all(size * 2**24 < 2**31 for size in sizes)
+    assert all(size % 8 == 0 for size in sizes[:-1])  # D offsets stay 16-byte aligned
+    assert cute_backend._batch_chunks(3, 4096 * 4096, 4096 * 4096) == [(0, 3)]
+    assert max(stop - start for start, stop in cute_backend._batch_chunks(10**5, 64, 64)) <= 65535
+
+
+def test_a_matrix_too_large_for_int32_indexing_names_the_fallback():
+    with pytest.raises(ValueError, match=r"more than 2\^31 - 1; use kernel='cublas'"):
+        cute_backend._batch_chunks(1, 8192 * 262_144 + 8192, 8192 * 8192)
