@@ -22,7 +22,6 @@ What the kernel requires, and what the adapter does about it:
 
 from __future__ import annotations
 
-import importlib.metadata
 import importlib.util
 import math
 from collections.abc import Callable
@@ -31,6 +30,8 @@ from typing import Any
 
 import torch
 from torch import Tensor
+
+from dmuon_kernels.syrk._requirements import distribution_version, gpu_problem
 
 NAME = "cute"
 CUTE_MIN_COMPUTE_CAPABILITY = (8, 0)
@@ -79,13 +80,6 @@ _compiled: dict[tuple[str, str, bool, tuple[int, int]], Callable[..., Any]] = {}
 _sm_counts: dict[torch.device, int] = {}
 
 
-def _distribution_version(name: str) -> str:
-    try:
-        return importlib.metadata.version(name)
-    except importlib.metadata.PackageNotFoundError:
-        return "unknown"
-
-
 def _probe_cutlass() -> _CuteApi | str:
     """Import the kernel module (and cutlass); a string is the reason it cannot be used."""
     if importlib.util.find_spec("cutlass") is None:
@@ -100,7 +94,7 @@ def _probe_cutlass() -> _CuteApi | str:
             f"{exc}); reinstall it with {CUTE_INSTALL_HINT} (tested with nvidia-cutlass-dsl "
             "4.5.2)"
         )
-    return _CuteApi(_cute_kernel, _distribution_version("nvidia-cutlass-dsl"))
+    return _CuteApi(_cute_kernel, distribution_version("nvidia-cutlass-dsl"))
 
 
 def _cute_api() -> _CuteApi | str:
@@ -111,20 +105,7 @@ def _cute_api() -> _CuteApi | str:
 
 
 def _hardware_problem() -> str | None:
-    """Why the current GPU cannot run the kernel, or None when it can."""
-    if not torch.cuda.is_available():
-        return (
-            "the CuTe DSL SYRK kernel needs a CUDA GPU with SM80 or newer (Ampere or newer), "
-            "and torch sees no CUDA device"
-        )
-    major, minor = torch.cuda.get_device_capability()
-    if (major, minor) < CUTE_MIN_COMPUTE_CAPABILITY:
-        name = torch.cuda.get_device_name()
-        return (
-            f"the CuTe DSL SYRK kernel needs an SM80+ GPU (Ampere or newer), but {name} is "
-            f"SM{major}{minor}"
-        )
-    return None
+    return gpu_problem("the CuTe DSL SYRK kernel", CUTE_MIN_COMPUTE_CAPABILITY, "Ampere")
 
 
 def is_available() -> tuple[bool, str]:

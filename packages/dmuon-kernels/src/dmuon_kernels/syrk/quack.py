@@ -22,7 +22,6 @@ What quack requires, and what the adapter does about it:
 
 from __future__ import annotations
 
-import importlib.metadata
 import importlib.util
 import inspect
 from collections.abc import Callable
@@ -30,6 +29,8 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+
+from dmuon_kernels.syrk._requirements import distribution_version, gpu_problem
 
 QUACK_MIN_COMPUTE_CAPABILITY = (9, 0)
 QUACK_INSTALL_HINT = "pip install dmuon-kernels[quack]"
@@ -59,13 +60,6 @@ class _QuackApi:
 _probe_result: _QuackApi | str | None = None  # the probe runs once per process
 
 
-def _distribution_version(name: str) -> str:
-    try:
-        return importlib.metadata.version(name)
-    except importlib.metadata.PackageNotFoundError:
-        return "unknown"
-
-
 def _probe_quack() -> _QuackApi | str:
     """Import quack and check its symmetric GEMM; a string is the reason it cannot be used."""
     if importlib.util.find_spec("quack") is None:
@@ -79,7 +73,7 @@ def _probe_quack() -> _QuackApi | str:
             "it needs a matching nvidia-cutlass-dsl (quack-kernels 0.5.0 pairs with "
             f"nvidia-cutlass-dsl 4.5.2): reinstall with {QUACK_INSTALL_HINT}"
         )
-    quack_version = str(getattr(quack, "__version__", _distribution_version("quack-kernels")))
+    quack_version = str(getattr(quack, "__version__", distribution_version("quack-kernels")))
     entry = getattr(gemm_interface, "gemm_symmetric", None)
     if not callable(entry):
         return (
@@ -115,7 +109,7 @@ def _probe_quack() -> _QuackApi | str:
         gemm_symmetric=entry,
         accepts_out="out" in parameters,
         quack_version=quack_version,
-        cutlass_version=_distribution_version("nvidia-cutlass-dsl"),
+        cutlass_version=distribution_version("nvidia-cutlass-dsl"),
         gemm=_untuned_entry(gemm_interface, "gemm", ("A", "B", "alpha")),
         gemm_add=_untuned_entry(gemm_interface, "gemm_add", ("A", "B", "C", "alpha", "beta")),
     )
@@ -140,20 +134,7 @@ def _quack_api() -> _QuackApi | str:
 
 
 def _hardware_problem() -> str | None:
-    """Why the current GPU cannot run quack's symmetric GEMM, or None when it can."""
-    if not torch.cuda.is_available():
-        return (
-            "quack's symmetric GEMM needs a CUDA GPU with SM90 or newer (Hopper or newer), "
-            "and torch sees no CUDA device"
-        )
-    major, minor = torch.cuda.get_device_capability()
-    if (major, minor) < QUACK_MIN_COMPUTE_CAPABILITY:
-        name = torch.cuda.get_device_name()
-        return (
-            f"quack's symmetric GEMM needs an SM90+ GPU (Hopper or newer), but {name} is "
-            f"SM{major}{minor}"
-        )
-    return None
+    return gpu_problem("quack's symmetric GEMM", QUACK_MIN_COMPUTE_CAPABILITY, "Hopper")
 
 
 NAME = "quack"
