@@ -137,20 +137,19 @@ class Muon(torch.optim.Optimizer):
     def _muon_step(self, group: dict) -> None:
         lr, mu, wd = group["lr"], group["momentum"], group["weight_decay"]
         newton_schulz = self._newton_schulz
-        masters_by_shape: dict[tuple[int, int], list[nn.Parameter]] = defaultdict(list)
+        # Newton-Schulz runs on rows <= cols, so an (m, n) and an (n, m) matrix share one
+        # batched call (Llama's gate/up and down projections, say).
+        masters_by_ns_shape: dict[tuple[int, int], list[nn.Parameter]] = defaultdict(list)
         for master in group["params"]:
             if master.grad is not None and master.numel() > 0:
-                # Trailing dims are flattened into columns.
-                masters_by_shape[(master.shape[0], master[0].numel())].append(master)
-        # Same-shape matrices are orthogonalised in one batched call. Momentum, Nesterov and
-        # the normalisation write the Newton-Schulz input directly (rows <= cols, NS dtype);
-        # decay and the scaled update go into the fp32 master in one pass.
-        for (rows, cols), masters in masters_by_shape.items():
-            transposed = rows > cols
-            inputs = newton_schulz.normalized_buffer(
-                (len(masters), min(rows, cols), max(rows, cols)), masters[0].device
-            )
-            for index, master in enumerate(masters):
+                rows, cols = _matrix_shape(master)
+                masters_by_ns_shape[(min(rows, cols), max(rows, cols))].append(master)
+        # Momentum, Nesterov and the normalisation write the Newton-Schulz input directly (in
+        # the NS dtype); decay and the scaled update go into the fp32 master in one pass.
+        for (short, long), masters in masters_by_ns_shape.items():
+            inputs = newton_schulz.normalized_buffer((len(masters), short, long), masters[0].device)
+            for master, ns_input in zip(masters, inputs):
+                rows, cols = _matrix_shape(master)
                 state = self.state[master]
                 first_step = "momentum_buffer" not in state
                 if first_step:
@@ -160,13 +159,14 @@ class Muon(torch.optim.Optimizer):
                 muon_momentum_normalize_(
                     master.grad.view(rows, cols), state["momentum_buffer"], mu,
                     nesterov=group["nesterov"], first_step=first_step,
-                    dtype=newton_schulz.dtype, out=_oriented(inputs[index], transposed),
+                    dtype=newton_schulz.dtype, out=_oriented(ns_input, rows > cols),
                 )  # fmt: skip
             orthogonal = newton_schulz.iterate_normalized(inputs)
-            scale = MUON_RMS_MATCH * math.sqrt(max(rows, cols))
+            scale = MUON_RMS_MATCH * math.sqrt(long)
             for master, ortho in zip(masters, orthogonal):
+                rows, cols = _matrix_shape(master)
                 muon_apply_update_(
-                    master.view(rows, cols), _oriented(ortho, transposed), lr, wd, scale
+                    master.view(rows, cols), _oriented(ortho, rows > cols), lr, wd, scale
                 )
 
     # ---- the AdamW route ------------------------------------------------------------------------
@@ -214,6 +214,11 @@ class Muon(torch.optim.Optimizer):
                 ),
             },
         )
+
+
+def _matrix_shape(param: torch.Tensor) -> tuple[int, int]:
+    """(m, n) of a weight, trailing dims flattened into n."""
+    return param.shape[0], param[0].numel()
 
 
 def _oriented(matrix: torch.Tensor, transposed: bool) -> torch.Tensor:
