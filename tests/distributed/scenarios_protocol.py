@@ -37,6 +37,7 @@ class TrainConfig:
     two_steps_without_forward: bool = False
     frozen: tuple[str, ...] = ()  # parameter names with requires_grad=False
     compile_backend: str | None = None  # torch.compile each layer after fully_shard
+    clip_max_norm: float | None = None  # clip gradients before each step
 
 
 def make_model(config: TrainConfig) -> TinyDecoder:
@@ -113,6 +114,8 @@ def train_step(model, optimizer, batch: torch.Tensor, config: TrainConfig) -> fl
             loss = loss_fn(model, chunk) / len(micro)
             loss.backward()
         total += loss.item()
+    if config.clip_max_norm is not None:
+        dmuon.clip_grad_norm_(model, optimizer, config.clip_max_norm)
     optimizer.step()
     if config.two_steps_without_forward:
         optimizer.step()
@@ -123,6 +126,8 @@ def train_step(model, optimizer, batch: torch.Tensor, config: TrainConfig) -> fl
 def reference_step(reference, optimizer, batch: torch.Tensor, config: TrainConfig) -> float:
     loss = loss_fn(reference, batch)
     loss.backward()
+    if config.clip_max_norm is not None:
+        torch.nn.utils.clip_grad_norm_(reference.parameters(), config.clip_max_norm)
     optimizer.step()
     if config.two_steps_without_forward:
         optimizer.step()

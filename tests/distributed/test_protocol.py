@@ -116,6 +116,16 @@ def test_frozen_dedicated_and_sharded_parameters_stay_frozen(pool2):
     assert_matches_reference(results, FP32_TOLERANCE)
 
 
+@pytest.mark.parametrize(("world_size", "replicas"), [(2, 1), (4, 2)], ids=["1d-2", "hsdp-2x2"])
+def test_clip_grad_norm_clips_with_the_norm_of_the_full_model(gloo_pool, world_size, replicas):
+    # max_norm well below the gradient norm: every step is clipped, so a wrong norm (a missed
+    # master, a shard counted twice) changes the parameters.
+    results = gloo_pool(world_size).run(
+        train_against_reference, replicas=replicas, clip_max_norm=0.05, steps=4
+    )
+    assert_matches_reference(results, FP32_TOLERANCE)
+
+
 def test_compiled_layers_train_like_the_reference(pool2):
     # aot_eager runs dynamo and AOT autograd around dmuon's hooks without inductor's codegen
     # (which costs ~10 s per layer on a CPU); single-process runs with inductor agree too.

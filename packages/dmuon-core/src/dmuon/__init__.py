@@ -22,6 +22,7 @@ from dmuon.api import (  # noqa: E402
     no_sync,
     wait_all_replicate_broadcasts,
 )
+from dmuon.clip import clip_grad_norm_  # noqa: E402
 from dmuon.optim import Muon  # noqa: E402
 from dmuon.partition import OwnerCoord  # noqa: E402
 from dmuon.policy import ParamDefaults, ParamPolicy  # noqa: E402
@@ -71,6 +72,7 @@ __all__ = [
     "ParamDefaults",
     "ParamPolicy",
     "__version__",
+    "clip_grad_norm_",
     "dedicate_params",
     "dedicated_parameters",
     "get_backend_status",

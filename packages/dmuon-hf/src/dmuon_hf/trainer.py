@@ -16,7 +16,7 @@ What a stock ``Trainer`` does, and what this subclass does instead:
   masters (they are not module parameters), which would then accumulate across steps. Here the
   optimizer's ``zero_grad()`` runs at the start of every accumulation window.
 - gradient clipping over ``model.parameters()`` misses the masters. Here ``max_grad_norm`` clips
-  with one norm over every gradient (``dmuon_hf.grad_norm``), and that norm is what is logged.
+  with one norm over every gradient (``dmuon.clip_grad_norm_``), and that norm is what is logged.
 - gradient accumulation: Accelerate's ``no_sync`` does nothing for an unwrapped model, so every
   micro-batch would reduce; here the non-final micro-batches run under ``dmuon.no_sync``.
 - ``place_model_on_device``: ``model.to(device)`` is never called; the model must already be on
@@ -36,7 +36,7 @@ from transformers.trainer_utils import SaveStrategy
 
 import dmuon
 from dmuon.api import get_dedicated_state
-from dmuon_hf.grad_norm import clip_dmuon_grad_norm_
+from dmuon.clip import clip_grad_norm_
 
 
 class DMuonTrainer(Trainer):
@@ -149,11 +149,11 @@ class DMuonTrainer(Trainer):
     # ---- gradient norm --------------------------------------------------------------------------
 
     def _clip_grad_norm(self, model: nn.Module) -> torch.Tensor:
-        return clip_dmuon_grad_norm_(self.model, self._dmuon_optimizer, self.args.max_grad_norm)
+        return clip_grad_norm_(self.model, self._dmuon_optimizer, self.args.max_grad_norm)
 
     def _get_grad_norm(self, model: nn.Module, grad_norm: torch.Tensor | None = None):
         if grad_norm is None:
-            grad_norm = clip_dmuon_grad_norm_(self.model, self._dmuon_optimizer, float("inf"))
+            grad_norm = clip_grad_norm_(self.model, self._dmuon_optimizer, float("inf"))
         return grad_norm
 
     # ---- end of training ------------------------------------------------------------------------

@@ -1,7 +1,8 @@
 """One global gradient norm (and clip) over everything a ``dmuon.Muon`` optimizer updates.
 
-Owns the norm that ``DMuonTrainer`` logs and clips with. It must not move weights or
-gradients between ranks: it reads the gradients where they already are and scales them in place.
+Owns ``dmuon.clip_grad_norm_``, the dmuon counterpart of ``torch.nn.utils.clip_grad_norm_``
+(dmuon-hf's Trainer logs and clips with it). It must not move weights or gradients between
+ranks: it reads the gradients where they already are and scales them in place.
 
 The gradients of a dmuon model live in three kinds of places, each counted exactly once:
 
@@ -29,7 +30,7 @@ from dmuon.api import get_dedicated_state
 
 
 @torch.no_grad()
-def clip_dmuon_grad_norm_(
+def clip_grad_norm_(
     model: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float
 ) -> torch.Tensor:
     """Scale every gradient by ``min(1, max_norm / total_norm)``; return the pre-clip norm.
