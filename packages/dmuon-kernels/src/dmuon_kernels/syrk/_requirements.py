@@ -1,5 +1,5 @@
-"""What an optional GPU backend needs before it is imported: a recent enough GPU, and the
-installed version of its library. Shared by the quack and CuTe adapters; imports neither.
+"""What an optional GPU backend needs: a recent enough GPU, the installed version of its
+library, and operands it can take. Shared by the quack and CuTe adapters; imports neither.
 """
 
 from __future__ import annotations
@@ -7,6 +7,9 @@ from __future__ import annotations
 import importlib.metadata
 
 import torch
+from torch import Tensor
+
+GPU_KERNEL_DTYPES = (torch.float16, torch.bfloat16)
 
 
 def gpu_problem(kernel: str, min_capability: tuple[int, int], family: str) -> str | None:
@@ -35,3 +38,26 @@ def distribution_version(name: str) -> str:
         return importlib.metadata.version(name)
     except importlib.metadata.PackageNotFoundError:
         return "unknown"
+
+
+def check_gpu_operands(kernel: str, A: Tensor, C: Tensor | None) -> None:
+    """Raise ValueError, with the fix, unless A (..., M, K) and C (..., M, M) suit a GPU kernel."""
+    if A.dtype not in GPU_KERNEL_DTYPES:
+        raise ValueError(
+            f"SYRK kernel {kernel!r} takes float16 or bfloat16, got A.dtype={A.dtype}; cast A "
+            "(Newton-Schulz iterates in float16 by default) or use kernel='cublas'"
+        )
+    if A.device.type != "cuda":
+        raise ValueError(
+            f"SYRK kernel {kernel!r} runs on CUDA tensors, got A on {A.device}; move A to the GPU "
+            "or use kernel='cublas' (its torch fallback runs anywhere)"
+        )
+    if A.ndim < 2:
+        raise ValueError(
+            f"SYRK kernel {kernel!r} takes A of shape (..., M, K), got {tuple(A.shape)}"
+        )
+    if C is not None and C.shape[-2:] != (A.shape[-2], A.shape[-2]):
+        raise ValueError(
+            f"C must be (M, M) = ({A.shape[-2]}, {A.shape[-2]}) for A of shape "
+            f"{tuple(A.shape)}, got C of shape {tuple(C.shape)}"
+        )

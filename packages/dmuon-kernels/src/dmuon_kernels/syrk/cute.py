@@ -31,12 +31,15 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from dmuon_kernels.syrk._requirements import distribution_version, gpu_problem
+from dmuon_kernels.syrk._requirements import (
+    check_gpu_operands,
+    distribution_version,
+    gpu_problem,
+)
 
 NAME = "cute"
 CUTE_MIN_COMPUTE_CAPABILITY = (8, 0)
 CUTE_INSTALL_HINT = "pip install dmuon-kernels[cute]"
-SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 # Bumped whenever the device code changes, so cached autotune verdicts are re-measured.
 KERNEL_REVISION = "1"
 
@@ -259,20 +262,4 @@ def _contiguous_aligned(t: Tensor) -> Tensor:
 
 
 def _check_operand(A: Tensor, C: Tensor | None) -> None:
-    if A.dtype not in SUPPORTED_DTYPES:
-        raise ValueError(
-            f"SYRK kernel 'cute' takes float16 or bfloat16, got A.dtype={A.dtype}; cast A "
-            "(Newton-Schulz iterates in float16 by default) or use kernel='cublas'"
-        )
-    if A.device.type != "cuda":
-        raise ValueError(
-            f"SYRK kernel 'cute' runs on CUDA tensors, got A on {A.device}; move A to the GPU "
-            "or use kernel='cublas' (its torch fallback runs anywhere)"
-        )
-    if A.ndim < 2:
-        raise ValueError(f"SYRK kernel 'cute' takes A of shape (..., M, K), got {tuple(A.shape)}")
-    if C is not None and C.shape[-2:] != (A.shape[-2], A.shape[-2]):
-        raise ValueError(
-            f"C must be (M, M) = ({A.shape[-2]}, {A.shape[-2]}) for A of shape "
-            f"{tuple(A.shape)}, got C of shape {tuple(C.shape)}"
-        )
+    check_gpu_operands("cute", A, C)

@@ -30,11 +30,14 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from dmuon_kernels.syrk._requirements import distribution_version, gpu_problem
+from dmuon_kernels.syrk._requirements import (
+    check_gpu_operands,
+    distribution_version,
+    gpu_problem,
+)
 
 QUACK_MIN_COMPUTE_CAPABILITY = (9, 0)
 QUACK_INSTALL_HINT = "pip install dmuon-kernels[quack]"
-SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 
 # quack's TMA loads need 16-byte aligned rows: 8 elements of fp16/bf16.
 _ALIGNMENT_BYTES = 16
@@ -329,20 +332,4 @@ def _aligned(t: Tensor, *, allow_m_major: bool) -> Tensor:
 
 
 def _check_operand(A: Tensor, C: Tensor | None) -> None:
-    if A.dtype not in SUPPORTED_DTYPES:
-        raise ValueError(
-            f"SYRK kernel 'quack' takes float16 or bfloat16, got A.dtype={A.dtype}; cast A "
-            "(Newton-Schulz iterates in float16 by default) or use kernel='cublas'"
-        )
-    if A.device.type != "cuda":
-        raise ValueError(
-            f"SYRK kernel 'quack' runs on CUDA tensors, got A on {A.device}; move A to the GPU "
-            "or use kernel='cublas' (its torch fallback runs anywhere)"
-        )
-    if A.ndim < 2:
-        raise ValueError(f"SYRK kernel 'quack' takes A of shape (..., M, K), got {tuple(A.shape)}")
-    if C is not None and C.shape[-2:] != (A.shape[-2], A.shape[-2]):
-        raise ValueError(
-            f"C must be (M, M) = ({A.shape[-2]}, {A.shape[-2]}) for A of shape "
-            f"{tuple(A.shape)}, got C of shape {tuple(C.shape)}"
-        )
+    check_gpu_operands("quack", A, C)
