@@ -100,7 +100,8 @@ def test_meta_device_model_used_before_materialisation_says_how_to_fix_it():
 
 def test_model_zero_grad_between_steps_is_enough_for_the_owners_masters():
     model = nn.Sequential(nn.Linear(4, 4, bias=False))
-    dmuon.dedicate_params(model, None, lambda name, p: p.ndim == 2)
+    with pytest.warns(UserWarning, match="no hook boundary found"):
+        dmuon.dedicate_params(model, None, lambda name, p: p.ndim == 2)
     optimizer = dmuon.Muon(model)
     master = optimizer.param_groups[0]["params"][0]
     x = torch.randn(2, 4)
