@@ -12,6 +12,7 @@ import torch
 
 from dmuon_kernels.syrk import autotune, backend_availability, get_backend, syrk
 from dmuon_kernels.syrk import cute as cute_backend
+from tests.gpu.accuracy import assert_within_twice_cublas, fp32_product
 
 DTYPES = (torch.float16, torch.bfloat16)
 # (batch, M, K): aligned; M and K off every tile multiple; a batch; K below one k-tile; a long K
@@ -51,26 +52,6 @@ def operands(batch, M, K, dtype, seed=0):
     return A.to(dtype), ((S + S.mT) / 2).to(dtype)
 
 
-def fp32_product(A, C, alpha, beta):
-    previous = torch.get_float32_matmul_precision()
-    torch.set_float32_matmul_precision("highest")
-    try:
-        out = alpha * (A.float() @ A.float().mT)
-        return out if C is None else out + beta * C.float()
-    finally:
-        torch.set_float32_matmul_precision(previous)
-
-
-def relative_error(actual, reference):
-    return ((actual.float() - reference).norm() / reference.norm()).item()
-
-
-def assert_within_twice_cublas(out, cublas_out, reference, dtype):
-    floor = 0.25 * torch.finfo(dtype).eps / 2
-    error, cublas_error = relative_error(out, reference), relative_error(cublas_out, reference)
-    assert error <= 2 * cublas_error + floor, (error, cublas_error)
-
-
 def poison_allocator(numel, dtype):
     """Leave NaN in the caching allocator's next block of this size, so an output element the
     kernel never writes shows up as NaN instead of a lucky zero."""
@@ -85,7 +66,7 @@ def test_cute_syrk_is_within_twice_cublas_error_of_fp32(needs_cute, shape, dtype
     alpha, beta = alpha_beta
     A, C = operands(*shape, dtype)
     C = C if beta else None
-    reference = fp32_product(A, C, alpha, beta)
+    reference = fp32_product(A, A.mT, C, alpha, beta)
     cublas_out = syrk(A, C=C, alpha=alpha, beta=beta, kernel="cublas")
     poison_allocator(cublas_out.numel(), dtype)
     out = syrk(A, C=C, alpha=alpha, beta=beta, kernel="cute")
@@ -99,7 +80,7 @@ def test_cute_syrk_is_within_twice_cublas_error_of_fp32(needs_cute, shape, dtype
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_every_tile_configuration_is_within_twice_cublas_error(needs_cute, config, dtype):
     A, C = operands(None, 333, 640, dtype, seed=5)
-    reference = fp32_product(A, C, 0.5, 2.0)
+    reference = fp32_product(A, A.mT, C, 0.5, 2.0)
     cublas_out = syrk(A, C=C, alpha=0.5, beta=2.0, kernel="cublas")
     poison_allocator(cublas_out.numel(), dtype)
     out = cute_backend.syrk(A, C, 0.5, 2.0, config=config)
@@ -112,7 +93,7 @@ def test_every_tile_configuration_is_within_twice_cublas_error(needs_cute, confi
 def test_cute_accepts_transposed_views(needs_cute, dtype):
     X, _ = operands(None, 768, 200, dtype, seed=1)  # tall: Newton-Schulz uses Xᵀ·X = syrk(X.mT)
     A = X.mT  # (200, 768), M-contiguous
-    reference = fp32_product(A, None, 1.0, 0.0)
+    reference = fp32_product(A, A.mT, None, 1.0, 0.0)
     assert_within_twice_cublas(syrk(A, kernel="cute"), syrk(A, kernel="cublas"), reference, dtype)
 
 

@@ -22,6 +22,7 @@ from dmuon_kernels.syrk import (
     syrk,
 )
 from dmuon_kernels.syrk.cache import cache_file_name
+from tests.gpu.accuracy import assert_within_twice_cublas, fp32_product, relative_error
 
 DTYPES = (torch.float16, torch.bfloat16)
 # (batch, M, K): aligned, M and K not multiples of 8 (padding path), a batch, a tall-ish one.
@@ -34,26 +35,6 @@ def operands(batch, M, K, dtype, seed=0):
     A = torch.randn((*lead, M, K), device="cuda", generator=generator).mul_(K**-0.25)
     S = torch.randn((*lead, M, M), device="cuda", generator=generator)
     return A.to(dtype), ((S + S.mT) / 2).to(dtype)
-
-
-def fp32_product(A, B, C, alpha, beta):
-    previous = torch.get_float32_matmul_precision()
-    torch.set_float32_matmul_precision("highest")
-    try:
-        out = alpha * (A.float() @ B.float())
-        return out if C is None else out + beta * C.float()
-    finally:
-        torch.set_float32_matmul_precision(previous)
-
-
-def relative_error(actual, reference):
-    return ((actual.float() - reference).norm() / reference.norm()).item()
-
-
-def assert_within_twice_cublas(out, cublas_out, reference, dtype):
-    floor = 0.25 * torch.finfo(dtype).eps / 2
-    error, cublas_error = relative_error(out, reference), relative_error(cublas_out, reference)
-    assert error <= 2 * cublas_error + floor, (error, cublas_error)
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
