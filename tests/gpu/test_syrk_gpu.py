@@ -132,3 +132,24 @@ def test_quack_refuses_fp32_with_the_fix(needs_quack):
 
     with pytest.raises(ValueError, match=r"takes float16 or bfloat16, got A\.dtype=torch\.float32"):
         quack.syrk(torch.zeros(8, 8, device="cuda"), None, 1.0, 0.0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("batch", [None, 2], ids=["single", "batched"])
+def test_cublas_block_assembly_is_as_accurate_as_the_full_product(dtype, batch):
+    from dmuon_kernels.syrk import cublas
+
+    M = 2 * cublas.MIN_BLOCK_WIDTH  # large enough for the backend to assemble block columns
+    assert cublas.symmetric_block_count(M) == 2
+    A, C = operands(batch, M, 1536, dtype, seed=5)
+    full = torch.baddbmm(C.reshape(-1, M, M), A.reshape(-1, M, 1536), A.reshape(-1, M, 1536).mT,
+                         beta=-1.25, alpha=0.75).reshape(C.shape)  # fmt: skip
+    out = syrk(A, C=C, alpha=0.75, beta=-1.25, kernel="cublas")
+    assert_within_twice_cublas(out, full, fp32_product(A, A.mT, C, 0.75, -1.25), dtype)
+    half = cublas.block_edges(M, 2)[1]
+    assert torch.equal(out[..., :half, half:], out[..., half:, :half].mT)
+
+    Z, Q = C, symmetric_product(C, C, kernel="cublas")  # two polynomials in C
+    out = symmetric_product(Z, Q, C=C, beta=0.5, kernel="cublas")
+    full = torch.baddbmm(C.reshape(-1, M, M), Z.reshape(-1, M, M), Q.reshape(-1, M, M), beta=0.5)
+    assert_within_twice_cublas(out, full.reshape(C.shape), fp32_product(Z, Q, C, 1.0, 0.5), dtype)

@@ -104,16 +104,18 @@ class SyrkProblem:
         return text
 
 
-def library_versions(candidate: str, candidate_module: object) -> dict[str, str]:
-    """The versions a verdict depends on: ours, torch, CUDA, and the candidate's libraries."""
+def library_versions(*backend_modules: object) -> dict[str, str]:
+    """The versions a verdict depends on: ours, torch, CUDA, and those the compared backends
+    (candidate and baseline) report through their optional ``versions()``."""
     versions = {
         "dmuon-kernels": dmuon_kernels.__version__,
         "torch": torch.__version__,
         "cuda": str(torch.version.cuda),
     }
-    versions_fn = getattr(candidate_module, "versions", None)
-    if callable(versions_fn):
-        versions.update({str(k): str(v) for k, v in versions_fn().items()})
+    for module in backend_modules:
+        versions_fn = getattr(module, "versions", None)
+        if callable(versions_fn):
+            versions.update({str(k): str(v) for k, v in versions_fn().items()})
     return versions
 
 
@@ -203,7 +205,9 @@ class SyrkAutotuner:
     ) -> tuple[VerdictCache, str]:
         model = gpu_model(device) if device.type == "cuda" else "cpu"
         if candidate not in self._versions:
-            self._versions[candidate] = library_versions(candidate, self.backend(candidate))
+            self._versions[candidate] = library_versions(
+                self.backend(candidate), self.backend(BASELINE)
+            )
         key = verdict_key(problem, candidate, self._versions[candidate])
         return self.cache_for(model), key
 

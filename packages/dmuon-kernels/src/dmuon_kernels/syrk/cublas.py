@@ -3,14 +3,33 @@
 On CUDA this is cuBLAS; on CPU it is the CPU BLAS. It is the universal fallback: every device,
 every floating dtype, any batch shape, and the reference the faster kernels are checked against.
 It must not import any optional library.
+
+Symmetric results (``syrk`` and ``symmetric_product``) of large CUDA problems are assembled from
+block columns instead of one full GEMM: with the M columns cut into b blocks, block column j is
+one GEMM over rows ``j·w ..`` only (the lower part, diagonal block included), and the strict upper
+part above each diagonal block is the transpose of the block below it, copied. That is
+(b + 1) / 2b of the full product's FLOPs (3/4 for b = 2) for b GEMMs and one transposed copy of
+about half the output, and it stays deterministic. ``symmetric_block_count`` picks b so that every
+GEMM is still wide enough to run at full speed; small problems and CPU tensors run one GEMM.
 """
 
 from __future__ import annotations
+
+import itertools
+import math
 
 import torch
 from torch import Tensor
 
 NAME = "cublas"
+# Bumped whenever the way results are computed changes, so cached autotune verdicts re-measure.
+BLOCKING_REVISION = "1"
+
+# Block columns narrower than this lose more to smaller GEMMs than they save (measured on the
+# H200: see benchmarks/results/cublas-blocks-*.json); at most MAX_SYMMETRIC_BLOCKS of them.
+MIN_BLOCK_WIDTH = 2048
+MAX_SYMMETRIC_BLOCKS = 4
+_BLOCK_ALIGNMENT = 128  # block edges on multiples of 128 rows keep every GEMM operand aligned
 
 
 def is_available() -> tuple[bool, str]:
@@ -18,53 +37,105 @@ def is_available() -> tuple[bool, str]:
     return True, "torch.mm/addmm (cuBLAS on CUDA, CPU BLAS elsewhere)"
 
 
+def versions() -> dict[str, str]:
+    """What makes an autotune verdict measured against this backend stale when it changes."""
+    return {"dmuon-cublas-blocking": BLOCKING_REVISION}
+
+
+def symmetric_block_count(M: int) -> int:
+    """How many block columns a symmetric M x M CUDA result is assembled from (1 = one GEMM)."""
+    return max(1, min(MAX_SYMMETRIC_BLOCKS, M // MIN_BLOCK_WIDTH))
+
+
+def block_edges(M: int, blocks: int) -> list[int]:
+    """``[0, e1, ..., M]``: ``blocks`` column blocks of nearly equal, 128-aligned width."""
+    width = -(-M // blocks)
+    width = max(_BLOCK_ALIGNMENT, -(-width // _BLOCK_ALIGNMENT) * _BLOCK_ALIGNMENT)
+    return [*range(0, M, width), M]
+
+
+def _gemm_into(
+    out: Tensor, left: Tensor, right: Tensor, C: Tensor | None, alpha: float, beta: float
+) -> None:
+    """``out = alpha·left·right + beta·C`` for 2-D or 3-D (batched) operands; out may be a view."""
+    if out.dim() == 2:
+        if C is None:
+            torch.mm(left, right, out=out)
+        else:
+            torch.addmm(C, left, right, beta=beta, alpha=alpha, out=out)
+    elif C is None:
+        torch.bmm(left, right, out=out)
+    else:
+        torch.baddbmm(C, left, right, beta=beta, alpha=alpha, out=out)
+    if C is None and alpha != 1.0:
+        out.mul_(alpha)
+
+
+def symmetric_blocked(
+    left: Tensor, right: Tensor, C: Tensor | None, alpha: float, beta: float, blocks: int
+) -> Tensor:
+    """``alpha·left·right + beta·C`` for a product known to be symmetric, from ``blocks`` block
+    columns (see the module docstring). left (B, M, K) or (M, K), right (.., K, M), C (.., M, M)
+    or None. Everything outside the diagonal blocks is exactly symmetric."""
+    M = left.shape[-2]
+    out = left.new_empty((*left.shape[:-1], M))
+    edges = block_edges(M, blocks)
+    for start, stop in itertools.pairwise(edges):
+        _gemm_into(
+            out[..., start:, start:stop],
+            left[..., start:, :],
+            right[..., :, start:stop],
+            None if C is None else C[..., start:, start:stop],
+            alpha,
+            beta,
+        )
+    for start, stop in itertools.pairwise(edges[:-1]):
+        out[..., start:stop, stop:].copy_(out[..., stop:, start:stop].mT)
+    return out
+
+
+def _symmetric(left: Tensor, right: Tensor, C: Tensor | None, alpha: float, beta: float) -> Tensor:
+    if C is not None and beta == 0.0:
+        C = None  # beta = 0 ignores C, NaN and inf included, as torch.addmm does
+    M = left.shape[-2]
+    blocks = symmetric_block_count(M) if left.is_cuda else 1
+    if blocks > 1:
+        return symmetric_blocked(left, right, C, alpha, beta, blocks)
+    out = left.new_empty((*left.shape[:-1], M))
+    _gemm_into(out, left, right, C, alpha, beta)
+    return out
+
+
 def syrk(A: Tensor, C: Tensor | None, alpha: float, beta: float) -> Tensor:
     """Return ``alpha·A·Aᵀ + beta·C`` for A (..., M, K) and C (..., M, M) or None."""
-    batch_shape = A.shape[:-2]
-    rows, inner = A.shape[-2], A.shape[-1]
+    batch_shape, (M, K) = A.shape[:-2], A.shape[-2:]
     if A.dim() == 2:
-        if C is None or beta == 0.0:
-            return torch.mm(A, A.T) if alpha == 1.0 else torch.mm(A, A.T).mul_(alpha)
-        return torch.addmm(C, A, A.T, beta=beta, alpha=alpha)
-    A3 = A.reshape(-1, rows, inner)  # (B, M, K)
-    if C is None or beta == 0.0:
-        out = torch.bmm(A3, A3.mT)
-        if alpha != 1.0:
-            out.mul_(alpha)
-    else:
-        out = torch.baddbmm(C.reshape(-1, rows, rows), A3, A3.mT, beta=beta, alpha=alpha)
-    return out.reshape(*batch_shape, rows, rows)
+        return _symmetric(A, A.T, C, alpha, beta)
+    A3 = A.reshape(-1, M, K)
+    C3 = None if C is None else C.reshape(-1, M, M)
+    return _symmetric(A3, A3.mT, C3, alpha, beta).reshape(*batch_shape, M, M)
 
 
 def symmetric_product(A: Tensor, B: Tensor, C: Tensor | None, alpha: float, beta: float) -> Tensor:
-    """Return ``alpha·A·B + beta·C`` for square A, B, C (..., M, M): a full product here."""
-    batch_shape, rows = A.shape[:-2], A.shape[-2]
+    """Return ``alpha·A·B + beta·C`` for square A, B, C (..., M, M) when A·B is symmetric."""
+    batch_shape, M = A.shape[:-2], A.shape[-2]
     if A.dim() == 2:
-        if C is None or beta == 0.0:
-            return torch.mm(A, B) if alpha == 1.0 else torch.mm(A, B).mul_(alpha)
-        return torch.addmm(C, A, B, beta=beta, alpha=alpha)
-    A3, B3 = A.reshape(-1, rows, rows), B.reshape(-1, rows, rows)
-    if C is None or beta == 0.0:
-        out = torch.bmm(A3, B3)
-        if alpha != 1.0:
-            out.mul_(alpha)
-    else:
-        out = torch.baddbmm(C.reshape(-1, rows, rows), A3, B3, beta=beta, alpha=alpha)
-    return out.reshape(*batch_shape, rows, rows)
+        return _symmetric(A, B, C, alpha, beta)
+    A3, B3 = A.reshape(-1, M, M), B.reshape(-1, M, M)
+    C3 = None if C is None else C.reshape(-1, M, M)
+    return _symmetric(A3, B3, C3, alpha, beta).reshape(*batch_shape, M, M)
 
 
 def matmul(A: Tensor, B: Tensor, C: Tensor | None, alpha: float, beta: float) -> Tensor:
     """Return ``alpha·A·B + beta·C`` for A (..., M, K), B (..., K, N), C (..., M, N) or None."""
-    if A.dim() == 2:
-        if C is None or beta == 0.0:
-            return torch.mm(A, B) if alpha == 1.0 else torch.mm(A, B).mul_(alpha)
-        return torch.addmm(C, A, B, beta=beta, alpha=alpha)
+    if C is not None and beta == 0.0:
+        C = None
     batch_shape, (M, K), N = A.shape[:-2], A.shape[-2:], B.shape[-1]
-    A3, B3 = A.reshape(-1, M, K), B.reshape(-1, K, N)
-    if C is None or beta == 0.0:
-        out = torch.bmm(A3, B3)
-        if alpha != 1.0:
-            out.mul_(alpha)
-    else:
-        out = torch.baddbmm(C.reshape(-1, M, N), A3, B3, beta=beta, alpha=alpha)
+    if A.dim() == 2:
+        out = A.new_empty((M, N))
+        _gemm_into(out, A, B, C, alpha, beta)
+        return out
+    out = A.new_empty((math.prod(batch_shape), M, N))
+    C3 = None if C is None else C.reshape(-1, M, N)
+    _gemm_into(out, A.reshape(-1, M, K), B.reshape(-1, K, N), C3, alpha, beta)
     return out.reshape(*batch_shape, M, N)
