@@ -1,15 +1,20 @@
 """SYRK speed of the CuTe DSL kernel, per tile configuration, against cuBLAS (and quack).
 
 For each dtype and shape A (M, K): ``cublas`` is ``a @ a.T`` (the full product), ``quack`` its
-symmetric GEMM (when available), and one column per ``syrk.cute.TILE_CONFIGS`` entry plus
-``cute`` (the configuration the shape class picks). Timing is ``syrk.timing.median_ms`` (GPU-only,
+symmetric GEMM (when available), and one column per ``syrk.cute.TILE_CONFIGS`` entry that runs on
+this GPU (``--configs`` picks some; "sm90_*" ones need compute capability 9.x) plus ``cute`` (the
+path and configuration the adapter picks). Timing is ``syrk.timing.median_ms`` (GPU-only,
 interleaved, median). Each cute configuration's relative error against an fp32 product is
 recorded next to cuBLAS's. ``triangle_tflops`` divides the M·(M+1)·K flops of one triangle by
 each column's time (so cuBLAS, which computes both triangles, really runs at twice its figure).
 
+``--smoke`` first runs every chosen configuration once on a few small shapes and compares it
+with cuBLAS (exit 1 on a mismatch), so a broken kernel costs seconds, not the whole table.
+
 Usage (repository root, packages on PYTHONPATH)::
 
     python benchmarks/bench_cute.py --out cute.json [--dtypes float16 bfloat16] [--no-quack]
+        [--configs sm90_128x128 128x128_4warps] [--smoke]
 """
 
 from __future__ import annotations
@@ -37,14 +42,41 @@ def relative_error(out: torch.Tensor, reference: torch.Tensor) -> float:
     return float((out.float() - reference).norm() / reference.norm())
 
 
-def measure(M: int, K: int, dtype: torch.dtype, *, quack: bool, repeats: int) -> dict:
+def runnable_configs(requested: Sequence[str] | None) -> list[str]:
+    """The requested (default: all) tile configurations whose path runs on this GPU."""
+    path = cute_backend.kernel_path(torch.device("cuda", torch.cuda.current_device()))
+    names = list(requested) if requested else list(cute_backend.TILE_CONFIGS)
+    return [n for n in names if cute_backend.TILE_CONFIGS[n].path in (path, cute_backend.SM80)]
+
+
+def smoke(configs: Sequence[str]) -> bool:
+    """Each configuration once per small shape against cuBLAS; prints and returns success."""
+    ok = True
+    for name in configs:
+        for M, K in ((300, 200), (1100, 72), (2048, 515)):
+            for dtype in DTYPES.values():
+                generator = torch.Generator(device="cuda").manual_seed(M * K)
+                A = torch.randn(M, K, device="cuda", generator=generator).to(dtype)
+                expected = (A.float() @ A.float().T).to(dtype)
+                out = cute_backend.syrk(A, None, 1.0, 0.0, config=name)
+                torch.cuda.synchronize()
+                error = relative_error(out, expected.float())
+                good = error < 1e-2 and bool(torch.equal(out, out.T))
+                ok &= good
+                print(f"smoke {name} {M}x{K} {dtype}: error {error:.1e} {'ok' if good else 'BAD'}")
+    return ok
+
+
+def measure(
+    M: int, K: int, dtype: torch.dtype, *, quack: bool, repeats: int, configs: Sequence[str]
+) -> dict:
     generator = torch.Generator(device="cuda").manual_seed(M + K)
     A = torch.randn(M, K, device="cuda", generator=generator).mul_(K**-0.25).to(dtype)
     columns = {"cublas": lambda: A @ A.T}
     if quack and backend_availability("quack")[0]:
         quack_backend = get_backend("quack")
         columns["quack"] = lambda: quack_backend.syrk(A, None, 1.0, 0.0)
-    for name in cute_backend.TILE_CONFIGS:
+    for name in configs:
         columns[f"cute[{name}]"] = lambda n=name: cute_backend.syrk(A, None, 1.0, 0.0, config=n)
     columns["cute"] = lambda: cute_backend.syrk(A, None, 1.0, 0.0)
 
@@ -77,10 +109,12 @@ def measure(M: int, K: int, dtype: torch.dtype, *, quack: bool, repeats: int) ->
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--out", type=Path)
     parser.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=list(DTYPES))
     parser.add_argument("--no-quack", action="store_true")
     parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--configs", nargs="+", choices=list(cute_backend.TILE_CONFIGS))
+    parser.add_argument("--smoke", action="store_true")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_cute: needs a CUDA device", file=sys.stderr)
@@ -89,10 +123,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not available:
         print(f"bench_cute: cute unavailable: {reason}", file=sys.stderr)
         return 2
+    configs = runnable_configs(args.configs)
+    if args.smoke:
+        return 0 if smoke(configs) else 1
     rows = []
     for dtype_name in args.dtypes:
         for M, K in SHAPES:
-            row = measure(M, K, DTYPES[dtype_name], quack=not args.no_quack, repeats=args.repeats)
+            row = measure(
+                M,
+                K,
+                DTYPES[dtype_name],
+                quack=not args.no_quack,
+                repeats=args.repeats,
+                configs=configs,
+            )
             rows.append(row)
             cells = "  ".join(
                 f"{n} {ms:.3f}ms ({row['speedup_vs_cublas'][n]:.2f}x, "
@@ -112,10 +156,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         "device": torch.cuda.get_device_name(),
         "compute_capability": list(torch.cuda.get_device_capability()),
         "versions": versions,
-        "tile_configs": {n: str(c) for n, c in cute_backend.TILE_CONFIGS.items()},
+        "tile_configs": {n: str(cute_backend.TILE_CONFIGS[n]) for n in configs},
+        "cute_path": cute_backend.kernel_path(torch.device("cuda", torch.cuda.current_device())),
         "timing": "GPU-only (spin kernel ahead of each region), CUDA events, interleaved, median",
         "syrk": rows,
     }
+    if args.out is None:
+        return 0
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(record, indent=2) + "\n")
     print(f"wrote {args.out}")

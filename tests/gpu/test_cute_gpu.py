@@ -1,8 +1,10 @@
-"""The CuTe DSL SYRK kernel ("cute") on the GPU against an fp32 product, with quack's rule: its
+"""The CuTe DSL SYRK kernels ("cute") on the GPU against an fp32 product, with quack's rule: the
 error against the fp32 product may be at most twice cuBLAS's own error on the same inputs (plus a
 quarter of the dtype's rounding unit, so two correctly rounding kernels never fail on a draw).
 
-Skipped without CUDA, without nvidia-cutlass-dsl, or on a GPU older than SM80.
+Both paths are tested wherever they run: the SM90 kernel (wgmma, TMA; compute capability 9.x,
+where it is the default) and the SM80 kernel (forced with ``path="sm80"`` on Hopper). Skipped
+without CUDA, without nvidia-cutlass-dsl, or on a GPU older than SM80.
 """
 
 from __future__ import annotations
@@ -15,8 +17,11 @@ from dmuon_kernels.syrk import cute as cute_backend
 from tests.gpu.accuracy import assert_within_twice_cublas, fp32_product
 
 DTYPES = (torch.float16, torch.bfloat16)
+PATHS = ("sm90", "sm80")
 # (batch, M, K): aligned; M and K off every tile multiple; a batch; K below one k-tile; a long K
-# that is not a multiple of 64; two big enough for the 128-wide tiles (padded, unpadded); tiny; a 4-D batch.
+# that is not a multiple of 64; two big enough for the 128-wide tiles (padded, unpadded); tiny; a
+# 4-D batch; several tiles per persistent CTA (K not a multiple of 8); a batch of 128-wide tiles
+# whose M is off the tile, so one CTA's tiles span matrices.
 SHAPES = (
     (None, 256, 1024),
     (None, 200, 777),
@@ -27,6 +32,8 @@ SHAPES = (
     (None, 2048, 512),
     (None, 5, 3),
     ((2, 2), 72, 96),
+    (None, 4096, 200),
+    (4, 1100, 72),
 )
 
 
@@ -42,6 +49,15 @@ def needs_cute():
     )
     if not available:
         pytest.skip(f"cute unavailable: {reason}")
+
+
+def skip_unless_path_runs(path):
+    if path == "sm90" and torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the SM90 kernel needs compute capability 9.x")
+
+
+def run_cute(A, C, alpha, beta, path):
+    return cute_backend.syrk(A, C, alpha, beta, path=path)
 
 
 def operands(batch, M, K, dtype, seed=0):
@@ -62,14 +78,16 @@ def poison_allocator(numel, dtype):
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("alpha_beta", [(1.0, 0.0), (0.75, -1.25)], ids=["plain", "with_c"])
-def test_cute_syrk_is_within_twice_cublas_error_of_fp32(needs_cute, shape, dtype, alpha_beta):
+@pytest.mark.parametrize("path", PATHS)
+def test_cute_syrk_is_within_twice_cublas_error_of_fp32(needs_cute, path, shape, dtype, alpha_beta):
+    skip_unless_path_runs(path)
     alpha, beta = alpha_beta
     A, C = operands(*shape, dtype)
     C = C if beta else None
     reference = fp32_product(A, A.mT, C, alpha, beta)
     cublas_out = syrk(A, C=C, alpha=alpha, beta=beta, kernel="cublas")
     poison_allocator(cublas_out.numel(), dtype)
-    out = syrk(A, C=C, alpha=alpha, beta=beta, kernel="cute")
+    out = run_cute(A, C, alpha, beta, path)
     assert out.shape == cublas_out.shape and out.dtype == dtype
     assert bool(out.isfinite().all()), "an output element was never written"
     assert torch.equal(out, out.mT), "cute writes each element once and mirrors it"
@@ -79,6 +97,7 @@ def test_cute_syrk_is_within_twice_cublas_error_of_fp32(needs_cute, shape, dtype
 @pytest.mark.parametrize("config", sorted(cute_backend.TILE_CONFIGS))
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_every_tile_configuration_is_within_twice_cublas_error(needs_cute, config, dtype):
+    skip_unless_path_runs(cute_backend.TILE_CONFIGS[config].path)
     A, C = operands(None, 333, 640, dtype, seed=5)
     reference = fp32_product(A, A.mT, C, 0.5, 2.0)
     cublas_out = syrk(A, C=C, alpha=0.5, beta=2.0, kernel="cublas")
@@ -90,19 +109,25 @@ def test_every_tile_configuration_is_within_twice_cublas_error(needs_cute, confi
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_cute_accepts_transposed_views(needs_cute, dtype):
+@pytest.mark.parametrize("path", PATHS)
+def test_cute_accepts_transposed_views(needs_cute, path, dtype):
+    skip_unless_path_runs(path)
     X, _ = operands(None, 768, 200, dtype, seed=1)  # tall: Newton-Schulz uses Xᵀ·X = syrk(X.mT)
     A = X.mT  # (200, 768), M-contiguous
     reference = fp32_product(A, A.mT, None, 1.0, 0.0)
-    assert_within_twice_cublas(syrk(A, kernel="cute"), syrk(A, kernel="cublas"), reference, dtype)
+    out = run_cute(A, None, 1.0, 0.0, path)
+    assert torch.equal(out, out.mT)
+    assert_within_twice_cublas(out, syrk(A, kernel="cublas"), reference, dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_nan_and_inf_in_a_propagate_like_cublas(needs_cute, dtype):
+@pytest.mark.parametrize("path", PATHS)
+def test_nan_and_inf_in_a_propagate_like_cublas(needs_cute, path, dtype):
+    skip_unless_path_runs(path)
     A, _ = operands(None, 160, 96, dtype, seed=2)
     A[3, 10] = float("nan")
     A[70, 5] = float("inf")
-    out, expected = syrk(A, kernel="cute"), syrk(A, kernel="cublas")
+    out, expected = run_cute(A, None, 1.0, 0.0, path), syrk(A, kernel="cublas")
     assert torch.equal(out.isnan(), expected.isnan())
     assert torch.equal(out.isposinf(), expected.isposinf())
     assert torch.equal(out.isneginf(), expected.isneginf())
@@ -110,11 +135,13 @@ def test_nan_and_inf_in_a_propagate_like_cublas(needs_cute, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_nan_in_c_propagates_only_when_beta_is_nonzero(needs_cute, dtype):
+@pytest.mark.parametrize("path", PATHS)
+def test_nan_in_c_propagates_only_when_beta_is_nonzero(needs_cute, path, dtype):
+    skip_unless_path_runs(path)
     A, C = operands(None, 96, 64, dtype, seed=3)
     C[7, 40] = C[40, 7] = float("nan")
-    assert not bool(syrk(A, C=C, beta=0.0, kernel="cute").isnan().any())
-    out = syrk(A, C=C, beta=0.5, kernel="cute")
+    assert not bool(run_cute(A, C, 1.0, 0.0, path).isnan().any())
+    out = run_cute(A, C, 1.0, 0.5, path)
     expected = syrk(A, C=C, beta=0.5, kernel="cublas")
     assert torch.equal(out.isnan(), expected.isnan())
     assert bool(out[7, 40].isnan()) and bool(out[40, 7].isnan())
@@ -137,6 +164,25 @@ def test_a_warm_process_does_not_recompile_for_new_shapes_of_a_known_class(needs
     assert cute_backend._compiled == compiled
 
 
+def test_hopper_runs_the_sm90_kernel_by_default_and_says_so(needs_cute):
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("checks the Hopper default")
+    assert "SM90 wgmma + TMA" in backend_availability("cute")[1]
+    A, _ = operands(None, 640, 320, torch.bfloat16, seed=8)
+    syrk(A, kernel="cute")
+    capability = torch.cuda.get_device_capability()
+    assert ("sm90_128x128", "bfloat16", False, capability) in cute_backend._compiled
+
+
+def test_the_sm90_and_sm80_kernels_agree_to_rounding(needs_cute):
+    skip_unless_path_runs("sm90")
+    A, C = operands(None, 1500, 700, torch.float16, seed=9)
+    sm90 = run_cute(A, C, 0.5, 1.5, "sm90")
+    sm80 = run_cute(A, C, 0.5, 1.5, "sm80")
+    reference = fp32_product(A, A.mT, C, 0.5, 1.5)
+    assert_within_twice_cublas(sm90, sm80, reference, torch.float16)
+
+
 def test_autotune_cross_check_accepts_cute(needs_cute, tmp_path):
     tuner = autotune.SyrkAutotuner(tmp_path)
     A, C = operands(None, 512, 1024, torch.float16, seed=7)
@@ -148,6 +194,12 @@ def test_autotune_cross_check_accepts_cute(needs_cute, tmp_path):
         assert backend in ("cute", "cublas")
         assert "candidate_error" in verdict, verdict["reason"]
         assert verdict["candidate_error"] <= 2 * verdict["cublas_error"] + 1e-4
+
+
+def test_a_forced_path_that_disagrees_with_the_config_is_refused(needs_cute):
+    A, _ = operands(None, 64, 64, torch.float16)
+    with pytest.raises(ValueError, match=r"config 'sm90_128x128' belongs to path 'sm90'"):
+        cute_backend.syrk(A, config="sm90_128x128", path="sm80")
 
 
 def test_cute_refuses_fp32_with_the_fix(needs_cute):

@@ -1,14 +1,19 @@
 """What the CuTe DSL backend ("cute") promises on a machine without a GPU or without cutlass.
 
-The kernel itself is tested in tests/gpu/test_cute_gpu.py; here: availability and its reason,
-the errors a user gets, and the host-side batch splitting.
+The kernels themselves are tested in tests/gpu/test_cute_gpu.py; here: availability and its
+reason, the errors a user gets, the host-side batch splitting, and, where nvidia-cutlass-dsl is
+installed, that both kernels compile offline (no GPU needed) for their architectures.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import itertools
+import os
+import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -32,6 +37,7 @@ def fresh_probe(monkeypatch):
     for name in [n for n in sys.modules if n == "cutlass" or n.startswith("cutlass.")]:
         monkeypatch.delitem(sys.modules, name)
     monkeypatch.delitem(sys.modules, "dmuon_kernels.syrk._cute_kernel", raising=False)
+    monkeypatch.delitem(sys.modules, "dmuon_kernels.syrk._cute_sm90_kernel", raising=False)
 
 
 def test_missing_cutlass_is_the_reason_with_the_install_hint(fresh_probe, monkeypatch):
@@ -72,7 +78,20 @@ def test_an_unknown_tile_configuration_names_the_choices():
         ValueError, match=r"config must be one of '128x128_4warps', .* or None; got 'huge'"
     ):
         cute_backend.syrk(A, config="huge")
-    assert set(cute_backend.SHAPE_CLASS_CONFIGS.values()) <= set(cute_backend.TILE_CONFIGS)
+    for path, choices in cute_backend.SHAPE_CLASS_CONFIGS.items():
+        assert all(cute_backend.TILE_CONFIGS[name].path == path for name in choices.values())
+
+
+def test_an_unknown_path_names_the_choices():
+    A = torch.ones(8, 8, dtype=torch.float16)
+    with pytest.raises(ValueError, match=r"path must be one of 'sm80', 'sm90' or None; got 'sm70'"):
+        cute_backend.syrk(A, path="sm70")
+
+
+def test_a_config_of_another_path_is_refused_with_the_fix():
+    A = torch.ones(8, 8, dtype=torch.float16)
+    with pytest.raises(ValueError, match=r"belongs to path 'sm80', not 'sm90'; pass one of them"):
+        cute_backend.syrk(A, config="64x64_4warps", path="sm90")
 
 
 def test_batch_chunks_cover_the_batch_in_int32_sized_aligned_launches():
@@ -89,3 +108,47 @@ def test_batch_chunks_cover_the_batch_in_int32_sized_aligned_launches():
 def test_a_matrix_too_large_for_int32_indexing_names_the_fallback():
     with pytest.raises(ValueError, match=r"more than 2\^31 - 1; use kernel='cublas'"):
         cute_backend._batch_chunks(1, 8192 * 262_144 + 8192, 8192 * 8192)
+
+
+needs_cutlass = pytest.mark.skipif(
+    importlib.util.find_spec("cutlass") is None, reason="nvidia-cutlass-dsl is not installed"
+)
+
+# Compiles in a fresh interpreter: the DSL reads its target architecture when cutlass is imported.
+_COMPILE_SCRIPT = """
+import sys
+from dmuon_kernels.syrk import {module} as kernel
+for dtype_name, has_c, tiling in {cases}:
+    kernel.compile_syrk(dtype_name, has_c, kernel.TileConfig(**tiling))
+    print("compiled", dtype_name, has_c, tiling, flush=True)
+"""
+
+
+def compile_offline(module: str, arch: str, cases: list) -> subprocess.CompletedProcess:
+    source = Path(cute_backend.__file__).resolve().parents[2]
+    env = dict(os.environ, CUTE_DSL_ARCH=arch)
+    env["PYTHONPATH"] = os.pathsep.join([str(source), env.get("PYTHONPATH", "")])
+    script = _COMPILE_SCRIPT.format(module=module, cases=cases)
+    return subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600
+    )
+
+
+@needs_cutlass
+def test_the_sm90_kernel_compiles_offline_for_hopper():
+    cases = [
+        ("float16", False, {"tile": 128, "tile_k": 64, "stages": 5}),
+        ("bfloat16", True, {"tile": 128, "tile_k": 64, "stages": 5}),
+        ("bfloat16", False, {"tile": 64, "tile_k": 64, "stages": 8}),
+    ]
+    result = compile_offline("_cute_sm90_kernel", "sm_90a", cases)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert result.stdout.count("compiled") == len(cases)
+
+
+@needs_cutlass
+def test_the_sm80_kernel_compiles_offline_for_ampere():
+    cases = [("float16", True, {"tile": 128, "tile_k": 64, "stages": 3})]
+    result = compile_offline("_cute_kernel", "sm_80", cases)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert result.stdout.count("compiled") == len(cases)

@@ -1,20 +1,27 @@
-"""The cute backend: alpha·A·Aᵀ + beta·C through this project's own CuTe DSL SYRK kernel.
+"""The cute backend: alpha·A·Aᵀ + beta·C through this project's own CuTe DSL SYRK kernels.
 
-Owns the adapter over ``syrk._cute_kernel`` (the device code): probing that nvidia-cutlass-dsl
-and the GPU can run it, choosing a tile configuration per shape class, bringing operands to the
-layout the kernel requires, and caching compiled kernels per (tile configuration, dtype, with or
-without C, compute capability) so a warm process never recompiles. It is the only module that
-imports ``_cute_kernel`` (and through it cutlass), and only on first use, so importing
-dmuon_kernels never fails because cutlass is missing. It must not choose between backends (the
-dispatcher and the autotuner do) and must not fall back silently to another library.
+Owns the adapter over the device code of two paths: ``syrk._cute_sm90_kernel`` (Hopper: wgmma,
+TMA, persistent warp-specialised ping-pong), run on compute capability 9.x, and
+``syrk._cute_kernel`` (SM80 warp-level MMA), run on 8.x and 10.x+ (wgmma exists only on 9.x) and
+selectable on Hopper through ``config`` (so it stays tested there). The adapter probes that
+nvidia-cutlass-dsl and the GPU can run them, chooses a path and a tile configuration per shape
+class, brings operands to the layout the kernel requires, and caches compiled kernels per (tile
+configuration, dtype, with or without C, compute capability) so a warm process never recompiles.
+It is the only module that imports the kernel modules (and through them cutlass), and only on
+first use, so importing dmuon_kernels never fails because cutlass is missing. It must not choose
+between backends (the dispatcher and the autotuner do) and must not fall back silently to
+another library.
 
-What the kernel requires, and what the adapter does about it:
+What the kernels require, and what the adapter does about it:
 
-- fp16 or bf16 on a CUDA device with compute capability 8.0 or newer (the kernel uses SM80
-  warp-level MMA, which SM90 runs too);
-- A K-contiguous with rows padded to the tile and K padded to the k-tile: A is copied to a
-  zero-padded contiguous buffer when its shape or layout differs (zero rows and columns add
-  nothing to A·Aᵀ); a transposed view (A = Xᵀ) is therefore copied once;
+- fp16 or bf16 on a CUDA device with compute capability 8.0 or newer;
+- SM90 path: A (batch, M, K_pad) contiguous with K_pad a multiple of 8 (TMA strides are
+  multiples of 16 bytes) and a 16-byte aligned base; A is copied to a zero-padded buffer only
+  when it is not already so (a transposed view, A = Xᵀ, is therefore copied once); TMA
+  zero-fills the edge tiles, so M and K need no padding to the tile;
+- SM80 path: A K-contiguous with rows padded to the tile and K padded to the k-tile: A is copied
+  to a zero-padded contiguous buffer when its shape or layout differs (zero rows and columns add
+  nothing to A·Aᵀ);
 - C (..., M, M) contiguous; only its lower triangle is read, so C must be symmetric (as it
   always is in Newton-Schulz); the result is exactly symmetric (each element computed once);
 - a batch (..., M, K) runs in one launch per chunk of at most 2³¹ elements.
@@ -41,7 +48,11 @@ NAME = "cute"
 CUTE_MIN_COMPUTE_CAPABILITY = (8, 0)
 CUTE_INSTALL_HINT = "pip install dmuon-kernels[cute]"
 # Bumped whenever the device code changes, so cached autotune verdicts are re-measured.
-KERNEL_REVISION = "1"
+KERNEL_REVISION = "2"
+
+SM80 = "sm80"
+SM90 = "sm90"
+_TMA_ALIGNMENT_ELEMENTS = 8  # K_pad multiple of 8: 16-byte TMA strides for fp16/bf16
 
 _INT32_LIMIT = 2**31 - 1
 _ALIGNMENT_BYTES = 16
@@ -50,30 +61,50 @@ _MAX_GRID_Z = 65535  # the batch is the grid's z dimension
 
 @dataclass(frozen=True, slots=True)
 class TileConfig:
-    """A tiling of the kernel (mirrors ``_cute_kernel.TileConfig``, which needs cutlass)."""
+    """A tiling of the SM80 kernel (mirrors ``_cute_kernel.TileConfig``, which needs cutlass)."""
 
     tile: int
     tile_k: int
     stages: int
     warps_m: int
     warps_n: int
+    path: str = SM80
 
 
-TILE_CONFIGS: dict[str, TileConfig] = {
+@dataclass(frozen=True, slots=True)
+class Sm90TileConfig:
+    """A tiling of the SM90 kernel (mirrors ``_cute_sm90_kernel.TileConfig``)."""
+
+    tile: int
+    tile_k: int
+    stages: int
+    path: str = SM90
+
+
+TILE_CONFIGS: dict[str, TileConfig | Sm90TileConfig] = {
     "128x128_4warps": TileConfig(tile=128, tile_k=64, stages=3, warps_m=2, warps_n=2),
     "128x128_8warps": TileConfig(tile=128, tile_k=64, stages=3, warps_m=2, warps_n=4),
     "64x64_4warps": TileConfig(tile=64, tile_k=64, stages=4, warps_m=2, warps_n=2),
+    "sm90_128x128": Sm90TileConfig(tile=128, tile_k=64, stages=5),
+    "sm90_64x64": Sm90TileConfig(tile=64, tile_k=64, stages=8),
 }
-# Shape class -> tile configuration: "small" problems (fewer 128-wide output tiles than SMs) get
-# small tiles so every SM has work.
-SHAPE_CLASS_CONFIGS: dict[str, str] = {"large": "128x128_4warps", "small": "64x64_4warps"}
+# Path -> shape class -> tile configuration: "small" problems (fewer 128-wide output tiles than
+# SMs) get small tiles so every SM has work.
+SHAPE_CLASS_CONFIGS: dict[str, dict[str, str]] = {
+    SM80: {"large": "128x128_4warps", "small": "64x64_4warps"},
+    SM90: {"large": "sm90_128x128", "small": "sm90_64x64"},
+}
+PATH_DESCRIPTIONS: dict[str, str] = {
+    SM80: "SM80 warp MMA",
+    SM90: "SM90 wgmma + TMA, persistent warp-specialised",
+}
 
 
 @dataclass(frozen=True, slots=True)
 class _CuteApi:
-    """What the probe found: the kernel module and the library version for cache keys."""
+    """What the probe found: the kernel modules per path and the library version."""
 
-    kernel_module: Any
+    kernel_modules: dict[str, Any]
     cutlass_version: str
 
 
@@ -90,14 +121,16 @@ def _probe_cutlass() -> _CuteApi | str:
     try:
         import cutlass  # noqa: F401  (first, so a broken cutlass is what the reason names)
 
-        from dmuon_kernels.syrk import _cute_kernel
+        from dmuon_kernels.syrk import _cute_kernel, _cute_sm90_kernel
     except Exception as exc:  # a broken cutlass-dsl raises anything from ImportError to OSError
         return (
             f"nvidia-cutlass-dsl is installed but failed to import ({type(exc).__name__}: "
             f"{exc}); reinstall it with {CUTE_INSTALL_HINT} (tested with nvidia-cutlass-dsl "
             "4.5.2)"
         )
-    return _CuteApi(_cute_kernel, distribution_version("nvidia-cutlass-dsl"))
+    return _CuteApi(
+        {SM80: _cute_kernel, SM90: _cute_sm90_kernel}, distribution_version("nvidia-cutlass-dsl")
+    )
 
 
 def _cute_api() -> _CuteApi | str:
@@ -119,7 +152,17 @@ def is_available() -> tuple[bool, str]:
     api = _cute_api()
     if isinstance(api, str):
         return False, api
-    return True, f"dmuon CuTe DSL SYRK (SM80 warp MMA), nvidia-cutlass-dsl {api.cutlass_version}"
+    path = kernel_path(torch.device("cuda", torch.cuda.current_device()))
+    return (
+        True,
+        f"dmuon CuTe DSL SYRK ({PATH_DESCRIPTIONS[path]}), nvidia-cutlass-dsl "
+        f"{api.cutlass_version}",
+    )
+
+
+def kernel_path(device: torch.device) -> str:
+    """SM90 (wgmma, TMA) on compute capability 9.x, where wgmma exists; SM80 elsewhere."""
+    return SM90 if torch.cuda.get_device_capability(device)[0] == 9 else SM80
 
 
 def versions() -> dict[str, str]:
@@ -132,13 +175,18 @@ def versions() -> dict[str, str]:
 
 def shape_class(M: int, batch: int, device: torch.device) -> str:
     """ "large" when 128-wide tiles already give every SM an output tile, else "small"."""
-    tiles = math.ceil(M / TILE_CONFIGS[SHAPE_CLASS_CONFIGS["large"]].tile)
+    tiles = math.ceil(M / TILE_CONFIGS[SHAPE_CLASS_CONFIGS[SM80]["large"]].tile)
+    sm_count = _sm_count(device)
+    return "large" if tiles * (tiles + 1) // 2 * batch >= sm_count else "small"
+
+
+def _sm_count(device: torch.device) -> int:
     sm_count = _sm_counts.get(device)
     if sm_count is None:
         sm_count = _sm_counts[device] = torch.cuda.get_device_properties(
             device
         ).multi_processor_count
-    return "large" if tiles * (tiles + 1) // 2 * batch >= sm_count else "small"
+    return sm_count
 
 
 def syrk(
@@ -147,17 +195,41 @@ def syrk(
     alpha: float = 1.0,
     beta: float = 0.0,
     *,
-    config: str | None = None,  # a TILE_CONFIGS key; None picks by shape_class
+    config: str | None = None,  # a TILE_CONFIGS key; None: the path's shape-class choice
+    path: str | None = None,  # "sm80" or "sm90"; None: kernel_path(A.device)
 ) -> Tensor:  # (..., M, M), exactly symmetric
-    """``alpha·A·Aᵀ + beta·C`` through the CuTe DSL kernel; RuntimeError when it cannot run."""
+    """``alpha·A·Aᵀ + beta·C`` through the CuTe DSL kernel; RuntimeError when it cannot run.
+
+    ``path`` or ``config`` (which implies its path) forces a kernel: "sm90" needs compute
+    capability 9.x; "sm80" runs on any supported GPU (on Hopper too, which keeps it tested).
+    """
     if config is not None and config not in TILE_CONFIGS:
         raise ValueError(
             f"config must be one of {', '.join(map(repr, TILE_CONFIGS))} or None; got {config!r}"
+        )
+    if path is not None and path not in SHAPE_CLASS_CONFIGS:
+        raise ValueError(
+            f"path must be one of {', '.join(map(repr, SHAPE_CLASS_CONFIGS))} or None; got {path!r}"
+        )
+    if config is not None and path is not None and TILE_CONFIGS[config].path != path:
+        raise ValueError(
+            f"config {config!r} belongs to path {TILE_CONFIGS[config].path!r}, not {path!r}; "
+            "pass one of them"
         )
     _check_operand(A, C)
     api = _cute_api()
     if isinstance(api, str):
         raise RuntimeError(f"SYRK kernel 'cute' cannot run: {api}")
+    if config is not None:
+        path = TILE_CONFIGS[config].path
+    if path is None:
+        path = kernel_path(A.device)
+    if path == SM90 and kernel_path(A.device) != SM90:
+        major, minor = torch.cuda.get_device_capability(A.device)
+        raise ValueError(
+            f"the SM90 (wgmma) kernel needs compute capability 9.x, but {A.device} is "
+            f"SM{major}{minor}; use path='sm80' or leave path and config as None"
+        )
     alpha, beta = float(alpha), float(beta)
     if beta == 0.0:
         C = None  # beta·C with beta = 0 must not propagate NaN/inf from C, as in torch.addmm
@@ -172,32 +244,32 @@ def syrk(
     batch = math.prod(A.shape[:-2])
     A3 = A.reshape(batch, M, K)
     C3 = None if C is None else _contiguous_aligned(C.reshape(batch, M, M))
-    name = config or SHAPE_CLASS_CONFIGS[shape_class(M, batch, A.device)]
+    name = config or SHAPE_CLASS_CONFIGS[path][shape_class(M, batch, A.device)]
     tiles = TILE_CONFIGS[name]
-    m_tiles, k_tiles = math.ceil(M / tiles.tile), math.ceil(K / tiles.tile_k)
     out = torch.empty((batch, M, M), dtype=A.dtype, device=A.device)
-    A_padded = _padded(A3, m_tiles * tiles.tile, k_tiles * tiles.tile_k)
-
     kernel = _kernel(api, name, A.dtype, C3 is not None, A.device)
-    module = api.kernel_module
+    module = api.kernel_modules[tiles.path]
     dtype_name = str(A.dtype).removeprefix("torch.")
     stream = module.stream_handle(torch.cuda.current_stream(A.device).cuda_stream)
+    if tiles.path == SM90:
+        k_pad = math.ceil(K / _TMA_ALIGNMENT_ELEMENTS) * _TMA_ALIGNMENT_ELEMENTS
+        A_padded = _padded(A3, M, k_pad)  # TMA zero-fills the rest of the edge tiles
+        row_tiles = math.ceil(M / tiles.tile)
+        tiles_per_matrix = row_tiles * (row_tiles + 1) // 2
+    else:
+        m_tiles, k_tiles = math.ceil(M / tiles.tile), math.ceil(K / tiles.tile_k)
+        A_padded = _padded(A3, m_tiles * tiles.tile, k_tiles * tiles.tile_k)
     with torch.cuda.device(A.device):
         for start, stop in _batch_chunks(batch, A_padded[0].numel(), M * M):
+            a_ptr = module.pointer(dtype_name, A_padded[start].data_ptr())
             d_ptr = module.pointer(dtype_name, out[start].data_ptr())
             c_ptr = d_ptr if C3 is None else module.pointer(dtype_name, C3[start].data_ptr())
-            kernel(
-                module.pointer(dtype_name, A_padded[start].data_ptr()),
-                d_ptr,
-                c_ptr,
-                M,
-                m_tiles,
-                k_tiles,
-                stop - start,
-                alpha,
-                beta,
-                stream,
-            )
+            if tiles.path == SM90:
+                # persistent: at most one CTA per SM, each walking its share of the triangle
+                ctas = min(_sm_count(A.device), tiles_per_matrix * (stop - start))
+                kernel(a_ptr, d_ptr, c_ptr, M, k_pad, stop - start, ctas, alpha, beta, stream)
+            else:
+                kernel(a_ptr, d_ptr, c_ptr, M, m_tiles, k_tiles, stop - start, alpha, beta, stream)
     return out.reshape(out_shape)
 
 
@@ -210,15 +282,18 @@ def _kernel(
     key = (name, dtype_name, has_c, capability)
     kernel = _compiled.get(key)
     if kernel is None:
-        module = api.kernel_module
         tiles = TILE_CONFIGS[name]
-        config = module.TileConfig(
-            tile=tiles.tile,
-            tile_k=tiles.tile_k,
-            stages=tiles.stages,
-            warps_m=tiles.warps_m,
-            warps_n=tiles.warps_n,
-        )
+        module = api.kernel_modules[tiles.path]
+        if isinstance(tiles, Sm90TileConfig):
+            config = module.TileConfig(tile=tiles.tile, tile_k=tiles.tile_k, stages=tiles.stages)
+        else:
+            config = module.TileConfig(
+                tile=tiles.tile,
+                tile_k=tiles.tile_k,
+                stages=tiles.stages,
+                warps_m=tiles.warps_m,
+                warps_n=tiles.warps_n,
+            )
         kernel = _compiled[key] = module.compile_syrk(dtype_name, has_c, config)
     return kernel
 
@@ -248,8 +323,10 @@ def _batch_chunks(batch: int, a_elements: int, d_elements: int) -> list[tuple[in
 def _padded(A3: Tensor, rows: int, cols: int) -> Tensor:
     """A3 (batch, M, K) as a contiguous (batch, rows, cols) buffer, zero beyond (M, K)."""
     batch, M, K = A3.shape
-    if (rows, cols) == (M, K) and A3.is_contiguous() and A3.data_ptr() % _ALIGNMENT_BYTES == 0:
-        return A3
+    if (rows, cols) == (M, K):
+        if A3.is_contiguous() and A3.data_ptr() % _ALIGNMENT_BYTES == 0:
+            return A3
+        return A3.clone(memory_format=torch.contiguous_format)  # one copy, no zero fill
     padded = A3.new_zeros((batch, rows, cols))
     padded[:, :M, :K] = A3
     return padded

@@ -1,0 +1,365 @@
+"""The Hopper (SM90) CuTe DSL SYRK kernel: ``D = alpha·A·Aᵀ + beta·C`` on one triangle, mirrored.
+
+Owns the SM90 device code and its compilation (one compiled function per dtype, with/without C
+and tile configuration). It imports nvidia-cutlass-dsl at module level, so only ``syrk.cute`` may
+import it, lazily; it must not look at torch tensors (``syrk.cute`` prepares the operands and
+passes raw pointers and sizes). ``syrk._cute_kernel`` holds the SM80 design used below SM90.
+
+Design: a persistent, warp-specialised kernel. Each CTA has three warpgroups:
+
+- warpgroup 0 is the producer: its first warp walks the CTA's output tiles and, for each, loads
+  the k-tiles of the tile's row block and column block of A into a ring of shared-memory stages
+  with TMA bulk tensor copies that complete on the stage's mbarrier (``cutlass.pipeline``
+  PipelineTmaAsync); it gives most of its registers to the consumers (``setmaxnreg``);
+- warpgroups 1 and 2 are consumers in ping-pong: they take the CTA's tiles alternately, each
+  computing a whole tile with warpgroup MMA (``wgmma``, both operands in shared memory, fp32
+  accumulators) and then running its epilogue while the other one's MMAs run (the producer fills
+  the ring tile after tile, so the two mainloops naturally take turns).
+
+Schedule: the grid is at most one CTA per SM; CTA ``b`` takes linear tile indices
+``b, b + grid, ...`` over ``batch x tiles·(tiles+1)/2`` lower-triangle tiles; a linear index maps
+to (matrix, row block, column block) with column <= row, so only the lower triangle is computed.
+
+Contract with the caller:
+
+- A is (batch, M, K_pad), K contiguous, K_pad a multiple of 8 (TMA strides are multiples of 16
+  bytes) and the base 16-byte aligned; any M; TMA fills rows beyond M and columns beyond K_pad
+  with zeros, so edge tiles need no padding in memory;
+- D and C are (batch, M, M) contiguous: stores and C loads are predicated on M; an element
+  (row, col) of a tile is kept when col <= row and written to D[row, col] and D[col, row], so D is
+  exactly symmetric and only C's lower triangle is read;
+- every index fits in int32 (``syrk.cute`` splits larger batches).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import Float32, Int32
+from cutlass.cute.nvgpu import cpasync, warpgroup
+
+# torch dtype name -> CuTe element type (the only two the kernel implements).
+ELEMENT_TYPES = {"float16": cutlass.Float16, "bfloat16": cutlass.BFloat16}
+
+_WARPGROUP_THREADS = 128
+_PRODUCER_REGISTERS = 40  # the producer warpgroup keeps few registers...
+_CONSUMER_REGISTERS = 232  # ...so each consumer can hold a 128x128 fp32 accumulator
+_TMA_ALIGNMENT_ELEMENTS = 8  # 16 bytes of fp16/bf16: TMA's stride granularity
+
+
+@dataclass(frozen=True, slots=True)
+class TileConfig:
+    """One tiling of the kernel: square output tile, k-tile, and shared-memory ring depth."""
+
+    tile: int = 128
+    tile_k: int = 64
+    stages: int = 5
+
+    def describe(self) -> str:
+        return f"{self.tile}x{self.tile}x{self.tile_k}, {self.stages} stages, ping-pong"
+
+
+DEFAULT_CONFIG = TileConfig()
+
+
+class SyrkSm90Kernel:
+    """Compile-time parameters of one kernel; ``__call__`` is the host-side jit entry point."""
+
+    threads = 3 * _WARPGROUP_THREADS  # producer warpgroup + two consumer warpgroups
+
+    def __init__(self, element_type: type[cutlass.Numeric], has_c: bool, config: TileConfig):
+        if config.tile % 64 != 0 or config.tile_k % 64 != 0:
+            raise ValueError(
+                f"tile and tile_k must be multiples of 64 (wgmma rows, one 128-byte swizzle "
+                f"atom), got {config}"
+            )
+        self.element_type = element_type
+        self.has_c = has_c
+        self.config = config
+
+    @cute.jit
+    def __call__(
+        self,
+        a_ptr: cute.Pointer,
+        d_ptr: cute.Pointer,
+        c_ptr: cute.Pointer,
+        m: Int32,
+        k_pad: Int32,
+        batch: Int32,
+        ctas: Int32,
+        alpha: Float32,
+        beta: Float32,
+        stream: cuda.CUstream,
+    ):
+        cfg = self.config
+        k_pad = cute.assume(k_pad, divby=_TMA_ALIGNMENT_ELEMENTS)
+        a_layout = cute.make_layout(
+            (m, k_pad, batch),
+            stride=(k_pad, 1, cute.assume(m * k_pad, divby=_TMA_ALIGNMENT_ELEMENTS)),
+        )
+        out_layout = cute.make_layout((m, m, batch), stride=(m, 1, m * m))
+        mA = cute.make_tensor(a_ptr, a_layout)
+        mD = cute.make_tensor(d_ptr, out_layout)
+        mC = cute.make_tensor(c_ptr, out_layout)
+
+        # Both MMA operands are tiles of A (rows of the output block and of the column block),
+        # K-major, so one shared-memory layout and one TMA descriptor serve both.
+        smem_layout = sm90_utils.make_smem_layout_a(
+            cutlass.utils.LayoutEnum.ROW_MAJOR,
+            (cfg.tile, cfg.tile, cfg.tile_k),
+            self.element_type,
+            cfg.stages,
+        )
+        tma_atom, tma_tensor = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileG2SOp(),
+            mA,
+            cute.slice_(smem_layout, (None, None, 0)),
+            (cfg.tile, cfg.tile_k),
+        )
+        row_tiles = (m + cfg.tile - 1) // cfg.tile
+        k_tiles = (k_pad + cfg.tile_k - 1) // cfg.tile_k
+        tiles_per_matrix = row_tiles * (row_tiles + 1) // 2
+        self.kernel(
+            tma_atom,
+            tma_tensor,
+            mD,
+            mC,
+            smem_layout,
+            m,
+            k_tiles,
+            tiles_per_matrix,
+            tiles_per_matrix * batch,
+            alpha,
+            beta,
+        ).launch(grid=(ctas, 1, 1), block=(self.threads, 1, 1), min_blocks_per_mp=1, stream=stream)
+
+    @cute.jit
+    def tile_coordinates(self, linear: Int32, tiles_per_matrix: Int32):
+        """(matrix, row block, column block) of a linear lower-triangle tile index, column <= row.
+
+        Row r starts at r(r+1)/2; a float square root guesses r and one step each way fixes it.
+        """
+        matrix = linear // tiles_per_matrix
+        local = linear - matrix * tiles_per_matrix
+        guess = (cute.math.sqrt(Float32(8 * local + 1)) - Float32(1.0)) * Float32(0.5)
+        row = Int32(guess)
+        if (row + 1) * (row + 2) // 2 <= local:
+            row = row + 1
+        if row * (row + 1) // 2 > local:
+            row = row - 1
+        col = local - row * (row + 1) // 2
+        return matrix, row, col
+
+    @cute.kernel
+    def kernel(
+        self,
+        tma_atom: cute.CopyAtom,
+        mA_tma: cute.Tensor,
+        mD: cute.Tensor,
+        mC: cute.Tensor,
+        smem_layout: cute.ComposedLayout,
+        m: Int32,
+        k_tiles: Int32,
+        tiles_per_matrix: Int32,
+        total_tiles: Int32,
+        alpha: Float32,
+        beta: Float32,
+    ):
+        cfg = self.config
+        dtype = self.element_type
+        tidx, _, _ = cute.arch.thread_idx()
+        cta, _, _ = cute.arch.block_idx()
+        ctas, _, _ = cute.arch.grid_dim()
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        role = warp // 4  # 0: producer warpgroup, 1 and 2: consumers
+
+        if warp == 0:
+            cpasync.prefetch_descriptor(tma_atom)
+
+        smem = cutlass.utils.SmemAllocator()
+        barriers = smem.allocate_array(cutlass.Int64, 2 * cfg.stages, byte_alignment=8)
+        sA = smem.allocate_tensor(
+            dtype, smem_layout.outer, byte_alignment=1024, swizzle=smem_layout.inner
+        )
+        sB = smem.allocate_tensor(
+            dtype, smem_layout.outer, byte_alignment=1024, swizzle=smem_layout.inner
+        )
+        stage_bytes = 2 * cute.size_in_bytes(dtype, cute.slice_(smem_layout, (None, None, 0)))
+        ring = pipeline.PipelineTmaAsync.create(
+            num_stages=cfg.stages,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            # one arrival per consumer warp: each stage is read by one consumer warpgroup
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 4),
+            tx_count=stage_bytes,
+            barrier_storage=barriers,
+        )
+
+        if role == 0:
+            cute.arch.setmaxregister_decrease(_PRODUCER_REGISTERS)
+            if warp == 0:
+                sA_flat = cute.group_modes(sA, 0, 2)  # (TILE·TK, stage)
+                sB_flat = cute.group_modes(sB, 0, 2)
+                sequence = Int32(0)  # this CTA's tile count so far
+                for linear in cutlass.range(cta, total_tiles, ctas, unroll=1):
+                    matrix, row, col = self.tile_coordinates(linear, tiles_per_matrix)
+                    mA_b = mA_tma[None, None, matrix]
+                    gA = cute.local_tile(mA_b, (cfg.tile, cfg.tile_k), (row, None))
+                    gB = cute.local_tile(mA_b, (cfg.tile, cfg.tile_k), (col, None))
+                    tAsA, tAgA = cpasync.tma_partition(
+                        tma_atom, 0, cute.make_layout(1), sA_flat, cute.group_modes(gA, 0, 2)
+                    )
+                    tBsB, tBgB = cpasync.tma_partition(
+                        tma_atom, 0, cute.make_layout(1), sB_flat, cute.group_modes(gB, 0, 2)
+                    )
+                    state = self.ring_state(sequence * k_tiles, producer=True)
+                    for k_tile in cutlass.range(k_tiles, unroll=1):
+                        ring.producer_acquire(state)
+                        full = ring.producer_get_barrier(state)
+                        cute.copy(
+                            tma_atom,
+                            tAgA[None, k_tile],
+                            tAsA[None, state.index],
+                            tma_bar_ptr=full,
+                        )
+                        cute.copy(
+                            tma_atom,
+                            tBgB[None, k_tile],
+                            tBsB[None, state.index],
+                            tma_bar_ptr=full,
+                        )
+                        ring.producer_commit(state)
+                        state.advance()
+                    sequence = sequence + 1
+        else:
+            cute.arch.setmaxregister_increase(_CONSUMER_REGISTERS)
+            consumer = role - 1
+            wg_tidx = tidx - role * _WARPGROUP_THREADS
+            tiled_mma = sm90_utils.make_trivial_tiled_mma(
+                dtype,
+                dtype,
+                warpgroup.OperandMajorMode.K,
+                warpgroup.OperandMajorMode.K,
+                Float32,
+                (1, 1, 1),
+                (64, cfg.tile),
+            )
+            thr_mma = tiled_mma.get_slice(wg_tidx)
+            tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))  # (MMA, M, K, stage)
+            tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
+            cD = cute.make_identity_tensor((cfg.tile, cfg.tile))
+            tCcD = thr_mma.partition_C(cD)  # (MMA, MMA_M, MMA_N) coordinates in the tile
+            acc = cute.make_rmem_tensor(tCcD.shape, Float32)
+            k_blocks = cute.size(tCrA, mode=[2])
+
+            sequence = consumer  # this CTA's tiles alternate between the two consumers
+            for linear in cutlass.range(cta + consumer * ctas, total_tiles, 2 * ctas, unroll=1):
+                matrix, row, col = self.tile_coordinates(linear, tiles_per_matrix)
+                read = self.ring_state(sequence * k_tiles, producer=False)
+                release = self.ring_state(sequence * k_tiles, producer=False)
+                tiled_mma.set(warpgroup.Field.ACCUMULATE, False)
+                for k_tile in cutlass.range(k_tiles, unroll=1):
+                    ring.consumer_wait(read)
+                    warpgroup.fence()
+                    for k_block in cutlass.range_constexpr(k_blocks):
+                        cute.gemm(
+                            tiled_mma,
+                            acc,
+                            tCrA[None, None, k_block, read.index],
+                            tCrB[None, None, k_block, read.index],
+                            acc,
+                        )
+                        tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
+                    warpgroup.commit_group()
+                    # Keep one k-tile of MMAs in flight; the one before it is done, so its
+                    # stage goes back to the producer.
+                    warpgroup.wait_group(1)
+                    if k_tile > 0:
+                        ring.consumer_release(release)
+                        release.advance()
+                    read.advance()
+                warpgroup.wait_group(0)
+                ring.consumer_release(release)
+
+                self.epilogue(acc, tCcD, mD, mC, m, matrix, row, col, alpha, beta)
+                sequence = sequence + 2
+
+    def ring_state(self, count, *, producer: bool) -> pipeline.PipelineState:
+        """The ring position after ``count`` stages; the producer's phase starts flipped (its
+        first pass finds every stage empty)."""
+        stages = self.config.stages
+        phase = (count // stages) % 2
+        if producer:
+            phase = phase ^ 1
+        return pipeline.PipelineState(stages, Int32(count), Int32(count % stages), Int32(phase))
+
+    @cute.jit
+    def epilogue(
+        self,
+        acc: cute.Tensor,
+        tCcD: cute.Tensor,
+        mD: cute.Tensor,
+        mC: cute.Tensor,
+        m: Int32,
+        matrix: Int32,
+        row_block: Int32,
+        col_block: Int32,
+        alpha: Float32,
+        beta: Float32,
+    ):
+        """Element (r, c) of the tile is D[row0 + r, col0 + c]: keep it on or below the
+        diagonal, apply alpha/beta in fp32, round once, store it and its mirror."""
+        dtype = self.element_type
+        row0 = row_block * self.config.tile
+        col0 = col_block * self.config.tile
+        for e in cutlass.range_constexpr(cute.size(acc)):
+            coord = tCcD[e]
+            row = row0 + coord[0]
+            col = col0 + coord[1]
+            if row < m:  # noqa: SIM102  (nested ifs: the plainest form for the DSL)
+                if col <= row:
+                    value = alpha * acc[e]
+                    if cutlass.const_expr(self.has_c):
+                        value = value + beta * mC[row, col, matrix].to(Float32)
+                    out = value.to(dtype)
+                    mD[row, col, matrix] = out
+                    mD[col, row, matrix] = out
+
+
+def compile_syrk(dtype_name: str, has_c: bool, config: TileConfig = DEFAULT_CONFIG):
+    """Compile the kernel for ``dtype_name`` ("float16"/"bfloat16"); the returned function takes
+    ``(a_ptr, d_ptr, c_ptr, m, k_pad, batch, ctas, alpha, beta, stream)``."""
+    element_type = ELEMENT_TYPES[dtype_name]
+    kernel = SyrkSm90Kernel(element_type, has_c, config)
+    pointers = [
+        cute.runtime.make_ptr(element_type, 0, cute.AddressSpace.gmem, assumed_align=16)
+        for _ in range(3)
+    ]
+    return cute.compile(
+        kernel,
+        *pointers,
+        Int32(1),
+        Int32(8),
+        Int32(1),
+        Int32(1),
+        Float32(1.0),
+        Float32(0.0),
+        cute.runtime.make_fake_stream(),
+    )
+
+
+def pointer(dtype_name: str, address: int):
+    """A 16-byte aligned global-memory pointer argument for a compiled kernel."""
+    return cute.runtime.make_ptr(
+        ELEMENT_TYPES[dtype_name], address, cute.AddressSpace.gmem, assumed_align=16
+    )
+
+
+def stream_handle(raw_stream: int):
+    """A CUDA stream argument (``torch.cuda.current_stream().cuda_stream``)."""
+    return cuda.CUstream(raw_stream)
