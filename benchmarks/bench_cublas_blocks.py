@@ -77,6 +77,7 @@ def measure_blocks(device: torch.device, repeats: int) -> list[dict]:
         contenders = problem_contenders(operation, batch, M, K, device)
         timings = median_ms(contenders, device, repeats=repeats)
         best = min(timings, key=timings.get)
+        rule = cublas.symmetric_block_count(M, K, batch)
         rows.append(
             {
                 "operation": operation,
@@ -85,10 +86,9 @@ def measure_blocks(device: torch.device, repeats: int) -> list[dict]:
                 "K": K,
                 "median_ms": timings,
                 "best_blocks": int(best),
-                "rule_blocks": cublas.symmetric_block_count(M),
+                "rule_blocks": rule,
                 "best_speedup_vs_full": timings["1"] / timings[best],
-                "rule_speedup_vs_full": timings["1"]
-                / timings[str(cublas.symmetric_block_count(M))],
+                "rule_speedup_vs_full": timings["1"] / timings[str(rule)],
             }
         )
         del contenders
@@ -126,6 +126,7 @@ def main(argv: list[str] | None = None) -> int:
         "device": gpu,
         **_common.versions(dmuon_kernels=__version__),
         "rule": {
+            "MIN_BLOCKED_VOLUME": cublas.MIN_BLOCKED_VOLUME,
             "MIN_BLOCK_WIDTH": cublas.MIN_BLOCK_WIDTH,
             "MAX_SYMMETRIC_BLOCKS": cublas.MAX_SYMMETRIC_BLOCKS,
         },

@@ -136,20 +136,29 @@ def test_quack_refuses_fp32_with_the_fix(needs_quack):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("batch", [None, 2], ids=["single", "batched"])
-def test_cublas_block_assembly_is_as_accurate_as_the_full_product(dtype, batch):
+def test_cublas_block_assembled_syrk_is_as_accurate_as_the_full_product(dtype, batch):
     from dmuon_kernels.syrk import cublas
 
-    M = 2 * cublas.MIN_BLOCK_WIDTH  # large enough for the backend to assemble block columns
-    assert cublas.symmetric_block_count(M) == 2
-    A, C = operands(batch, M, 1536, dtype, seed=5)
-    full = torch.baddbmm(C.reshape(-1, M, M), A.reshape(-1, M, 1536), A.reshape(-1, M, 1536).mT,
-                         beta=-1.25, alpha=0.75).reshape(C.shape)  # fmt: skip
+    M, K = 4096, 8192  # large enough for the backend to assemble block columns
+    blocks = cublas.symmetric_block_count(M, K, batch or 1)
+    assert blocks > 1
+    A, C = operands(batch, M, K, dtype, seed=5)
+    A3, C3 = A.reshape(-1, M, K), C.reshape(-1, M, M)
+    full = torch.baddbmm(C3, A3, A3.mT, beta=-1.25, alpha=0.75).reshape(C.shape)
     out = syrk(A, C=C, alpha=0.75, beta=-1.25, kernel="cublas")
     assert_within_twice_cublas(out, full, fp32_product(A, A.mT, C, 0.75, -1.25), dtype)
-    half = cublas.block_edges(M, 2)[1]
-    assert torch.equal(out[..., :half, half:], out[..., half:, :half].mT)
+    edge = cublas.block_edges(M, blocks)[1]
+    assert torch.equal(out[..., :edge, edge:], out[..., edge:, :edge].mT)
 
-    Z, Q = C, symmetric_product(C, C, kernel="cublas")  # two polynomials in C
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_cublas_block_assembled_symmetric_product_is_as_accurate_as_the_full_product(dtype):
+    from dmuon_kernels.syrk import cublas
+
+    batch, M = 2, 4096
+    assert cublas.symmetric_block_count(M, M, batch) > 1
+    _, C = operands(batch, M, 8, dtype, seed=6)
+    Z, Q = C, symmetric_product(C, C, kernel="cublas")  # two polynomials in C: they commute
     out = symmetric_product(Z, Q, C=C, beta=0.5, kernel="cublas")
-    full = torch.baddbmm(C.reshape(-1, M, M), Z.reshape(-1, M, M), Q.reshape(-1, M, M), beta=0.5)
-    assert_within_twice_cublas(out, full.reshape(C.shape), fp32_product(Z, Q, C, 1.0, 0.5), dtype)
+    full = torch.baddbmm(C, Z, Q, beta=0.5)
+    assert_within_twice_cublas(out, full, fp32_product(Z, Q, C, 1.0, 0.5), dtype)

@@ -36,11 +36,14 @@ def test_block_edges_cover_the_matrix_in_128_aligned_blocks(M, blocks):
     assert len(edges) - 1 <= blocks
 
 
-def test_block_count_keeps_every_block_at_least_the_minimum_width():
+def test_block_count_keeps_small_problems_whole_and_every_block_wide():
     for M in (64, 1024, 2047, 2048, 4096, 6000, 8192, 16384, 65536):
-        blocks = cublas.symmetric_block_count(M)
-        assert 1 <= blocks <= cublas.MAX_SYMMETRIC_BLOCKS
-        assert blocks == 1 or M // blocks >= cublas.MIN_BLOCK_WIDTH
+        for K, batch in ((M, 1), (4 * M, 1), (M, 12)):
+            blocks = cublas.symmetric_block_count(M, K, batch)
+            assert 1 <= blocks <= cublas.MAX_SYMMETRIC_BLOCKS
+            assert blocks == 1 or M // blocks >= cublas.MIN_BLOCK_WIDTH
+            if M * K * batch < cublas.MIN_BLOCKED_VOLUME:
+                assert blocks == 1
 
 
 @pytest.mark.parametrize("batch", [(), (3,)], ids=["single", "batched"])

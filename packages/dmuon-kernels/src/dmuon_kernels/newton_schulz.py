@@ -20,7 +20,8 @@ Every symmetric product goes through ``dmuon_kernels.syrk``: X·Xᵀ and R² = R
 through ``syrk``, and the Gram form's products of commuting symmetric matrices (Z·Q, R·Z,
 Z·R_step) through ``symmetric_product``, so a faster symmetric kernel accelerates both iterations.
 
-Gram-or-direct rule: with full products for the commuting ones (cuBLAS), the gram form costs
+Gram-or-direct rule: with full products for the commuting ones (cuBLAS on small problems; it
+assembles large symmetric results from block columns), the gram form costs
 about 6·n²·m + 23·n³ SYRK-weighted FLOPs against 15·n²·m + 5·n³ for direct (14·n³ instead of
 23·n³ with a symmetric kernel), so it only pays when the long side is at least twice the short
 side (``GRAM_MIN_ASPECT_RATIO``); below that the "gram" backend runs the direct iteration (same

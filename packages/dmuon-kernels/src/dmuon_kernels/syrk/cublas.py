@@ -10,7 +10,7 @@ one GEMM over rows ``j·w ..`` only (the lower part, diagonal block included), a
 part above each diagonal block is the transpose of the block below it, copied. That is
 (b + 1) / 2b of the full product's FLOPs (3/4 for b = 2) for b GEMMs and one transposed copy of
 about half the output, and it stays deterministic. ``symmetric_block_count`` picks b so that every
-GEMM is still wide enough to run at full speed; small problems and CPU tensors run one GEMM.
+GEMM is still big enough to run at full speed; small problems and CPU tensors run one GEMM.
 """
 
 from __future__ import annotations
@@ -25,9 +25,12 @@ NAME = "cublas"
 # Bumped whenever the way results are computed changes, so cached autotune verdicts re-measure.
 BLOCKING_REVISION = "1"
 
-# Block columns narrower than this lose more to smaller GEMMs than they save (measured on the
-# H200: see benchmarks/results/cublas-blocks-*.json); at most MAX_SYMMETRIC_BLOCKS of them.
-MIN_BLOCK_WIDTH = 2048
+# When to assemble block columns, measured on the H200 (benchmarks/results/cublas-blocks-*.json):
+# below MIN_BLOCKED_VOLUME = M·K·batch the GEMMs are too short for the saved FLOPs to outweigh
+# the smaller launches and the mirror copy; blocks narrower than MIN_BLOCK_WIDTH lose the same
+# way; more than MAX_SYMMETRIC_BLOCKS gains at most a few percent more.
+MIN_BLOCKED_VOLUME = 2**25
+MIN_BLOCK_WIDTH = 1024
 MAX_SYMMETRIC_BLOCKS = 4
 _BLOCK_ALIGNMENT = 128  # block edges on multiples of 128 rows keep every GEMM operand aligned
 
@@ -42,8 +45,11 @@ def versions() -> dict[str, str]:
     return {"dmuon-cublas-blocking": BLOCKING_REVISION}
 
 
-def symmetric_block_count(M: int) -> int:
-    """How many block columns a symmetric M x M CUDA result is assembled from (1 = one GEMM)."""
+def symmetric_block_count(M: int, K: int, batch: int = 1) -> int:
+    """How many block columns a symmetric (batch, M, M) CUDA result with inner size K is
+    assembled from (1 = one full GEMM)."""
+    if M * K * batch < MIN_BLOCKED_VOLUME:
+        return 1
     return max(1, min(MAX_SYMMETRIC_BLOCKS, M // MIN_BLOCK_WIDTH))
 
 
@@ -97,8 +103,9 @@ def symmetric_blocked(
 def _symmetric(left: Tensor, right: Tensor, C: Tensor | None, alpha: float, beta: float) -> Tensor:
     if C is not None and beta == 0.0:
         C = None  # beta = 0 ignores C, NaN and inf included, as torch.addmm does
-    M = left.shape[-2]
-    blocks = symmetric_block_count(M) if left.is_cuda else 1
+    M, K = left.shape[-2:]
+    batch = left.shape[0] if left.dim() == 3 else 1
+    blocks = symmetric_block_count(M, K, batch) if left.is_cuda else 1
     if blocks > 1:
         return symmetric_blocked(left, right, C, alpha, beta, blocks)
     out = left.new_empty((*left.shape[:-1], M))
