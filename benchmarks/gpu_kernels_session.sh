@@ -1,15 +1,15 @@
 #!/usr/bin/env bash
-# One GPU-machine session for dmuon-kernels: probe quack, run tests/gpu, then the SYRK and NS
-# benchmarks, each step time-boxed so one hang cannot eat the session. Everything lands in $OUT
+# One GPU-machine session for dmuon-kernels: probe quack, run tests/gpu, then the SYRK, NS,
+# cuBLAS block-count and optimizer-step benchmarks, each step time-boxed so one hang cannot eat the session. Everything lands in $OUT
 # (or ./gpu-session-out): logs, the benchmark JSONs and the autotune verdict file.
 #
-#   source .gpu/setup.sh && bash benchmarks/gpu_kernels_session.sh [tests|syrk|ns ...]
+#   source .gpu/setup.sh && bash benchmarks/gpu_kernels_session.sh [probe|tests|syrk|ns|blocks|step ...]
 #
 # With no arguments every step runs. Expects the checkout root as working directory.
 set -u
 OUT=${OUT:-$PWD/gpu-session-out}
 mkdir -p "$OUT"
-export PYTHONPATH=$PWD/packages/dmuon-kernels/src:$PWD:${PYTHONPATH:-}
+export PYTHONPATH=$PWD/packages/dmuon-kernels/src:$PWD/packages/dmuon-core/src:$PWD:${PYTHONPATH:-}
 export PYTHONUNBUFFERED=1
 export DMUON_CACHE_DIR=${DMUON_CACHE_DIR:-$(mktemp -d)}
 steps=${*:-probe tests syrk ns}
@@ -38,6 +38,10 @@ PY
       timeout ${SYRK_TIMEOUT:-240} python3 benchmarks/bench_syrk.py --out "$OUT/syrk.json" --git-sha "$sha" 2>&1 | tee "$OUT/syrk.log" | grep -v "SYRK autotune" ;;
     ns)
       timeout ${NS_TIMEOUT:-300} python3 benchmarks/bench_ns.py --out "$OUT/ns.json" --git-sha "$sha" 2>&1 | tee "$OUT/ns.log" | grep -v "SYRK autotune" ;;
+    blocks)
+      timeout ${BLOCKS_TIMEOUT:-150} python3 benchmarks/bench_cublas_blocks.py --out "$OUT/blocks.json" --git-sha "$sha" 2>&1 | tee "$OUT/blocks.log" ;;
+    step)
+      timeout ${STEP_TIMEOUT:-240} python3 benchmarks/bench_step.py --out "$OUT/step.json" --git-sha "$sha" 2>&1 | grep -v "SYRK autotune" | tee "$OUT/step.log" ;;
   esac
   echo "== step $step took $(( $(date +%s) - start ))s"
 done
