@@ -115,7 +115,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--configs", nargs="+", choices=list(cute_backend.TILE_CONFIGS))
     parser.add_argument("--smoke", action="store_true")
+    parser.add_argument(
+        "--sm90-variants",
+        action="store_true",
+        help="also time SM90 tilings that are not in TILE_CONFIGS (ring depth, k-tile)",
+    )
     args = parser.parse_args(argv)
+    if args.sm90_variants:
+        variants = {
+            "sm90_128x128_4stages": cute_backend.Sm90TileConfig(128, 64, 4),
+            "sm90_128x128_6stages": cute_backend.Sm90TileConfig(128, 64, 6),
+            "sm90_128x128_k128": cute_backend.Sm90TileConfig(128, 128, 3),
+        }
+        cute_backend.TILE_CONFIGS.update(variants)
+        args.configs = [*(args.configs or []), *variants]
     if not torch.cuda.is_available():
         print("bench_cute: needs a CUDA device", file=sys.stderr)
         return 2

@@ -13,8 +13,11 @@ Design: a persistent, warp-specialised kernel. Each CTA has three warpgroups:
   PipelineTmaAsync); it gives most of its registers to the consumers (``setmaxnreg``);
 - warpgroups 1 and 2 are consumers in ping-pong: they take the CTA's tiles alternately, each
   computing a whole tile with warpgroup MMA (``wgmma``, both operands in shared memory, fp32
-  accumulators) and then running its epilogue while the other one's MMAs run (the producer fills
-  the ring tile after tile, so the two mainloops naturally take turns).
+  accumulators) and then running its epilogue while the other one's MMAs run. The producer fills
+  the ring tile after tile; a consumer starts a tile's mainloop only once the other one has
+  passed the end of the previous tile's (a pair of named barriers), because an mbarrier's parity
+  wait cannot tell a stage's fill for this tile from one two laps of the ring ahead. With
+  ``consumers=1`` a single consumer warpgroup takes every tile (no ping-pong).
 
 Schedule: the grid is at most one CTA per SM; CTA ``b`` takes linear tile indices
 ``b, b + grid, ...`` over ``batch x tiles·(tiles+1)/2`` lower-triangle tiles; a linear index maps
@@ -42,7 +45,7 @@ import cutlass.pipeline as pipeline
 import cutlass.utils
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32
-from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 
 # torch dtype name -> CuTe element type (the only two the kernel implements).
 ELEMENT_TYPES = {"float16": cutlass.Float16, "bfloat16": cutlass.BFloat16}
@@ -51,6 +54,7 @@ _WARPGROUP_THREADS = 128
 _PRODUCER_REGISTERS = 40  # the producer warpgroup keeps few registers...
 _CONSUMER_REGISTERS = 232  # ...so each consumer can hold a 128x128 fp32 accumulator
 _TMA_ALIGNMENT_ELEMENTS = 8  # 16 bytes of fp16/bf16: TMA's stride granularity
+_ORDER_BARRIER = 1  # named barriers 1 and 2 order the consumers' mainloops (0 is syncthreads)
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,9 +64,15 @@ class TileConfig:
     tile: int = 128
     tile_k: int = 64
     stages: int = 5
+    consumers: int = 2  # 2: ping-pong warpgroups; 1: one consumer warpgroup
+
+    @property
+    def threads(self) -> int:
+        return _WARPGROUP_THREADS * (1 + self.consumers)
 
     def describe(self) -> str:
-        return f"{self.tile}x{self.tile}x{self.tile_k}, {self.stages} stages, ping-pong"
+        mode = "ping-pong" if self.consumers == 2 else "one consumer"
+        return f"{self.tile}x{self.tile}x{self.tile_k}, {self.stages} stages, {mode}"
 
 
 DEFAULT_CONFIG = TileConfig()
@@ -71,14 +81,14 @@ DEFAULT_CONFIG = TileConfig()
 class SyrkSm90Kernel:
     """Compile-time parameters of one kernel; ``__call__`` is the host-side jit entry point."""
 
-    threads = 3 * _WARPGROUP_THREADS  # producer warpgroup + two consumer warpgroups
-
     def __init__(self, element_type: type[cutlass.Numeric], has_c: bool, config: TileConfig):
         if config.tile % 64 != 0 or config.tile_k % 64 != 0:
             raise ValueError(
                 f"tile and tile_k must be multiples of 64 (wgmma rows, one 128-byte swizzle "
                 f"atom), got {config}"
             )
+        if config.consumers not in (1, 2):
+            raise ValueError(f"consumers must be 1 or 2, got {config}")
         self.element_type = element_type
         self.has_c = has_c
         self.config = config
@@ -137,7 +147,7 @@ class SyrkSm90Kernel:
             tiles_per_matrix * batch,
             alpha,
             beta,
-        ).launch(grid=(ctas, 1, 1), block=(self.threads, 1, 1), min_blocks_per_mp=1, stream=stream)
+        ).launch(grid=(ctas, 1, 1), block=(cfg.threads, 1, 1), min_blocks_per_mp=1, stream=stream)
 
     @cute.jit
     def tile_coordinates(self, linear: Int32, tiles_per_matrix: Int32):
@@ -243,8 +253,8 @@ class SyrkSm90Kernel:
             tiled_mma = sm90_utils.make_trivial_tiled_mma(
                 dtype,
                 dtype,
-                warpgroup.OperandMajorMode.K,
-                warpgroup.OperandMajorMode.K,
+                OperandMajorMode.K,
+                OperandMajorMode.K,
                 Float32,
                 (1, 1, 1),
                 (64, cfg.tile),
@@ -257,9 +267,19 @@ class SyrkSm90Kernel:
             acc = cute.make_rmem_tensor(tCcD.shape, Float32)
             k_blocks = cute.size(tCrA, mode=[2])
 
-            sequence = consumer  # this CTA's tiles alternate between the two consumers
-            for linear in cutlass.range(cta + consumer * ctas, total_tiles, 2 * ctas, unroll=1):
+            sequence = consumer  # with two consumers, this CTA's tiles alternate between them
+            for linear in cutlass.range(
+                cta + consumer * ctas, total_tiles, cfg.consumers * ctas, unroll=1
+            ):
                 matrix, row, col = self.tile_coordinates(linear, tiles_per_matrix)
+                if cutlass.const_expr(cfg.consumers == 2):  # noqa: SIM102 (compile-time if)
+                    # Wait until the other consumer has passed the end of the previous tile's
+                    # mainloop (it signals barrier 1 + its index); the CTA's first tile has none.
+                    if sequence > 0:
+                        cute.arch.barrier(
+                            barrier_id=_ORDER_BARRIER + 1 - consumer,
+                            number_of_threads=2 * _WARPGROUP_THREADS,
+                        )
                 read = self.ring_state(sequence * k_tiles, producer=False)
                 release = self.ring_state(sequence * k_tiles, producer=False)
                 tiled_mma.set(warpgroup.Field.ACCUMULATE, False)
@@ -283,11 +303,20 @@ class SyrkSm90Kernel:
                         ring.consumer_release(release)
                         release.advance()
                     read.advance()
+                if cutlass.const_expr(cfg.consumers == 2):  # noqa: SIM102 (compile-time if)
+                    # Every stage of this tile has been waited for: the other consumer may
+                    # start the next tile (signalled only when there is one, so no arrival is
+                    # left unmatched at exit).
+                    if linear + ctas < total_tiles:
+                        cute.arch.barrier_arrive(
+                            barrier_id=_ORDER_BARRIER + consumer,
+                            number_of_threads=2 * _WARPGROUP_THREADS,
+                        )
                 warpgroup.wait_group(0)
                 ring.consumer_release(release)
 
                 self.epilogue(acc, tCcD, mD, mC, m, matrix, row, col, alpha, beta)
-                sequence = sequence + 2
+                sequence = sequence + cfg.consumers
 
     def ring_state(self, count, *, producer: bool) -> pipeline.PipelineState:
         """The ring position after ``count`` stages; the producer's phase starts flipped (its

@@ -78,6 +78,7 @@ class Sm90TileConfig:
     tile: int
     tile_k: int
     stages: int
+    consumers: int = 2  # consumer warpgroups: 2 in ping-pong, or 1
     path: str = SM90
 
 
@@ -86,6 +87,7 @@ TILE_CONFIGS: dict[str, TileConfig | Sm90TileConfig] = {
     "128x128_8warps": TileConfig(tile=128, tile_k=64, stages=3, warps_m=2, warps_n=4),
     "64x64_4warps": TileConfig(tile=64, tile_k=64, stages=4, warps_m=2, warps_n=2),
     "sm90_128x128": Sm90TileConfig(tile=128, tile_k=64, stages=5),
+    "sm90_128x128_1wg": Sm90TileConfig(tile=128, tile_k=64, stages=5, consumers=1),
     "sm90_64x64": Sm90TileConfig(tile=64, tile_k=64, stages=8),
 }
 # Path -> shape class -> tile configuration: "small" problems (fewer 128-wide output tiles than
@@ -285,7 +287,12 @@ def _kernel(
         tiles = TILE_CONFIGS[name]
         module = api.kernel_modules[tiles.path]
         if isinstance(tiles, Sm90TileConfig):
-            config = module.TileConfig(tile=tiles.tile, tile_k=tiles.tile_k, stages=tiles.stages)
+            config = module.TileConfig(
+                tile=tiles.tile,
+                tile_k=tiles.tile_k,
+                stages=tiles.stages,
+                consumers=tiles.consumers,
+            )
         else:
             config = module.TileConfig(
                 tile=tiles.tile,
