@@ -53,7 +53,7 @@ def smoke(configs: Sequence[str]) -> bool:
     """Each configuration once per small shape against cuBLAS; prints and returns success."""
     ok = True
     for name in configs:
-        for M, K in ((300, 200), (1100, 72), (2048, 515)):
+        for M, K in ((300, 200), (1100, 72), (2048, 515), (4100, 136)):
             for dtype in DTYPES.values():
                 generator = torch.Generator(device="cuda").manual_seed(M * K)
                 A = torch.randn(M, K, device="cuda", generator=generator).to(dtype)
@@ -99,6 +99,7 @@ def measure(
         "shape": [M, K],
         "dtype": str(dtype).removeprefix("torch."),
         "shape_class": cute_backend.shape_class(M, 1, A.device),
+        "cute_config": cute_backend.choose_config(M, 1, A.device),
         "median_ms": timings,
         "speedup_vs_cublas": {n: timings["cublas"] / ms for n, ms in timings.items()},
         "triangle_tflops": {n: flops / ms / 1e9 for n, ms in timings.items()},
@@ -156,7 +157,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"err {row['relative_error_vs_fp32'][n]:.1e})"
                 for n, ms in row["median_ms"].items()
             )
-            print(f"{dtype_name} {M}x{K} [{row['shape_class']}]: {cells}", flush=True)
+            print(f"{dtype_name} {M}x{K} [{row['cute_config']}]: {cells}", flush=True)
     versions = {"torch": torch.__version__, "cuda": str(torch.version.cuda)}
     for name in ("nvidia-cutlass-dsl", "quack-kernels"):
         try:

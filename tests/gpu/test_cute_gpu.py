@@ -21,7 +21,8 @@ PATHS = ("sm90", "sm80")
 # (batch, M, K): aligned; M and K off every tile multiple; a batch; K below one k-tile; a long K
 # that is not a multiple of 64; two big enough for the 128-wide tiles (padded, unpadded); tiny; a
 # 4-D batch; several tiles per persistent CTA (K not a multiple of 8); a batch of 128-wide tiles
-# whose M is off the tile, so one CTA's tiles span matrices.
+# whose M is off the tile, so one CTA's tiles span matrices; one that Hopper runs with the
+# cooperative 256x128 tiling.
 SHAPES = (
     (None, 256, 1024),
     (None, 200, 777),
@@ -34,6 +35,7 @@ SHAPES = (
     ((2, 2), 72, 96),
     (None, 4096, 200),
     (4, 1100, 72),
+    (None, 8192, 40),
 )
 
 
@@ -99,7 +101,7 @@ def test_cute_syrk_is_within_twice_cublas_error_of_fp32(needs_cute, path, shape,
 def test_every_tile_configuration_is_within_twice_cublas_error(needs_cute, config, dtype):
     skip_unless_path_runs(cute_backend.TILE_CONFIGS[config].path)
     # M off every tile and large enough that persistent CTAs take several tiles; K off 8
-    A, C = operands(None, 2100, 130, dtype, seed=5)
+    A, C = operands(None, 4100, 130, dtype, seed=5)
     reference = fp32_product(A, A.mT, C, 0.5, 2.0)
     cublas_out = syrk(A, C=C, alpha=0.5, beta=2.0, kernel="cublas")
     poison_allocator(cublas_out.numel(), dtype)
@@ -169,10 +171,13 @@ def test_hopper_runs_the_sm90_kernel_by_default_and_says_so(needs_cute):
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("checks the Hopper default")
     assert "SM90 wgmma + TMA" in backend_availability("cute")[1]
-    A, _ = operands(None, 640, 320, torch.bfloat16, seed=8)
-    syrk(A, kernel="cute")
-    capability = torch.cuda.get_device_capability()
-    assert ("sm90_128x128", "bfloat16", False, capability) in cute_backend._compiled
+    device = torch.device("cuda")
+    sm_count = torch.cuda.get_device_properties(device).multi_processor_count
+    assert cute_backend.choose_config(640, 1, device) == "sm90_64x64"  # fewer tiles than SMs
+    assert cute_backend.choose_config(4096, 1, device) == "sm90_128x128"
+    if sm_count == 132:  # 1056 tiles of 256x128 are 8 even rounds on an H100/H200
+        assert cute_backend.choose_config(8192, 1, device) == "sm90_256x128"
+    assert cute_backend.choose_config(4096, 1, device, "sm80") == "128x128_4warps"
 
 
 def test_the_sm90_and_sm80_kernels_agree_to_rounding(needs_cute):

@@ -140,6 +140,8 @@ def test_the_sm90_kernel_compiles_offline_for_hopper():
         ("float16", False, {"tile": 128, "tile_k": 64, "stages": 5}),
         ("bfloat16", True, {"tile": 128, "tile_k": 64, "stages": 5}),
         ("bfloat16", False, {"tile": 64, "tile_k": 64, "stages": 8}),
+        ("float16", True, {"tile": 128, "tile_k": 64, "stages": 4, "cooperative": True}),
+        ("bfloat16", False, {"tile": 128, "tile_k": 64, "stages": 5, "consumers": 1}),
     ]
     result = compile_offline("_cute_sm90_kernel", "sm_90a", cases)
     assert result.returncode == 0, result.stderr[-4000:]

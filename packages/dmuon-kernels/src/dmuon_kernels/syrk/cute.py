@@ -79,7 +79,19 @@ class Sm90TileConfig:
     tile_k: int
     stages: int
     consumers: int = 2  # consumer warpgroups: 2 in ping-pong, or 1
+    cooperative: bool = False  # 2·tile x tile CTA tiles, both consumers on each
     path: str = SM90
+
+    @property
+    def rows(self) -> int:
+        """Rows of one CTA tile."""
+        return 2 * self.tile if self.cooperative else self.tile
+
+    def triangle_tiles(self, M: int) -> int:
+        """CTA tiles of one M x M lower triangle (a cooperative row block has 2r + 2)."""
+        row_blocks = math.ceil(M / self.rows)
+        per_row_block = 2 if self.cooperative else 1
+        return row_blocks * (row_blocks + 1) * per_row_block // 2
 
 
 TILE_CONFIGS: dict[str, TileConfig | Sm90TileConfig] = {
@@ -87,6 +99,7 @@ TILE_CONFIGS: dict[str, TileConfig | Sm90TileConfig] = {
     "128x128_8warps": TileConfig(tile=128, tile_k=64, stages=3, warps_m=2, warps_n=4),
     "64x64_4warps": TileConfig(tile=64, tile_k=64, stages=4, warps_m=2, warps_n=2),
     "sm90_128x128": Sm90TileConfig(tile=128, tile_k=64, stages=5),
+    "sm90_256x128": Sm90TileConfig(tile=128, tile_k=64, stages=4, cooperative=True),
     "sm90_128x128_1wg": Sm90TileConfig(tile=128, tile_k=64, stages=5, consumers=1),
     "sm90_64x64": Sm90TileConfig(tile=64, tile_k=64, stages=8),
 }
@@ -96,6 +109,8 @@ SHAPE_CLASS_CONFIGS: dict[str, dict[str, str]] = {
     SM80: {"large": "128x128_4warps", "small": "64x64_4warps"},
     SM90: {"large": "sm90_128x128", "small": "sm90_64x64"},
 }
+# Large SM90 problems whose triangle splits into equal rounds of 256x128 tiles use this one.
+SM90_COOPERATIVE_CONFIG = "sm90_256x128"
 PATH_DESCRIPTIONS: dict[str, str] = {
     SM80: "SM80 warp MMA",
     SM90: "SM90 wgmma + TMA, persistent warp-specialised",
@@ -246,7 +261,7 @@ def syrk(
     batch = math.prod(A.shape[:-2])
     A3 = A.reshape(batch, M, K)
     C3 = None if C is None else _contiguous_aligned(C.reshape(batch, M, M))
-    name = config or SHAPE_CLASS_CONFIGS[path][shape_class(M, batch, A.device)]
+    name = config or choose_config(M, batch, A.device, path)
     tiles = TILE_CONFIGS[name]
     out = torch.empty((batch, M, M), dtype=A.dtype, device=A.device)
     kernel = _kernel(api, name, A.dtype, C3 is not None, A.device)
@@ -256,8 +271,7 @@ def syrk(
     if tiles.path == SM90:
         k_pad = math.ceil(K / _TMA_ALIGNMENT_ELEMENTS) * _TMA_ALIGNMENT_ELEMENTS
         A_padded = _padded(A3, M, k_pad)  # TMA zero-fills the rest of the edge tiles
-        row_tiles = math.ceil(M / tiles.tile)
-        tiles_per_matrix = row_tiles * (row_tiles + 1) // 2
+        tiles_per_matrix = tiles.triangle_tiles(M)
     else:
         m_tiles, k_tiles = math.ceil(M / tiles.tile), math.ceil(K / tiles.tile_k)
         A_padded = _padded(A3, m_tiles * tiles.tile, k_tiles * tiles.tile_k)
@@ -273,6 +287,29 @@ def syrk(
             else:
                 kernel(a_ptr, d_ptr, c_ptr, M, m_tiles, k_tiles, stop - start, alpha, beta, stream)
     return out.reshape(out_shape)
+
+
+def choose_config(M: int, batch: int, device: torch.device, path: str | None = None) -> str:
+    """The tile configuration ``syrk`` runs for ``batch`` M x M outputs on ``device`` (and
+    ``path``, by default ``kernel_path(device)``)."""
+    path = path or kernel_path(device)
+    name = SHAPE_CLASS_CONFIGS[path][shape_class(M, batch, device)]
+    if path == SM90 and name == SHAPE_CLASS_CONFIGS[SM90]["large"]:
+        name = _sm90_large_tiling(M, batch, _sm_count(device))
+    return name
+
+
+def _sm90_large_tiling(M: int, batch: int, sm_count: int) -> str:
+    """The cooperative 256x128 tiling where it fills the SMs as evenly as 128x128 ping-pong
+    (its tiles are twice the work, so twice as few rounds of them), else ping-pong."""
+    pingpong = TILE_CONFIGS[SHAPE_CLASS_CONFIGS[SM90]["large"]]
+    cooperative = TILE_CONFIGS[SM90_COOPERATIVE_CONFIG]
+    assert isinstance(pingpong, Sm90TileConfig) and isinstance(cooperative, Sm90TileConfig)
+    pingpong_rounds = math.ceil(pingpong.triangle_tiles(M) * batch / sm_count)
+    cooperative_rounds = math.ceil(cooperative.triangle_tiles(M) * batch / sm_count)
+    if 2 * cooperative_rounds <= pingpong_rounds:
+        return SM90_COOPERATIVE_CONFIG
+    return SHAPE_CLASS_CONFIGS[SM90]["large"]
 
 
 def _kernel(
@@ -292,6 +329,7 @@ def _kernel(
                 tile_k=tiles.tile_k,
                 stages=tiles.stages,
                 consumers=tiles.consumers,
+                cooperative=tiles.cooperative,
             )
         else:
             config = module.TileConfig(
