@@ -1,9 +1,11 @@
 """The cute backend: alpha·A·Aᵀ + beta·C through this project's own CuTe DSL SYRK kernels.
 
 Owns the adapter over the device code of two paths: ``syrk._cute_sm90_kernel`` (Hopper: wgmma,
-TMA, persistent warp-specialised ping-pong), run on compute capability 9.x, and
-``syrk._cute_kernel`` (SM80 warp-level MMA), run on 8.x and 10.x+ (wgmma exists only on 9.x) and
-selectable on Hopper through ``config`` (so it stays tested there). The adapter probes that
+TMA, persistent and warp-specialised; 128x128 ping-pong tiles, or cooperative 256x128 tiles
+where those fill the SMs in as few rounds, see ``choose_config``), run on compute capability 9.x,
+and ``syrk._cute_kernel`` (SM80 warp-level MMA), run on 8.x and 10.x+ (wgmma exists only on 9.x)
+and selectable on Hopper through ``path``/``config`` (so it stays tested there). The adapter
+probes that
 nvidia-cutlass-dsl and the GPU can run them, chooses a path and a tile configuration per shape
 class, brings operands to the layout the kernel requires, and caches compiled kernels per (tile
 configuration, dtype, with or without C, compute capability) so a warm process never recompiles.
