@@ -3,7 +3,8 @@
 Owns the SM90 device code and its compilation (one compiled function per dtype, with/without C
 and tile configuration). It imports nvidia-cutlass-dsl at module level, so only ``syrk.cute`` may
 import it, lazily; it must not look at torch tensors (``syrk.cute`` prepares the operands and
-passes raw pointers and sizes). ``syrk._cute_kernel`` holds the SM80 design used below SM90.
+passes raw pointers and sizes). ``syrk._cute_kernel`` holds the SM80 design, used on other
+architectures (wgmma exists only on 9.x) and selectable on Hopper.
 
 Design: a persistent, warp-specialised kernel. Each CTA has three warpgroups:
 
