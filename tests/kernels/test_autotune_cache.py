@@ -68,9 +68,24 @@ class ExactBackend:
         return out.to(A.dtype)
 
 
-def tuner_with(tmp_path: Path, candidate: ExactBackend) -> SyrkAutotuner:
-    backends = {"cublas": cublas, "exact": candidate}
-    return SyrkAutotuner(cache_dir=tmp_path, get_backend=backends.__getitem__)
+class SyrkOnlyBackend:
+    """A backend that implements ``syrk`` alone, like the CuTe kernel."""
+
+    def __init__(self) -> None:
+        self.exact = ExactBackend()
+
+    def is_available(self) -> tuple[bool, str]:
+        return True, "test backend"
+
+    def syrk(self, A, C, alpha, beta):
+        return self.exact.syrk(A, C, alpha, beta)
+
+
+def tuner_with(tmp_path: Path, candidate: ExactBackend, **challengers: object) -> SyrkAutotuner:
+    backends = {"cublas": cublas, "exact": candidate, **challengers}
+    return SyrkAutotuner(
+        cache_dir=tmp_path, get_backend=backends.__getitem__, challengers=tuple(challengers)
+    )
 
 
 def a_matrix(rows: int = 24, cols: int = 40, dtype=torch.float16, seed: int = 0) -> torch.Tensor:
@@ -388,3 +403,34 @@ def test_cache_module_imports_nothing_but_the_standard_library():
         env={**os.environ, "PYTHONPATH": ""},
     )
     assert result.stdout.strip() == "False"
+
+
+def test_each_challenger_gets_its_own_verdict_and_a_wrong_one_never_runs(tmp_path):
+    wrong = ExactBackend(relative_error=0.01)
+    tuner = tuner_with(tmp_path, ExactBackend(), wrong=wrong)
+    assert tuner.choose("exact", a_matrix()) in ("exact", "cublas")
+    verdicts = json.loads((tmp_path / "syrk-autotune-cpu.json").read_text())["verdicts"]
+    by_candidate = {verdict["candidate"]: verdict for verdict in verdicts.values()}
+    assert set(by_candidate) == {"exact", "wrong"}
+    assert by_candidate["wrong"]["backend"] == "cublas"
+    assert "failed the cross-check" in by_candidate["wrong"]["reason"]
+
+
+def test_a_challenger_is_only_tuned_for_the_operations_it_implements(tmp_path):
+    tuner = tuner_with(tmp_path, ExactBackend(), syrk_only=SyrkOnlyBackend())
+    assert tuner.contenders("exact", "syrk") == ["exact", "syrk_only"]
+    assert tuner.contenders("exact", "symmetric_product") == ["exact"]
+    assert tuner.contenders("syrk_only", "syrk") == ["syrk_only"]
+
+
+def test_of_the_winning_verdicts_the_largest_speedup_over_cublas_runs_the_problem():
+    def verdict(backend, candidate_ms, cublas_ms):
+        return {"backend": backend, "candidate_ms": candidate_ms, "cublas_ms": cublas_ms}
+
+    # Measured in different runs: cute's 0.50 ms against a slower cuBLAS run is the larger
+    # speed-up (2.2x) although quack's 0.48 ms is the smaller time.
+    quack, cute = verdict("quack", 0.48, 0.60), verdict("cute", 0.50, 1.10)
+    assert autotune.fastest_winner([quack, cute]) == "cute"
+    assert autotune.fastest_winner([quack, verdict("cublas", 0.9, 1.0)]) == "quack"
+    assert autotune.fastest_winner([{"backend": "cublas", "reason": "failed"}]) == "cublas"
+    assert autotune.fastest_winner([]) == "cublas"

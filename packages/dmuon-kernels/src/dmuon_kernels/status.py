@@ -191,18 +191,23 @@ def get_ns_backend(ns: NewtonSchulz | None = None) -> str:
     if ns.dtype not in KERNEL_DTYPES:
         details += f"; {str(ns.dtype).removeprefix('torch.')} iteration"
     if ns.kernel_origin == ORIGIN_AUTO and ns.kernel != CUBLAS:
-        details += _autotune_summary()
+        details += _autotune_summary(ns.kernel)
     return f"{form} NS · kernel={ns.kernel} ({details})"
 
 
-def _autotune_summary() -> str:
-    """``"; autotune kept cuBLAS for 2 of 9 problems"`` once "auto" sent problems to cuBLAS."""
+def _autotune_summary(kernel: str) -> str:
+    """``"; autotune kept cuBLAS for 2 of 9 problems"`` (and ``"chose cute for 3"``) once "auto"
+    sent problems to another backend than ``kernel``, the ladder's pick."""
     autotune = sys.modules.get("dmuon_kernels.syrk.autotune")  # loaded by the first auto call
     if autotune is None:
         return ""
     counts = autotune.chosen_backends()
-    kept = counts.get(CUBLAS, 0)
-    return f"; autotune kept cuBLAS for {kept} of {sum(counts.values())} problems" if kept else ""
+    parts = [
+        f"kept cuBLAS for {count}" if name == CUBLAS else f"chose {name} for {count}"
+        for name, count in sorted(counts.items())
+        if name != kernel
+    ]
+    return f"; autotune {', '.join(parts)} of {sum(counts.values())} problems" if parts else ""
 
 
 def _distribution_version(name: str) -> str | None:

@@ -24,7 +24,8 @@ Fallback rules, in order:
    the fast kernels exist only for those, and the torch path is exact enough for everything else;
 4. "auto" follows the hardware ladder (``auto_candidate``): SM >= 90 with quack -> quack; the
    CuTe kernel available -> cute; else cublas. A candidate other than cublas is then confirmed per
-   shape by the autotuner when ``dmuon_kernels.syrk.autotune`` provides ``choose_kernel``.
+   shape by the autotuner when ``dmuon_kernels.syrk.autotune`` provides ``choose_kernel``, which
+   also tries the other available ``FAST_BACKENDS`` and keeps whichever beats cuBLAS most.
 
 This module must not import optional libraries, torch.distributed, or anything from dmuon.
 """
@@ -42,6 +43,9 @@ AUTO = "auto"
 CUBLAS = "cublas"
 QUACK = "quack"
 CUTE = "cute"
+
+# The backends that exist to beat cuBLAS: "auto" tunes every available one per shape.
+FAST_BACKENDS = (QUACK, CUTE)
 
 # Alternative spellings accepted wherever a kernel name is: the reference system calls its CuTe
 # kernel "cute_sm80".
@@ -355,6 +359,7 @@ def matmul(
 
 
 __all__ = [
+    "FAST_BACKENDS",
     "KERNEL_ALIASES",
     "KERNEL_DTYPES",
     "SyrkBackend",

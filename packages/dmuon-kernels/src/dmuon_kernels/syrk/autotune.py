@@ -1,15 +1,19 @@
 """Per-shape autotune for ``kernel="auto"``: keep the faster SYRK kernel only where it is right.
 
 Owns the verdict for each problem (M, K, batch, dtype, with or without C) on each GPU model:
-the first time a problem is seen, the hardware ladder's candidate (quack or cute) is
+the first time a problem is seen, the hardware ladder's candidate (quack or cute), and each other
+available fast backend that implements the operation (the challengers: on an H200 with both
+installed, quack and cute both compete), is
 
 1. cross-checked against cuBLAS: on the same random inputs, the candidate's relative error
    against an fp32 product must be within ``ERROR_RATIO_LIMIT`` times cuBLAS's own error against
    that product, plus a small floor (``ERROR_FLOOR_ULPS`` units of the dtype's rounding);
 2. timed against cuBLAS on the GPU alone (``timing.median_ms``), interleaved, after warm-up;
 
-and wins only when it passes the check and is at least ``WIN_MARGIN`` faster; otherwise the
-problem runs on cuBLAS, so "auto" is never slower than cuBLAS by more than timing noise.
+and wins its verdict only when it passes the check and is at least ``WIN_MARGIN`` faster. Of
+the winners the one with the largest speed-up over cuBLAS runs the problem; with none, cuBLAS
+does, so "auto" is never slower than cuBLAS by more than timing noise. One verdict per
+(problem, backend) keeps each comparison against cuBLAS measured in the same interleaved run.
 Verdicts live in memory and in ``syrk.cache``'s JSON file; the key holds the library versions,
 so an upgrade re-tunes. Progress lines go through the rank-tagged logger
 (``DMUON_SYRK_AUTOTUNE_LOG=0`` silences them).
@@ -26,7 +30,7 @@ from __future__ import annotations
 import datetime
 import math
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -153,10 +157,13 @@ class SyrkAutotuner:
         cache_dir: str | os.PathLike[str] | None = None,
         *,
         get_backend: Callable[[str], object] | None = None,
+        challengers: Sequence[str] | None = None,
     ) -> None:
         self.cache_dir = cache_dir
         # Name -> backend module; defaults to the dispatcher's registry.
         self._get_backend = get_backend
+        # Backends tuned besides the ladder's candidate; None: every available fast backend.
+        self.challengers = None if challengers is None else tuple(challengers)
         self._caches: dict[str, VerdictCache] = {}
         self._versions: dict[str, dict[str, str]] = {}
         # (candidate, device, problem) -> backend: the per-call fast path, no string keys.
@@ -184,7 +191,9 @@ class SyrkAutotuner:
         op: str = SYRK,
         B: Tensor | None = None,
     ) -> str:
-        """The backend to run ``op`` on A (B, C): ``candidate`` where it won, else cuBLAS."""
+        """The backend to run ``op`` on A (B, C): of ``candidate`` and the challengers that
+        implement ``op``, the one with the largest speed-up over cuBLAS among those that won
+        their own verdict; cuBLAS when none did."""
         if candidate == BASELINE:
             return BASELINE
         problem = SyrkProblem.of(A, C, op, B)
@@ -192,13 +201,34 @@ class SyrkAutotuner:
         chosen = self._chosen.get(chosen_key)
         if chosen is not None:
             return chosen
-        chosen = self._verdict_if_known(candidate, problem, A.device)
-        if chosen is None:
-            if A.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-                return BASELINE  # never tune inside a capture, and remember nothing
-            chosen = self.tune(candidate, problem, A.device)
+        capturing = A.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        verdicts = []
+        for contender in self.contenders(candidate, op):
+            verdict = self._verdict_if_known(contender, problem, A.device)
+            if verdict is None:
+                if capturing:
+                    return BASELINE  # never tune inside a capture, and remember nothing
+                verdict = self.tune(contender, problem, A.device)
+            verdicts.append(verdict)
+        chosen = fastest_winner(verdicts)
         self._chosen[chosen_key] = chosen
         return chosen
+
+    def contenders(self, candidate: str, op: str) -> list[str]:
+        """``candidate`` (the hardware ladder's pick) first, then the challengers that
+        implement ``op``."""
+        names = [candidate]
+        for name in self._challengers():
+            if name not in names and (op == SYRK or hasattr(self.backend(name), op)):
+                names.append(name)
+        return names
+
+    def _challengers(self) -> tuple[str, ...]:
+        if self.challengers is not None:
+            return self.challengers
+        from dmuon_kernels.syrk import FAST_BACKENDS, backend_availability
+
+        return tuple(name for name in FAST_BACKENDS if backend_availability(name)[0])
 
     def _key(
         self, candidate: str, problem: SyrkProblem, device: torch.device
@@ -213,16 +243,16 @@ class SyrkAutotuner:
 
     def _verdict_if_known(
         self, candidate: str, problem: SyrkProblem, device: torch.device
-    ) -> str | None:
+    ) -> dict[str, object] | None:
         cache, key = self._key(candidate, problem, device)
         verdict = cache.get(key)
-        if verdict is None:
+        if verdict is None or verdict.get("backend") not in (candidate, BASELINE):
             return None
-        backend = str(verdict["backend"])
-        return backend if backend in (candidate, BASELINE) else None
+        return verdict
 
-    def tune(self, candidate: str, problem: SyrkProblem, device: torch.device) -> str:
-        """Cross-check and time ``candidate`` against cuBLAS on ``problem``; record the verdict."""
+    def tune(self, candidate: str, problem: SyrkProblem, device: torch.device) -> dict[str, object]:
+        """Cross-check and time ``candidate`` against cuBLAS on ``problem``; record and return
+        the verdict."""
         cache, key = self._key(candidate, problem, device)
         _log(f"candidate started {problem.describe()} backend={candidate}")
         try:
@@ -250,7 +280,21 @@ class SyrkAutotuner:
         )
         cache.put(key, verdict, persist=persist)
         _log(f"verdict {problem.describe()} backend={verdict['backend']} ({verdict['reason']})")
-        return str(verdict["backend"])
+        return verdict
+
+
+def fastest_winner(verdicts: list[dict[str, object]]) -> str:
+    """The backend of the verdict with the largest speed-up over cuBLAS among those the
+    candidate won; each speed-up is against cuBLAS timed in the same interleaved run, so
+    verdicts measured at different times compare fairly."""
+    best, best_speedup = BASELINE, 1.0
+    for verdict in verdicts:
+        if verdict["backend"] == BASELINE:
+            continue
+        speedup = float(verdict["cublas_ms"]) / float(verdict["candidate_ms"])  # type: ignore[arg-type]
+        if speedup > best_speedup:
+            best, best_speedup = str(verdict["backend"]), speedup
+    return best
 
 
 def _failed(candidate: str, reason: str) -> dict[str, object]:
@@ -418,6 +462,7 @@ __all__ = [
     "choose_kernel",
     "chosen_backends",
     "default_autotuner",
+    "fastest_winner",
     "gpu_model",
     "verdict_key",
 ]
