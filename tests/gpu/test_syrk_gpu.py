@@ -114,10 +114,15 @@ def test_auto_verdicts_are_written_to_the_cache_folder_per_gpu_model(needs_quack
     syrk(A, kernel="auto")
     path = Path(os.environ["DMUON_CACHE_DIR"]) / cache_file_name(autotune.gpu_model(A.device))
     verdicts = json.loads(path.read_text())["verdicts"]
-    mine = [v for v in verdicts.values() if v["shape"] == [384, 1536] and v["dtype"] == "float16"]
-    assert len(mine) == 1
-    assert mine[0]["backend"] in ("quack", "cublas")
-    assert mine[0]["candidate_error"] <= 2 * mine[0]["cublas_error"] + 1e-4
+    mine = {
+        v["candidate"]: v
+        for v in verdicts.values()
+        if v["shape"] == [384, 1536] and v["dtype"] == "float16"
+    }
+    assert "quack" in mine  # one verdict per contender (cute too, when it is installed)
+    for candidate, verdict in mine.items():
+        assert verdict["backend"] in (candidate, "cublas")
+        assert verdict["candidate_error"] <= 2 * verdict["cublas_error"] + 1e-4
 
 
 def test_kernel_quack_constructs_and_is_reported(needs_quack):
