@@ -3,8 +3,10 @@ error against the fp32 product may be at most twice cuBLAS's own error on the sa
 quarter of the dtype's rounding unit, so two correctly rounding kernels never fail on a draw).
 
 Both paths are tested wherever they run: the SM90 kernel (wgmma, TMA; compute capability 9.x,
-where it is the default) and the SM80 kernel (forced with ``path="sm80"`` on Hopper). Skipped
-without CUDA, without nvidia-cutlass-dsl, or on a GPU older than SM80.
+where it is the default), with either epilogue (direct stores, or staged in shared memory and
+stored with TMA: the "_smem" twin of the configuration the adapter picks), and the SM80 kernel
+(forced with ``path="sm80"`` on Hopper). Skipped without CUDA, without nvidia-cutlass-dsl, or on
+a GPU older than SM80.
 """
 
 from __future__ import annotations
@@ -17,7 +19,9 @@ from dmuon_kernels.syrk import cute as cute_backend
 from tests.gpu.accuracy import assert_within_twice_cublas, fp32_product
 
 DTYPES = (torch.float16, torch.bfloat16)
-PATHS = ("sm90", "sm80")
+# (path, epilogue) variants; "smem" runs the "_smem" twin of the configuration chosen for the shape
+VARIANTS = (("sm90", "direct"), ("sm90", "smem"), ("sm80", "direct"))
+VARIANT_IDS = ("sm90", "sm90_smem", "sm80")
 # (batch, M, K): aligned; M and K off every tile multiple; a batch; K below one k-tile; a long K
 # that is not a multiple of 64; two big enough for the 128-wide tiles (padded, unpadded); tiny; a
 # 4-D batch; several tiles per persistent CTA (K not a multiple of 8); a batch of 128-wide tiles
@@ -58,8 +62,13 @@ def skip_unless_path_runs(path):
         pytest.skip("the SM90 kernel needs compute capability 9.x")
 
 
-def run_cute(A, C, alpha, beta, path):
-    return cute_backend.syrk(A, C, alpha, beta, path=path)
+def run_cute(A, C, alpha, beta, variant):
+    path, epilogue = variant
+    if epilogue == "direct":
+        return cute_backend.syrk(A, C, alpha, beta, path=path)
+    batch = A[..., 0, 0].numel()
+    config = cute_backend.choose_config(A.shape[-2], batch, A.device, path) + "_smem"
+    return cute_backend.syrk(A, C, alpha, beta, config=config)
 
 
 def operands(batch, M, K, dtype, seed=0):
@@ -80,16 +89,18 @@ def poison_allocator(numel, dtype):
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("alpha_beta", [(1.0, 0.0), (0.75, -1.25)], ids=["plain", "with_c"])
-@pytest.mark.parametrize("path", PATHS)
-def test_cute_syrk_is_within_twice_cublas_error_of_fp32(needs_cute, path, shape, dtype, alpha_beta):
-    skip_unless_path_runs(path)
+@pytest.mark.parametrize("variant", VARIANTS, ids=VARIANT_IDS)
+def test_cute_syrk_is_within_twice_cublas_error_of_fp32(
+    needs_cute, variant, shape, dtype, alpha_beta
+):
+    skip_unless_path_runs(variant[0])
     alpha, beta = alpha_beta
     A, C = operands(*shape, dtype)
     C = C if beta else None
     reference = fp32_product(A, A.mT, C, alpha, beta)
     cublas_out = syrk(A, C=C, alpha=alpha, beta=beta, kernel="cublas")
     poison_allocator(cublas_out.numel(), dtype)
-    out = run_cute(A, C, alpha, beta, path)
+    out = run_cute(A, C, alpha, beta, variant)
     assert out.shape == cublas_out.shape and out.dtype == dtype
     assert bool(out.isfinite().all()), "an output element was never written"
     assert torch.equal(out, out.mT), "cute writes each element once and mirrors it"
@@ -99,9 +110,13 @@ def test_cute_syrk_is_within_twice_cublas_error_of_fp32(needs_cute, path, shape,
 @pytest.mark.parametrize("config", sorted(cute_backend.TILE_CONFIGS))
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_every_tile_configuration_is_within_twice_cublas_error(needs_cute, config, dtype):
-    skip_unless_path_runs(cute_backend.TILE_CONFIGS[config].path)
-    # M off every tile and large enough that persistent CTAs take several tiles; K off 8
-    A, C = operands(None, 4100, 130, dtype, seed=5)
+    tiles = cute_backend.TILE_CONFIGS[config]
+    skip_unless_path_runs(tiles.path)
+    # M off every tile and large enough that persistent CTAs take several tiles; K off 8; a
+    # staged epilogue needs M a multiple of 8 (else its direct twin runs)
+    M = 4104 if getattr(tiles, "epilogue", "direct") == "smem" else 4100
+    assert cute_backend.runnable_config(config, M) == config
+    A, C = operands(None, M, 130, dtype, seed=5)
     reference = fp32_product(A, A.mT, C, 0.5, 2.0)
     cublas_out = syrk(A, C=C, alpha=0.5, beta=2.0, kernel="cublas")
     poison_allocator(cublas_out.numel(), dtype)
@@ -112,25 +127,25 @@ def test_every_tile_configuration_is_within_twice_cublas_error(needs_cute, confi
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("path", PATHS)
-def test_cute_accepts_transposed_views(needs_cute, path, dtype):
-    skip_unless_path_runs(path)
+@pytest.mark.parametrize("variant", VARIANTS, ids=VARIANT_IDS)
+def test_cute_accepts_transposed_views(needs_cute, variant, dtype):
+    skip_unless_path_runs(variant[0])
     X, _ = operands(None, 768, 200, dtype, seed=1)  # tall: Newton-Schulz uses Xᵀ·X = syrk(X.mT)
     A = X.mT  # (200, 768), M-contiguous
     reference = fp32_product(A, A.mT, None, 1.0, 0.0)
-    out = run_cute(A, None, 1.0, 0.0, path)
+    out = run_cute(A, None, 1.0, 0.0, variant)
     assert torch.equal(out, out.mT)
     assert_within_twice_cublas(out, syrk(A, kernel="cublas"), reference, dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("path", PATHS)
-def test_nan_and_inf_in_a_propagate_like_cublas(needs_cute, path, dtype):
-    skip_unless_path_runs(path)
+@pytest.mark.parametrize("variant", VARIANTS, ids=VARIANT_IDS)
+def test_nan_and_inf_in_a_propagate_like_cublas(needs_cute, variant, dtype):
+    skip_unless_path_runs(variant[0])
     A, _ = operands(None, 160, 96, dtype, seed=2)
     A[3, 10] = float("nan")
     A[70, 5] = float("inf")
-    out, expected = run_cute(A, None, 1.0, 0.0, path), syrk(A, kernel="cublas")
+    out, expected = run_cute(A, None, 1.0, 0.0, variant), syrk(A, kernel="cublas")
     assert torch.equal(out.isnan(), expected.isnan())
     assert torch.equal(out.isposinf(), expected.isposinf())
     assert torch.equal(out.isneginf(), expected.isneginf())
@@ -138,13 +153,13 @@ def test_nan_and_inf_in_a_propagate_like_cublas(needs_cute, path, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("path", PATHS)
-def test_nan_in_c_propagates_only_when_beta_is_nonzero(needs_cute, path, dtype):
-    skip_unless_path_runs(path)
+@pytest.mark.parametrize("variant", VARIANTS, ids=VARIANT_IDS)
+def test_nan_in_c_propagates_only_when_beta_is_nonzero(needs_cute, variant, dtype):
+    skip_unless_path_runs(variant[0])
     A, C = operands(None, 96, 64, dtype, seed=3)
     C[7, 40] = C[40, 7] = float("nan")
-    assert not bool(run_cute(A, C, 1.0, 0.0, path).isnan().any())
-    out = run_cute(A, C, 1.0, 0.5, path)
+    assert not bool(run_cute(A, C, 1.0, 0.0, variant).isnan().any())
+    out = run_cute(A, C, 1.0, 0.5, variant)
     expected = syrk(A, C=C, beta=0.5, kernel="cublas")
     assert torch.equal(out.isnan(), expected.isnan())
     assert bool(out[7, 40].isnan()) and bool(out[40, 7].isnan())
@@ -183,10 +198,24 @@ def test_hopper_runs_the_sm90_kernel_by_default_and_says_so(needs_cute):
 def test_the_sm90_and_sm80_kernels_agree_to_rounding(needs_cute):
     skip_unless_path_runs("sm90")
     A, C = operands(None, 1500, 700, torch.float16, seed=9)
-    sm90 = run_cute(A, C, 0.5, 1.5, "sm90")
-    sm80 = run_cute(A, C, 0.5, 1.5, "sm80")
+    sm90 = run_cute(A, C, 0.5, 1.5, ("sm90", "direct"))
+    sm80 = run_cute(A, C, 0.5, 1.5, ("sm80", "direct"))
     reference = fp32_product(A, A.mT, C, 0.5, 1.5)
     assert_within_twice_cublas(sm90, sm80, reference, torch.float16)
+
+
+@pytest.mark.parametrize("config", ["sm90_128x128_smem", "sm90_256x128_smem", "sm90_64x64_smem"])
+def test_the_staged_epilogue_writes_the_same_bits_as_the_direct_one(needs_cute, config):
+    skip_unless_path_runs("sm90")
+    twin = config.removesuffix("_smem")
+    # a batch; M a multiple of 8 but off the tile (TMA clips the edge tiles); with C
+    A, C = operands(2, 1000, 200, torch.float16, seed=11)
+    poison_allocator(C.numel(), torch.float16)
+    staged = cute_backend.syrk(A, C, 0.5, 1.5, config=config)
+    direct = cute_backend.syrk(A, C, 0.5, 1.5, config=twin)
+    assert torch.equal(staged, direct)
+    plain = cute_backend.syrk(A, None, 2.0, 0.0, config=config)
+    assert torch.equal(plain, cute_backend.syrk(A, None, 2.0, 0.0, config=twin))
 
 
 def test_autotune_cross_check_accepts_cute(needs_cute, tmp_path):

@@ -134,6 +134,58 @@ def compile_offline(module: str, arch: str, cases: list) -> subprocess.Completed
     )
 
 
+def staged_epilogue_cases() -> list:
+    """Every SM90 configuration of the adapter with the staged epilogue, with C in one dtype and
+    without it in the other."""
+    cases = []
+    for _, tiles in sorted(cute_backend.TILE_CONFIGS.items()):
+        if getattr(tiles, "epilogue", None) == "smem":
+            tiling = {
+                "tile": tiles.tile,
+                "tile_k": tiles.tile_k,
+                "stages": tiles.stages,
+                "consumers": tiles.consumers,
+                "cooperative": tiles.cooperative,
+                "epilogue": "smem",
+            }
+            cases += [("float16", True, tiling), ("bfloat16", False, tiling)]
+    return cases
+
+
+def test_every_staged_epilogue_config_has_a_direct_twin_for_unaligned_m():
+    staged = [
+        n for n, t in cute_backend.TILE_CONFIGS.items() if getattr(t, "epilogue", "") == "smem"
+    ]
+    assert {"sm90_128x128_smem", "sm90_256x128_smem", "sm90_64x64_smem"} <= set(staged)
+    for name in staged:
+        tiles = cute_backend.TILE_CONFIGS[name]
+        twin = cute_backend.runnable_config(name, 4100)  # 4100 rows are not 16-byte multiples
+        assert twin == name.removesuffix("_smem")
+        direct = cute_backend.TILE_CONFIGS[twin]
+        assert (direct.tile, direct.cooperative, direct.epilogue) == (
+            tiles.tile,
+            tiles.cooperative,
+            "direct",
+        )
+        assert cute_backend.runnable_config(name, 4104) == name
+    assert cute_backend.runnable_config("sm90_128x128", 4100) == "sm90_128x128"
+
+
+def test_the_default_choices_keep_the_direct_epilogue():
+    for choices in cute_backend.SHAPE_CLASS_CONFIGS.values():
+        for name in choices.values():
+            assert getattr(cute_backend.TILE_CONFIGS[name], "epilogue", "direct") == "direct"
+    assert cute_backend.TILE_CONFIGS[cute_backend.SM90_COOPERATIVE_CONFIG].epilogue == "direct"
+
+
+def test_an_unknown_epilogue_is_refused_by_the_kernel_config():
+    kernel = pytest.importorskip("dmuon_kernels.syrk._cute_sm90_kernel")
+    with pytest.raises(ValueError, match=r"epilogue must be one of \('direct', 'smem'\)"):
+        kernel.SyrkSm90Kernel(
+            kernel.ELEMENT_TYPES["float16"], False, kernel.TileConfig(epilogue="tma")
+        )
+
+
 @needs_cutlass
 def test_the_sm90_kernel_compiles_offline_for_hopper():
     cases = [
@@ -142,6 +194,7 @@ def test_the_sm90_kernel_compiles_offline_for_hopper():
         ("bfloat16", False, {"tile": 64, "tile_k": 64, "stages": 8}),
         ("float16", True, {"tile": 128, "tile_k": 64, "stages": 4, "cooperative": True}),
         ("bfloat16", False, {"tile": 128, "tile_k": 64, "stages": 5, "consumers": 1}),
+        *staged_epilogue_cases(),
     ]
     result = compile_offline("_cute_sm90_kernel", "sm_90a", cases)
     assert result.returncode == 0, result.stderr[-4000:]

@@ -25,6 +25,17 @@ Design: a persistent, warp-specialised kernel. Each CTA has three warpgroups:
   overlap). Its triangle has 2r + 2 tiles in row block r, so that the column blocks reach the
   diagonal.
 
+Epilogue, one of two (``TileConfig.epilogue``):
+
+- ``"direct"``: each consumer thread stores its accumulator elements (on or below the diagonal)
+  and their mirrors straight to global memory, one element at a time;
+- ``"smem"`` (staged): each consumer has a tile x tile buffer in shared memory; it writes the
+  rounded tile into it and TMA-stores it to D[row block, col block], then writes the transpose
+  and stores it to D[col block, row block] (a diagonal tile is symmetrised in the buffer and
+  stored once). The stores run asynchronously: the buffer is only waited for (until the TMA
+  unit has read it) when it is next written, so in ping-pong they overlap the other consumer's
+  mainloop and this consumer's next one. Needs M a multiple of 8 (TMA's 16-byte strides).
+
 Schedule: the grid is at most one CTA per SM; CTA ``b`` takes linear tile indices
 ``b, b + grid, ...`` over ``batch x tiles·(tiles+1)/2`` lower-triangle tiles (cooperative:
 ``batch x R·(R+1)`` tiles, R the number of 2·tile row blocks); a linear index maps to (matrix,
@@ -36,7 +47,8 @@ Contract with the caller:
 - A is (batch, M, K_pad), K contiguous, K_pad a multiple of 8 (TMA strides are multiples of 16
   bytes) and the base 16-byte aligned; any M; TMA fills rows beyond M and columns beyond K_pad
   with zeros, so edge tiles need no padding in memory;
-- D and C are (batch, M, M) contiguous: stores and C loads are predicated on M; an element
+- D and C are (batch, M, M) contiguous: stores and C loads are predicated on M (TMA stores
+  clip at M); an element
   (row, col) of a tile is kept when col <= row and written to D[row, col] and D[col, row], so D is
   exactly symmetric and only C's lower triangle is read;
 - every index fits in int32 (``syrk.cute`` splits larger batches).
@@ -63,6 +75,11 @@ _PRODUCER_REGISTERS = 40  # the producer warpgroup keeps few registers...
 _CONSUMER_REGISTERS = 232  # ...so each consumer can hold a 128x128 fp32 accumulator
 _TMA_ALIGNMENT_ELEMENTS = 8  # 16 bytes of fp16/bf16: TMA's stride granularity
 _ORDER_BARRIER = 1  # named barriers 1 and 2 order the consumers' mainloops (0 is syncthreads)
+_EPILOGUE_BARRIER = 3  # named barriers 3 and 4: one per consumer's staged epilogue
+DIRECT = "direct"  # epilogue: each thread stores its elements and their mirrors to global memory
+STAGED = "smem"  # epilogue: the tile goes through shared memory and leaves by TMA stores
+EPILOGUES = (DIRECT, STAGED)
+_AS_IS, _TRANSPOSED, _SYMMETRIC = 0, 1, 2  # how the staged epilogue fills its buffer
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,6 +91,7 @@ class TileConfig:
     stages: int = 5
     consumers: int = 2  # 2: ping-pong warpgroups; 1: one consumer warpgroup
     cooperative: bool = False  # both consumers on one 2·tile x tile output tile
+    epilogue: str = DIRECT  # DIRECT or STAGED (needs M a multiple of 8: TMA's 16-byte strides)
 
     @property
     def threads(self) -> int:
@@ -88,7 +106,7 @@ class TileConfig:
         mode = "cooperative" if self.cooperative else "ping-pong"
         mode = "one consumer" if self.consumers == 1 else mode
         rows = self.halves * self.tile
-        return f"{rows}x{self.tile}x{self.tile_k}, {self.stages} stages, {mode}"
+        return f"{rows}x{self.tile}x{self.tile_k}, {self.stages} stages, {mode}, {self.epilogue}"
 
 
 DEFAULT_CONFIG = TileConfig()
@@ -107,6 +125,8 @@ class SyrkSm90Kernel:
             raise ValueError(f"consumers must be 1 or 2, got {config}")
         if config.cooperative and config.consumers != 2:
             raise ValueError(f"the cooperative kernel has two consumers, got {config}")
+        if config.epilogue not in EPILOGUES:
+            raise ValueError(f"epilogue must be one of {EPILOGUES}, got {config}")
         self.element_type = element_type
         self.has_c = has_c
         self.config = config
@@ -147,6 +167,23 @@ class SyrkSm90Kernel:
             cute.slice_(b_layout, (None, None, 0)),
             (cfg.tile, cfg.tile_k),
         )
+        # The staged epilogue stores tile x tile blocks of D (and of its transpose) from one
+        # shared-memory buffer per consumer with TMA; the direct one passes the A descriptor
+        # in its place, unused (TMA cannot describe D when M is not a multiple of 8).
+        store_atom, mD_tma, d_layout = tma_atom, tma_tensor, b_layout
+        if cutlass.const_expr(cfg.epilogue == STAGED):
+            m_aligned = cute.assume(m, divby=_TMA_ALIGNMENT_ELEMENTS)
+            d_gmem = cute.make_layout(
+                (m, m, batch),
+                stride=(m_aligned, 1, cute.assume(m * m, divby=_TMA_ALIGNMENT_ELEMENTS)),
+            )
+            d_layout = self.output_layout()
+            store_atom, mD_tma = cpasync.make_tiled_tma_atom(
+                cpasync.CopyBulkTensorTileS2GOp(),
+                cute.make_tensor(d_ptr, d_gmem),
+                cute.slice_(d_layout, (None, None, 0)),
+                (cfg.tile, cfg.tile),
+            )
         row_tiles = (m + cfg.halves * cfg.tile - 1) // (cfg.halves * cfg.tile)
         k_tiles = (k_pad + cfg.tile_k - 1) // cfg.tile_k
         tiles_per_matrix = row_tiles * (row_tiles + 1) // 2
@@ -159,6 +196,9 @@ class SyrkSm90Kernel:
             mC,
             a_layout,
             b_layout,
+            store_atom,
+            mD_tma,
+            d_layout,
             m,
             k_tiles,
             tiles_per_matrix,
@@ -175,6 +215,17 @@ class SyrkSm90Kernel:
             (cfg.tile, cfg.tile, cfg.tile_k),
             self.element_type,
             slots,
+        )
+
+    def output_layout(self):
+        """Swizzled row-major shared-memory layout of one tile x tile output buffer per
+        consumer (the same 128-byte swizzle atoms as the operands)."""
+        cfg = self.config
+        return sm90_utils.make_smem_layout_a(
+            cutlass.utils.LayoutEnum.ROW_MAJOR,
+            (cfg.tile, cfg.tile, cfg.tile),
+            self.element_type,
+            cfg.consumers,
         )
 
     @cute.jit
@@ -206,6 +257,9 @@ class SyrkSm90Kernel:
         mC: cute.Tensor,
         a_layout: cute.ComposedLayout,
         b_layout: cute.ComposedLayout,
+        store_atom: cute.CopyAtom,
+        mD_tma: cute.Tensor,
+        d_layout: cute.ComposedLayout,
         m: Int32,
         k_tiles: Int32,
         tiles_per_matrix: Int32,
@@ -223,6 +277,8 @@ class SyrkSm90Kernel:
 
         if warp == 0:
             cpasync.prefetch_descriptor(tma_atom)
+            if cutlass.const_expr(cfg.epilogue == STAGED):
+                cpasync.prefetch_descriptor(store_atom)
 
         smem = cutlass.utils.SmemAllocator()
         barriers = smem.allocate_array(cutlass.Int64, 2 * cfg.stages, byte_alignment=8)
@@ -232,6 +288,11 @@ class SyrkSm90Kernel:
         sB = smem.allocate_tensor(
             dtype, b_layout.outer, byte_alignment=1024, swizzle=b_layout.inner
         )
+        sD = sB  # the staged epilogue's output buffers, one per consumer
+        if cutlass.const_expr(cfg.epilogue == STAGED):
+            sD = smem.allocate_tensor(
+                dtype, d_layout.outer, byte_alignment=1024, swizzle=d_layout.inner
+            )
         operand_bytes = cute.size_in_bytes(dtype, cute.slice_(b_layout, (None, None, 0)))
         ring = pipeline.PipelineTmaAsync.create(
             num_stages=cfg.stages,
@@ -367,8 +428,33 @@ class SyrkSm90Kernel:
                 ring.consumer_release(release)
 
                 out_row = row * cfg.halves + half
-                self.epilogue(acc, tCcD, mD, mC, m, matrix, out_row, col, alpha, beta)
+                if cutlass.const_expr(cfg.epilogue == STAGED):
+                    # a cooperative upper half (column block above it) or a half beyond M
+                    # has nothing to store
+                    if col <= out_row and out_row * cfg.tile < m:
+                        self.staged_epilogue(
+                            acc,
+                            tCcD,
+                            sD[None, None, consumer],
+                            store_atom,
+                            mD_tma,
+                            mC,
+                            m,
+                            matrix,
+                            out_row,
+                            col,
+                            alpha,
+                            beta,
+                            wg_tidx,
+                            _EPILOGUE_BARRIER + consumer,
+                        )
+                else:
+                    self.epilogue(acc, tCcD, mD, mC, m, matrix, out_row, col, alpha, beta)
                 sequence = sequence + turns
+            if cutlass.const_expr(cfg.epilogue == STAGED):  # noqa: SIM102 (compile-time if)
+                # the last stores must have read the buffer before the CTA's memory goes
+                if wg_tidx == 0:
+                    cute.arch.cp_async_bulk_wait_group(0, read=True)
 
     def ring_state(self, count, *, producer: bool) -> pipeline.PipelineState:
         """The ring position after ``count`` stages; the producer's phase starts flipped (its
@@ -410,6 +496,115 @@ class SyrkSm90Kernel:
                     out = value.to(dtype)
                     mD[row, col, matrix] = out
                     mD[col, row, matrix] = out
+
+    @cute.jit
+    def staged_epilogue(
+        self,
+        acc: cute.Tensor,
+        tCcD: cute.Tensor,
+        sD: cute.Tensor,
+        store_atom: cute.CopyAtom,
+        mD_tma: cute.Tensor,
+        mC: cute.Tensor,
+        m: Int32,
+        matrix: Int32,
+        row_block: Int32,
+        col_block: Int32,
+        alpha: Float32,
+        beta: Float32,
+        wg_tidx: Int32,
+        barrier_id: Int32,
+    ):
+        """The epilogue through shared memory: round alpha·acc + beta·C once into registers,
+        write the tile into this consumer's buffer and store it to D[row block, col block]
+        with one TMA store, then write its transpose into the same buffer and store that to
+        D[col block, row block]. A diagonal tile is made symmetric in the buffer (its lower
+        elements and their mirrors) and stored once. TMA clips rows and columns beyond M.
+        One thread issues the stores; the warpgroup's named barrier orders the buffer's
+        writes with them, and the next tile waits only until the stores have read it."""
+        dtype = self.element_type
+        row0 = row_block * self.config.tile
+        col0 = col_block * self.config.tile
+        values = cute.make_rmem_tensor(acc.shape, dtype)
+        if cutlass.const_expr(self.has_c):
+            for e in cutlass.range_constexpr(cute.size(acc)):
+                coord = tCcD[e]
+                row = row0 + coord[0]
+                col = col0 + coord[1]
+                from_c = Float32(0.0)
+                if row < m and col <= row:  # only C's lower triangle is read
+                    from_c = mC[row, col, matrix].to(Float32)
+                values[e] = (alpha * acc[e] + beta * from_c).to(dtype)
+        else:
+            values.store((acc.load() * alpha).to(dtype))
+
+        self.buffer_free(wg_tidx, barrier_id)
+        if row_block == col_block:
+            self.fill_buffer(values, tCcD, sD, _SYMMETRIC)
+            self.store_buffer(
+                sD, store_atom, mD_tma, matrix, row_block, col_block, wg_tidx, barrier_id
+            )
+        else:
+            self.fill_buffer(values, tCcD, sD, _AS_IS)
+            self.store_buffer(
+                sD, store_atom, mD_tma, matrix, row_block, col_block, wg_tidx, barrier_id
+            )
+            self.buffer_free(wg_tidx, barrier_id)
+            self.fill_buffer(values, tCcD, sD, _TRANSPOSED)
+            self.store_buffer(
+                sD, store_atom, mD_tma, matrix, col_block, row_block, wg_tidx, barrier_id
+            )
+
+    @cute.jit
+    def fill_buffer(self, values: cute.Tensor, tCcD: cute.Tensor, sD: cute.Tensor, how: int):
+        """Write this thread's tile elements into the buffer: as they are, transposed, or (a
+        diagonal tile) the lower ones and their mirrors."""
+        for e in cutlass.range_constexpr(cute.size(values)):
+            coord = tCcD[e]
+            if cutlass.const_expr(how == _AS_IS):
+                sD[coord[0], coord[1]] = values[e]
+            elif cutlass.const_expr(how == _TRANSPOSED):
+                sD[coord[1], coord[0]] = values[e]
+            else:
+                if coord[1] <= coord[0]:
+                    sD[coord[0], coord[1]] = values[e]
+                    sD[coord[1], coord[0]] = values[e]
+
+    @cute.jit
+    def buffer_free(self, wg_tidx: Int32, barrier_id: Int32):
+        """Wait until the warpgroup's earlier TMA stores have read its buffer."""
+        if wg_tidx == 0:
+            cute.arch.cp_async_bulk_wait_group(0, read=True)
+        cute.arch.barrier(barrier_id=barrier_id, number_of_threads=_WARPGROUP_THREADS)
+
+    @cute.jit
+    def store_buffer(
+        self,
+        sD: cute.Tensor,
+        store_atom: cute.CopyAtom,
+        mD_tma: cute.Tensor,
+        matrix: Int32,
+        row_block: Int32,
+        col_block: Int32,
+        wg_tidx: Int32,
+        barrier_id: Int32,
+    ):
+        """TMA-store the buffer to D's tile (row block, col block) once every thread's writes
+        are visible to the async proxy."""
+        cute.arch.fence_proxy("async.shared", space="cta")
+        cute.arch.barrier(barrier_id=barrier_id, number_of_threads=_WARPGROUP_THREADS)
+        if wg_tidx == 0:
+            tile = self.config.tile
+            gD = cute.local_tile(mD_tma[None, None, matrix], (tile, tile), (row_block, col_block))
+            tDsD, tDgD = cpasync.tma_partition(
+                store_atom,
+                0,
+                cute.make_layout(1),
+                cute.group_modes(sD, 0, 2),
+                cute.group_modes(gD, 0, 2),
+            )
+            cute.copy(store_atom, tDsD, tDgD)
+            cute.arch.cp_async_bulk_commit_group()
 
 
 def compile_syrk(dtype_name: str, has_c: bool, config: TileConfig = DEFAULT_CONFIG):

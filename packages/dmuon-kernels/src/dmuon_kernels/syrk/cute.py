@@ -24,6 +24,9 @@ What the kernels require, and what the adapter does about it:
 - SM80 path: A K-contiguous with rows padded to the tile and K padded to the k-tile: A is copied
   to a zero-padded contiguous buffer when its shape or layout differs (zero rows and columns add
   nothing to A·Aᵀ);
+- SM90 "<name>_smem" configurations stage the epilogue in shared memory and store D with TMA;
+  TMA needs D's rows 16 bytes apart, so for M not a multiple of 8 they run their direct twin
+  ``<name>`` (``runnable_config``);
 - C (..., M, M) contiguous; only its lower triangle is read, so C must be symmetric (as it
   always is in Newton-Schulz); the result is exactly symmetric (each element computed once);
 - a batch (..., M, K) runs in one launch per chunk of at most 2³¹ elements.
@@ -56,6 +59,11 @@ SM80 = "sm80"
 SM90 = "sm90"
 _TMA_ALIGNMENT_ELEMENTS = 8  # K_pad multiple of 8: 16-byte TMA strides for fp16/bf16
 
+# The staged epilogue's TMA stores need D's rows 16 bytes apart (M a multiple of 8); for other M
+# a "<name>_smem" configuration runs its direct-epilogue twin "<name>".
+STAGED = "smem"
+_STAGED_SUFFIX = "_" + STAGED
+
 _INT32_LIMIT = 2**31 - 1
 _ALIGNMENT_BYTES = 16
 _MAX_GRID_Z = 65535  # the batch is the grid's z dimension
@@ -82,6 +90,7 @@ class Sm90TileConfig:
     stages: int
     consumers: int = 2  # consumer warpgroups: 2 in ping-pong, or 1
     cooperative: bool = False  # 2·tile x tile CTA tiles, both consumers on each
+    epilogue: str = "direct"  # "direct" or "smem" (staged in shared memory, TMA stores)
     path: str = SM90
 
     @property
@@ -104,6 +113,13 @@ TILE_CONFIGS: dict[str, TileConfig | Sm90TileConfig] = {
     "sm90_256x128": Sm90TileConfig(tile=128, tile_k=64, stages=4, cooperative=True),
     "sm90_128x128_1wg": Sm90TileConfig(tile=128, tile_k=64, stages=5, consumers=1),
     "sm90_64x64": Sm90TileConfig(tile=64, tile_k=64, stages=8),
+    # The same tilings with the staged epilogue (one tile x tile output buffer per consumer in
+    # shared memory, so the cooperative ring has a stage less to fit in 227 KiB).
+    "sm90_128x128_smem": Sm90TileConfig(tile=128, tile_k=64, stages=5, epilogue=STAGED),
+    "sm90_256x128_smem": Sm90TileConfig(
+        tile=128, tile_k=64, stages=3, cooperative=True, epilogue=STAGED
+    ),
+    "sm90_64x64_smem": Sm90TileConfig(tile=64, tile_k=64, stages=8, epilogue=STAGED),
 }
 # Path -> shape class -> tile configuration: "small" problems (fewer 128-wide output tiles than
 # SMs) get small tiles so every SM has work.
@@ -263,7 +279,7 @@ def syrk(
     batch = math.prod(A.shape[:-2])
     A3 = A.reshape(batch, M, K)
     C3 = None if C is None else _contiguous_aligned(C.reshape(batch, M, M))
-    name = config or choose_config(M, batch, A.device, path)
+    name = runnable_config(config or choose_config(M, batch, A.device, path), M)
     tiles = TILE_CONFIGS[name]
     out = torch.empty((batch, M, M), dtype=A.dtype, device=A.device)
     kernel = _kernel(api, name, A.dtype, C3 is not None, A.device)
@@ -301,6 +317,15 @@ def choose_config(M: int, batch: int, device: torch.device, path: str | None = N
     return name
 
 
+def runnable_config(name: str, M: int) -> str:
+    """``name``, or its direct-epilogue twin when it stages the epilogue and M is not a
+    multiple of 8 (TMA cannot describe D's rows then)."""
+    tiles = TILE_CONFIGS[name]
+    if isinstance(tiles, Sm90TileConfig) and tiles.epilogue == STAGED and M % 8:
+        return name.removesuffix(_STAGED_SUFFIX)
+    return name
+
+
 def _sm90_large_tiling(M: int, batch: int, sm_count: int) -> str:
     """The cooperative 256x128 tiling where it fills the SMs as evenly as 128x128 ping-pong
     (its tiles are twice the work, so twice as few rounds of them), else ping-pong."""
@@ -332,6 +357,7 @@ def _kernel(
                 stages=tiles.stages,
                 consumers=tiles.consumers,
                 cooperative=tiles.cooperative,
+                epilogue=tiles.epilogue,
             )
         else:
             config = module.TileConfig(
