@@ -8,13 +8,17 @@ interleaved, median). Each cute configuration's relative error against an fp32 p
 recorded next to cuBLAS's. ``triangle_tflops`` divides the M·(M+1)·K flops of one triangle by
 each column's time (so cuBLAS, which computes both triangles, really runs at twice its figure).
 
+Each SM90 tiling exists with two epilogues: "<name>" (direct stores) and "<name>_smem" (staged
+in shared memory, TMA stores); name both in ``--configs`` to time them side by side, and
+``--shapes`` to time only some shapes.
+
 ``--smoke`` first runs every chosen configuration once on a few small shapes and compares it
 with cuBLAS (exit 1 on a mismatch), so a broken kernel costs seconds, not the whole table.
 
 Usage (repository root, packages on PYTHONPATH)::
 
     python benchmarks/bench_cute.py --out cute.json [--dtypes float16 bfloat16] [--no-quack]
-        [--configs sm90_128x128 128x128_4warps] [--smoke]
+        [--configs sm90_128x128 128x128_4warps] [--shapes 4096x4096 8192x8192] [--smoke]
 """
 
 from __future__ import annotations
@@ -40,6 +44,15 @@ DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 
 def relative_error(out: torch.Tensor, reference: torch.Tensor) -> float:
     return float((out.float() - reference).norm() / reference.norm())
+
+
+def parse_shape(text: str) -> tuple[int, int]:
+    """ "4096x14336" -> (4096, 14336)."""
+    try:
+        M, K = (int(part) for part in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a shape is MxK, like 4096x14336; got {text!r}") from None
+    return M, K
 
 
 def runnable_configs(requested: Sequence[str] | None) -> list[str]:
@@ -115,6 +128,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--no-quack", action="store_true")
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--configs", nargs="+", choices=list(cute_backend.TILE_CONFIGS))
+    parser.add_argument(
+        "--shapes", nargs="+", type=parse_shape, help="MxK shapes (default: the standard set)"
+    )
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument(
         "--sm90-variants",
@@ -142,7 +158,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0 if smoke(configs) else 1
     rows = []
     for dtype_name in args.dtypes:
-        for M, K in SHAPES:
+        for M, K in args.shapes or SHAPES:
             row = measure(
                 M,
                 K,
