@@ -4,7 +4,7 @@ quarter of the dtype's rounding unit, so two correctly rounding kernels never fa
 
 Both paths are tested wherever they run: the SM90 kernel (wgmma, TMA; compute capability 9.x,
 where it is the default), with either epilogue (direct stores, or staged in shared memory and
-stored with TMA: the "_smem" twin of the configuration the adapter picks), and the SM80 kernel
+stored with TMA: the "_smem"/"_smem_flat" twins of the configuration the adapter picks), and the SM80 kernel
 (forced with ``path="sm80"`` on Hopper). Skipped without CUDA, without nvidia-cutlass-dsl, or on
 a GPU older than SM80.
 """
@@ -19,9 +19,13 @@ from dmuon_kernels.syrk import cute as cute_backend
 from tests.gpu.accuracy import assert_within_twice_cublas, fp32_product
 
 DTYPES = (torch.float16, torch.bfloat16)
-# (path, epilogue) variants; "smem" runs the "_smem" twin of the configuration chosen for the shape
-VARIANTS = (("sm90", "direct"), ("sm90", "smem"), ("sm80", "direct"))
-VARIANT_IDS = ("sm90", "sm90_smem", "sm80")
+# (path, epilogue) variants; a staged epilogue ("smem", "smem_flat") runs the "_<epilogue>" twin
+# of the configuration chosen for the shape
+VARIANTS = (("sm90", "direct"), ("sm90", "smem"), ("sm90", "smem_flat"), ("sm80", "direct"))
+VARIANT_IDS = ("sm90", "sm90_smem", "sm90_smem_flat", "sm80")
+STAGED_CONFIGS = sorted(
+    n for n, t in cute_backend.TILE_CONFIGS.items() if getattr(t, "epilogue", "direct") != "direct"
+)
 # (batch, M, K): aligned; M and K off every tile multiple; a batch; K below one k-tile; a long K
 # that is not a multiple of 64; two big enough for the 128-wide tiles (padded, unpadded); tiny; a
 # 4-D batch; several tiles per persistent CTA (K not a multiple of 8); a batch of 128-wide tiles
@@ -67,7 +71,7 @@ def run_cute(A, C, alpha, beta, variant):
     if epilogue == "direct":
         return cute_backend.syrk(A, C, alpha, beta, path=path)
     batch = A[..., 0, 0].numel()
-    config = cute_backend.choose_config(A.shape[-2], batch, A.device, path) + "_smem"
+    config = cute_backend.choose_config(A.shape[-2], batch, A.device, path) + "_" + epilogue
     return cute_backend.syrk(A, C, alpha, beta, config=config)
 
 
@@ -114,7 +118,7 @@ def test_every_tile_configuration_is_within_twice_cublas_error(needs_cute, confi
     skip_unless_path_runs(tiles.path)
     # M off every tile and large enough that persistent CTAs take several tiles; K off 8; a
     # staged epilogue needs M a multiple of 8 (else its direct twin runs)
-    M = 4104 if getattr(tiles, "epilogue", "direct") == "smem" else 4100
+    M = 4104 if getattr(tiles, "epilogue", "direct") != "direct" else 4100
     assert cute_backend.runnable_config(config, M) == config
     A, C = operands(None, M, 130, dtype, seed=5)
     reference = fp32_product(A, A.mT, C, 0.5, 2.0)
@@ -204,10 +208,10 @@ def test_the_sm90_and_sm80_kernels_agree_to_rounding(needs_cute):
     assert_within_twice_cublas(sm90, sm80, reference, torch.float16)
 
 
-@pytest.mark.parametrize("config", ["sm90_128x128_smem", "sm90_256x128_smem", "sm90_64x64_smem"])
+@pytest.mark.parametrize("config", STAGED_CONFIGS)
 def test_the_staged_epilogue_writes_the_same_bits_as_the_direct_one(needs_cute, config):
     skip_unless_path_runs("sm90")
-    twin = config.removesuffix("_smem")
+    twin = config.removesuffix("_" + cute_backend.TILE_CONFIGS[config].epilogue)
     # a batch; M a multiple of 8 but off the tile (TMA clips the edge tiles); with C
     A, C = operands(2, 1000, 200, torch.float16, seed=11)
     poison_allocator(C.numel(), torch.float16)

@@ -35,6 +35,11 @@ Epilogue, one of two (``TileConfig.epilogue``):
   stored once). The stores run asynchronously: the buffer is only waited for (until the TMA
   unit has read it) when it is next written, so in ping-pong they overlap the other consumer's
   mainloop and this consumer's next one. Needs M a multiple of 8 (TMA's 16-byte strides).
+  The buffer is swizzled in 128-byte atoms (few bank conflicts, but ptxas spills about 1 KB
+  per thread once the buffer-filling loops are in: each element's swizzled address is
+  computed apart, and they are loop-invariant, so likely hoisted out of the tile loop) or,
+  with ``"smem_flat"``, plain row-major (each address is the thread's base plus a constant:
+  no spills, but 4- to 8-way bank conflicts on its 2-byte writes).
 
 Schedule: the grid is at most one CTA per SM; CTA ``b`` takes linear tile indices
 ``b, b + grid, ...`` over ``batch x tiles·(tiles+1)/2`` lower-triangle tiles (cooperative:
@@ -78,7 +83,8 @@ _ORDER_BARRIER = 1  # named barriers 1 and 2 order the consumers' mainloops (0 i
 _EPILOGUE_BARRIER = 3  # named barriers 3 and 4: one per consumer's staged epilogue
 DIRECT = "direct"  # epilogue: each thread stores its elements and their mirrors to global memory
 STAGED = "smem"  # epilogue: the tile goes through shared memory and leaves by TMA stores
-EPILOGUES = (DIRECT, STAGED)
+STAGED_FLAT = "smem_flat"  # the same with a plain row-major buffer (no swizzle)
+EPILOGUES = (DIRECT, STAGED, STAGED_FLAT)
 _AS_IS, _TRANSPOSED, _SYMMETRIC = 0, 1, 2  # how the staged epilogue fills its buffer
 
 
@@ -91,7 +97,7 @@ class TileConfig:
     stages: int = 5
     consumers: int = 2  # 2: ping-pong warpgroups; 1: one consumer warpgroup
     cooperative: bool = False  # both consumers on one 2·tile x tile output tile
-    epilogue: str = DIRECT  # DIRECT or STAGED (needs M a multiple of 8: TMA's 16-byte strides)
+    epilogue: str = DIRECT  # one of EPILOGUES (staged ones need M a multiple of 8: TMA strides)
 
     @property
     def threads(self) -> int:
@@ -171,7 +177,7 @@ class SyrkSm90Kernel:
         # shared-memory buffer per consumer with TMA; the direct one passes the A descriptor
         # in its place, unused (TMA cannot describe D when M is not a multiple of 8).
         store_atom, mD_tma, d_layout = tma_atom, tma_tensor, b_layout
-        if cutlass.const_expr(cfg.epilogue == STAGED):
+        if cutlass.const_expr(cfg.epilogue != DIRECT):
             m_aligned = cute.assume(m, divby=_TMA_ALIGNMENT_ELEMENTS)
             d_gmem = cute.make_layout(
                 (m, m, batch),
@@ -218,9 +224,15 @@ class SyrkSm90Kernel:
         )
 
     def output_layout(self):
-        """Swizzled row-major shared-memory layout of one tile x tile output buffer per
-        consumer (the same 128-byte swizzle atoms as the operands)."""
+        """Shared-memory layout of one tile x tile row-major output buffer per consumer:
+        swizzled in 128-byte atoms like the operands (STAGED), or plain (STAGED_FLAT: every
+        element's address is the thread's base plus a constant, so no per-element address
+        stays live in registers, at the price of bank conflicts)."""
         cfg = self.config
+        if cutlass.const_expr(cfg.epilogue == STAGED_FLAT):
+            return cute.make_layout(
+                (cfg.tile, cfg.tile, cfg.consumers), stride=(cfg.tile, 1, cfg.tile * cfg.tile)
+            )
         return sm90_utils.make_smem_layout_a(
             cutlass.utils.LayoutEnum.ROW_MAJOR,
             (cfg.tile, cfg.tile, cfg.tile),
@@ -259,7 +271,7 @@ class SyrkSm90Kernel:
         b_layout: cute.ComposedLayout,
         store_atom: cute.CopyAtom,
         mD_tma: cute.Tensor,
-        d_layout: cute.ComposedLayout,
+        d_layout: cute.Layout | cute.ComposedLayout,
         m: Int32,
         k_tiles: Int32,
         tiles_per_matrix: Int32,
@@ -277,7 +289,7 @@ class SyrkSm90Kernel:
 
         if warp == 0:
             cpasync.prefetch_descriptor(tma_atom)
-            if cutlass.const_expr(cfg.epilogue == STAGED):
+            if cutlass.const_expr(cfg.epilogue != DIRECT):
                 cpasync.prefetch_descriptor(store_atom)
 
         smem = cutlass.utils.SmemAllocator()
@@ -289,10 +301,13 @@ class SyrkSm90Kernel:
             dtype, b_layout.outer, byte_alignment=1024, swizzle=b_layout.inner
         )
         sD = sB  # the staged epilogue's output buffers, one per consumer
-        if cutlass.const_expr(cfg.epilogue == STAGED):
-            sD = smem.allocate_tensor(
-                dtype, d_layout.outer, byte_alignment=1024, swizzle=d_layout.inner
-            )
+        if cutlass.const_expr(cfg.epilogue != DIRECT):
+            if cutlass.const_expr(cfg.epilogue == STAGED_FLAT):
+                sD = smem.allocate_tensor(dtype, d_layout, byte_alignment=1024)
+            else:
+                sD = smem.allocate_tensor(
+                    dtype, d_layout.outer, byte_alignment=1024, swizzle=d_layout.inner
+                )
         operand_bytes = cute.size_in_bytes(dtype, cute.slice_(b_layout, (None, None, 0)))
         ring = pipeline.PipelineTmaAsync.create(
             num_stages=cfg.stages,
@@ -428,7 +443,7 @@ class SyrkSm90Kernel:
                 ring.consumer_release(release)
 
                 out_row = row * cfg.halves + half
-                if cutlass.const_expr(cfg.epilogue == STAGED):
+                if cutlass.const_expr(cfg.epilogue != DIRECT):
                     # a cooperative upper half (column block above it) or a half beyond M
                     # has nothing to store
                     if col <= out_row and out_row * cfg.tile < m:
@@ -451,7 +466,7 @@ class SyrkSm90Kernel:
                 else:
                     self.epilogue(acc, tCcD, mD, mC, m, matrix, out_row, col, alpha, beta)
                 sequence = sequence + turns
-            if cutlass.const_expr(cfg.epilogue == STAGED):  # noqa: SIM102 (compile-time if)
+            if cutlass.const_expr(cfg.epilogue != DIRECT):  # noqa: SIM102 (compile-time if)
                 # the last stores must have read the buffer before the CTA's memory goes
                 if wg_tidx == 0:
                     cute.arch.cp_async_bulk_wait_group(0, read=True)
@@ -515,17 +530,16 @@ class SyrkSm90Kernel:
         wg_tidx: Int32,
         barrier_id: Int32,
     ):
-        """The epilogue through shared memory: round alpha·acc + beta·C once into registers,
-        write the tile into this consumer's buffer and store it to D[row block, col block]
+        """The epilogue through shared memory: compute alpha·acc + beta·C in fp32 in place (a
+        second fragment of rounded values would not fit in the consumer's registers), write the
+        tile rounded into this consumer's buffer and store it to D[row block, col block]
         with one TMA store, then write its transpose into the same buffer and store that to
         D[col block, row block]. A diagonal tile is made symmetric in the buffer (its lower
         elements and their mirrors) and stored once. TMA clips rows and columns beyond M.
         One thread issues the stores; the warpgroup's named barrier orders the buffer's
         writes with them, and the next tile waits only until the stores have read it."""
-        dtype = self.element_type
         row0 = row_block * self.config.tile
         col0 = col_block * self.config.tile
-        values = cute.make_rmem_tensor(acc.shape, dtype)
         if cutlass.const_expr(self.has_c):
             for e in cutlass.range_constexpr(cute.size(acc)):
                 coord = tCcD[e]
@@ -534,41 +548,43 @@ class SyrkSm90Kernel:
                 from_c = Float32(0.0)
                 if row < m and col <= row:  # only C's lower triangle is read
                     from_c = mC[row, col, matrix].to(Float32)
-                values[e] = (alpha * acc[e] + beta * from_c).to(dtype)
+                acc[e] = alpha * acc[e] + beta * from_c
         else:
-            values.store((acc.load() * alpha).to(dtype))
+            acc.store(acc.load() * alpha)
 
         self.buffer_free(wg_tidx, barrier_id)
         if row_block == col_block:
-            self.fill_buffer(values, tCcD, sD, _SYMMETRIC)
+            self.fill_buffer(acc, tCcD, sD, _SYMMETRIC)
             self.store_buffer(
                 sD, store_atom, mD_tma, matrix, row_block, col_block, wg_tidx, barrier_id
             )
         else:
-            self.fill_buffer(values, tCcD, sD, _AS_IS)
+            self.fill_buffer(acc, tCcD, sD, _AS_IS)
             self.store_buffer(
                 sD, store_atom, mD_tma, matrix, row_block, col_block, wg_tidx, barrier_id
             )
             self.buffer_free(wg_tidx, barrier_id)
-            self.fill_buffer(values, tCcD, sD, _TRANSPOSED)
+            self.fill_buffer(acc, tCcD, sD, _TRANSPOSED)
             self.store_buffer(
                 sD, store_atom, mD_tma, matrix, col_block, row_block, wg_tidx, barrier_id
             )
 
     @cute.jit
     def fill_buffer(self, values: cute.Tensor, tCcD: cute.Tensor, sD: cute.Tensor, how: int):
-        """Write this thread's tile elements into the buffer: as they are, transposed, or (a
-        diagonal tile) the lower ones and their mirrors."""
+        """Write this thread's tile elements, rounded once to the element type, into the
+        buffer: as they are, transposed, or (a diagonal tile) the lower ones and their
+        mirrors."""
         for e in cutlass.range_constexpr(cute.size(values)):
             coord = tCcD[e]
+            value = values[e].to(self.element_type)
             if cutlass.const_expr(how == _AS_IS):
-                sD[coord[0], coord[1]] = values[e]
+                sD[coord[0], coord[1]] = value
             elif cutlass.const_expr(how == _TRANSPOSED):
-                sD[coord[1], coord[0]] = values[e]
+                sD[coord[1], coord[0]] = value
             else:
                 if coord[1] <= coord[0]:
-                    sD[coord[0], coord[1]] = values[e]
-                    sD[coord[1], coord[0]] = values[e]
+                    sD[coord[0], coord[1]] = value
+                    sD[coord[1], coord[0]] = value
 
     @cute.jit
     def buffer_free(self, wg_tidx: Int32, barrier_id: Int32):

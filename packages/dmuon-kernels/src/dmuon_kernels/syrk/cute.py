@@ -24,9 +24,9 @@ What the kernels require, and what the adapter does about it:
 - SM80 path: A K-contiguous with rows padded to the tile and K padded to the k-tile: A is copied
   to a zero-padded contiguous buffer when its shape or layout differs (zero rows and columns add
   nothing to A·Aᵀ);
-- SM90 "<name>_smem" configurations stage the epilogue in shared memory and store D with TMA;
-  TMA needs D's rows 16 bytes apart, so for M not a multiple of 8 they run their direct twin
-  ``<name>`` (``runnable_config``);
+- SM90 "<name>_smem" and "<name>_smem_flat" configurations stage the epilogue in shared memory
+  (swizzled or plain buffer) and store D with TMA; TMA needs D's rows 16 bytes apart, so for M
+  not a multiple of 8 they run their direct twin ``<name>`` (``runnable_config``);
 - C (..., M, M) contiguous; only its lower triangle is read, so C must be symmetric (as it
   always is in Newton-Schulz); the result is exactly symmetric (each element computed once);
 - a batch (..., M, K) runs in one launch per chunk of at most 2³¹ elements.
@@ -60,9 +60,10 @@ SM90 = "sm90"
 _TMA_ALIGNMENT_ELEMENTS = 8  # K_pad multiple of 8: 16-byte TMA strides for fp16/bf16
 
 # The staged epilogue's TMA stores need D's rows 16 bytes apart (M a multiple of 8); for other M
-# a "<name>_smem" configuration runs its direct-epilogue twin "<name>".
+# a "<name>_<epilogue>" configuration runs its direct-epilogue twin "<name>".
 STAGED = "smem"
-_STAGED_SUFFIX = "_" + STAGED
+STAGED_FLAT = "smem_flat"
+STAGED_EPILOGUES = (STAGED, STAGED_FLAT)
 
 _INT32_LIMIT = 2**31 - 1
 _ALIGNMENT_BYTES = 16
@@ -90,7 +91,8 @@ class Sm90TileConfig:
     stages: int
     consumers: int = 2  # consumer warpgroups: 2 in ping-pong, or 1
     cooperative: bool = False  # 2·tile x tile CTA tiles, both consumers on each
-    epilogue: str = "direct"  # "direct" or "smem" (staged in shared memory, TMA stores)
+    epilogue: str = "direct"  # "direct", or staged in shared memory with TMA stores: "smem"
+    # (128-byte swizzled buffer) or "smem_flat" (plain row-major buffer)
     path: str = SM90
 
     @property
@@ -120,6 +122,11 @@ TILE_CONFIGS: dict[str, TileConfig | Sm90TileConfig] = {
         tile=128, tile_k=64, stages=3, cooperative=True, epilogue=STAGED
     ),
     "sm90_64x64_smem": Sm90TileConfig(tile=64, tile_k=64, stages=8, epilogue=STAGED),
+    "sm90_128x128_smem_flat": Sm90TileConfig(tile=128, tile_k=64, stages=5, epilogue=STAGED_FLAT),
+    "sm90_256x128_smem_flat": Sm90TileConfig(
+        tile=128, tile_k=64, stages=3, cooperative=True, epilogue=STAGED_FLAT
+    ),
+    "sm90_64x64_smem_flat": Sm90TileConfig(tile=64, tile_k=64, stages=8, epilogue=STAGED_FLAT),
 }
 # Path -> shape class -> tile configuration: "small" problems (fewer 128-wide output tiles than
 # SMs) get small tiles so every SM has work.
@@ -321,8 +328,8 @@ def runnable_config(name: str, M: int) -> str:
     """``name``, or its direct-epilogue twin when it stages the epilogue and M is not a
     multiple of 8 (TMA cannot describe D's rows then)."""
     tiles = TILE_CONFIGS[name]
-    if isinstance(tiles, Sm90TileConfig) and tiles.epilogue == STAGED and M % 8:
-        return name.removesuffix(_STAGED_SUFFIX)
+    if isinstance(tiles, Sm90TileConfig) and tiles.epilogue in STAGED_EPILOGUES and M % 8:
+        return name.removesuffix("_" + tiles.epilogue)
     return name
 
 
