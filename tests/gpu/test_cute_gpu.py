@@ -193,9 +193,9 @@ def test_hopper_runs_the_sm90_kernel_by_default_and_says_so(needs_cute):
     device = torch.device("cuda")
     sm_count = torch.cuda.get_device_properties(device).multi_processor_count
     assert cute_backend.choose_config(640, 1, device) == "sm90_64x64"  # fewer tiles than SMs
-    assert cute_backend.choose_config(4096, 1, device) == "sm90_128x128"
+    assert cute_backend.choose_config(4096, 1, device) == "sm90_128x128_smem_flat"
     if sm_count == 132:  # 1056 tiles of 256x128 are 8 even rounds on an H100/H200
-        assert cute_backend.choose_config(8192, 1, device) == "sm90_256x128"
+        assert cute_backend.choose_config(8192, 1, device) == "sm90_256x128_smem_flat"
     assert cute_backend.choose_config(4096, 1, device, "sm80") == "128x128_4warps"
 
 

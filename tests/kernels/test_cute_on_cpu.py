@@ -177,11 +177,17 @@ def test_every_staged_epilogue_config_has_a_direct_twin_for_unaligned_m():
     assert cute_backend.runnable_config("sm90_128x128", 4100) == "sm90_128x128"
 
 
-def test_the_default_choices_keep_the_direct_epilogue():
-    for choices in cute_backend.SHAPE_CLASS_CONFIGS.values():
-        for name in choices.values():
-            assert getattr(cute_backend.TILE_CONFIGS[name], "epilogue", "direct") == "direct"
-    assert cute_backend.TILE_CONFIGS[cute_backend.SM90_COOPERATIVE_CONFIG].epilogue == "direct"
+def test_large_sm90_problems_stage_the_epilogue_and_keep_the_tiling_of_their_direct_twin():
+    large = cute_backend.SHAPE_CLASS_CONFIGS[cute_backend.SM90]["large"]
+    for name in (large, cute_backend.SM90_COOPERATIVE_CONFIG):
+        tiles = cute_backend.TILE_CONFIGS[name]
+        assert tiles.epilogue == "smem_flat"
+        twin = cute_backend.TILE_CONFIGS[cute_backend.runnable_config(name, 4100)]
+        assert (twin.tile, twin.cooperative, twin.epilogue) == (
+            tiles.tile,
+            tiles.cooperative,
+            "direct",
+        )
 
 
 def test_an_unknown_epilogue_is_refused_by_the_kernel_config():
