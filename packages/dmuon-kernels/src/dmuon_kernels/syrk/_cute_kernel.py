@@ -29,8 +29,12 @@ import cutlass.utils
 from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import cpasync, warp
 
-# torch dtype name -> CuTe element type (the only two the kernel implements).
-ELEMENT_TYPES = {"float16": cutlass.Float16, "bfloat16": cutlass.BFloat16}
+from dmuon_kernels.syrk._cute_runtime import (
+    ELEMENT_TYPES,
+    compile_with_placeholders,
+    pointer,
+    stream_handle,
+)
 
 _BYTES_PER_COPY = 16  # cp.async moves 16 bytes per thread per instruction
 
@@ -243,32 +247,11 @@ class SyrkKernel:
 def compile_syrk(dtype_name: str, has_c: bool, config: TileConfig = DEFAULT_CONFIG):
     """Compile the kernel for ``dtype_name`` ("float16"/"bfloat16"); the returned function takes
     ``(a_ptr, d_ptr, c_ptr, m, m_tiles, k_tiles, batch, alpha, beta, stream)``."""
-    element_type = ELEMENT_TYPES[dtype_name]
-    kernel = SyrkKernel(element_type, has_c, config)
-    pointers = [
-        cute.runtime.make_ptr(element_type, 0, cute.AddressSpace.gmem, assumed_align=16)
-        for _ in range(3)
-    ]
-    return cute.compile(
-        kernel,
-        *pointers,
-        Int32(1),
-        Int32(1),
-        Int32(1),
-        Int32(1),
-        Float32(1.0),
-        Float32(0.0),
-        cute.runtime.make_fake_stream(),
+    kernel = SyrkKernel(ELEMENT_TYPES[dtype_name], has_c, config)
+    return compile_with_placeholders(
+        kernel, dtype_name, Int32(1), Int32(1), Int32(1), Int32(1), Float32(1.0), Float32(0.0)
     )
 
 
-def pointer(dtype_name: str, address: int):
-    """A 16-byte aligned global-memory pointer argument for a compiled kernel."""
-    return cute.runtime.make_ptr(
-        ELEMENT_TYPES[dtype_name], address, cute.AddressSpace.gmem, assumed_align=16
-    )
-
-
-def stream_handle(raw_stream: int):
-    """A CUDA stream argument (``torch.cuda.current_stream().cuda_stream``)."""
-    return cuda.CUstream(raw_stream)
+# The adapter (syrk.cute) calls these on whichever kernel module runs.
+__all__ = ["ELEMENT_TYPES", "TileConfig", "compile_syrk", "pointer", "stream_handle"]

@@ -72,8 +72,12 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 
-# torch dtype name -> CuTe element type (the only two the kernel implements).
-ELEMENT_TYPES = {"float16": cutlass.Float16, "bfloat16": cutlass.BFloat16}
+from dmuon_kernels.syrk._cute_runtime import (
+    ELEMENT_TYPES,
+    compile_with_placeholders,
+    pointer,
+    stream_handle,
+)
 
 _WARPGROUP_THREADS = 128
 _PRODUCER_REGISTERS = 40  # the producer warpgroup keeps few registers...
@@ -626,32 +630,11 @@ class SyrkSm90Kernel:
 def compile_syrk(dtype_name: str, has_c: bool, config: TileConfig = DEFAULT_CONFIG):
     """Compile the kernel for ``dtype_name`` ("float16"/"bfloat16"); the returned function takes
     ``(a_ptr, d_ptr, c_ptr, m, k_pad, batch, ctas, alpha, beta, stream)``."""
-    element_type = ELEMENT_TYPES[dtype_name]
-    kernel = SyrkSm90Kernel(element_type, has_c, config)
-    pointers = [
-        cute.runtime.make_ptr(element_type, 0, cute.AddressSpace.gmem, assumed_align=16)
-        for _ in range(3)
-    ]
-    return cute.compile(
-        kernel,
-        *pointers,
-        Int32(1),
-        Int32(8),
-        Int32(1),
-        Int32(1),
-        Float32(1.0),
-        Float32(0.0),
-        cute.runtime.make_fake_stream(),
+    kernel = SyrkSm90Kernel(ELEMENT_TYPES[dtype_name], has_c, config)
+    return compile_with_placeholders(
+        kernel, dtype_name, Int32(1), Int32(8), Int32(1), Int32(1), Float32(1.0), Float32(0.0)
     )
 
 
-def pointer(dtype_name: str, address: int):
-    """A 16-byte aligned global-memory pointer argument for a compiled kernel."""
-    return cute.runtime.make_ptr(
-        ELEMENT_TYPES[dtype_name], address, cute.AddressSpace.gmem, assumed_align=16
-    )
-
-
-def stream_handle(raw_stream: int):
-    """A CUDA stream argument (``torch.cuda.current_stream().cuda_stream``)."""
-    return cuda.CUstream(raw_stream)
+# The adapter (syrk.cute) calls these on whichever kernel module runs.
+__all__ = ["ELEMENT_TYPES", "TileConfig", "compile_syrk", "pointer", "stream_handle"]

@@ -34,10 +34,10 @@ What the kernels require, and what the adapter does about it:
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -70,7 +70,7 @@ _ALIGNMENT_BYTES = 16
 _MAX_GRID_Z = 65535  # the batch is the grid's z dimension
 
 
-@dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(frozen=True, slots=True)
 class TileConfig:
     """A tiling of the SM80 kernel (mirrors ``_cute_kernel.TileConfig``, which needs cutlass)."""
 
@@ -82,7 +82,7 @@ class TileConfig:
     path: str = SM80
 
 
-@dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(frozen=True, slots=True)
 class Sm90TileConfig:
     """A tiling of the SM90 kernel (mirrors ``_cute_sm90_kernel.TileConfig``)."""
 
@@ -146,7 +146,7 @@ PATH_DESCRIPTIONS: dict[str, str] = {
 }
 
 
-@dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(frozen=True, slots=True)
 class _CuteApi:
     """What the probe found: the kernel modules per path and the library version."""
 
@@ -361,23 +361,11 @@ def _kernel(
     if kernel is None:
         tiles = TILE_CONFIGS[name]
         module = api.kernel_modules[tiles.path]
-        if isinstance(tiles, Sm90TileConfig):
-            config = module.TileConfig(
-                tile=tiles.tile,
-                tile_k=tiles.tile_k,
-                stages=tiles.stages,
-                consumers=tiles.consumers,
-                cooperative=tiles.cooperative,
-                epilogue=tiles.epilogue,
-            )
-        else:
-            config = module.TileConfig(
-                tile=tiles.tile,
-                tile_k=tiles.tile_k,
-                stages=tiles.stages,
-                warps_m=tiles.warps_m,
-                warps_n=tiles.warps_n,
-            )
+        # The kernel module's TileConfig takes the same fields (the mirror's path aside).
+        fields = {field.name for field in dataclasses.fields(module.TileConfig)}
+        config = module.TileConfig(
+            **{key: value for key, value in dataclasses.asdict(tiles).items() if key in fields}
+        )
         kernel = _compiled[key] = module.compile_syrk(dtype_name, has_c, config)
     return kernel
 
