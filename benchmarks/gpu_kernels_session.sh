@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One GPU-machine session for dmuon-kernels: probe quack, run tests/gpu, then the SYRK, NS,
-# cuBLAS block-count and optimizer-step benchmarks, each step time-boxed so one hang cannot eat the session. Everything lands in $OUT
-# (or ./gpu-session-out): logs, the benchmark JSONs and the autotune verdict file.
+# cuBLAS block-count and optimizer-step benchmarks, each step time-boxed so one hang cannot eat
+# the session. Everything lands in $OUT (or ./gpu-session-out): logs, the benchmark JSONs and the
+# autotune verdict file.
 #
 #   source .gpu/setup.sh && bash benchmarks/gpu_kernels_session.sh [probe|tests|syrk|ns|blocks|step ...]
 #
