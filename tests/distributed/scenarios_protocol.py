@@ -177,17 +177,23 @@ def train_against_reference(**kwargs) -> dict:
     }
 
 
-def count_step_communication(**kwargs) -> dict:
-    """Bytes moved by dmuon's collectives in one training step (after a warm-up step)."""
+def counted_second_step(model, optimizer, config: TrainConfig):
+    """The c10d ops one training step issues, after a warm-up step, as a ``CollectiveLog``."""
     from tests.distributed.comm_counter import count_collectives
 
-    config = TrainConfig(**kwargs)
-    model, optimizer, _ = build(config)
     first, second = batches(2, dist.get_world_size())
     train_step(model, optimizer, first, config)
     with count_collectives() as log:
         train_step(model, optimizer, second, config)
         dmuon.wait_all_replicate_broadcasts(model)
+    return log
+
+
+def count_step_communication(**kwargs) -> dict:
+    """Bytes moved by dmuon's collectives in one training step (after a warm-up step)."""
+    config = TrainConfig(**kwargs)
+    model, optimizer, _ = build(config)
+    log = counted_second_step(model, optimizer, config)
     state = get_dedicated_state(model)
     return {
         "broadcast_received": log.broadcast_bytes_received(),

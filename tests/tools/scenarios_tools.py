@@ -18,9 +18,8 @@ import dmuon
 from dmuon.api import get_dedicated_state
 from dmuon.profile import FORWARD_PROFILE_ENV
 from dmuon_tools.comm_plan import planned_segment_layouts, segment_layouts
-from tests.distributed.comm_counter import CollectiveLog, count_collectives
-from tests.distributed.models import batches
-from tests.distributed.scenarios_protocol import TrainConfig, build, train_step
+from tests.distributed.comm_counter import CollectiveLog
+from tests.distributed.scenarios_protocol import TrainConfig, build, counted_second_step
 
 
 def _measured_per_kind(log: CollectiveLog, shard_ranks: tuple, replicate_ranks: tuple) -> dict:
@@ -63,12 +62,7 @@ def one_step_against_the_summaries(**kwargs) -> dict:
         model, optimizer, _ = build(config)
     finally:
         del os.environ[FORWARD_PROFILE_ENV]  # the worker process serves later scenarios
-    first, second = batches(2, dist.get_world_size())
-    train_step(model, optimizer, first, config)
-    with count_collectives() as log:
-        train_step(model, optimizer, second, config)
-        dmuon.wait_all_replicate_broadcasts(model)
-
+    log = counted_second_step(model, optimizer, config)
     state = get_dedicated_state(model)
     mesh = state.mesh
     shard_ranks = tuple(mesh.rank_grid[mesh.coord.replicate])
