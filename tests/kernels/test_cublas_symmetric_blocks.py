@@ -36,14 +36,20 @@ def test_block_edges_cover_the_matrix_in_128_aligned_blocks(M, blocks):
     assert len(edges) - 1 <= blocks
 
 
-def test_block_count_keeps_small_problems_whole_and_every_block_wide():
-    for M in (64, 1024, 2047, 2048, 4096, 6000, 8192, 16384, 65536):
-        for K, batch in ((M, 1), (4 * M, 1), (M, 12)):
-            blocks = cublas.symmetric_block_count(M, K, batch)
-            assert 1 <= blocks <= cublas.MAX_SYMMETRIC_BLOCKS
-            assert blocks == 1 or M // blocks >= cublas.MIN_BLOCK_WIDTH
-            if M * K * batch < cublas.MIN_BLOCKED_VOLUME:
-                assert blocks == 1
+@pytest.mark.parametrize(
+    ("M", "K", "batch", "expected"),
+    [
+        (1024, 4096, 8, 1),  # no room for two 1024-wide blocks
+        (2048, 8192, 1, 1),  # 2^24: too small a problem to gain
+        (4096, 4096, 1, 1),
+        (4096, 4096, 12, 4),  # the batched square products of Newton-Schulz
+        (4096, 14336, 1, 4),
+        (3000, 14336, 1, 2),  # two blocks of at least 1024
+        (8192, 28672, 1, 4),  # capped at MAX_SYMMETRIC_BLOCKS
+    ],
+)
+def test_block_count_follows_the_measured_rule(M, K, batch, expected):
+    assert cublas.symmetric_block_count(M, K, batch) == expected
 
 
 @pytest.mark.parametrize("batch", [(), (3,)], ids=["single", "batched"])

@@ -266,11 +266,11 @@ def syrk(
     api = _cute_api()
     if isinstance(api, str):
         raise RuntimeError(f"SYRK kernel 'cute' cannot run: {api}")
+    device_path = kernel_path(A.device)
     if config is not None:
         path = TILE_CONFIGS[config].path
-    if path is None:
-        path = kernel_path(A.device)
-    if path == SM90 and kernel_path(A.device) != SM90:
+    path = path or device_path
+    if path == SM90 and device_path != SM90:
         major, minor = torch.cuda.get_device_capability(A.device)
         raise ValueError(
             f"the SM90 (wgmma) kernel needs compute capability 9.x, but {A.device} is "
