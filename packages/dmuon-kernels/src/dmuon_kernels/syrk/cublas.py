@@ -16,7 +16,6 @@ GEMM is still big enough to run at full speed; small problems and CPU tensors ru
 from __future__ import annotations
 
 import itertools
-import math
 
 import torch
 from torch import Tensor
@@ -113,36 +112,28 @@ def _symmetric(left: Tensor, right: Tensor, C: Tensor | None, alpha: float, beta
     return out
 
 
+def _batched(t: Tensor | None) -> Tensor | None:
+    """``t`` as one matrix or one (B, M, N) batch, the shapes torch.mm and torch.bmm take."""
+    return t if t is None or t.dim() <= 3 else t.reshape(-1, *t.shape[-2:])
+
+
 def syrk(A: Tensor, C: Tensor | None, alpha: float, beta: float) -> Tensor:
     """Return ``alpha·A·Aᵀ + beta·C`` for A (..., M, K) and C (..., M, M) or None."""
-    batch_shape, (M, K) = A.shape[:-2], A.shape[-2:]
-    if A.dim() == 2:
-        return _symmetric(A, A.T, C, alpha, beta)
-    A3 = A.reshape(-1, M, K)
-    C3 = None if C is None else C.reshape(-1, M, M)
-    return _symmetric(A3, A3.mT, C3, alpha, beta).reshape(*batch_shape, M, M)
+    A3 = _batched(A)
+    out = _symmetric(A3, A3.mT, _batched(C), alpha, beta)
+    return out.reshape(*A.shape[:-1], A.shape[-2])
 
 
 def symmetric_product(A: Tensor, B: Tensor, C: Tensor | None, alpha: float, beta: float) -> Tensor:
     """Return ``alpha·A·B + beta·C`` for square A, B, C (..., M, M) when A·B is symmetric."""
-    batch_shape, M = A.shape[:-2], A.shape[-2]
-    if A.dim() == 2:
-        return _symmetric(A, B, C, alpha, beta)
-    A3, B3 = A.reshape(-1, M, M), B.reshape(-1, M, M)
-    C3 = None if C is None else C.reshape(-1, M, M)
-    return _symmetric(A3, B3, C3, alpha, beta).reshape(*batch_shape, M, M)
+    return _symmetric(_batched(A), _batched(B), _batched(C), alpha, beta).reshape(A.shape)
 
 
 def matmul(A: Tensor, B: Tensor, C: Tensor | None, alpha: float, beta: float) -> Tensor:
     """Return ``alpha·A·B + beta·C`` for A (..., M, K), B (..., K, N), C (..., M, N) or None."""
     if C is not None and beta == 0.0:
         C = None
-    batch_shape, (M, K), N = A.shape[:-2], A.shape[-2:], B.shape[-1]
-    if A.dim() == 2:
-        out = A.new_empty((M, N))
-        _gemm_into(out, A, B, C, alpha, beta)
-        return out
-    out = A.new_empty((math.prod(batch_shape), M, N))
-    C3 = None if C is None else C.reshape(-1, M, N)
-    _gemm_into(out, A.reshape(-1, M, K), B.reshape(-1, K, N), C3, alpha, beta)
-    return out.reshape(*batch_shape, M, N)
+    left = _batched(A)
+    out = left.new_empty((*left.shape[:-1], B.shape[-1]))
+    _gemm_into(out, left, _batched(B), _batched(C), alpha, beta)
+    return out.reshape(*A.shape[:-1], B.shape[-1])
