@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib.metadata
 import importlib.util
 import json
 import os
@@ -64,6 +65,17 @@ def device_name(device: torch.device) -> str:
 def versions(**packages: str | None) -> dict[str, str | None]:
     """torch's and CUDA's versions, then ``packages`` (JSON key -> version) in the given order."""
     return {"torch": torch.__version__, "cuda": torch.version.cuda, **packages}
+
+
+def installed(*distributions: str) -> dict[str, str | None]:
+    """The installed version of each distribution (e.g. "quack-kernels"), None where absent."""
+    found: dict[str, str | None] = {}
+    for name in distributions:
+        try:
+            found[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            found[name] = None
+    return found
 
 
 def dmuon_environment() -> dict[str, str]:

@@ -8,30 +8,27 @@ interleaved, median). Each cute configuration's relative error against an fp32 p
 recorded next to cuBLAS's. ``triangle_tflops`` divides the M·(M+1)·K flops of one triangle by
 each column's time (so cuBLAS, which computes both triangles, really runs at twice its figure).
 
-Each SM90 tiling exists with two epilogues: "<name>" (direct stores) and "<name>_smem" (staged
-in shared memory, TMA stores); name both in ``--configs`` to time them side by side, and
-``--shapes`` to time only some shapes.
+Each SM90 tiling exists with three epilogues: "<name>" (direct stores), "<name>_smem_flat" and
+"<name>_smem" (staged in a plain or a swizzled shared-memory buffer, TMA stores); name them in
+``--configs`` to time them side by side, and ``--shapes`` to time only some shapes.
 
 ``--smoke`` first runs every chosen configuration once on a few small shapes and compares it
 with cuBLAS (exit 1 on a mismatch), so a broken kernel costs seconds, not the whole table.
 
 Usage (repository root, packages on PYTHONPATH)::
 
-    python benchmarks/bench_cute.py --out cute.json [--dtypes float16 bfloat16] [--no-quack]
+    python benchmarks/bench_cute.py [--out cute.json] [--dtypes float16 bfloat16] [--no-quack]
         [--configs sm90_128x128 128x128_4warps] [--shapes 4096x4096 8192x8192] [--smoke]
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
-import importlib.metadata
-import json
 import sys
 import time
 from collections.abc import Sequence
-from pathlib import Path
 
+import _common
 import torch
 
 from dmuon_kernels.syrk import backend_availability, get_backend
@@ -123,7 +120,7 @@ def measure(
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path)
+    _common.add_record_options(parser, "default: benchmarks/results/syrk-<gpu>-cute-<date>.json")
     parser.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=list(DTYPES))
     parser.add_argument("--no-quack", action="store_true")
     parser.add_argument("--repeats", type=int, default=15)
@@ -132,20 +129,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--shapes", nargs="+", type=parse_shape, help="MxK shapes (default: the standard set)"
     )
     parser.add_argument("--smoke", action="store_true")
-    parser.add_argument(
-        "--sm90-variants",
-        action="store_true",
-        help="also time SM90 tilings that are not in TILE_CONFIGS (ring depth, k-tile)",
-    )
     args = parser.parse_args(argv)
-    if args.sm90_variants:
-        variants = {
-            "sm90_128x128_4stages": cute_backend.Sm90TileConfig(128, 64, 4),
-            "sm90_128x128_6stages": cute_backend.Sm90TileConfig(128, 64, 6),
-            "sm90_128x128_k128": cute_backend.Sm90TileConfig(128, 128, 3),
-        }
-        cute_backend.TILE_CONFIGS.update(variants)
-        args.configs = [*(args.configs or []), *variants]
     if not torch.cuda.is_available():
         print("bench_cute: needs a CUDA device", file=sys.stderr)
         return 2
@@ -156,6 +140,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     configs = runnable_configs(args.configs)
     if args.smoke:
         return 0 if smoke(configs) else 1
+    date = _common.utc_now()
     rows = []
     for dtype_name in args.dtypes:
         for M, K in args.shapes or SHAPES:
@@ -174,28 +159,20 @@ def main(argv: Sequence[str] | None = None) -> int:
                 for n, ms in row["median_ms"].items()
             )
             print(f"{dtype_name} {M}x{K} [{row['cute_config']}]: {cells}", flush=True)
-    versions = {"torch": torch.__version__, "cuda": str(torch.version.cuda)}
-    for name in ("nvidia-cutlass-dsl", "quack-kernels"):
-        try:
-            versions[name] = importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            versions[name] = "not installed"
+    gpu = _common.device_name(torch.device("cuda"))
     record = {
         "benchmark": "syrk-cute",
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "device": torch.cuda.get_device_name(),
+        "date": _common.iso_seconds(date),
+        "git_sha": _common.git_sha(args.git_sha),
+        "device": gpu,
         "compute_capability": list(torch.cuda.get_device_capability()),
-        "versions": versions,
+        "versions": _common.versions(**_common.installed("nvidia-cutlass-dsl", "quack-kernels")),
         "tile_configs": {n: str(cute_backend.TILE_CONFIGS[n]) for n in configs},
         "cute_path": cute_backend.kernel_path(torch.device("cuda", torch.cuda.current_device())),
         "timing": "GPU-only (spin kernel ahead of each region), CUDA events, interleaved, median",
         "syrk": rows,
     }
-    if args.out is None:
-        return 0
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(record, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    _common.write_json(args.out or _common.result_path("syrk", gpu, date, "cute"), record)
     return 0
 
 

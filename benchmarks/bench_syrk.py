@@ -22,15 +22,10 @@ Usage (repository root, packages on PYTHONPATH)::
 from __future__ import annotations
 
 import argparse
-import datetime
-import importlib.metadata
-import json
-import re
-import subprocess
 import sys
 from collections.abc import Callable, Sequence
-from pathlib import Path
 
+import _common
 import torch
 
 from dmuon_kernels import __version__
@@ -44,9 +39,6 @@ from dmuon_kernels.syrk import (
 )
 from dmuon_kernels.syrk.timing import median_ms
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
-
 SHAPES = [(1024, 4096), (4096, 4096), (4096, 14336), (8192, 8192), (8192, 28672)]
 SQUARE_SIZES = [1024, 4096, 8192]  # symmetric_product: the Gram matrices of the shapes above
 # matmul (M, K, N): Newton-Schulz's Q·X and poly·X for the shapes above
@@ -55,28 +47,6 @@ MATMUL_SHAPES = [(1024, 1024, 4096), (4096, 4096, 4096), (4096, 4096, 14336), (8
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 BACKENDS = ("quack", "cute")
 COLUMNS = ("cublas", *BACKENDS, "auto")
-
-
-def git_sha(explicit: str | None) -> str:
-    if explicit:
-        return explicit
-    try:
-        return subprocess.run(
-            ["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True, check=True
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
-def versions() -> dict[str, str | None]:
-    found: dict[str, str | None] = {"torch": torch.__version__, "cuda": torch.version.cuda}
-    found["dmuon-kernels"] = __version__
-    for name in ("quack-kernels", "nvidia-cutlass-dsl", "triton"):
-        try:
-            found[name] = importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            found[name] = None
-    return found
 
 
 def syrk_columns(A: torch.Tensor) -> dict[str, Callable[[], object] | str]:
@@ -204,14 +174,13 @@ def format_table(title: str, rows: Sequence[dict]) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=25, help="timed regions per column")
-    parser.add_argument("--out", type=Path, default=None, help="JSON path")
-    parser.add_argument("--git-sha", default=None, help="recorded in the JSON (default: git)")
+    _common.add_record_options(parser, "default: benchmarks/results/syrk-<gpu>-<date>.json")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_syrk: needs a CUDA device", file=sys.stderr)
         return 2
-    date = datetime.datetime.now(datetime.UTC)
-    gpu = torch.cuda.get_device_name()
+    date = _common.utc_now()
+    gpu = _common.device_name(torch.device("cuda"))
     syrk_rows, product_rows, matmul_rows = run(args.repeats)
     print(f"SYRK on {gpu}, GPU-only median ms; (x) = speedup vs cuBLAS a @ a.T")
     print(format_table("A·Aᵀ for A (M, K):", syrk_rows))
@@ -220,15 +189,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{name}: {reason}")
     print(format_table("symmetric_product S·B, (n, n):", product_rows))
     print(format_table("matmul 0.5·C + A·B, (M, K, N) (cublas = torch.addmm):", matmul_rows))
-    slug = re.sub(r"[^a-z0-9]+", "-", gpu.lower()).strip("-")
-    out = args.out or RESULTS_DIR / f"syrk-{slug}-{date:%Y-%m-%d}.json"
     record = {
         "benchmark": "syrk",
-        "date": date.isoformat(timespec="seconds"),
-        "git_sha": git_sha(args.git_sha),
+        "date": _common.iso_seconds(date),
+        "git_sha": _common.git_sha(args.git_sha),
         "device": gpu,
         "compute_capability": list(torch.cuda.get_device_capability()),
-        "versions": versions(),
+        "versions": _common.versions(
+            **{"dmuon-kernels": __version__},
+            **_common.installed("quack-kernels", "nvidia-cutlass-dsl", "triton"),
+        ),
         "timing": "GPU-only (spin kernel ahead of each region), CUDA events, interleaved, median",
         "inputs": {"shapes": SHAPES, "square_sizes": SQUARE_SIZES, "matmul_shapes": MATMUL_SHAPES,
                    "dtypes": list(DTYPES), "repeats": args.repeats},
@@ -236,9 +206,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "symmetric_product": product_rows,
         "matmul": matmul_rows,
     }  # fmt: skip
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(record, indent=2) + "\n")
-    print(f"wrote {out}")
+    _common.write_json(args.out or _common.result_path("syrk", gpu, date), record)
     return 0
 
 
