@@ -45,8 +45,6 @@ _common.add_package_sources_if_missing()
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
-from torch.distributed.fsdp import fully_shard  # noqa: E402
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset  # noqa: E402
 
 import dmuon  # noqa: E402
@@ -59,14 +57,10 @@ from tests.distributed.models import (  # noqa: E402
     proj_predicate,
     rank_rows,
 )
+from tests.distributed.scenarios_protocol import dedicate_and_shard  # noqa: E402
+from tests.reference_optim import ReferenceMuonAdamW  # noqa: E402
 
-try:
-    from tests.reference_optim import ReferenceMuonAdamW
-
-    REFERENCE = "tests/reference_optim.py ReferenceMuonAdamW"
-except ImportError:
-    ReferenceMuonAdamW = None
-    REFERENCE = "missing: tests/reference_optim.py not found, no reference comparison"
+REFERENCE = "tests/reference_optim.py ReferenceMuonAdamW"
 
 LR = 0.02
 WEIGHT_DECAY = 0.01
@@ -102,29 +96,9 @@ def new_newton_schulz() -> NewtonSchulz:
 
 
 def build(config: RunConfig, device: torch.device):
-    world = dist.get_world_size()
-    if config.replicas > 1:
-        mesh = init_device_mesh(
-            device.type,
-            (config.replicas, world // config.replicas),
-            mesh_dim_names=("replicate", "shard"),
-        )
-        shard_mesh, replicate_mesh, fsdp_mesh = mesh["shard"], mesh["replicate"], mesh
-    else:
-        shard_mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("shard",))
-        replicate_mesh, fsdp_mesh = None, shard_mesh
     torch.manual_seed(0)
     model = TinyDecoder().to(device)
-    dmuon.dedicate_params(
-        model,
-        shard_mesh,
-        proj_predicate,
-        replicate_mesh=replicate_mesh,
-        reshard_after_forward=config.reshard_after_forward,
-    )
-    for layer in model.layers:
-        fully_shard(layer, mesh=fsdp_mesh, reshard_after_forward=config.reshard_after_forward)
-    fully_shard(model, mesh=fsdp_mesh, reshard_after_forward=config.reshard_after_forward)
+    dedicate_and_shard(model, device.type, config.replicas, config.reshard_after_forward)
     optimizer = dmuon.Muon(
         model,
         lr=LR,
@@ -136,8 +110,6 @@ def build(config: RunConfig, device: torch.device):
 
 
 def build_reference(device: torch.device):
-    if ReferenceMuonAdamW is None:
-        return None, None
     torch.manual_seed(0)
     reference = TinyDecoder().to(device)
     orthogonalize = functools.partial(
@@ -207,14 +179,13 @@ def train(config: RunConfig, steps: int, device: torch.device) -> dict:
         optimizer.zero_grad()
         local_losses.append(loss.item())
         losses.append(all_ranks(loss.item(), dist.ReduceOp.SUM, device) / world)
-        if reference is not None:
-            reference_loss = loss_fn(reference, batch)
-            reference_loss.backward()
-            reference_optimizer.step()
-            reference_optimizer.zero_grad()
-            reference_losses.append(reference_loss.item())
-            error = max_relative_error(visible_weights(model), reference)
-            max_errors.append(all_ranks(error, dist.ReduceOp.MAX, device))
+        reference_loss = loss_fn(reference, batch)
+        reference_loss.backward()
+        reference_optimizer.step()
+        reference_optimizer.zero_grad()
+        reference_losses.append(reference_loss.item())
+        error = max_relative_error(visible_weights(model), reference)
+        max_errors.append(all_ranks(error, dist.ReduceOp.MAX, device))
     dmuon.wait_all_replicate_broadcasts(model)
     state = get_dedicated_state(model)
     return {

@@ -49,30 +49,35 @@ def make_model(config: TrainConfig) -> TinyDecoder:
     return model
 
 
-def build(config: TrainConfig):
-    """The dmuon model (dedicated + fully_shard) and its optimizer, as a user writes it."""
+def dedicate_and_shard(model, device_type: str, replicas: int, reshard_after_forward: bool):
+    """What a user writes: a 1-D or ("replicate", "shard") mesh, ``dedicate_params`` on the
+    projections, then ``fully_shard`` per layer and on the root. Returns the owner map."""
     world = dist.get_world_size()
-    if config.replicas > 1:
+    if replicas > 1:
         mesh = init_device_mesh(
-            "cpu",
-            (config.replicas, world // config.replicas),
-            mesh_dim_names=("replicate", "shard"),
+            device_type, (replicas, world // replicas), mesh_dim_names=("replicate", "shard")
         )
         shard_mesh, replicate_mesh, fsdp_mesh = mesh["shard"], mesh["replicate"], mesh
     else:
-        shard_mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("shard",))
+        shard_mesh = init_device_mesh(device_type, (world,), mesh_dim_names=("shard",))
         replicate_mesh, fsdp_mesh = None, shard_mesh
-    model = make_model(config)
     owners = dmuon.dedicate_params(
         model,
         shard_mesh,
         proj_predicate,
         replicate_mesh=replicate_mesh,
-        reshard_after_forward=config.reshard_after_forward,
+        reshard_after_forward=reshard_after_forward,
     )
     for layer in model.layers:
-        fully_shard(layer, mesh=fsdp_mesh, reshard_after_forward=config.reshard_after_forward)
-    fully_shard(model, mesh=fsdp_mesh, reshard_after_forward=config.reshard_after_forward)
+        fully_shard(layer, mesh=fsdp_mesh, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, mesh=fsdp_mesh, reshard_after_forward=reshard_after_forward)
+    return owners
+
+
+def build(config: TrainConfig):
+    """The dmuon model (dedicated + fully_shard) and its optimizer, as a user writes it."""
+    model = make_model(config)
+    owners = dedicate_and_shard(model, "cpu", config.replicas, config.reshard_after_forward)
     if config.compile_backend is not None:
         for layer in model.layers:
             layer.compile(backend=config.compile_backend)
