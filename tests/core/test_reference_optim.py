@@ -104,61 +104,48 @@ def test_adamw_part_matches_torch_adamw_to_fp32_rounding(weight_decay):
         assert error < 10 * STEPS * FP32_EPS, f"{name}: {error:.2e}"
 
 
+def muon_against_torch_muon(momentum: float, nesterov: bool):
+    """Both Muons from the same start on the same gradients for STEPS steps, our reference with
+    torch's orthogonalisation; returns (start, ours, theirs)."""
+    start, ours, theirs = twin_params(MATRICES)
+    reference = ReferenceMuonAdamW(
+        ours.items(),
+        lambda name, p: True,
+        lr=0.02,
+        momentum=momentum,
+        nesterov=nesterov,
+        weight_decay=0.1,
+        orthogonalize=torch_newton_schulz,
+    )
+    torch_muon = torch.optim.Muon(
+        theirs.values(),
+        lr=0.02,
+        weight_decay=0.1,
+        momentum=momentum,
+        nesterov=nesterov,
+        adjust_lr_fn="match_rms_adamw",
+    )
+    for step in range(STEPS):
+        set_gradients(step, ours, theirs)
+        reference.step()
+        torch_muon.step()
+    return start, ours, theirs
+
+
 @pytest.mark.parametrize(
     ("momentum", "nesterov"), [(0.0, True), (0.75, True), (0.875, True), (0.75, False)]
 )
 def test_muon_part_matches_torch_muon_to_fp32_rounding_when_one_minus_momentum_is_a_power_of_two(
     momentum, nesterov
 ):
-    start, ours, theirs = twin_params(MATRICES)
-    reference = ReferenceMuonAdamW(
-        ours.items(),
-        lambda name, p: True,
-        lr=0.02,
-        momentum=momentum,
-        nesterov=nesterov,
-        weight_decay=0.1,
-        orthogonalize=torch_newton_schulz,
-    )
-    torch_muon = torch.optim.Muon(
-        theirs.values(),
-        lr=0.02,
-        weight_decay=0.1,
-        momentum=momentum,
-        nesterov=nesterov,
-        adjust_lr_fn="match_rms_adamw",
-    )
-    for step in range(STEPS):
-        set_gradients(step, ours, theirs)
-        reference.step()
-        torch_muon.step()
+    start, ours, theirs = muon_against_torch_muon(momentum, nesterov)
     for name in MATRICES:
         error = relative_difference(ours[name].detach(), theirs[name].detach(), start[name])
         assert error < 10 * STEPS * FP32_EPS, f"{name}: {error:.2e}"
 
 
 def test_muon_part_matches_torch_muon_with_nesterov_momentum_to_bf16_rounding():
-    start, ours, theirs = twin_params(MATRICES)
-    reference = ReferenceMuonAdamW(
-        ours.items(),
-        lambda name, p: True,
-        lr=0.02,
-        momentum=0.95,
-        weight_decay=0.1,
-        orthogonalize=torch_newton_schulz,
-    )
-    torch_muon = torch.optim.Muon(
-        theirs.values(),
-        lr=0.02,
-        weight_decay=0.1,
-        momentum=0.95,
-        nesterov=True,
-        adjust_lr_fn="match_rms_adamw",
-    )
-    for step in range(STEPS):
-        set_gradients(step, ours, theirs)
-        reference.step()
-        torch_muon.step()
+    start, ours, theirs = muon_against_torch_muon(0.95, nesterov=True)
     for name in MATRICES:
         # Each step's orthogonal factor is computed in bf16 from inputs that differ by a bf16
         # rounding; the iteration amplifies that by a small factor, so allow 4 bf16 ulps.
