@@ -68,7 +68,8 @@ class DedicatedState:
         self.is_adopted = False
         # Forward order of the boundaries, recorded during the first forward; prefetch uses it.
         self._forward_order: list[BoundaryGroup] = []
-        self._forward_order_final = False
+        # Position of each boundary in the forward order, once the first forward has closed it.
+        self._forward_position: dict[BoundaryGroup, int] | None = None
         # Boundaries that ran a grad-enabled forward since the last backward, in order.
         self._forwarded: list[BoundaryGroup] = []
         self._end_of_backward_queued = False
@@ -111,17 +112,18 @@ class DedicatedState:
     # ---- prefetch order -------------------------------------------------------------------------
 
     def _record_forward(self, group: BoundaryGroup) -> None:
-        if self._forward_order_final:
+        if self._forward_position is not None:
             return
-        if group in self._forward_order:
-            self._forward_order_final = True
+        if group in self._forward_order:  # the second forward has begun: the order is known
+            self._forward_position = {g: i for i, g in enumerate(self._forward_order)}
         else:
             self._forward_order.append(group)
 
     def _neighbour(self, group: BoundaryGroup, step: int) -> BoundaryGroup | None:
-        if not self._forward_order_final or group not in self._forward_order:
+        position = None if self._forward_position is None else self._forward_position.get(group)
+        if position is None:
             return None
-        index = self._forward_order.index(group) + step
+        index = position + step
         return self._forward_order[index] if 0 <= index < len(self._forward_order) else None
 
     # ---- backward bookkeeping -------------------------------------------------------------------
