@@ -84,7 +84,7 @@ def dmuon_environment() -> dict[str, str]:
 
 
 def utc_now() -> datetime.datetime:
-    return datetime.datetime.now(datetime.UTC)
+    return datetime.datetime.now(datetime.timezone.utc)
 
 
 def iso_seconds(date: datetime.datetime) -> str:
