@@ -3,13 +3,16 @@ error against the fp32 product may be at most twice cuBLAS's own error on the sa
 quarter of the dtype's rounding unit, so two correctly rounding kernels never fail on a draw).
 
 Both paths are tested wherever they run: the SM90 kernel (wgmma, TMA; compute capability 9.x,
-where it is the default), with either epilogue (direct stores, or staged in shared memory and
-stored with TMA: the "_smem"/"_smem_flat" twins of the configuration the adapter picks), and the SM80 kernel
-(forced with ``path="sm80"`` on Hopper). Skipped without CUDA, without nvidia-cutlass-dsl, or on
-a GPU older than SM80.
+where it is the default) with each epilogue (direct stores, or staged in a swizzled or a plain
+shared-memory buffer and stored with TMA), on the tiling the adapter picks for the shape, and the
+SM80 kernel (forced with ``path="sm80"`` on Hopper). The cases and the configuration names they
+build live in tests/gpu/cute_cases.py, which the CPU suite checks. Skipped without CUDA, without
+nvidia-cutlass-dsl, or on a GPU older than SM80.
 """
 
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
@@ -17,33 +20,13 @@ import torch
 from dmuon_kernels.syrk import autotune, backend_availability, get_backend, syrk
 from dmuon_kernels.syrk import cute as cute_backend
 from tests.gpu.accuracy import assert_within_twice_cublas, fp32_product
+from tests.gpu.cute_cases import SHAPES, VARIANT_IDS, VARIANTS, batch_dims, variant_config
 
 DTYPES = (torch.float16, torch.bfloat16)
-# (path, epilogue) variants; a staged epilogue ("smem", "smem_flat") runs the "_<epilogue>" twin
-# of the configuration chosen for the shape
-VARIANTS = (("sm90", "direct"), ("sm90", "smem"), ("sm90", "smem_flat"), ("sm80", "direct"))
-VARIANT_IDS = ("sm90", "sm90_smem", "sm90_smem_flat", "sm80")
 STAGED_CONFIGS = sorted(
-    n for n, t in cute_backend.TILE_CONFIGS.items() if getattr(t, "epilogue", "direct") != "direct"
-)
-# (batch, M, K): aligned; M and K off every tile multiple; a batch; K below one k-tile; a long K
-# that is not a multiple of 64; two big enough for the 128-wide tiles (padded, unpadded); tiny; a
-# 4-D batch; several tiles per persistent CTA (K not a multiple of 8); a batch of 128-wide tiles
-# whose M is off the tile, so one CTA's tiles span matrices; one that Hopper runs with the
-# cooperative 256x128 tiling.
-SHAPES = (
-    (None, 256, 1024),
-    (None, 200, 777),
-    (3, 128, 512),
-    (None, 1000, 24),
-    (None, 300, 4100),
-    (None, 2100, 320),
-    (None, 2048, 512),
-    (None, 5, 3),
-    ((2, 2), 72, 96),
-    (None, 4096, 200),
-    (4, 1100, 72),
-    (None, 8192, 40),
+    n
+    for n, t in cute_backend.TILE_CONFIGS.items()
+    if getattr(t, "epilogue", cute_backend.DIRECT) != cute_backend.DIRECT
 )
 
 
@@ -67,17 +50,17 @@ def skip_unless_path_runs(path):
 
 
 def run_cute(A, C, alpha, beta, variant):
-    path, epilogue = variant
-    if epilogue == "direct":
-        return cute_backend.syrk(A, C, alpha, beta, path=path)
-    batch = A[..., 0, 0].numel()
-    config = cute_backend.choose_config(A.shape[-2], batch, A.device, path) + "_" + epilogue
+    """The SM80 kernel as ``path="sm80"`` runs it; the SM90 kernel with the variant's epilogue
+    on the tiling the adapter picks for the shape (``cute_cases.variant_config``)."""
+    if variant[0] == cute_backend.SM80:
+        return cute_backend.syrk(A, C, alpha, beta, path=cute_backend.SM80)
+    config = variant_config(A.shape[-2], math.prod(A.shape[:-2]), A.device, variant)
     return cute_backend.syrk(A, C, alpha, beta, config=config)
 
 
 def operands(batch, M, K, dtype, seed=0):
     generator = torch.Generator(device="cuda").manual_seed(seed)
-    lead = () if batch is None else ((batch,) if isinstance(batch, int) else batch)
+    lead = batch_dims(batch)
     A = torch.randn((*lead, M, K), device="cuda", generator=generator).mul_(K**-0.25)
     S = torch.randn((*lead, M, M), device="cuda", generator=generator)
     return A.to(dtype), ((S + S.mT) / 2).to(dtype)
@@ -211,7 +194,7 @@ def test_the_sm90_and_sm80_kernels_agree_to_rounding(needs_cute):
 @pytest.mark.parametrize("config", STAGED_CONFIGS)
 def test_the_staged_epilogue_writes_the_same_bits_as_the_direct_one(needs_cute, config):
     skip_unless_path_runs("sm90")
-    twin = config.removesuffix("_" + cute_backend.TILE_CONFIGS[config].epilogue)
+    twin = cute_backend.with_epilogue(config, cute_backend.DIRECT)
     # a batch; M a multiple of 8 but off the tile (TMA clips the edge tiles); with C
     A, C = operands(2, 1000, 200, torch.float16, seed=11)
     poison_allocator(C.numel(), torch.float16)

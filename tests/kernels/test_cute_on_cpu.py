@@ -1,7 +1,8 @@
 """What the CuTe DSL backend ("cute") promises on a machine without a GPU or without cutlass.
 
 The kernels themselves are tested in tests/gpu/test_cute_gpu.py; here: availability and its
-reason, the errors a user gets, the host-side batch splitting, and, where nvidia-cutlass-dsl is
+reason, the errors a user gets, the host-side batch splitting, the tile configuration chosen per
+shape (and that every configuration the GPU tests name exists), and, where nvidia-cutlass-dsl is
 installed, that both kernels compile offline (no GPU needed) for their architectures.
 """
 
@@ -19,6 +20,7 @@ import pytest
 import torch
 
 from dmuon_kernels.syrk import cute as cute_backend
+from tests.gpu.cute_cases import SHAPES, VARIANT_IDS, VARIANTS, shape_config
 
 needs_no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only path")
 
@@ -108,6 +110,69 @@ def test_batch_chunks_cover_the_batch_in_int32_sized_aligned_launches():
 def test_a_matrix_too_large_for_int32_indexing_names_the_fallback():
     with pytest.raises(ValueError, match=r"more than 2\^31 - 1; use kernel='cublas'"):
         cute_backend._batch_chunks(1, 8192 * 262_144 + 8192, 8192 * 8192)
+
+
+# SM counts the choice of tiling depends on: H100 SXM / H200, H100 PCIe, H20, A100.
+SM_COUNTS = (132, 114, 78, 108)
+A_GPU = torch.device("cuda", 0)  # a device object only: nothing here touches CUDA
+
+
+@pytest.fixture(params=SM_COUNTS, ids=lambda count: f"{count}_sms")
+def gpu_with_sms(request, monkeypatch):
+    """``A_GPU`` with this many SMs, as far as the adapter's tiling choice asks."""
+    monkeypatch.setitem(cute_backend._sm_counts, A_GPU, request.param)
+    return A_GPU
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=VARIANT_IDS)
+def test_every_configuration_the_gpu_tests_name_exists_with_the_variants_path_and_epilogue(
+    gpu_with_sms, variant
+):
+    path, epilogue = variant
+    for shape in SHAPES:
+        name = shape_config(shape, gpu_with_sms, variant)
+        assert name in cute_backend.TILE_CONFIGS, (shape, name)
+        tiles = cute_backend.TILE_CONFIGS[name]
+        assert tiles.path == path, (shape, name)
+        assert getattr(tiles, "epilogue", cute_backend.DIRECT) == epilogue, (shape, name)
+        # a staged epilogue runs its direct twin when M is not a multiple of 8
+        runnable = cute_backend.TILE_CONFIGS[cute_backend.runnable_config(name, shape[1])]
+        expected = epilogue if shape[1] % 8 == 0 else cute_backend.DIRECT
+        assert getattr(runnable, "epilogue", cute_backend.DIRECT) == expected, (shape, name)
+
+
+def test_the_gpu_tests_run_every_sm90_tiling_with_every_epilogue(monkeypatch):
+    names = set()
+    for sm_count in SM_COUNTS:
+        monkeypatch.setitem(cute_backend._sm_counts, A_GPU, sm_count)
+        names.update(
+            shape_config(shape, A_GPU, variant) for shape in SHAPES for variant in VARIANTS
+        )
+    for tiling in ("sm90_64x64", "sm90_128x128", "sm90_256x128"):
+        assert {tiling, f"{tiling}_smem", f"{tiling}_smem_flat"} <= names
+
+
+def test_hopper_chooses_small_tiles_below_a_round_of_sms_and_stages_large_problems(monkeypatch):
+    monkeypatch.setitem(cute_backend._sm_counts, A_GPU, 132)
+    assert cute_backend.choose_config(640, 1, A_GPU, "sm90") == "sm90_64x64"
+    assert cute_backend.choose_config(4096, 1, A_GPU, "sm90") == "sm90_128x128_smem_flat"
+    # 1056 tiles of 256x128 are 8 even rounds on 132 SMs
+    assert cute_backend.choose_config(8192, 1, A_GPU, "sm90") == "sm90_256x128_smem_flat"
+    assert cute_backend.choose_config(4096, 1, A_GPU, "sm80") == "128x128_4warps"
+    assert cute_backend.choose_config(640, 1, A_GPU, "sm80") == "64x64_4warps"
+
+
+def test_with_epilogue_names_the_twin_and_refuses_what_has_none():
+    assert cute_backend.with_epilogue("sm90_256x128_smem_flat", "smem") == "sm90_256x128_smem"
+    assert cute_backend.with_epilogue("sm90_256x128_smem", "direct") == "sm90_256x128"
+    assert cute_backend.with_epilogue("sm90_64x64", "smem_flat") == "sm90_64x64_smem_flat"
+    assert cute_backend.with_epilogue("sm90_64x64", "direct") == "sm90_64x64"
+    with pytest.raises(ValueError, match=r"config '128x128_4warps' is an SM80 tiling"):
+        cute_backend.with_epilogue("128x128_4warps", "smem")
+    with pytest.raises(
+        ValueError, match=r"epilogue must be one of \('direct', 'smem', 'smem_flat'\)"
+    ):
+        cute_backend.with_epilogue("sm90_64x64", "tma")
 
 
 needs_cutlass = pytest.mark.skipif(

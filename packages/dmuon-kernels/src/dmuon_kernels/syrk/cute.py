@@ -61,9 +61,11 @@ _TMA_ALIGNMENT_ELEMENTS = 8  # K_pad multiple of 8: 16-byte TMA strides for fp16
 
 # The staged epilogue's TMA stores need D's rows 16 bytes apart (M a multiple of 8); for other M
 # a "<name>_<epilogue>" configuration runs its direct-epilogue twin "<name>".
+DIRECT = "direct"
 STAGED = "smem"
 STAGED_FLAT = "smem_flat"
 STAGED_EPILOGUES = (STAGED, STAGED_FLAT)
+EPILOGUES = (DIRECT, *STAGED_EPILOGUES)
 
 _INT32_LIMIT = 2**31 - 1
 _ALIGNMENT_BYTES = 16
@@ -91,7 +93,7 @@ class Sm90TileConfig:
     stages: int
     consumers: int = 2  # consumer warpgroups: 2 in ping-pong, or 1
     cooperative: bool = False  # 2·tile x tile CTA tiles, both consumers on each
-    epilogue: str = "direct"  # "direct", or staged in shared memory with TMA stores: "smem"
+    epilogue: str = DIRECT  # "direct", or staged in shared memory with TMA stores: "smem"
     # (128-byte swizzled buffer) or "smem_flat" (plain row-major buffer)
     path: str = SM90
 
@@ -333,8 +335,25 @@ def runnable_config(name: str, M: int) -> str:
     multiple of 8 (TMA cannot describe D's rows then)."""
     tiles = TILE_CONFIGS[name]
     if isinstance(tiles, Sm90TileConfig) and tiles.epilogue in STAGED_EPILOGUES and M % 8:
-        return name.removesuffix("_" + tiles.epilogue)
+        return with_epilogue(name, DIRECT)
     return name
+
+
+def with_epilogue(name: str, epilogue: str) -> str:
+    """The SM90 configuration of ``name``'s tiling with ``epilogue``: "<tiling>" for "direct",
+    "<tiling>_<epilogue>" for a staged one (e.g. "sm90_256x128_smem_flat", "smem" ->
+    "sm90_256x128_smem"). ValueError when ``name`` is not an SM90 configuration or its tiling
+    has no such twin."""
+    tiles = TILE_CONFIGS[name]
+    if not isinstance(tiles, Sm90TileConfig):
+        raise ValueError(f"config {name!r} is an SM80 tiling: only SM90 ones choose an epilogue")
+    if epilogue not in EPILOGUES:
+        raise ValueError(f"epilogue must be one of {EPILOGUES}; got {epilogue!r}")
+    tiling = name.removesuffix("_" + tiles.epilogue)
+    twin = tiling if epilogue == DIRECT else f"{tiling}_{epilogue}"
+    if twin not in TILE_CONFIGS:
+        raise ValueError(f"the SM90 tiling {tiling!r} has no {epilogue!r} configuration")
+    return twin
 
 
 def _sm90_large_tiling(M: int, batch: int, sm_count: int) -> str:
