@@ -175,6 +175,15 @@ class BoundaryGroup:
                     if view.data_ptr() != p.master.data_ptr():
                         view.copy_(p.master)
 
+    def load_full_value(self, p: DedicatedParam, value: torch.Tensor) -> None:
+        """Write a full value of ``p`` into its master (owner) and its local segment, if any."""
+        with torch.no_grad():
+            for segment in self.segments:
+                if segment.is_local and p in segment.params:
+                    _slice(segment.buffer, p.segment_offset, p.shape).copy_(value)
+            if p.master is not None:
+                p.master.copy_(value)
+
     # ---- forward/backward: broadcast from owners, free ---------------------------------------
 
     def unshard(self) -> None:

@@ -66,6 +66,9 @@ class DedicatedState:
         # usual ``model.zero_grad()`` (which cannot see the masters) is enough between steps.
         self.gradients_consumed = False
         self.is_adopted = False
+        # Set by dmuon.checkpoint while it reads or loads the model (see ``module_state``).
+        self.checkpoint_reading = False
+        self.checkpoint_loading = False
         # Forward order of the boundaries, recorded during the first forward; prefetch uses it.
         self._forward_order: list[BoundaryGroup] = []
         # Position of each boundary in the forward order, once the first forward has closed it.
@@ -153,6 +156,23 @@ class DedicatedState:
                 p.master.grad = None
             self.gradients_consumed = False
         accumulate_into_masters(received, divisor=self.mesh.num_slots)
+
+    # ---- loading weights ------------------------------------------------------------------------
+
+    def boundary_of(self, p: DedicatedParam) -> BoundaryGroup:
+        return next(group for group in self.boundaries if p in group.params)
+
+    def load_full_value(self, p: DedicatedParam, value: torch.Tensor) -> None:
+        """Write a full value this rank was given into every copy of ``p`` it holds."""
+        self.wait_all_replicate_broadcasts()
+        self.boundary_of(p).load_full_value(p, value)
+
+    def publish_masters(self) -> None:
+        """After masters changed outside a step: every copy of the weights follows (collective)."""
+        for group in self.boundaries:
+            group.refresh_from_masters()
+            group.publish()
+            group.wait_for_publish()
 
     # ---- user-facing drains ---------------------------------------------------------------------
 

@@ -126,6 +126,25 @@ class Muon(torch.optim.Optimizer):
                 boundary.wait_for_publish()
         return loss
 
+    @torch.no_grad()
+    def init_state(self) -> None:
+        """Create the state every trainable parameter's next step would create (zeros).
+
+        The update is the same as from no state (a zero momentum gives ``buf = g``; AdamW
+        starts at step 0), so a checkpoint taken before a parameter's first gradient still
+        holds every entry and loads on any layout (``dmuon.checkpoint`` calls this).
+        """
+        for group in self.param_groups:
+            for param in group["params"]:
+                if not param.requires_grad or self.state[param]:
+                    continue
+                if group["route"] == MUON_ROUTE:
+                    self.state[param]["momentum_buffer"] = torch.zeros(
+                        _matrix_shape(param), dtype=torch.float32, device=param.device
+                    )
+                else:
+                    self.state[param].update(_new_adamw_state(_local(param)))
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none=set_to_none)
         for p in self._dedicated.params.values():  # gradients kept locally under no_sync
@@ -184,9 +203,7 @@ class Muon(torch.optim.Optimizer):
             weight, grad = _local(param), _local(param.grad)
             state = self.state[param]
             if not state:
-                state["step"] = torch.zeros((), dtype=torch.float32)
-                state["exp_avg"] = torch.zeros_like(weight)
-                state["exp_avg_sq"] = torch.zeros_like(weight)
+                state.update(_new_adamw_state(weight))
             state["step"] += 1
             step = state["step"].item()
             exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
@@ -224,6 +241,14 @@ def _matrix_shape(param: torch.Tensor) -> tuple[int, int]:
 def _oriented(matrix: torch.Tensor, transposed: bool) -> torch.Tensor:
     """Newton-Schulz works on rows <= cols; a tall weight sees its slice transposed."""
     return matrix.mT if transposed else matrix
+
+
+def _new_adamw_state(weight: torch.Tensor) -> dict[str, torch.Tensor]:
+    return {
+        "step": torch.zeros((), dtype=torch.float32),
+        "exp_avg": torch.zeros_like(weight),
+        "exp_avg_sq": torch.zeros_like(weight),
+    }
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:

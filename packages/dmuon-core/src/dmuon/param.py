@@ -32,8 +32,70 @@ MUON_ROUTE = "muon"
 ADAMW_ROUTE = "adamw"
 
 
+PLACEHOLDER_VALUE_ERROR = (
+    "{what} on the placeholder of a dedicated parameter: dmuon keeps this parameter's full "
+    "value on its owner rank, and the module holds a 0-element placeholder outside forward and "
+    "backward, so this would silently read or write nothing. To save or load weights use "
+    "dmuon.checkpoint.get_model_state_dict / set_model_state_dict (or get_state_dict / "
+    "set_state_dict with the optimizer); to move or cast the model, do it before "
+    "dmuon.dedicate_params."
+)
+
+
+_DATA_GETTER = torch.Tensor.data.__get__  # type: ignore[attr-defined]
+
+
+class DedicatedPlaceholder(nn.Parameter):
+    """The 0-element parameter a module holds for a dedicated parameter outside forward/backward.
+
+    It answers metadata queries (dtype, device, requires_grad, grad) like any parameter, but
+    refuses to hand out or pickle its (empty) value: a ``named_parameters()``-based saver or a
+    cast of the model would otherwise go through with nothing, without a word.
+    """
+
+    _VALUE_READS = frozenset(
+        {
+            torch.Tensor.detach,
+            torch.Tensor.clone,
+            torch.Tensor.cpu,
+            torch.Tensor.cuda,
+            torch.Tensor.to,
+            torch.Tensor.numpy,
+            torch.Tensor.tolist,
+            torch.Tensor.item,
+            torch.Tensor.contiguous,
+            torch.Tensor.__getitem__,
+            torch.Tensor.float,
+            torch.Tensor.half,
+            torch.Tensor.bfloat16,
+            torch.Tensor.double,
+            _DATA_GETTER,
+            torch.clone,
+        }
+    )
+
+    # True while the module's own state_dict() runs: it detaches every parameter, and dmuon's
+    # state-dict hook then replaces the placeholder's entry (see ``module_state``).
+    in_state_dict: bool = False
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func in cls._VALUE_READS and not (
+            func is torch.Tensor.detach and getattr(args[0], "in_state_dict", False)
+        ):
+            what = "reading .data" if func is _DATA_GETTER else f"{func.__name__}()"
+            raise RuntimeError(PLACEHOLDER_VALUE_ERROR.format(what=what))
+        return torch._C._disabled_torch_function_impl(func, types, args, kwargs or {})
+
+    def __reduce_ex__(self, protocol):
+        raise RuntimeError(PLACEHOLDER_VALUE_ERROR.format(what="pickling (torch.save)"))
+
+    def __deepcopy__(self, memo):
+        raise RuntimeError(PLACEHOLDER_VALUE_ERROR.format(what="copy.deepcopy"))
+
+
 def make_placeholder(like: nn.Parameter) -> nn.Parameter:
-    placeholder = nn.Parameter(
+    placeholder = DedicatedPlaceholder(
         torch.empty(0, dtype=like.dtype, device=like.device), requires_grad=like.requires_grad
     )
     mark_dedicated(placeholder)

@@ -1,0 +1,81 @@
+"""Save, resume, export and reshard a dmuon model and its ``dmuon.Muon`` optimizer.
+
+The functions and semantics of ``torch.distributed.checkpoint.state_dict``, for dmuon models
+(torch's own functions raise on them: the dedicated weights live on their owners)::
+
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+    import dmuon.checkpoint as dckpt
+
+    model_sd, optim_sd = dckpt.get_state_dict(model, optimizer)            # sharded
+    dckpt.save({"model": model_sd, "optim": optim_sd}, "ckpt/step-100")    # collective
+
+    # later, on any number of ranks and any layout (1-D, HSDP, one process):
+    model_sd, optim_sd = dckpt.get_state_dict(model, optimizer)
+    dckpt.load({"model": model_sd, "optim": optim_sd}, "ckpt/step-100")
+    dckpt.set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
+
+    # one plain dict FQN -> full CPU tensor on the first rank (for from_pretrained, export):
+    full = dckpt.get_model_state_dict(
+        model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+    )
+
+Sharded dicts go straight into ``torch.distributed.checkpoint.save/load`` too; ``save`` and
+``load`` here add an atomic commit and a check of every key before reading (see ``_storage``).
+Every function is collective over the ranks of the model's ownership grid and drains pending
+post-step publishes first. ``StateDictOptions``: ``full_state_dict``, ``cpu_offload``,
+``ignore_frozen_params``, ``strict`` and ``flatten_optimizer_state_dict`` are honoured;
+``broadcast_from_rank0`` and ``dsd_fqn_modifiers`` raise.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions
+from torch.nn.modules.module import _IncompatibleKeys
+
+from dmuon.checkpoint._model import get_model_state_dict, set_model_state_dict
+from dmuon.checkpoint._optim import get_optimizer_state_dict, set_optimizer_state_dict
+from dmuon.checkpoint._storage import load, save
+from dmuon.optim import Muon
+
+
+def get_state_dict(
+    model: nn.Module,
+    optimizers: Muon | Iterable[Muon],
+    *,
+    options: StateDictOptions | None = None,
+) -> tuple[dict[str, object], dict[str, object]]:
+    """``(get_model_state_dict(model), get_optimizer_state_dict(model, optimizers))``."""
+    return (
+        get_model_state_dict(model, options=options),
+        get_optimizer_state_dict(model, optimizers, options=options),
+    )
+
+
+def set_state_dict(
+    model: nn.Module,
+    optimizers: Muon | Iterable[Muon],
+    *,
+    model_state_dict: dict[str, object],
+    optim_state_dict: dict[str, object],
+    options: StateDictOptions | None = None,
+) -> _IncompatibleKeys:
+    """Load both; the model first, so the weights every copy serves are the loaded ones."""
+    result = set_model_state_dict(model, model_state_dict, options=options)
+    set_optimizer_state_dict(model, optimizers, optim_state_dict, options=options)
+    return result
+
+
+__all__ = [
+    "StateDictOptions",
+    "get_model_state_dict",
+    "get_optimizer_state_dict",
+    "get_state_dict",
+    "load",
+    "save",
+    "set_model_state_dict",
+    "set_optimizer_state_dict",
+    "set_state_dict",
+]

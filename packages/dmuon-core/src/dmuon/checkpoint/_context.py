@@ -1,0 +1,171 @@
+"""What every ``dmuon.checkpoint`` call shares: its options, its ranks, and how one tensor moves.
+
+Owns the validation of ``StateDictOptions``, the choice of the receiving rank of a full state
+dict, the gathering of one full tensor (from the one owner that holds it, or from a DTensor's
+shards), and the agreement that makes an error on one rank an error on every rank. It must not
+know the layout of model or optimizer state dicts.
+
+[Note: one tensor at a time]
+A full state dict is assembled key by key, in the same order on every rank (the order of
+``model.state_dict()`` / ``model.named_parameters()``): a dedicated tensor goes from its owner to
+the receiving rank (``cpu_offload=True``: point to point; otherwise broadcast to every rank), a
+DTensor is gathered with ``full_tensor()``. Only one full tensor is in flight on any rank at a
+time, so the extra device memory is at most the largest single tensor.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions
+from torch.distributed.tensor import DTensor
+
+from dmuon.api import get_dedicated_state
+from dmuon.hooks import DedicatedState
+from dmuon.param import DedicatedParam
+
+_DEFAULT_OPTIONS = StateDictOptions()
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CheckpointContext:
+    state: DedicatedState
+    options: StateDictOptions
+    group: dist.ProcessGroup | None  # every rank of the ownership grid; None for one slot
+    rank: int  # this rank's global rank
+    receiver: int  # global rank that gets the full state dict under cpu_offload
+    device: torch.device  # where tensors travel (the device of the dedicated weights)
+
+    @property
+    def full(self) -> bool:
+        return self.options.full_state_dict
+
+    @property
+    def keeps_full(self) -> bool:
+        """This rank keeps the full tensors of a full state dict."""
+        return not self.options.cpu_offload or self.rank == self.receiver
+
+    def owner_rank(self, p: DedicatedParam) -> int:
+        return self.state.mesh.global_rank(p.owner)
+
+    def full_from_owner(
+        self,
+        owner: int,
+        owned: torch.Tensor | None,
+        shape: tuple[int, ...],
+        dtype: torch.dtype,
+    ) -> torch.Tensor | None:
+        """The full value of a tensor only global rank ``owner`` holds (``owned`` there, None
+        elsewhere), on the ranks that keep full tensors; None on the others."""
+        if self.group is None:
+            return self._placed(owned)
+        if self.options.cpu_offload:
+            if self.rank == owner == self.receiver:
+                return self._placed(owned)
+            if self.rank == owner:
+                dist.send(owned.to(self.device).contiguous(), dst=self.receiver, group=self.group)
+            elif self.rank == self.receiver:
+                received = torch.empty(shape, dtype=dtype, device=self.device)
+                dist.recv(received, src=owner, group=self.group)
+                return self._placed(received)
+            return None
+        if self.rank == owner:
+            buffer = owned.to(self.device).contiguous()
+        else:
+            buffer = torch.empty(shape, dtype=dtype, device=self.device)
+        dist.broadcast(buffer, src=owner, group=self.group)
+        return buffer
+
+    def full_from_shards(self, value: DTensor) -> torch.Tensor | None:
+        full = value.full_tensor()  # collective over the DTensor's mesh
+        return self._placed(full) if self.keeps_full else None
+
+    def offloaded(self, value):
+        """A sharded state dict's value, on the CPU under ``cpu_offload``."""
+        if not self.options.cpu_offload or not isinstance(value, torch.Tensor):
+            return value
+        if isinstance(value, DTensor):
+            return DTensor.from_local(
+                value.to_local().cpu(),
+                value.device_mesh,
+                value.placements,
+                shape=value.shape,
+                stride=value.stride(),
+            )
+        return value.cpu()
+
+    def _placed(self, value: torch.Tensor) -> torch.Tensor:
+        return value.cpu() if self.options.cpu_offload else value
+
+    def raise_if_any_rank_failed(self, errors: list[str], what: str) -> None:
+        """Raise ``ValueError`` on every rank if any rank found ``errors`` (one collective)."""
+        everyone = [errors]
+        if self.group is not None:
+            everyone = [None] * dist.get_world_size(self.group)
+            dist.all_gather_object(everyone, errors, group=self.group)
+        ranks = dist.get_process_group_ranks(self.group) if self.group is not None else [self.rank]
+        lines = [f"rank {rank}: {error}" for rank, found in zip(ranks, everyone) for error in found]
+        if lines:
+            shown = "\n  ".join(lines[:20])
+            more = f"\n  ... {len(lines) - 20} more" if len(lines) > 20 else ""
+            raise ValueError(f"dmuon.checkpoint: {what}:\n  {shown}{more}")
+
+    def all_gather(self, value: object) -> list[object]:
+        if self.group is None:
+            return [value]
+        everyone: list[object] = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(everyone, value, group=self.group)
+        return everyone
+
+
+def checkpoint_context(model: nn.Module, options: StateDictOptions | None) -> CheckpointContext:
+    """Check the options, drain pending publishes, and describe this rank's part."""
+    options = _check_options(options)
+    state = get_dedicated_state(model)
+    state.ensure_adopted()
+    # A publish in flight still writes the replicas' copies: let it land before reading or
+    # overwriting any weight.
+    state.wait_all_replicate_broadcasts()
+    mesh = state.mesh
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    receiver = min(rank for row in mesh.rank_grid for rank in row)
+    device = state.boundaries[0].device if state.boundaries else torch.device("cpu")
+    return CheckpointContext(
+        state=state,
+        options=options,
+        group=mesh.world_group,
+        rank=rank,
+        receiver=receiver,
+        device=device,
+    )
+
+
+def _check_options(options: StateDictOptions | None) -> StateDictOptions:
+    if options is None:
+        return _DEFAULT_OPTIONS
+    if not isinstance(options, StateDictOptions):
+        raise TypeError(
+            "options must be a torch.distributed.checkpoint.state_dict.StateDictOptions, got "
+            f"{type(options).__name__} {options!r}; e.g. StateDictOptions(full_state_dict=True, "
+            "cpu_offload=True)."
+        )
+    if options.broadcast_from_rank0 and not options.full_state_dict:
+        raise ValueError(
+            "StateDictOptions(broadcast_from_rank0=True) needs full_state_dict=True (rank 0 "
+            "holds a full state dict); set both."
+        )
+    if options.broadcast_from_rank0:
+        raise ValueError(
+            "dmuon.checkpoint does not support StateDictOptions(broadcast_from_rank0=True) yet: "
+            "give every rank the full state dict (full_state_dict=True, broadcast_from_rank0="
+            "False), or load a sharded checkpoint with torch.distributed.checkpoint.load."
+        )
+    if options.dsd_fqn_modifiers != _DEFAULT_OPTIONS.dsd_fqn_modifiers:
+        raise ValueError(
+            f"dmuon.checkpoint does not support StateDictOptions(dsd_fqn_modifiers="
+            f"{options.dsd_fqn_modifiers!r}); keys are always the model's own FQNs."
+        )
+    return options

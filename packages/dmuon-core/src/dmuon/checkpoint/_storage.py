@@ -1,0 +1,190 @@
+"""Checkpoint folders: ``torch.distributed.checkpoint`` save and load, committed atomically and
+checked against what is loaded.
+
+Owns the folder protocol and the load-time checks; the state dicts come from ``_model`` and
+``_optim`` (or anywhere: any DCP state dict works).
+
+[Note: atomic commit]
+``save`` writes into ``.<name>.incomplete`` beside the target and, once every rank's data and
+the metadata are written, the first rank renames it into place (an earlier checkpoint of that
+name is moved aside first and removed after). A rank killed during a save leaves only the
+``.incomplete`` folder, which ``load`` never reads; the target is either the previous complete
+checkpoint or absent. ``load`` refuses a folder without DCP's ``.metadata`` (written last).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+INCOMPLETE_PREFIX = "."
+INCOMPLETE_SUFFIX = ".incomplete"
+_METADATA_FILE = ".metadata"
+
+
+def save(
+    state_dict: dict[str, object],
+    checkpoint_id: str | os.PathLike,
+    *,
+    process_group: dist.ProcessGroup | None = None,
+) -> None:
+    """``torch.distributed.checkpoint.save`` into ``checkpoint_id``, committed atomically.
+
+    Collective over ``process_group`` (default: every rank). See [Note: atomic commit].
+    """
+    target = Path(checkpoint_id)
+    staging = target.with_name(f"{INCOMPLETE_PREFIX}{target.name}{INCOMPLETE_SUFFIX}")
+    first = _is_first(process_group)
+    if first:
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.parent.mkdir(parents=True, exist_ok=True)
+    _barrier(process_group)
+    dcp.save(state_dict, checkpoint_id=staging, process_group=process_group)
+    _barrier(process_group)
+    if first:
+        previous = target.with_name(f"{INCOMPLETE_PREFIX}{target.name}.previous")
+        shutil.rmtree(previous, ignore_errors=True)
+        if target.exists():
+            target.rename(previous)
+        staging.rename(target)
+        shutil.rmtree(previous, ignore_errors=True)
+    _barrier(process_group)
+
+
+def load(
+    state_dict: dict[str, object],
+    checkpoint_id: str | os.PathLike,
+    *,
+    process_group: dist.ProcessGroup | None = None,
+) -> None:
+    """``torch.distributed.checkpoint.load`` of ``checkpoint_id`` into ``state_dict``, in place.
+
+    Before reading any tensor, every rank checks its ``state_dict`` against the checkpoint:
+    missing, unexpected and mis-shaped keys raise a ``ValueError`` on every rank naming them.
+    Optimizer state entries (under a dict with ``"state"`` and ``"param_groups"``) that the
+    checkpoint does not have are dropped from ``state_dict`` instead: that parameter's state
+    starts fresh, and ``dmuon.checkpoint.set_optimizer_state_dict`` warns naming it.
+    """
+    path = Path(checkpoint_id)
+    if not (path / _METADATA_FILE).is_file():
+        staging = path.with_name(f"{INCOMPLETE_PREFIX}{path.name}{INCOMPLETE_SUFFIX}")
+        hint = (
+            f" ({staging} exists: a save into it did not finish)" if staging.exists() else ""
+        )
+        raise FileNotFoundError(
+            f"{path} is not a complete checkpoint: it has no {_METADATA_FILE}{hint}. Load the "
+            "folder dmuon.checkpoint.save (or torch.distributed.checkpoint.save) completed."
+        )
+    metadata = dcp.FileSystemReader(path).read_metadata()
+    saved = metadata.state_dict_metadata
+    flat, paths = flatten_state_dict(state_dict)
+    optimizer_prefixes = _optimizer_state_prefixes(state_dict)
+    errors, dropped = [], []
+    for key, value in flat.items():
+        if key not in saved:
+            if _is_optimizer_state(paths[key], optimizer_prefixes):
+                dropped.append(paths[key])
+            else:
+                errors.append(f"missing in the checkpoint: {key}")
+            continue
+        entry = saved[key]
+        if isinstance(value, torch.Tensor):
+            if not isinstance(entry, TensorStorageMetadata):
+                errors.append(f"{key} is a tensor here but not in the checkpoint")
+            elif tuple(entry.size) != tuple(value.shape):
+                errors.append(
+                    f"size mismatch for {key}: the checkpoint has {tuple(entry.size)}, this "
+                    f"state dict {tuple(value.shape)}"
+                )
+    requested = _union_over_ranks(set(flat), process_group)
+    unexpected = sorted(
+        key
+        for key in saved
+        if key not in requested and not _looks_like_optimizer_state(key, optimizer_prefixes)
+    )
+    errors += [f"in the checkpoint but not in the state dict: {key}" for key in unexpected]
+    _raise_if_any_rank_failed(errors, path, process_group)
+    for key_path in dropped:
+        _drop(state_dict, key_path)
+    dcp.load(state_dict, checkpoint_id=path, process_group=process_group)
+
+
+# ---- optimizer entries --------------------------------------------------------------------
+
+
+def _optimizer_state_prefixes(state_dict: Mapping, prefix: tuple = ()) -> list[tuple]:
+    """Paths of the optimizer state dicts (``{"state": ..., "param_groups": ...}``) inside."""
+    found = []
+    if "state" in state_dict and "param_groups" in state_dict:
+        found.append(prefix)
+    for key, value in state_dict.items():
+        if isinstance(value, Mapping):
+            found += _optimizer_state_prefixes(value, (*prefix, key))
+    return found
+
+
+def _is_optimizer_state(path: tuple, prefixes: list[tuple]) -> bool:
+    return any(path[: len(p)] == p and path[len(p) : len(p) + 1] == ("state",) for p in prefixes)
+
+
+def _looks_like_optimizer_state(flat_key: str, prefixes: list[tuple]) -> bool:
+    return any(flat_key.startswith(".".join(map(str, (*p, "state"))) + ".") for p in prefixes)
+
+
+def _drop(state_dict: dict, path: tuple) -> None:
+    *parents, last = path
+    node = state_dict
+    chain = []
+    for key in parents:
+        chain.append((node, key))
+        node = node[key]
+    del node[last]
+    for parent, key in reversed(chain[1:]):  # an emptied per-parameter dict goes too
+        if not parent[key]:
+            del parent[key]
+
+
+# ---- agreement over ranks -------------------------------------------------------------------
+
+
+def _union_over_ranks(keys: set[str], group: dist.ProcessGroup | None) -> set[str]:
+    if not dist.is_initialized():
+        return keys
+    everyone: list[set[str] | None] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, keys, group=group)
+    return set().union(*everyone)
+
+
+def _raise_if_any_rank_failed(errors: list[str], path: Path, group) -> None:
+    everyone = [errors]
+    if dist.is_initialized():
+        everyone = [None] * dist.get_world_size(group)
+        dist.all_gather_object(everyone, errors, group=group)
+    lines = sorted({error for found in everyone for error in found})
+    if lines:
+        shown = "\n  ".join(lines[:20])
+        more = f"\n  ... {len(lines) - 20} more" if len(lines) > 20 else ""
+        raise ValueError(
+            f"dmuon.checkpoint.load: the checkpoint {path} does not fit the state dict (was it "
+            f"written for another model?):\n  {shown}{more}"
+        )
+
+
+def _is_first(group: dist.ProcessGroup | None) -> bool:
+    if not dist.is_initialized():
+        return True
+    return dist.get_rank() == min(dist.get_process_group_ranks(group or dist.group.WORLD))
+
+
+def _barrier(group: dist.ProcessGroup | None) -> None:
+    if dist.is_initialized():
+        dist.barrier(group=group)
+
