@@ -387,6 +387,14 @@ def test_autotune_log_switch_accepts_the_usual_spellings(monkeypatch):
     assert autotune.autotune_log_enabled()
 
 
+def test_an_autotune_log_value_that_is_not_on_or_off_raises_naming_it(tmp_path, monkeypatch):
+    monkeypatch.setenv("DMUON_SYRK_AUTOTUNE_LOG", "quiet")
+    with pytest.raises(
+        ValueError, match=r"DMUON_SYRK_AUTOTUNE_LOG='quiet' is not an on/off value: use one of"
+    ):
+        tuner_with(tmp_path, ExactBackend()).choose("exact", a_matrix())
+
+
 def test_cache_module_imports_nothing_but_the_standard_library():
     result = subprocess.run(
         [

@@ -8,13 +8,14 @@ host clock. ``dmuon_tools.collect_forward_unshard_profile`` reads them.
 
 from __future__ import annotations
 
-import os
 import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+
+from dmuon_kernels._env import env_flag
 
 FORWARD_PROFILE_ENV = "DMUON_RECORD_FORWARD_PROFILE"
 # CUDA event pairs kept per boundary: the timings cover the most recent waits, so a long run's
@@ -23,7 +24,9 @@ TIMED_WAITS_KEPT = 1000
 
 
 def forward_profile_requested() -> bool:
-    return os.environ.get(FORWARD_PROFILE_ENV, "0") not in ("", "0")
+    """True when ``DMUON_RECORD_FORWARD_PROFILE`` is 1/true/yes/on; off by default
+    (``dmuon_kernels._env.env_flag``: any other value raises ValueError)."""
+    return env_flag(FORWARD_PROFILE_ENV, default=False)
 
 
 @dataclass(slots=True)

@@ -19,7 +19,6 @@ must not keep references to its intermediates. Each call returns a fresh tensor.
 
 from __future__ import annotations
 
-import os
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -27,17 +26,17 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from dmuon_kernels._env import NS_CUDA_GRAPH_ENV as CUDA_GRAPH_ENV
+from dmuon_kernels._env import env_flag
 from dmuon_kernels.status import log_rank_tagged
-
-CUDA_GRAPH_ENV = "DMUON_NS_CUDA_GRAPH"
 
 Signature = tuple[tuple[int, ...], tuple[int, ...], torch.dtype, torch.device]
 
 
 def cuda_graphs_enabled() -> bool:
-    """False when ``DMUON_NS_CUDA_GRAPH`` is 0/false/off/no; on by default."""
-    value = os.environ.get(CUDA_GRAPH_ENV, "1").strip().lower()
-    return value not in ("0", "false", "off", "no")
+    """False when ``DMUON_NS_CUDA_GRAPH`` is 0/false/no/off; on by default (``env_flag``: any
+    other value raises ValueError)."""
+    return env_flag(CUDA_GRAPH_ENV, default=True)
 
 
 @dataclass(slots=True)

@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from dmuon_kernels._env import NS_CUDA_GRAPH_ENV, NS_KERNEL_ENV, SYRK_AUTOTUNE_LOG_ENV
+
 # Names are imported from the module: the package attribute ``dmuon_kernels.syrk`` is the function.
 from dmuon_kernels.syrk import (
     AUTO,
@@ -29,20 +31,17 @@ from dmuon_kernels.syrk import (
     require_available,
     sm_version,
 )
+from dmuon_kernels.syrk.cache import CACHE_DIR_ENV
 
 if TYPE_CHECKING:
     from dmuon_kernels.newton_schulz import NewtonSchulz
 
-ENV_NS_KERNEL = "DMUON_NS_KERNEL"
-# Read by the GPU modules; listed here so the status report shows them in one place.
-ENV_NS_CUDA_GRAPH = "DMUON_NS_CUDA_GRAPH"
-ENV_SYRK_AUTOTUNE_LOG = "DMUON_SYRK_AUTOTUNE_LOG"
-ENV_CACHE_DIR = "DMUON_CACHE_DIR"
-ENV_VARS = (ENV_NS_KERNEL, ENV_NS_CUDA_GRAPH, ENV_SYRK_AUTOTUNE_LOG, ENV_CACHE_DIR)
+# Read by the modules that act on them; listed here so the status report shows them together.
+ENV_VARS = (NS_KERNEL_ENV, NS_CUDA_GRAPH_ENV, SYRK_AUTOTUNE_LOG_ENV, CACHE_DIR_ENV)
 
 # Where a NewtonSchulz kernel choice came from, in resolution order.
 ORIGIN_ARGUMENT = "kernel argument"
-ORIGIN_ENV = ENV_NS_KERNEL
+ORIGIN_ENV = NS_KERNEL_ENV
 ORIGIN_DETERMINISTIC = "deterministic=True"
 ORIGIN_AUTO = "auto"
 
@@ -106,10 +105,10 @@ def log_rank_tagged(message: str, *, level: int = logging.INFO) -> None:
 
 def env_ns_kernel() -> str | None:
     """The canonical kernel named by ``DMUON_NS_KERNEL``, or None when unset or empty."""
-    value = os.environ.get(ENV_NS_KERNEL, "").strip()
+    value = os.environ.get(NS_KERNEL_ENV, "").strip()
     if not value:
         return None
-    return canonical_kernel_name(value, source=f"environment variable {ENV_NS_KERNEL}")
+    return canonical_kernel_name(value, source=f"environment variable {NS_KERNEL_ENV}")
 
 
 def ns_kernel_request(requested: str, deterministic: bool) -> tuple[str, str]:
@@ -140,7 +139,7 @@ def require_ns_kernel(kernel: str, origin: str) -> None:
         return
     if origin == ORIGIN_ENV:
         require_available(
-            kernel, source=ENV_NS_KERNEL, alternative=f"set {ENV_NS_KERNEL}=auto (or unset it)"
+            kernel, source=NS_KERNEL_ENV, alternative=f"set {NS_KERNEL_ENV}=auto (or unset it)"
         )
     else:
         require_available(kernel)
@@ -185,7 +184,7 @@ def get_ns_backend(ns: NewtonSchulz | None = None) -> str:
     form = "Gram" if ns.backend == "gram" else "Direct"
     details = ns.kernel_reason
     if ns.kernel_origin == ORIGIN_ENV:
-        details += f"; set by {ENV_NS_KERNEL}"
+        details += f"; set by {NS_KERNEL_ENV}"
     elif ns.kernel_origin == ORIGIN_DETERMINISTIC:
         details += f"; {ORIGIN_DETERMINISTIC}"
     if ns.dtype not in KERNEL_DTYPES:

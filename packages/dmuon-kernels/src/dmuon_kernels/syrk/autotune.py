@@ -37,12 +37,13 @@ import torch
 from torch import Tensor
 
 import dmuon_kernels
+from dmuon_kernels._env import SYRK_AUTOTUNE_LOG_ENV as AUTOTUNE_LOG_ENV
+from dmuon_kernels._env import env_flag
 from dmuon_kernels.status import log_rank_tagged
 from dmuon_kernels.syrk import CUBLAS, MATMUL, SYMMETRIC_PRODUCT, SYRK
 from dmuon_kernels.syrk.cache import VerdictCache
 from dmuon_kernels.syrk.timing import median_ms
 
-AUTOTUNE_LOG_ENV = "DMUON_SYRK_AUTOTUNE_LOG"
 BASELINE = CUBLAS
 
 # The candidate's error may be this many times cuBLAS's (both against the same fp32 product).
@@ -59,9 +60,9 @@ TUNING_SEED = 0x5EED
 
 
 def autotune_log_enabled() -> bool:
-    """False when ``DMUON_SYRK_AUTOTUNE_LOG`` is 0/false/off/no; read at every line."""
-    value = os.environ.get(AUTOTUNE_LOG_ENV, "1").strip().lower()
-    return value not in ("0", "false", "off", "no")
+    """False when ``DMUON_SYRK_AUTOTUNE_LOG`` is 0/false/no/off; on by default; read at every
+    line (``env_flag``: any other value raises ValueError)."""
+    return env_flag(AUTOTUNE_LOG_ENV, default=True)
 
 
 def _log(message: str) -> None:
