@@ -49,7 +49,9 @@ def make_model(config: TrainConfig) -> TinyDecoder:
     return model
 
 
-def dedicate_and_shard(model, device_type: str, replicas: int, reshard_after_forward: bool):
+def dedicate_and_shard(
+    model, device_type: str, replicas: int, reshard_after_forward: bool, predicate=proj_predicate
+):
     """What a user writes: a 1-D or ("replicate", "shard") mesh, ``dedicate_params`` on the
     projections, then ``fully_shard`` per layer and on the root. Returns the owner map."""
     world = dist.get_world_size()
@@ -64,7 +66,7 @@ def dedicate_and_shard(model, device_type: str, replicas: int, reshard_after_for
     owners = dmuon.dedicate_params(
         model,
         shard_mesh,
-        proj_predicate,
+        predicate,
         replicate_mesh=replicate_mesh,
         reshard_after_forward=reshard_after_forward,
     )

@@ -50,7 +50,9 @@ def _entry(ctx: CheckpointContext, value: object) -> object | None:
         p = value.param
         if ctx.full:
             owned = p.master.detach().to(p.placeholder.dtype) if p.master is not None else None
-            return ctx.full_from_owner(ctx.owner_rank(p), owned, tuple(p.shape), p.placeholder.dtype)
+            return ctx.full_from_owner(
+                ctx.owner_rank(p), owned, tuple(p.shape), p.placeholder.dtype
+            )
         return ctx.offloaded(p.master.detach()) if p.master is not None else None
     if isinstance(value, DTensor):
         return ctx.full_from_shards(value) if ctx.full else ctx.offloaded(value)

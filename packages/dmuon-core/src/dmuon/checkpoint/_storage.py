@@ -14,9 +14,11 @@ checkpoint or absent. ``load`` refuses a folder without DCP's ``.metadata`` (wri
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
-from collections.abc import Mapping
+import warnings
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import torch
@@ -47,7 +49,8 @@ def save(
         shutil.rmtree(staging, ignore_errors=True)
         staging.parent.mkdir(parents=True, exist_ok=True)
     _barrier(process_group)
-    dcp.save(state_dict, checkpoint_id=staging, process_group=process_group)
+    with _single_process_is_intended():
+        dcp.save(state_dict, checkpoint_id=staging, process_group=process_group)
     _barrier(process_group)
     if first:
         previous = target.with_name(f"{INCOMPLETE_PREFIX}{target.name}.previous")
@@ -76,9 +79,7 @@ def load(
     path = Path(checkpoint_id)
     if not (path / _METADATA_FILE).is_file():
         staging = path.with_name(f"{INCOMPLETE_PREFIX}{path.name}{INCOMPLETE_SUFFIX}")
-        hint = (
-            f" ({staging} exists: a save into it did not finish)" if staging.exists() else ""
-        )
+        hint = f" ({staging} exists: a save into it did not finish)" if staging.exists() else ""
         raise FileNotFoundError(
             f"{path} is not a complete checkpoint: it has no {_METADATA_FILE}{hint}. Load the "
             "folder dmuon.checkpoint.save (or torch.distributed.checkpoint.save) completed."
@@ -114,7 +115,8 @@ def load(
     _raise_if_any_rank_failed(errors, path, process_group)
     for key_path in dropped:
         _drop(state_dict, key_path)
-    dcp.load(state_dict, checkpoint_id=path, process_group=process_group)
+    with _single_process_is_intended():
+        dcp.load(state_dict, checkpoint_id=path, process_group=process_group)
 
 
 # ---- optimizer entries --------------------------------------------------------------------
@@ -178,6 +180,14 @@ def _raise_if_any_rank_failed(errors: list[str], path: Path, group) -> None:
         )
 
 
+@contextlib.contextmanager
+def _single_process_is_intended() -> Iterator[None]:
+    # Without torch.distributed, DCP warns that it assumes one process: here that is the point.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
 def _is_first(group: dist.ProcessGroup | None) -> bool:
     if not dist.is_initialized():
         return True
@@ -187,4 +197,3 @@ def _is_first(group: dist.ProcessGroup | None) -> bool:
 def _barrier(group: dist.ProcessGroup | None) -> None:
     if dist.is_initialized():
         dist.barrier(group=group)
-

@@ -1,0 +1,164 @@
+"""Checkpoint scenarios: save on one layout, resume on another, compare with an uninterrupted run.
+
+Every run trains the tiny decoder on the same global batches (``GLOBAL_ROWS`` rows a step, split
+evenly over the ranks), so the averaged gradient, and hence the training, is the same on any
+world size up to the order of float additions. The functions here run on every rank of a gloo
+pool, or in one process without torch.distributed (``replicas=0`` there means ``mesh=None``).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+import dmuon
+import dmuon.checkpoint as dckpt
+from dmuon_kernels.newton_schulz import NewtonSchulz
+from tests.distributed.models import TinyDecoder, batches, loss_fn, proj_predicate, rank_rows
+from tests.distributed.scenarios_protocol import dedicate_and_shard
+
+GLOBAL_ROWS = 24  # divisible by every world size the tests use (1, 2, 3, 4, 8)
+STEPS = 10
+FULL_ON_FIRST_RANK = StateDictOptions(full_state_dict=True, cpu_offload=True)
+
+
+def _distributed() -> bool:
+    return dist.is_initialized() and dist.get_world_size() > 1
+
+
+def build(replicas: int = 1, predicate=proj_predicate, model_kwargs: dict | None = None):
+    torch.manual_seed(0)
+    model = TinyDecoder(**(model_kwargs or {}))
+    if _distributed():
+        dedicate_and_shard(model, "cpu", replicas, reshard_after_forward=True, predicate=predicate)
+    else:
+        dmuon.dedicate_params(model, None, predicate)
+    optimizer = dmuon.Muon(
+        model,
+        lr=0.02,
+        weight_decay=0.01,
+        ns_backend=NewtonSchulz(dtype=torch.float32, kernel="cublas"),
+    )
+    return model, optimizer
+
+
+def train(model, optimizer, steps: range) -> list[float]:
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    every = batches(STEPS, 1, per_rank=GLOBAL_ROWS)
+    losses = []
+    for step in steps:
+        loss = loss_fn(model, rank_rows(every[step], rank, world))
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def full_weights(model) -> dict[str, torch.Tensor]:
+    """The full model on the first rank ({} elsewhere)."""
+    return dckpt.get_model_state_dict(model, options=FULL_ON_FIRST_RANK)
+
+
+def save_midway_and_finish(path: str, replicas: int = 1, save_at: int = 5) -> dict:
+    """Train ``save_at`` steps, save, train to ``STEPS``: the uninterrupted run and its checkpoint."""
+    model, optimizer = build(replicas)
+    train(model, optimizer, range(save_at))
+    model_sd, optim_sd = dckpt.get_state_dict(model, optimizer)
+    dckpt.save({"model": model_sd, "optim": optim_sd}, path)
+    train(model, optimizer, range(save_at, STEPS))
+    return {"weights": full_weights(model)}
+
+
+def resume_and_finish(path: str, replicas: int = 1, save_at: int = 5) -> dict:
+    """A fresh model and optimizer, loaded from ``path``, trained to ``STEPS``."""
+    model, optimizer = build(replicas)
+    model_sd, optim_sd = dckpt.get_state_dict(model, optimizer)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a resume on another layout loads every entry
+        dckpt.load({"model": model_sd, "optim": optim_sd}, path)
+        dckpt.set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
+    lrs = [group["lr"] for group in optimizer.param_groups]
+    train(model, optimizer, range(save_at, STEPS))
+    return {"weights": full_weights(model), "lrs": lrs}
+
+
+def state_dict_shapes(replicas: int = 1) -> dict:
+    """Keys and shapes of the full model state dict, and what plain paths do on this model."""
+    model, optimizer = build(replicas)
+    train(model, optimizer, range(2))
+    full = full_weights(model)
+    _, optim_full = dckpt.get_state_dict(model, optimizer, options=FULL_ON_FIRST_RANK)
+    sharded, optim_sharded = dckpt.get_state_dict(model, optimizer)
+    result = {
+        "full": {key: tuple(value.shape) for key, value in full.items()},
+        "full_dtypes": {str(value.dtype) for value in full.values()},
+        "optim_full_keys": {
+            fqn: sorted(entries) for fqn, entries in optim_full.get("state", {}).items()
+        },
+        "optim_groups": [sorted(g["params"]) for g in optim_sharded["param_groups"]],
+        "sharded_dedicated_keys": sorted(
+            key for key in sharded if key in dmuon.api.get_dedicated_state(model).params
+        ),
+        "owned": sorted(p.fqn for p in dmuon.api.get_dedicated_state(model).iter_owned_masters()),
+    }
+    for name, attempt in {
+        "state_dict": lambda: model.state_dict(),
+        "torch_get_model_state_dict": lambda: _torch_get_model_state_dict(model),
+        "named_parameters_save": lambda: torch.save(dict(model.named_parameters()), "/dev/null"),
+        "detach": lambda: {n: p.detach() for n, p in model.named_parameters()},
+    }.items():
+        try:
+            attempt()
+            result[name] = "no error"
+        except Exception as error:  # the message is what the test checks
+            result[name] = f"{type(error).__name__}: {error}"
+    return result
+
+
+def _torch_get_model_state_dict(model):
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+
+
+def load_errors(path: str) -> dict[str, str]:
+    """What loading ``path`` says for targets with a mis-shaped, an extra and a missing key."""
+    messages = {}
+    for case, num_layers in {"mis-shaped": 3, "not-in-model": 2, "not-in-checkpoint": 4}.items():
+        model, optimizer = build(model_kwargs={"num_layers": num_layers})
+        model_sd, optim_sd = dckpt.get_state_dict(model, optimizer)
+        if case == "mis-shaped":
+            model_sd["layers.0.q_proj.weight"] = torch.zeros(3, 3)
+        try:
+            dckpt.load({"model": model_sd, "optim": optim_sd}, path)
+            messages[case] = "no error"
+        except ValueError as error:
+            messages[case] = str(error)
+    try:
+        dckpt.load({"model": {}}, path + "-never-written")
+        messages["incomplete"] = "no error"
+    except FileNotFoundError as error:
+        messages["incomplete"] = str(error)
+    return messages
+
+
+def route_change_warning(path: str) -> list[str]:
+    """Load a checkpoint written with the projections on Muon into a model where
+    ``layers.0.q_proj.weight`` is left to AdamW (and ``lm_head.weight`` is on Muon)."""
+    moved = {"layers.0.q_proj.weight"}
+
+    def predicate(name, param):
+        return (proj_predicate(name, param) and name not in moved) or name == "lm_head.weight"
+
+    model, optimizer = build(predicate=predicate)
+    model_sd, optim_sd = dckpt.get_state_dict(model, optimizer)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        dckpt.load({"model": model_sd, "optim": optim_sd}, path)
+        dckpt.set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
+    return [str(w.message) for w in caught if "dmuon.checkpoint" in str(w.message)]

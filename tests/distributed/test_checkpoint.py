@@ -1,0 +1,155 @@
+"""dmuon.checkpoint on gloo: save, resume on the same and on other layouts, export, and errors.
+
+Resuming must continue training as if uninterrupted: bit-identical on the same layout (fp32
+Newton-Schulz), and within FP32_TOLERANCE when the layout (and so the order of the gradient
+reductions) changes. Weights are compared on the full state dict after the last step.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.distributed import scenarios_checkpoint as scenarios
+from tests.distributed.models import TinyDecoder
+
+FP32_TOLERANCE = 1e-5
+
+# (world size, replicas): 1-D over 4 ranks, HSDP 2 x 2.
+LAYOUTS = {"1d-4": (4, 1), "hsdp-2x2": (4, 2), "1d-2": (2, 1), "1d-3": (3, 1), "1d-8": (8, 1)}
+
+
+def max_relative_difference(weights, expected) -> float:
+    assert weights.keys() == expected.keys()
+    return max(
+        ((weights[k] - expected[k]).norm() / expected[k].norm().clamp_min(1e-30)).item()
+        for k in expected
+    )
+
+
+def run(gloo_pool, layout: str, scenario, **kwargs):
+    world, replicas = LAYOUTS[layout]
+    return gloo_pool(world).run(scenario, replicas=replicas, **kwargs)[0]
+
+
+@pytest.fixture(scope="module")
+def checkpoints(gloo_pool, tmp_path_factory):
+    """Per saving layout: the checkpoint at step 5 and the uninterrupted run's final weights."""
+    made = {}
+
+    def checkpoint_of(layout: str):
+        if layout not in made:
+            path = str(tmp_path_factory.mktemp("checkpoints") / layout)
+            result = run(gloo_pool, layout, scenarios.save_midway_and_finish, path=path)
+            made[layout] = (path, result["weights"])
+        return made[layout]
+
+    return checkpoint_of
+
+
+def test_resume_on_the_same_layout_is_bit_identical_to_the_uninterrupted_run(
+    gloo_pool, checkpoints
+):
+    path, uninterrupted = checkpoints("1d-4")
+    resumed = run(gloo_pool, "1d-4", scenarios.resume_and_finish, path=path)
+    assert resumed["weights"].keys() == uninterrupted.keys()
+    for key, value in uninterrupted.items():
+        assert torch.equal(resumed["weights"][key], value), key
+
+
+@pytest.mark.parametrize(
+    ("saved_on", "resumed_on"),
+    [("1d-4", "1d-2"), ("1d-4", "hsdp-2x2"), ("hsdp-2x2", "1d-4"), ("1d-8", "1d-3")],
+)
+def test_resume_on_another_layout_continues_like_the_uninterrupted_run(
+    gloo_pool, checkpoints, saved_on, resumed_on
+):
+    path, uninterrupted = checkpoints(saved_on)
+    resumed = run(gloo_pool, resumed_on, scenarios.resume_and_finish, path=path)
+    assert max_relative_difference(resumed["weights"], uninterrupted) < FP32_TOLERANCE
+
+
+def test_resume_in_one_process_continues_like_the_uninterrupted_run(checkpoints):
+    path, uninterrupted = checkpoints("1d-4")
+    resumed = scenarios.resume_and_finish(path=path, replicas=0)
+    assert max_relative_difference(resumed["weights"], uninterrupted) < FP32_TOLERANCE
+    assert resumed["lrs"] == [0.02, 1e-3]
+
+
+@pytest.mark.parametrize("layout", ["1d-4", "hsdp-2x2"])
+def test_full_state_dict_has_the_keys_and_shapes_of_the_plain_model(gloo_pool, layout):
+    result = run(gloo_pool, layout, scenarios.state_dict_shapes)
+    plain = TinyDecoder().state_dict()
+    assert result["full"] == {key: tuple(value.shape) for key, value in plain.items()}
+    assert result["full_dtypes"] == {"torch.float32"}
+    # Optimizer state keyed by FQN: Muon momentum for the projections, AdamW for the rest.
+    optim = result["optim_full_keys"]
+    assert optim["layers.0.q_proj.weight"] == ["momentum_buffer"]
+    assert optim["embed.weight"] == ["exp_avg", "exp_avg_sq", "step"]
+    # Each group lists the FQNs of the whole model, on every rank.
+    muon_fqns = sorted(k for k in plain if "proj" in k and plain[k].ndim == 2)
+    assert result["optim_groups"][0] == muon_fqns
+
+
+def test_sharded_state_dict_holds_each_dedicated_matrix_on_its_owner_only(pool4):
+    results = pool4.run(scenarios.state_dict_shapes, replicas=1)
+    for result in results:
+        assert result["sharded_dedicated_keys"] == result["owned"]
+    assert sorted(k for r in results for k in r["owned"]) == sorted(
+        k for k, v in TinyDecoder().state_dict().items() if "proj" in k and v.ndim == 2
+    )
+
+
+def test_plain_saving_paths_raise_naming_dmuon_checkpoint_instead_of_saving_empty_tensors(pool2):
+    result = pool2.run(scenarios.state_dict_shapes, replicas=1)[0]
+    for path in ("state_dict", "torch_get_model_state_dict"):
+        assert "dmuon.checkpoint.get_model_state_dict" in result[path], path
+        assert "RuntimeError" in result[path]
+    for path in ("named_parameters_save", "detach"):
+        assert "placeholder of a dedicated parameter" in result[path], path
+        assert "dmuon.checkpoint" in result[path]
+
+
+def test_one_process_state_dict_holds_the_real_values():
+    model, optimizer = scenarios.build(replicas=0)
+    scenarios.train(model, optimizer, range(2))
+    state = model.state_dict()
+    plain = TinyDecoder()
+    assert {k: v.shape for k, v in state.items()} == {
+        k: v.shape for k, v in plain.state_dict().items()
+    }
+    owned = {
+        p.fqn: p.master for p in scenarios.dmuon.api.get_dedicated_state(model).params.values()
+    }
+    for fqn, master in owned.items():
+        assert torch.equal(state[fqn], master)
+    plain.load_state_dict(state)
+    tokens = torch.randint(0, 37, (2, 9))
+    assert torch.equal(plain(tokens), model(tokens))
+
+
+def test_load_names_missing_extra_and_mis_shaped_keys_and_refuses_an_incomplete_checkpoint(
+    checkpoints,
+):
+    path, _ = checkpoints("1d-4")
+    messages = scenarios.load_errors(path)
+    assert "size mismatch for model.layers.0.q_proj.weight" in messages["mis-shaped"]
+    assert "(30, 30)" in messages["mis-shaped"] and "(3, 3)" in messages["mis-shaped"]
+    assert (
+        "in the checkpoint but not in the state dict: model.layers.2.q_proj.weight"
+        in messages["not-in-model"]
+    )
+    assert (
+        "missing in the checkpoint: model.layers.3.q_proj.weight" in messages["not-in-checkpoint"]
+    )
+    assert "is not a complete checkpoint" in messages["incomplete"]
+
+
+def test_a_checkpoint_with_other_routes_loads_and_warns_naming_the_parameters_that_start_fresh(
+    checkpoints,
+):
+    path, _ = checkpoints("1d-4")
+    warnings = scenarios.route_change_warning(path)
+    assert len(warnings) == 1
+    assert "layers.0.q_proj.weight" in warnings[0] and "lm_head.weight" in warnings[0]
+    assert "starts fresh" in warnings[0]
