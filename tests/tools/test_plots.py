@@ -22,7 +22,10 @@ def dedicated_model():
     return model
 
 
-@pytest.mark.skipif(HAS_MATPLOTLIB, reason="matplotlib is installed")
+@pytest.mark.skipif(
+    HAS_MATPLOTLIB,
+    reason="tests the install hint given without matplotlib, which is installed here",
+)
 def test_plots_without_matplotlib_raise_an_import_error_naming_the_extra(tmp_path):
     with pytest.raises(ImportError, match=r"pip install dmuon-tools\[plots\]"):
         plots.plot_owner_load(dedicated_model(), tmp_path / "load.png")

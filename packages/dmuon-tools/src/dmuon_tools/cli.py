@@ -6,8 +6,10 @@ with status 2.
 
     dmuon-tools backend
     dmuon-tools plan --config llama3-70b --mesh 8x16
-    dmuon-tools plan --config path/to/config.json --mesh 10000 \\
-        --ns-table benchmarks/results/ns-h200-2026-11-29.json
+    dmuon-tools plan --config path/to/config.json --mesh 10000 --ns-table ns.json
+
+``ns.json``: a ``benchmarks/bench_ns.py`` result or a plain ``{"MxN": ms}`` object (the wheel ships
+no table; the repository's ``benchmarks/results/`` holds measured ones).
 """
 
 from __future__ import annotations

@@ -179,10 +179,11 @@ def format_report(report: Mapping[str, Any]) -> str:
         )
     predicted = report.get("predicted_ns")
     if predicted is not None:
-        where = ", ".join(str(x) for x in (predicted["candidate"], predicted["device"]) if x)
+        measured = ", ".join(str(x) for x in (predicted["candidate"], predicted["device"]) if x)
+        source = "; ".join(x for x in (measured, str(predicted["table"])) if x)
         speedup = predicted["speedup_over_redundant"]
         lines += [
-            f"predicted Newton-Schulz time per rank ({where}; {predicted['table']}):",
+            f"predicted Newton-Schulz time per rank ({source}):",
             f"  max {predicted['max_ms']:.2f} ms, mean {predicted['mean_ms']:.2f} ms, "
             f"min {predicted['min_ms']:.2f} ms; every matrix on one rank "
             f"{predicted['every_matrix_on_one_rank_ms']:.2f} ms"
