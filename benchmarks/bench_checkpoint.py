@@ -24,6 +24,7 @@ Rank 0 prints a table and writes JSON (``--out``; default
 from __future__ import annotations
 
 import argparse
+import functools
 import shutil
 import statistics
 import tempfile
@@ -65,6 +66,22 @@ def timed(device: torch.device, action) -> float:
     return seconds.item()
 
 
+def save(api, model, optimizer, path: Path) -> None:
+    model_sd, optim_sd = api.get_state_dict(model, optimizer)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+
+
+def load(api, model, optimizer, path: Path) -> None:
+    model_sd, optim_sd = api.get_state_dict(model, optimizer)
+    dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+    api.set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
+
+
+def atomic_save(model, optimizer, path: Path) -> None:
+    model_sd, optim_sd = dckpt.get_state_dict(model, optimizer)
+    dckpt.save({"model": model_sd, "optim": optim_sd}, path)
+
+
 def measure(variant: str, args, mesh, device, tokens, folder: Path) -> dict:
     model, optimizer, _ = bench_e2e.build(variant, args, mesh, device)
     for _ in range(args.train_steps):
@@ -77,20 +94,8 @@ def measure(variant: str, args, mesh, device, tokens, folder: Path) -> dict:
     for _ in range(args.repeats):
         if dist.get_rank() == 0:
             shutil.rmtree(path, ignore_errors=True)
-
-        def save():
-            model_sd, optim_sd = api.get_state_dict(model, optimizer)
-            dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
-
-        def load():
-            model_sd, optim_sd = api.get_state_dict(model, optimizer)
-            dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
-            api.set_state_dict(
-                model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd
-            )
-
-        saves.append(timed(device, save))
-        loads.append(timed(device, load))
+        saves.append(timed(device, functools.partial(save, api, model, optimizer, path)))
+        loads.append(timed(device, functools.partial(load, api, model, optimizer, path)))
     bytes_written = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
     result = {
         "save_s": saves,
@@ -100,15 +105,9 @@ def measure(variant: str, args, mesh, device, tokens, folder: Path) -> dict:
         "checkpoint_gib": bytes_written / 2**30,
     }
     if variant.startswith("dmuon"):
-
-        def atomic_save():
-            model_sd, optim_sd = dckpt.get_state_dict(model, optimizer)
-            dckpt.save({"model": model_sd, "optim": optim_sd}, folder / "atomic")
-
-        result["atomic_save_s"] = timed(device, atomic_save)
+        atomic = functools.partial(atomic_save, model, optimizer, folder / "atomic")
+        result["atomic_save_s"] = timed(device, atomic)
         result["roundtrip_equal"] = roundtrip_equal(model, optimizer, path)
-    del model, optimizer
-    bench_e2e.free_memory(device)
     return result
 
 
@@ -154,6 +153,7 @@ def main(argv=None) -> int:
     results = {}
     for variant in VARIANTS:
         results[variant] = measure(variant, args, mesh, device, tokens, folder)
+        bench_e2e.free_memory(device)  # the variant's model and optimizer are gone
         if rank == 0:
             r = results[variant]
             print(
