@@ -10,13 +10,14 @@ require_torch("dmuon-kernels")
 
 __version__ = "0.1.0"
 
+from dmuon_kernels._log import log_rank_tagged  # noqa: E402
 from dmuon_kernels.coefficients import (  # noqa: E402
     KELLER_COEFFICIENTS,
     POLAR_EXPRESS_COEFFICIENTS,
     YOU_COEFFICIENTS,
 )
 from dmuon_kernels.newton_schulz import NewtonSchulz, NSConfig, newton_schulz  # noqa: E402
-from dmuon_kernels.status import get_backend_status, get_ns_backend, log_rank_tagged  # noqa: E402
+from dmuon_kernels.status import get_backend_status, get_ns_backend  # noqa: E402
 
 # Bound last on purpose: the package attribute ``syrk`` is the function (import names from the
 # ``dmuon_kernels.syrk`` module with ``from dmuon_kernels.syrk import ...``).

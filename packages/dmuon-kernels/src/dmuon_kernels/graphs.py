@@ -28,7 +28,7 @@ from torch import Tensor
 
 from dmuon_kernels._env import NS_CUDA_GRAPH_ENV as CUDA_GRAPH_ENV
 from dmuon_kernels._env import env_flag
-from dmuon_kernels.status import log_rank_tagged
+from dmuon_kernels._log import log_rank_tagged
 
 Signature = tuple[tuple[int, ...], tuple[int, ...], torch.dtype, torch.device]
 

@@ -42,27 +42,21 @@ import torch
 from torch import Tensor
 
 from dmuon_kernels.coefficients import CoefficientTable, validate_coefficients
+from dmuon_kernels.fused import DEFAULT_NS_EPS as DEFAULT_EPS
 from dmuon_kernels.fused import normalize_cast
 from dmuon_kernels.graphs import GraphedFunction
-from dmuon_kernels.status import (
+from dmuon_kernels.syrk import matmul, symmetric_product, syrk
+from dmuon_kernels.syrk.dispatch import (
     default_device,
     effective_kernel,
     ns_kernel_request,
     ns_syrk_kernel,
     require_ns_kernel,
 )
-from dmuon_kernels.syrk import (
-    AUTO,
-    CUBLAS,
-    canonical_kernel_name,
-    matmul,
-    symmetric_product,
-    syrk,
-)
+from dmuon_kernels.syrk.registry import AUTO, CUBLAS, canonical_kernel_name
 
 BACKENDS = ("gram", "direct")
 ITERATION_DTYPES: tuple[torch.dtype, ...] = (torch.float16, torch.bfloat16, torch.float32)
-DEFAULT_EPS = 1e-7
 DEFAULT_RESTART_ITERATIONS = (2,)
 # The "gram" backend runs the direct iteration when max(m, n) < GRAM_MIN_ASPECT_RATIO·min(m, n).
 GRAM_MIN_ASPECT_RATIO = 2.0

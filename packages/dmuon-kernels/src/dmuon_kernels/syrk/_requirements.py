@@ -1,5 +1,6 @@
 """What an optional GPU backend needs: a recent enough GPU, the installed version of its
-library, and operands it can take. Shared by the quack and CuTe adapters; imports neither.
+library, and operands it can take. Shared by the quack and CuTe adapters (it imports neither),
+the dispatcher (the kernel dtypes) and the version reports.
 """
 
 from __future__ import annotations
@@ -9,7 +10,8 @@ import importlib.metadata
 import torch
 from torch import Tensor
 
-GPU_KERNEL_DTYPES = (torch.float16, torch.bfloat16)
+# The dtypes the fast kernels implement; everything else runs the torch path.
+KERNEL_DTYPES: tuple[torch.dtype, ...] = (torch.float16, torch.bfloat16)
 
 
 def gpu_problem(kernel: str, min_capability: tuple[int, int], family: str) -> str | None:
@@ -32,17 +34,23 @@ def gpu_problem(kernel: str, min_capability: tuple[int, int], family: str) -> st
     return None
 
 
-def distribution_version(name: str) -> str:
-    """The installed version of a distribution, or "unknown"."""
+def installed_version(name: str) -> str | None:
+    """The installed version of a distribution, or None when it is not installed (or this
+    package runs from a source tree without metadata)."""
     try:
         return importlib.metadata.version(name)
     except importlib.metadata.PackageNotFoundError:
-        return "unknown"
+        return None
+
+
+def distribution_version(name: str) -> str:
+    """``installed_version``, or "unknown"."""
+    return installed_version(name) or "unknown"
 
 
 def check_gpu_operands(kernel: str, A: Tensor, C: Tensor | None) -> None:
     """Raise ValueError, with the fix, unless A (..., M, K) and C (..., M, M) suit a GPU kernel."""
-    if A.dtype not in GPU_KERNEL_DTYPES:
+    if A.dtype not in KERNEL_DTYPES:
         raise ValueError(
             f"SYRK kernel {kernel!r} takes float16 or bfloat16, got A.dtype={A.dtype}; cast A "
             "(Newton-Schulz iterates in float16 by default) or use kernel='cublas'"

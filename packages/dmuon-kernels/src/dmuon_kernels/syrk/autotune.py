@@ -36,12 +36,20 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-import dmuon_kernels
 from dmuon_kernels._env import SYRK_AUTOTUNE_LOG_ENV as AUTOTUNE_LOG_ENV
 from dmuon_kernels._env import env_flag
-from dmuon_kernels.status import log_rank_tagged
-from dmuon_kernels.syrk import CUBLAS, MATMUL, SYMMETRIC_PRODUCT, SYRK
+from dmuon_kernels._log import log_rank_tagged
+from dmuon_kernels.syrk._requirements import distribution_version
 from dmuon_kernels.syrk.cache import VerdictCache
+from dmuon_kernels.syrk.registry import (
+    CUBLAS,
+    FAST_BACKENDS,
+    MATMUL,
+    SYMMETRIC_PRODUCT,
+    SYRK,
+    backend_availability,
+    get_backend,
+)
 from dmuon_kernels.syrk.timing import median_ms
 
 BASELINE = CUBLAS
@@ -113,7 +121,8 @@ def library_versions(*backend_modules: object) -> dict[str, str]:
     """The versions a verdict depends on: ours, torch, CUDA, and those the compared backends
     (candidate and baseline) report through their optional ``versions()``."""
     versions = {
-        "dmuon-kernels": dmuon_kernels.__version__,
+        # read from the installed metadata: importing the package from here would be a cycle
+        "dmuon-kernels": distribution_version("dmuon-kernels"),
         "torch": torch.__version__,
         "cuda": str(torch.version.cuda),
     }
@@ -173,8 +182,6 @@ class SyrkAutotuner:
     def backend(self, name: str) -> object:
         if self._get_backend is not None:
             return self._get_backend(name)
-        from dmuon_kernels.syrk import get_backend
-
         return get_backend(name)
 
     def cache_for(self, model: str) -> VerdictCache:
@@ -227,8 +234,6 @@ class SyrkAutotuner:
     def _challengers(self) -> tuple[str, ...]:
         if self.challengers is not None:
             return self.challengers
-        from dmuon_kernels.syrk import FAST_BACKENDS, backend_availability
-
         return tuple(name for name in FAST_BACKENDS if backend_availability(name)[0])
 
     def _key(
