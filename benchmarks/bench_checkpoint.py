@@ -10,7 +10,8 @@ Builds the Llama of ``bench_e2e.py`` (same config and options) for two variants,
 
 Each phase is timed on the host around a device synchronisation (the slowest rank counts); the
 folder is removed between repeats. dmuon's ``dmuon.checkpoint.save`` (atomic commit) is timed
-once more on its own. After the last load the weights are checked against the saved ones.
+once more on its own, and so is the export of the full model to the CPU of rank 0
+(``full_state_dict=True, cpu_offload=True``). After the last load the weights are checked against the saved ones.
 
 Usage (repository root; on the GPU machine put the package sources on PYTHONPATH)::
 
@@ -82,6 +83,13 @@ def atomic_save(model, optimizer, path: Path) -> None:
     dckpt.save({"model": model_sd, "optim": optim_sd}, path)
 
 
+def export(api, model) -> None:
+    options = torch_state_dict.StateDictOptions(full_state_dict=True, cpu_offload=True)
+    full = api.get_model_state_dict(model, options=options)
+    if dist.get_rank() == 0 and not full:
+        raise RuntimeError("the full state dict is empty on rank 0")
+
+
 def measure(variant: str, args, mesh, device, tokens, folder: Path) -> dict:
     model, optimizer, _ = bench_e2e.build(variant, args, mesh, device)
     for _ in range(args.train_steps):
@@ -96,6 +104,7 @@ def measure(variant: str, args, mesh, device, tokens, folder: Path) -> dict:
             shutil.rmtree(path, ignore_errors=True)
         saves.append(timed(device, functools.partial(save, api, model, optimizer, path)))
         loads.append(timed(device, functools.partial(load, api, model, optimizer, path)))
+    export_s = timed(device, functools.partial(export, api, model))
     bytes_written = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
     result = {
         "save_s": saves,
@@ -103,6 +112,7 @@ def measure(variant: str, args, mesh, device, tokens, folder: Path) -> dict:
         "save_s_median": statistics.median(saves),
         "load_s_median": statistics.median(loads),
         "checkpoint_gib": bytes_written / 2**30,
+        "export_full_cpu_s": export_s,
     }
     if variant.startswith("dmuon"):
         atomic = functools.partial(atomic_save, model, optimizer, folder / "atomic")
@@ -169,11 +179,11 @@ def main(argv=None) -> int:
         )
         label = _common.device_name(device)
         print(f"\nbench_checkpoint: {label} x {world}, torch {torch.__version__}")
-        print(f"{'variant':<14}{'save s':>9}{'load s':>9}{'GiB':>8}")
+        print(f"{'variant':<14}{'save s':>9}{'load s':>9}{'GiB':>8}{'export s':>10}")
         for variant, r in results.items():
             print(
                 f"{variant:<14}{r['save_s_median']:>9.2f}{r['load_s_median']:>9.2f}"
-                f"{r['checkpoint_gib']:>8.2f}"
+                f"{r['checkpoint_gib']:>8.2f}{r['export_full_cpu_s']:>10.2f}"
             )
         print(
             f"dmuon / FSDP2+AdamW save+load: {ratio:.2f}x (target <= {TARGET_RATIO}x: "
