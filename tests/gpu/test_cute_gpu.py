@@ -211,9 +211,9 @@ def test_autotune_cross_check_accepts_cute(needs_cute, tmp_path):
     for c in (None, C):
         problem = autotune.SyrkProblem.of(A, c)
         verdict = tuner.tune("cute", problem, A.device)
-        assert verdict["backend"] in ("cute", "cublas")
-        assert "candidate_error" in verdict, verdict["reason"]
-        assert verdict["candidate_error"] <= 2 * verdict["cublas_error"] + 1e-4
+        assert verdict.backend in ("cute", "cublas")
+        assert verdict.candidate_error is not None, verdict.reason
+        assert verdict.candidate_error <= 2 * verdict.cublas_error + 1e-4
 
 
 def test_a_forced_path_that_disagrees_with_the_config_is_refused(needs_cute):

@@ -27,12 +27,32 @@ from dmuon_kernels.syrk.autotune import SyrkAutotuner, SyrkProblem
 from dmuon_kernels.syrk.cache import (
     CACHE_FORMAT,
     CACHE_FORMAT_VERSION,
+    Verdict,
     VerdictCache,
     cache_file_name,
     default_cache_dir,
 )
 
 GPU = "Test GPU X1"
+
+
+def a_verdict(backend: str = "quack", candidate: str = "quack", **fields) -> Verdict:
+    """A verdict about a (64, 128) fp16 SYRK; a winner gets timings unless ``fields`` say."""
+    if backend == candidate:
+        fields = {"candidate_ms": 0.5, "cublas_ms": 1.0, **fields}
+    problem = {"op": "syrk", "shape": (64, 128), "batch": 0, "dtype": "float16", "with_c": False}
+    return Verdict(
+        backend=backend,
+        candidate=candidate,
+        reason="test",
+        recorded="2026-12-01T00:00:00+00:00",
+        **{**problem, **fields},
+    )
+
+
+def verdict_json(backend: str = "quack", candidate: str = "quack", **fields) -> dict:
+    """``a_verdict(...)`` as the file holds it."""
+    return a_verdict(backend, candidate, **fields).to_json()
 
 
 class ExactBackend:
@@ -115,22 +135,50 @@ def test_cache_dir_comes_from_dmuon_cache_dir_else_home(monkeypatch, tmp_path):
 
 
 def test_a_verdict_survives_in_a_readable_json_file(tmp_path):
-    VerdictCache(GPU, tmp_path).put("key-a", {"backend": "quack", "candidate_ms": 0.5})
+    VerdictCache(GPU, tmp_path).put("key-a", a_verdict(candidate_error=0.001, cublas_error=0.002))
     document = json.loads((tmp_path / cache_file_name(GPU)).read_text())
     assert document["format"] == CACHE_FORMAT
     assert document["format_version"] == CACHE_FORMAT_VERSION
     assert document["gpu"] == GPU
-    assert document["verdicts"] == {"key-a": {"backend": "quack", "candidate_ms": 0.5}}
-    assert VerdictCache(GPU, tmp_path).get("key-a") == {"backend": "quack", "candidate_ms": 0.5}
+    assert document["verdicts"] == {
+        "key-a": {
+            "backend": "quack",
+            "candidate": "quack",
+            "reason": "test",
+            "op": "syrk",
+            "shape": [64, 128],
+            "batch": 0,
+            "dtype": "float16",
+            "with_c": False,
+            "recorded": "2026-12-01T00:00:00+00:00",
+            "candidate_error": 0.001,
+            "cublas_error": 0.002,
+            "candidate_ms": 0.5,
+            "cublas_ms": 1.0,
+        }
+    }
+    restored = VerdictCache(GPU, tmp_path).get("key-a")
+    assert restored == a_verdict(candidate_error=0.001, cublas_error=0.002)
+    assert restored.won and restored.speedup == 2.0
+
+
+def test_measurements_not_taken_are_left_out_of_the_file_and_read_back_as_none(tmp_path):
+    failed = a_verdict("cublas", "cute", candidate_error=0.5, cublas_error=0.001)
+    VerdictCache(GPU, tmp_path).put("k", failed)
+    (stored,) = json.loads((tmp_path / cache_file_name(GPU)).read_text())["verdicts"].values()
+    assert "candidate_ms" not in stored and "cublas_ms" not in stored
+    restored = VerdictCache(GPU, tmp_path).get("k")
+    assert restored == failed
+    assert (restored.won, restored.candidate_ms, restored.speedup) == (False, None, 0.0)
 
 
 def test_writers_merge_with_what_is_on_disk(tmp_path):
     first, second = VerdictCache(GPU, tmp_path), VerdictCache(GPU, tmp_path)
-    first.put("from-first", {"backend": "quack"})
-    second.put("from-second", {"backend": "cublas"})  # second never read the file before
+    first.put("from-first", a_verdict("quack"))
+    second.put("from-second", a_verdict("cublas"))  # second never read the file before
     fresh = VerdictCache(GPU, tmp_path)
-    assert fresh.get("from-first") == {"backend": "quack"}
-    assert fresh.get("from-second") == {"backend": "cublas"}
+    assert fresh.get("from-first") == a_verdict("quack")
+    assert fresh.get("from-second") == a_verdict("cublas")
 
 
 WRITER_SCRIPT = textwrap.dedent(
@@ -139,13 +187,18 @@ WRITER_SCRIPT = textwrap.dedent(
     warnings.simplefilter("error")  # a corrupt read would warn: make it fail the process
     spec = importlib.util.spec_from_file_location("verdict_cache", sys.argv[1])
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up
     spec.loader.exec_module(module)
     writer, count, folder = int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+    verdict = module.Verdict(
+        backend="cublas", candidate="quack", reason="w", op="syrk", shape=(8, 8), batch=0,
+        dtype="float16", with_c=False, recorded="now",
+    )
     for i in range(count):
-        module.VerdictCache("Test GPU X1", folder).put(f"w{writer}-k{i}", {"backend": "quack"})
+        module.VerdictCache("Test GPU X1", folder).put(f"w{writer}-k{i}", verdict)
         # read the shared file back while the other writers are replacing it
         reader = module.VerdictCache("Test GPU X1", folder)
-        assert reader.get(f"w{writer}-k{i}") == {"backend": "quack"}, (writer, i)
+        assert reader.get(f"w{writer}-k{i}") == verdict, (writer, i)
     """
 )
 
@@ -199,10 +252,65 @@ def test_eight_processes_writing_at_once_lose_nothing_and_never_corrupt_the_file
             json.dumps(
                 {"format": CACHE_FORMAT, "format_version": 1, "gpu": GPU, "verdicts": {"k": 3}}
             ),
-            "have no backend name",
+            "verdict 'k' is not a verdict: it is a int, not an object",
+        ),
+        (
+            json.dumps(
+                {
+                    "format": CACHE_FORMAT,
+                    "format_version": 1,
+                    "gpu": GPU,
+                    "verdicts": {"k": {"backend": "quack", "candidate_ms": 0.5}},
+                }
+            ),
+            "verdict 'k' is not a verdict: its 'candidate' is None, not a backend name",
+        ),
+        (
+            json.dumps(
+                {
+                    "format": CACHE_FORMAT,
+                    "format_version": 1,
+                    "gpu": GPU,
+                    "verdicts": {"k": verdict_json(shape=(64, "128"))},
+                }
+            ),
+            "its 'shape' is [64, '128'], not a list of 2 or 3 sizes",
+        ),
+        (
+            json.dumps(
+                {
+                    "format": CACHE_FORMAT,
+                    "format_version": 1,
+                    "gpu": GPU,
+                    "verdicts": {"k": verdict_json(cublas_ms="fast")},
+                }
+            ),
+            "its 'cublas_ms' is 'fast', not a number",
+        ),
+        (
+            json.dumps(
+                {
+                    "format": CACHE_FORMAT,
+                    "format_version": 1,
+                    "gpu": GPU,
+                    "verdicts": {"k": {**verdict_json(), "candidate_ms": None}},
+                }
+            ),
+            "it names 'quack' the winner without both timings",
         ),
     ],
-    ids=["corrupt", "not-an-object", "foreign", "newer-format", "other-gpu", "bad-verdict"],
+    ids=[
+        "corrupt",
+        "not-an-object",
+        "foreign",
+        "newer-format",
+        "other-gpu",
+        "bad-verdict",
+        "old-untyped-verdict",
+        "bad-shape",
+        "bad-timing",
+        "winner-without-timing",
+    ],
 )
 def test_an_invalid_file_is_ignored_with_one_warning_and_rebuilt(tmp_path, content, problem):
     path = tmp_path / cache_file_name(GPU)
@@ -210,14 +318,14 @@ def test_an_invalid_file_is_ignored_with_one_warning_and_rebuilt(tmp_path, conte
     cache = VerdictCache(GPU, tmp_path)
     with pytest.warns(RuntimeWarning, match="autotune cache .* is ignored because") as caught:
         assert cache.get("k") is None
-        cache.put("k2", {"backend": "quack"})  # re-reads the bad file to merge: no second warning
+        cache.put("k2", a_verdict())  # re-reads the bad file to merge: no second warning
         assert cache.get("k") is None
     assert len(caught) == 1
     assert problem in str(caught[0].message)
     assert "delete it" in str(caught[0].message)
     rebuilt = json.loads(path.read_text())
     assert rebuilt["format"] == CACHE_FORMAT
-    assert rebuilt["verdicts"] == {"k2": {"backend": "quack"}}
+    assert rebuilt["verdicts"] == {"k2": verdict_json()}
 
 
 class _WritesMarkerWhenUnpickled:
@@ -242,8 +350,8 @@ def test_an_unwritable_cache_folder_keeps_verdicts_in_memory(tmp_path):
     blocker.write_text("")
     cache = VerdictCache(GPU, blocker / "sub")  # cannot create a folder under a file
     with pytest.warns(RuntimeWarning, match="could not be written"):
-        cache.put("k", {"backend": "quack"})
-    assert cache.get("k") == {"backend": "quack"}
+        cache.put("k", a_verdict())
+    assert cache.get("k") == a_verdict()
 
 
 # -- the autotuner -------------------------------------------------------------------------------
@@ -402,7 +510,8 @@ def test_cache_module_imports_nothing_but_the_standard_library():
             "-c",
             "import importlib.util, sys; "
             f"s = importlib.util.spec_from_file_location('c', {cache_module.__file__!r}); "
-            "m = importlib.util.module_from_spec(s); s.loader.exec_module(m); "
+            "m = importlib.util.module_from_spec(s); sys.modules['c'] = m; "
+            "s.loader.exec_module(m); "
             "print('torch' in sys.modules)",
         ],
         capture_output=True,
@@ -432,13 +541,29 @@ def test_a_challenger_is_only_tuned_for_the_operations_it_implements(tmp_path):
 
 
 def test_of_the_winning_verdicts_the_largest_speedup_over_cublas_runs_the_problem():
-    def verdict(backend, candidate_ms, cublas_ms):
-        return {"backend": backend, "candidate_ms": candidate_ms, "cublas_ms": cublas_ms}
+    def verdict(backend, candidate, candidate_ms, cublas_ms):
+        return a_verdict(backend, candidate, candidate_ms=candidate_ms, cublas_ms=cublas_ms)
 
     # Measured in different runs: cute's 0.50 ms against a slower cuBLAS run is the larger
     # speed-up (2.2x) although quack's 0.48 ms is the smaller time.
-    quack, cute = verdict("quack", 0.48, 0.60), verdict("cute", 0.50, 1.10)
+    quack, cute = verdict("quack", "quack", 0.48, 0.60), verdict("cute", "cute", 0.50, 1.10)
     assert autotune.fastest_winner([quack, cute]) == "cute"
-    assert autotune.fastest_winner([quack, verdict("cublas", 0.9, 1.0)]) == "quack"
-    assert autotune.fastest_winner([{"backend": "cublas", "reason": "failed"}]) == "cublas"
+    assert autotune.fastest_winner([quack, verdict("cublas", "cute", 0.9, 1.0)]) == "quack"
+    assert autotune.fastest_winner([a_verdict("cublas", "cute")]) == "cublas"
     assert autotune.fastest_winner([]) == "cublas"
+
+
+def test_tune_returns_the_typed_verdict_it_records(tmp_path):
+    tuner = tuner_with(tmp_path, ExactBackend(relative_error=0.01))
+    problem = SyrkProblem.of(a_matrix(), None)
+    verdict = tuner.tune("exact", problem, torch.device("cpu"))
+    assert isinstance(verdict, Verdict)
+    assert (verdict.backend, verdict.candidate, verdict.won) == ("cublas", "exact", False)
+    assert (verdict.op, verdict.shape, verdict.batch, verdict.dtype) == (
+        "syrk",
+        (24, 40),
+        0,
+        "float16",
+    )
+    assert verdict.candidate_error > verdict.cublas_error and verdict.candidate_ms is None
+    assert VerdictCache("cpu", tmp_path).get(next(iter(tuner.cache_for("cpu").keys()))) == verdict

@@ -32,6 +32,7 @@ import math
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -40,7 +41,7 @@ from dmuon_kernels._env import SYRK_AUTOTUNE_LOG_ENV as AUTOTUNE_LOG_ENV
 from dmuon_kernels._env import env_flag
 from dmuon_kernels._log import log_rank_tagged
 from dmuon_kernels.syrk._requirements import distribution_version
-from dmuon_kernels.syrk.cache import VerdictCache
+from dmuon_kernels.syrk.cache import Verdict, VerdictCache
 from dmuon_kernels.syrk.registry import (
     CUBLAS,
     FAST_BACKENDS,
@@ -104,9 +105,30 @@ class SyrkProblem:
     def dtype_name(self) -> str:
         return str(self.dtype).removeprefix("torch.")
 
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """(M, K), or (M, K, N) for matmul."""
+        return (self.M, self.K, self.N) if self.op == MATMUL else (self.M, self.K)
+
+    def verdict(self, candidate: str, backend: str, reason: str, **measured: float) -> Verdict:
+        """A verdict about this problem, recorded now; ``measured`` holds the errors and
+        timings that were taken (``Verdict``'s field names)."""
+        return Verdict(
+            backend=backend,
+            candidate=candidate,
+            reason=reason,
+            op=self.op,
+            shape=self.shape,
+            batch=self.batch,
+            dtype=self.dtype_name,
+            with_c=self.has_c,
+            recorded=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            **measured,
+        )
+
     def describe(self) -> str:
         """``shape=(4096,14336) dtype=float16`` plus batch and C when present, for log lines."""
-        shape = f"{self.M},{self.K},{self.N}" if self.op == MATMUL else f"{self.M},{self.K}"
+        shape = ",".join(map(str, self.shape))
         text = f"shape=({shape}) dtype={self.dtype_name}"
         if self.op != SYRK:
             text += f" op={self.op}"
@@ -249,14 +271,14 @@ class SyrkAutotuner:
 
     def _verdict_if_known(
         self, candidate: str, problem: SyrkProblem, device: torch.device
-    ) -> dict[str, object] | None:
+    ) -> Verdict | None:
         cache, key = self._key(candidate, problem, device)
         verdict = cache.get(key)
-        if verdict is None or verdict.get("backend") not in (candidate, BASELINE):
+        if verdict is None or verdict.backend not in (candidate, BASELINE):
             return None
         return verdict
 
-    def tune(self, candidate: str, problem: SyrkProblem, device: torch.device) -> dict[str, object]:
+    def tune(self, candidate: str, problem: SyrkProblem, device: torch.device) -> Verdict:
         """Cross-check and time ``candidate`` against cuBLAS on ``problem``; record and return
         the verdict."""
         cache, key = self._key(candidate, problem, device)
@@ -267,44 +289,27 @@ class SyrkAutotuner:
             )
             persist = True
         except torch.cuda.OutOfMemoryError as exc:
-            verdict = _failed(candidate, f"out of memory while tuning ({exc})")
+            reason = f"out of memory while tuning ({exc})"
+            verdict = problem.verdict(candidate, BASELINE, reason)
             persist = False  # another process (or a later run) may have the memory
         except Exception as exc:  # a candidate that raises loses; the reason is logged
-            verdict = _failed(candidate, f"{candidate} raised {type(exc).__name__}: {exc}")
+            reason = f"{candidate} raised {type(exc).__name__}: {exc}"
+            verdict = problem.verdict(candidate, BASELINE, reason)
             persist = False
-        verdict.update(
-            {
-                "op": problem.op,
-                "shape": [problem.M, problem.K, problem.N]
-                if problem.op == MATMUL
-                else [problem.M, problem.K],
-                "batch": problem.batch,
-                "dtype": problem.dtype_name,
-                "with_c": problem.has_c,
-                "recorded": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-            }
-        )
         cache.put(key, verdict, persist=persist)
-        _log(f"verdict {problem.describe()} backend={verdict['backend']} ({verdict['reason']})")
+        _log(f"verdict {problem.describe()} backend={verdict.backend} ({verdict.reason})")
         return verdict
 
 
-def fastest_winner(verdicts: list[dict[str, object]]) -> str:
+def fastest_winner(verdicts: Sequence[Verdict]) -> str:
     """The backend of the verdict with the largest speed-up over cuBLAS among those the
     candidate won; each speed-up is against cuBLAS timed in the same interleaved run, so
     verdicts measured at different times compare fairly."""
     best, best_speedup = BASELINE, 1.0
     for verdict in verdicts:
-        if verdict["backend"] == BASELINE:
-            continue
-        speedup = float(verdict["cublas_ms"]) / float(verdict["candidate_ms"])  # type: ignore[arg-type]
-        if speedup > best_speedup:
-            best, best_speedup = str(verdict["backend"]), speedup
+        if verdict.won and verdict.speedup > best_speedup:
+            best, best_speedup = verdict.backend, verdict.speedup
     return best
-
-
-def _failed(candidate: str, reason: str) -> dict[str, object]:
-    return {"backend": BASELINE, "candidate": candidate, "reason": reason}
 
 
 @dataclass(slots=True)
@@ -316,12 +321,11 @@ class _TuningInputs:
     alpha: float
     beta: float
 
-    def run(self, backend: object, op: str) -> Tensor:
-        if op == MATMUL:
-            return backend.matmul(self.A, self.B, self.C, self.alpha, self.beta)  # type: ignore[attr-defined]
-        if op == SYMMETRIC_PRODUCT:
-            return backend.symmetric_product(self.A, self.B, self.C, self.alpha, self.beta)  # type: ignore[attr-defined]
-        return backend.syrk(self.A, self.C, self.alpha, self.beta)  # type: ignore[attr-defined]
+    def run(self, backend: Any, op: str) -> Tensor:
+        """``op`` through ``backend`` (a module of the registry, or a test's stand-in)."""
+        if op == SYRK:
+            return backend.syrk(self.A, self.C, self.alpha, self.beta)
+        return getattr(backend, op)(self.A, self.B, self.C, self.alpha, self.beta)
 
     def fp32_reference(self) -> Tensor:
         """alpha·A·B + beta·C (B = Aᵀ for syrk) in true fp32, TF32 off for this product only."""
@@ -382,13 +386,9 @@ def _measure(
     candidate: str,
     candidate_module: object,
     baseline_module: object,
-) -> dict[str, object]:
+) -> Verdict:
     if problem.op != SYRK and not hasattr(candidate_module, problem.op):
-        return {
-            "backend": BASELINE,
-            "candidate": candidate,
-            "reason": f"{candidate} has no {problem.op}",
-        }
+        return problem.verdict(candidate, BASELINE, f"{candidate} has no {problem.op}")
     inputs = _tuning_inputs(problem, device)
     reference = inputs.fp32_reference()
     candidate_out = inputs.run(candidate_module, problem.op)
@@ -397,20 +397,13 @@ def _measure(
     baseline_error = _relative_error(baseline_out, reference)
     del reference, candidate_out, baseline_out
     bound = ERROR_RATIO_LIMIT * baseline_error + ERROR_FLOOR_ULPS * _unit_roundoff(problem.dtype)
-    verdict: dict[str, object] = {
-        "candidate": candidate,
-        "candidate_error": candidate_error,
-        "cublas_error": baseline_error,
-    }
+    errors = {"candidate_error": candidate_error, "cublas_error": baseline_error}
     if not candidate_error <= bound:  # also catches NaN
-        verdict.update(
-            backend=BASELINE,
-            reason=(
-                f"{candidate} failed the cross-check: relative error {candidate_error:.3g} > "
-                f"{bound:.3g} ({ERROR_RATIO_LIMIT:g}x cuBLAS's {baseline_error:.3g} + floor)"
-            ),
+        reason = (
+            f"{candidate} failed the cross-check: relative error {candidate_error:.3g} > "
+            f"{bound:.3g} ({ERROR_RATIO_LIMIT:g}x cuBLAS's {baseline_error:.3g} + floor)"
         )
-        return verdict
+        return problem.verdict(candidate, BASELINE, reason, **errors)
 
     timings = median_ms(
         {
@@ -421,16 +414,18 @@ def _measure(
     )
     candidate_ms, baseline_ms = timings[candidate], timings[BASELINE]
     wins = candidate_ms < (1.0 - WIN_MARGIN) * baseline_ms
-    verdict.update(
-        backend=candidate if wins else BASELINE,
+    reason = (
+        f"{candidate} {candidate_ms:.4f} ms vs cublas {baseline_ms:.4f} ms, "
+        f"error {candidate_error:.3g} vs {baseline_error:.3g}"
+    )
+    return problem.verdict(
+        candidate,
+        candidate if wins else BASELINE,
+        reason,
         candidate_ms=candidate_ms,
         cublas_ms=baseline_ms,
-        reason=(
-            f"{candidate} {candidate_ms:.4f} ms vs cublas {baseline_ms:.4f} ms, "
-            f"error {candidate_error:.3g} vs {baseline_error:.3g}"
-        ),
+        **errors,
     )
-    return verdict
 
 
 _default_tuner: SyrkAutotuner | None = None
@@ -464,6 +459,7 @@ __all__ = [
     "ERROR_RATIO_LIMIT",
     "SyrkAutotuner",
     "SyrkProblem",
+    "Verdict",
     "autotune_log_enabled",
     "choose_kernel",
     "chosen_backends",

@@ -1,9 +1,20 @@
 """The persistent SYRK autotune cache: one readable JSON file of verdicts per GPU model.
 
-Owns the file format, where the file lives (``DMUON_CACHE_DIR``, default ``~/.cache/dmuon``),
-validation of what is read back, and safe concurrent writes. It must not time or run kernels,
-and it must not import torch: it is plain standard library so that any process (and the tests'
-writer processes) can load it cheaply.
+Owns the verdict record (``Verdict``) and the file format, where the file lives
+(``DMUON_CACHE_DIR``, default ``~/.cache/dmuon``), validation of what is read back, and safe
+concurrent writes. It must not time or run kernels, and it must not import torch: it is plain
+standard library so that any process (and the tests' writer processes) can load it cheaply.
+
+The file (format version 1)::
+
+    {"format": "dmuon-syrk-autotune", "format_version": 1, "gpu": "NVIDIA H200 (SM90)",
+     "verdicts": {"<key: problem, candidate, versions>": {"backend": "cute", "candidate": "cute",
+       "reason": "...", "op": "syrk", "shape": [4096, 4096], "batch": 0, "dtype": "float16",
+       "with_c": false, "recorded": "2026-11-29T10:00:00+00:00", "candidate_error": 0.0011,
+       "cublas_error": 0.0011, "candidate_ms": 0.12, "cublas_ms": 0.2}, ...}}
+
+The four measurements are absent when they were not taken (a candidate that failed the
+cross-check has errors but no timings).
 
 Safety rules, each one tested:
 
@@ -21,12 +32,14 @@ Safety rules, each one tested:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import re
 import tempfile
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 try:  # POSIX only; elsewhere the atomic replace alone still prevents corrupt files
@@ -41,7 +54,114 @@ DEFAULT_CACHE_DIR = "~/.cache/dmuon"
 CACHE_FORMAT = "dmuon-syrk-autotune"
 CACHE_FORMAT_VERSION = 1
 
-Verdict = dict[str, object]
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Verdict:
+    """One candidate's outcome on one problem: who runs the problem, why, and what was measured.
+
+    ``backend`` is the candidate when it passed the cross-check against cuBLAS and won the
+    timing, else "cublas". The errors are relative to an fp32 product of the same inputs; the
+    timings are medians of an interleaved GPU-only run (``syrk.timing``). A measurement that was
+    not taken is None (and absent from the file).
+    """
+
+    backend: str
+    candidate: str
+    reason: str
+    op: str  # "syrk", "symmetric_product" or "matmul"
+    shape: tuple[int, ...]  # (M, K), or (M, K, N) for matmul
+    batch: int  # 0: unbatched
+    dtype: str  # "float16", "bfloat16"
+    with_c: bool
+    recorded: str  # UTC, ISO 8601
+    candidate_error: float | None = None
+    cublas_error: float | None = None
+    candidate_ms: float | None = None
+    cublas_ms: float | None = None
+
+    @property
+    def won(self) -> bool:
+        """Whether the candidate runs the problem (else cuBLAS does)."""
+        return self.backend == self.candidate
+
+    @property
+    def speedup(self) -> float:
+        """cuBLAS time over the candidate's, from the same interleaved run; 0 when not timed."""
+        if self.candidate_ms is None or self.cublas_ms is None or self.candidate_ms <= 0:
+            return 0.0
+        return self.cublas_ms / self.candidate_ms
+
+    def to_json(self) -> dict[str, object]:
+        """The verdict as a JSON object: the fields in order, measurements not taken left out."""
+        document: dict[str, object] = {}
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if value is not None:
+                document[field.name] = list(value) if field.name == "shape" else value
+        return document
+
+    @classmethod
+    def from_json(cls, document: object) -> Verdict:
+        """The verdict a JSON object describes; ValueError naming the first problem. Keys this
+        version does not know are ignored."""
+        if not isinstance(document, dict):
+            raise ValueError(f"it is a {type(document).__name__}, not an object")
+        for name, (is_valid, wanted) in _REQUIRED_FIELDS.items():
+            if not is_valid(document.get(name)):
+                raise ValueError(f"its {name!r} is {document.get(name)!r}, not {wanted}")
+        for name in _MEASUREMENTS:
+            value = document.get(name)
+            if value is not None and not _is_number(value):
+                raise ValueError(f"its {name!r} is {value!r}, not a number")
+        verdict = cls(
+            backend=document["backend"],
+            candidate=document["candidate"],
+            reason=document["reason"],
+            op=document["op"],
+            shape=tuple(document["shape"]),
+            batch=document["batch"],
+            dtype=document["dtype"],
+            with_c=document["with_c"],
+            recorded=document["recorded"],
+            candidate_error=document.get("candidate_error"),
+            cublas_error=document.get("cublas_error"),
+            candidate_ms=document.get("candidate_ms"),
+            cublas_ms=document.get("cublas_ms"),
+        )
+        if verdict.won and (verdict.candidate_ms is None or verdict.cublas_ms is None):
+            raise ValueError(f"it names {verdict.backend!r} the winner without both timings")
+        return verdict
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _is_count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _is_name(value: object) -> bool:
+    return isinstance(value, str) and bool(value)
+
+
+def _is_shape(value: object) -> bool:
+    return isinstance(value, list) and len(value) in (2, 3) and all(map(_is_count, value))
+
+
+# Field -> (check, what the check wants) for the fields every verdict has.
+_REQUIRED_FIELDS: dict[str, tuple[Callable[[object], bool], str]] = {
+    "backend": (_is_name, "a backend name"),
+    "candidate": (_is_name, "a backend name"),
+    "reason": (lambda value: isinstance(value, str), "a string"),
+    "op": (_is_name, "an operation name"),
+    "shape": (_is_shape, "a list of 2 or 3 sizes"),
+    "batch": (_is_count, "a count"),
+    "dtype": (_is_name, "a dtype name"),
+    "with_c": (lambda value: isinstance(value, bool), "true or false"),
+    "recorded": (lambda value: isinstance(value, str), "a time stamp"),
+}
+_MEASUREMENTS = ("candidate_error", "cublas_error", "candidate_ms", "cublas_ms")
 
 
 def default_cache_dir() -> Path:
@@ -53,14 +173,6 @@ def cache_file_name(gpu_model: str) -> str:
     """``syrk-autotune-nvidia-h200.json`` for ``"NVIDIA H200"``: one file per GPU model."""
     slug = re.sub(r"[^a-z0-9]+", "-", gpu_model.lower()).strip("-") or "unknown-gpu"
     return f"syrk-autotune-{slug}.json"
-
-
-def _is_valid_verdict(verdict: object) -> bool:
-    return (
-        isinstance(verdict, dict)
-        and isinstance(verdict.get("backend"), str)
-        and bool(verdict["backend"])
-    )
 
 
 class VerdictCache:
@@ -91,9 +203,9 @@ class VerdictCache:
         return self._verdicts.get(key)
 
     def put(self, key: str, verdict: Verdict, *, persist: bool = True) -> None:
-        self._verdicts[key] = dict(verdict)
+        self._verdicts[key] = verdict
         if persist:
-            self._merge_into_disk({key: self._verdicts[key]})
+            self._merge_into_disk({key: verdict})
 
     def keys(self) -> list[str]:
         return list(self._verdicts)
@@ -115,13 +227,14 @@ class VerdictCache:
         except ValueError as exc:  # includes UnicodeDecodeError
             self._warn_invalid(path, f"it is not valid JSON ({exc})")
             return {}
-        problem = self._document_problem(document)
-        if problem is not None:
-            self._warn_invalid(path, problem)
+        verdicts = self._parse(document)
+        if isinstance(verdicts, str):
+            self._warn_invalid(path, verdicts)
             return {}
-        return dict(document["verdicts"])
+        return verdicts
 
-    def _document_problem(self, document: object) -> str | None:
+    def _parse(self, document: object) -> dict[str, Verdict] | str:
+        """The verdicts of a decoded file, or why the file is not one of ours for this GPU."""
         if not isinstance(document, dict):
             return f"its top level is a {type(document).__name__}, not an object"
         if document.get("format") != CACHE_FORMAT:
@@ -133,13 +246,16 @@ class VerdictCache:
             )
         if document.get("gpu") != self.gpu_model:
             return f"it was written for GPU {document.get('gpu')!r}, not {self.gpu_model!r}"
-        verdicts = document.get("verdicts")
-        if not isinstance(verdicts, dict):
+        entries = document.get("verdicts")
+        if not isinstance(entries, dict):
             return "its 'verdicts' entry is not an object"
-        bad = [key for key, verdict in verdicts.items() if not _is_valid_verdict(verdict)]
-        if bad:
-            return f"{len(bad)} verdict(s) have no backend name, e.g. {bad[0]!r}"
-        return None
+        verdicts = {}
+        for key, entry in entries.items():
+            try:
+                verdicts[key] = Verdict.from_json(entry)
+            except ValueError as exc:
+                return f"verdict {key!r} is not a verdict: {exc}"
+        return verdicts
 
     def _warn_invalid(self, path: Path, problem: str) -> None:
         if self._warned_invalid_file:
@@ -164,7 +280,7 @@ class VerdictCache:
                     "format": CACHE_FORMAT,
                     "format_version": CACHE_FORMAT_VERSION,
                     "gpu": self.gpu_model,
-                    "verdicts": dict(sorted(merged.items())),
+                    "verdicts": {key: merged[key].to_json() for key in sorted(merged)},
                 }
                 _atomic_write_json(path, document)
         except OSError as exc:
