@@ -8,6 +8,7 @@ installed, that both kernels compile offline (no GPU needed) for their architect
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import itertools
 import os
@@ -181,41 +182,40 @@ needs_cutlass = pytest.mark.skipif(
 
 # Compiles in a fresh interpreter: the DSL reads its target architecture when cutlass is imported.
 _COMPILE_SCRIPT = """
-import sys
 from dmuon_kernels.syrk import {module} as kernel
-for dtype_name, has_c, tiling in {cases}:
-    kernel.compile_syrk(dtype_name, has_c, kernel.TileConfig(**tiling))
-    print("compiled", dtype_name, has_c, tiling, flush=True)
+from dmuon_kernels.syrk import _cute_tiles as tiles
+for dtype_name, has_c, config_class, fields in {cases}:
+    kernel.compile_syrk(dtype_name, has_c, getattr(tiles, config_class)(**fields))
+    print("compiled", dtype_name, has_c, fields, flush=True)
 """
 
 
-def compile_offline(module: str, arch: str, cases: list) -> subprocess.CompletedProcess:
+def compile_offline(module: str, arch: str, configs: list) -> subprocess.CompletedProcess:
+    """Compile each config (alternately fp16 with C and bf16 without it: both of each per
+    config would double the compile time) for ``arch`` in a fresh interpreter."""
+    cases = [
+        (
+            *(("float16", True) if index % 2 == 0 else ("bfloat16", False)),
+            type(config).__name__,
+            dataclasses.asdict(config),
+        )
+        for index, config in enumerate(configs)
+    ]
     source = Path(cute_backend.__file__).resolve().parents[2]
     env = dict(os.environ, CUTE_DSL_ARCH=arch)
     env["PYTHONPATH"] = os.pathsep.join([str(source), env.get("PYTHONPATH", "")])
     script = _COMPILE_SCRIPT.format(module=module, cases=cases)
-    return subprocess.run(
+    result = subprocess.run(
         [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600
     )
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert result.stdout.count("compiled") == len(cases)
+    return result
 
 
-def staged_epilogue_cases() -> list:
-    """Every SM90 configuration of the adapter with a staged epilogue, alternately fp16 with C
-    and bf16 without it (both of each per configuration would double the compile time)."""
-    cases = []
-    for _, tiles in sorted(cute_backend.TILE_CONFIGS.items()):
-        if getattr(tiles, "epilogue", "direct") != "direct":
-            tiling = {
-                "tile": tiles.tile,
-                "tile_k": tiles.tile_k,
-                "stages": tiles.stages,
-                "consumers": tiles.consumers,
-                "cooperative": tiles.cooperative,
-                "epilogue": tiles.epilogue,
-            }
-            dtype_name, has_c = ("float16", True) if len(cases) % 2 == 0 else ("bfloat16", False)
-            cases.append((dtype_name, has_c, tiling))
-    return cases
+def named_configs(path: str) -> list:
+    """Every tile configuration the adapter can run on ``path``, by name."""
+    return [t for _, t in sorted(cute_backend.TILE_CONFIGS.items()) if t.path == path]
 
 
 def test_every_staged_epilogue_config_has_a_direct_twin_for_unaligned_m():
@@ -255,34 +255,42 @@ def test_large_sm90_problems_stage_the_epilogue_and_keep_the_tiling_of_their_dir
         )
 
 
-def test_an_unknown_epilogue_is_refused_by_the_kernel_config():
-    kernel = pytest.importorskip("dmuon_kernels.syrk._cute_sm90_kernel")
-    with pytest.raises(
-        ValueError, match=r"epilogue must be one of \('direct', 'smem', 'smem_flat'\)"
-    ):
-        kernel.SyrkSm90Kernel(
-            kernel.ELEMENT_TYPES["float16"], False, kernel.TileConfig(epilogue="tma")
-        )
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"epilogue": "tma"}, r"epilogue must be one of \('direct', 'smem', 'smem_flat'\)"),
+        ({"tile": 96}, r"tile and tile_k must be multiples of 64 \(wgmma rows"),
+        ({"consumers": 3}, r"consumers must be 1 or 2"),
+        ({"consumers": 1, "cooperative": True}, r"the cooperative kernel has two consumers"),
+    ],
+    ids=["epilogue", "tile", "consumers", "cooperative"],
+)
+def test_an_sm90_tiling_the_kernel_cannot_compile_is_refused_when_built(fields, message):
+    with pytest.raises(ValueError, match=message):
+        cute_backend.Sm90TileConfig(**{"tile": 128, "tile_k": 64, "stages": 4, **fields})
+
+
+def test_an_sm80_tiling_with_a_k_tile_off_the_swizzle_atom_is_refused_when_built():
+    with pytest.raises(ValueError, match=r"tile_k must be a multiple of 64 \(one swizzle atom\)"):
+        cute_backend.Sm80TileConfig(tile=128, tile_k=32, stages=3, warps_m=2, warps_n=2)
+
+
+def test_every_named_configuration_belongs_to_one_path_and_knows_its_cta_shape():
+    assert {t.path for t in cute_backend.TILE_CONFIGS.values()} == {"sm80", "sm90"}
+    cooperative = cute_backend.TILE_CONFIGS["sm90_256x128"]
+    assert (cooperative.rows, cooperative.halves, cooperative.threads) == (256, 2, 384)
+    # 4096 rows: 16 row blocks of 256, each with 2r + 2 tiles of 128 columns
+    assert cooperative.triangle_tiles(4096) == 16 * 17
+    assert cute_backend.TILE_CONFIGS["sm90_128x128"].triangle_tiles(4096) == 32 * 33 // 2
+    assert cute_backend.TILE_CONFIGS["128x128_4warps"].threads == 128
 
 
 @needs_cutlass
-def test_the_sm90_kernel_compiles_offline_for_hopper():
-    cases = [
-        ("float16", False, {"tile": 128, "tile_k": 64, "stages": 5}),
-        ("bfloat16", True, {"tile": 128, "tile_k": 64, "stages": 5}),
-        ("bfloat16", False, {"tile": 64, "tile_k": 64, "stages": 8}),
-        ("float16", True, {"tile": 128, "tile_k": 64, "stages": 4, "cooperative": True}),
-        ("bfloat16", False, {"tile": 128, "tile_k": 64, "stages": 5, "consumers": 1}),
-        *staged_epilogue_cases(),
-    ]
-    result = compile_offline("_cute_sm90_kernel", "sm_90a", cases)
-    assert result.returncode == 0, result.stderr[-4000:]
-    assert result.stdout.count("compiled") == len(cases)
+def test_the_sm90_kernel_compiles_offline_for_hopper_with_every_named_configuration():
+    one_consumer = cute_backend.Sm90TileConfig(tile=128, tile_k=64, stages=5, consumers=1)
+    compile_offline("_cute_sm90_kernel", "sm_90a", [*named_configs("sm90"), one_consumer])
 
 
 @needs_cutlass
-def test_the_sm80_kernel_compiles_offline_for_ampere():
-    cases = [("float16", True, {"tile": 128, "tile_k": 64, "stages": 3})]
-    result = compile_offline("_cute_kernel", "sm_80", cases)
-    assert result.returncode == 0, result.stderr[-4000:]
-    assert result.stdout.count("compiled") == len(cases)
+def test_the_sm80_kernel_compiles_offline_for_ampere_with_every_named_configuration():
+    compile_offline("_cute_kernel", "sm_80", named_configs("sm80"))

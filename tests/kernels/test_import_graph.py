@@ -14,7 +14,12 @@ import dmuon_kernels
 SOURCE = Path(dmuon_kernels.__file__).resolve().parent
 PACKAGE = "dmuon_kernels"
 # Leaf helpers: imported from everywhere, so they may import nothing of the package.
-LEAVES = ("dmuon_kernels._env", "dmuon_kernels._log", "dmuon_kernels.syrk.cache")
+LEAVES = (
+    "dmuon_kernels._env",
+    "dmuon_kernels._log",
+    "dmuon_kernels.syrk._cute_tiles",
+    "dmuon_kernels.syrk.cache",
+)
 
 
 def module_name(path: Path) -> str:

@@ -20,8 +20,6 @@ pipeline); it runs unchanged on SM90 and newer. Contract with the caller:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
@@ -35,40 +33,17 @@ from dmuon_kernels.syrk._cute_runtime import (
     pointer,
     stream_handle,
 )
+from dmuon_kernels.syrk._cute_tiles import Sm80TileConfig
 
 _BYTES_PER_COPY = 16  # cp.async moves 16 bytes per thread per instruction
-
-
-@dataclass(frozen=True, slots=True)
-class TileConfig:
-    """One tiling of the kernel: CTA tile (tile x tile), k-tile, pipeline stages, warp grid."""
-
-    tile: int = 128
-    tile_k: int = 64
-    stages: int = 3
-    warps_m: int = 2
-    warps_n: int = 2
-
-    @property
-    def threads(self) -> int:
-        return 32 * self.warps_m * self.warps_n
-
-    def describe(self) -> str:
-        return (
-            f"{self.tile}x{self.tile}x{self.tile_k}, {self.stages} stages, "
-            f"{self.warps_m}x{self.warps_n} warps"
-        )
-
-
-DEFAULT_CONFIG = TileConfig()
 
 
 class SyrkKernel:
     """Compile-time parameters of one kernel; ``__call__`` is the host-side jit entry point."""
 
-    def __init__(self, element_type: type[cutlass.Numeric], has_c: bool, config: TileConfig):
-        if config.tile_k % 64 != 0:
-            raise ValueError(f"tile_k must be a multiple of 64 (one swizzle atom), got {config}")
+    def __init__(
+        self, element_type: type[cutlass.Numeric], has_c: bool, config: Sm80TileConfig
+    ):  # the config checked its own fields when it was built
         self.element_type = element_type
         self.has_c = has_c
         self.config = config
@@ -244,7 +219,7 @@ class SyrkKernel:
                         mD[col, row, batch_idx] = out
 
 
-def compile_syrk(dtype_name: str, has_c: bool, config: TileConfig = DEFAULT_CONFIG):
+def compile_syrk(dtype_name: str, has_c: bool, config: Sm80TileConfig):
     """Compile the kernel for ``dtype_name`` ("float16"/"bfloat16"); the returned function takes
     ``(a_ptr, d_ptr, c_ptr, m, m_tiles, k_tiles, batch, alpha, beta, stream)``."""
     kernel = SyrkKernel(ELEMENT_TYPES[dtype_name], has_c, config)
@@ -254,4 +229,4 @@ def compile_syrk(dtype_name: str, has_c: bool, config: TileConfig = DEFAULT_CONF
 
 
 # The adapter (syrk.cute) calls these on whichever kernel module runs.
-__all__ = ["ELEMENT_TYPES", "TileConfig", "compile_syrk", "pointer", "stream_handle"]
+__all__ = ["ELEMENT_TYPES", "compile_syrk", "pointer", "stream_handle"]

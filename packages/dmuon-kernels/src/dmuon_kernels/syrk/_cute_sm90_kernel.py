@@ -25,7 +25,7 @@ Design: a persistent, warp-specialised kernel. Each CTA has three warpgroups:
   overlap). Its triangle has 2r + 2 tiles in row block r, so that the column blocks reach the
   diagonal.
 
-Epilogue, one of two (``TileConfig.epilogue``):
+Epilogue, one of two (``Sm90TileConfig.epilogue``, ``syrk._cute_tiles``):
 
 - ``"direct"``: each consumer thread stores its accumulator elements (on or below the diagonal)
   and their mirrors straight to global memory, one element at a time;
@@ -61,8 +61,6 @@ Contract with the caller:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
@@ -78,65 +76,27 @@ from dmuon_kernels.syrk._cute_runtime import (
     pointer,
     stream_handle,
 )
+from dmuon_kernels.syrk._cute_tiles import (
+    DIRECT,
+    STAGED_FLAT,
+    TMA_ALIGNMENT_ELEMENTS,
+    WARPGROUP_THREADS,
+    Sm90TileConfig,
+)
 
-_WARPGROUP_THREADS = 128
 _PRODUCER_REGISTERS = 40  # the producer warpgroup keeps few registers...
 _CONSUMER_REGISTERS = 232  # ...so each consumer can hold a 128x128 fp32 accumulator
-_TMA_ALIGNMENT_ELEMENTS = 8  # 16 bytes of fp16/bf16: TMA's stride granularity
 _ORDER_BARRIER = 1  # named barriers 1 and 2 order the consumers' mainloops (0 is syncthreads)
 _EPILOGUE_BARRIER = 3  # named barriers 3 and 4: one per consumer's staged epilogue
-DIRECT = "direct"  # epilogue: each thread stores its elements and their mirrors to global memory
-STAGED = "smem"  # epilogue: the tile goes through shared memory and leaves by TMA stores
-STAGED_FLAT = "smem_flat"  # the same with a plain row-major buffer (no swizzle)
-EPILOGUES = (DIRECT, STAGED, STAGED_FLAT)
 _AS_IS, _TRANSPOSED, _SYMMETRIC = 0, 1, 2  # how the staged epilogue fills its buffer
-
-
-@dataclass(frozen=True, slots=True)
-class TileConfig:
-    """One tiling of the kernel: square output tile, k-tile, and shared-memory ring depth."""
-
-    tile: int = 128
-    tile_k: int = 64
-    stages: int = 5
-    consumers: int = 2  # 2: ping-pong warpgroups; 1: one consumer warpgroup
-    cooperative: bool = False  # both consumers on one 2·tile x tile output tile
-    epilogue: str = DIRECT  # one of EPILOGUES (staged ones need M a multiple of 8: TMA strides)
-
-    @property
-    def threads(self) -> int:
-        return _WARPGROUP_THREADS * (1 + self.consumers)
-
-    @property
-    def halves(self) -> int:
-        """Row halves of a CTA tile: operand tiles of A per stage besides the column block's."""
-        return 2 if self.cooperative else 1
-
-    def describe(self) -> str:
-        mode = "cooperative" if self.cooperative else "ping-pong"
-        mode = "one consumer" if self.consumers == 1 else mode
-        rows = self.halves * self.tile
-        return f"{rows}x{self.tile}x{self.tile_k}, {self.stages} stages, {mode}, {self.epilogue}"
-
-
-DEFAULT_CONFIG = TileConfig()
 
 
 class SyrkSm90Kernel:
     """Compile-time parameters of one kernel; ``__call__`` is the host-side jit entry point."""
 
-    def __init__(self, element_type: type[cutlass.Numeric], has_c: bool, config: TileConfig):
-        if config.tile % 64 != 0 or config.tile_k % 64 != 0:
-            raise ValueError(
-                f"tile and tile_k must be multiples of 64 (wgmma rows, one 128-byte swizzle "
-                f"atom), got {config}"
-            )
-        if config.consumers not in (1, 2):
-            raise ValueError(f"consumers must be 1 or 2, got {config}")
-        if config.cooperative and config.consumers != 2:
-            raise ValueError(f"the cooperative kernel has two consumers, got {config}")
-        if config.epilogue not in EPILOGUES:
-            raise ValueError(f"epilogue must be one of {EPILOGUES}, got {config}")
+    def __init__(
+        self, element_type: type[cutlass.Numeric], has_c: bool, config: Sm90TileConfig
+    ):  # the config checked its own fields when it was built
         self.element_type = element_type
         self.has_c = has_c
         self.config = config
@@ -156,10 +116,10 @@ class SyrkSm90Kernel:
         stream: cuda.CUstream,
     ):
         cfg = self.config
-        k_pad = cute.assume(k_pad, divby=_TMA_ALIGNMENT_ELEMENTS)
+        k_pad = cute.assume(k_pad, divby=TMA_ALIGNMENT_ELEMENTS)
         a_layout = cute.make_layout(
             (m, k_pad, batch),
-            stride=(k_pad, 1, cute.assume(m * k_pad, divby=_TMA_ALIGNMENT_ELEMENTS)),
+            stride=(k_pad, 1, cute.assume(m * k_pad, divby=TMA_ALIGNMENT_ELEMENTS)),
         )
         out_layout = cute.make_layout((m, m, batch), stride=(m, 1, m * m))
         mA = cute.make_tensor(a_ptr, a_layout)
@@ -182,10 +142,10 @@ class SyrkSm90Kernel:
         # in its place, unused (TMA cannot describe D when M is not a multiple of 8).
         store_atom, mD_tma, d_layout = tma_atom, tma_tensor, b_layout
         if cutlass.const_expr(cfg.epilogue != DIRECT):
-            m_aligned = cute.assume(m, divby=_TMA_ALIGNMENT_ELEMENTS)
+            m_aligned = cute.assume(m, divby=TMA_ALIGNMENT_ELEMENTS)
             d_gmem = cute.make_layout(
                 (m, m, batch),
-                stride=(m_aligned, 1, cute.assume(m * m, divby=_TMA_ALIGNMENT_ELEMENTS)),
+                stride=(m_aligned, 1, cute.assume(m * m, divby=TMA_ALIGNMENT_ELEMENTS)),
             )
             d_layout = self.output_layout()
             store_atom, mD_tma = cpasync.make_tiled_tma_atom(
@@ -376,7 +336,7 @@ class SyrkSm90Kernel:
         else:
             cute.arch.setmaxregister_increase(_CONSUMER_REGISTERS)
             consumer = role - 1
-            wg_tidx = tidx - role * _WARPGROUP_THREADS
+            wg_tidx = tidx - role * WARPGROUP_THREADS
             tiled_mma = sm90_utils.make_trivial_tiled_mma(
                 dtype,
                 dtype,
@@ -409,7 +369,7 @@ class SyrkSm90Kernel:
                     if sequence > 0:
                         cute.arch.barrier(
                             barrier_id=_ORDER_BARRIER + 1 - consumer,
-                            number_of_threads=2 * _WARPGROUP_THREADS,
+                            number_of_threads=2 * WARPGROUP_THREADS,
                         )
                 read = self.ring_state(sequence * k_tiles, producer=False)
                 release = self.ring_state(sequence * k_tiles, producer=False)
@@ -441,7 +401,7 @@ class SyrkSm90Kernel:
                     if linear + ctas < total_tiles:
                         cute.arch.barrier_arrive(
                             barrier_id=_ORDER_BARRIER + consumer,
-                            number_of_threads=2 * _WARPGROUP_THREADS,
+                            number_of_threads=2 * WARPGROUP_THREADS,
                         )
                 warpgroup.wait_group(0)
                 ring.consumer_release(release)
@@ -595,7 +555,7 @@ class SyrkSm90Kernel:
         """Wait until the warpgroup's earlier TMA stores have read its buffer."""
         if wg_tidx == 0:
             cute.arch.cp_async_bulk_wait_group(0, read=True)
-        cute.arch.barrier(barrier_id=barrier_id, number_of_threads=_WARPGROUP_THREADS)
+        cute.arch.barrier(barrier_id=barrier_id, number_of_threads=WARPGROUP_THREADS)
 
     @cute.jit
     def store_buffer(
@@ -612,7 +572,7 @@ class SyrkSm90Kernel:
         """TMA-store the buffer to D's tile (row block, col block) once every thread's writes
         are visible to the async proxy."""
         cute.arch.fence_proxy("async.shared", space="cta")
-        cute.arch.barrier(barrier_id=barrier_id, number_of_threads=_WARPGROUP_THREADS)
+        cute.arch.barrier(barrier_id=barrier_id, number_of_threads=WARPGROUP_THREADS)
         if wg_tidx == 0:
             tile = self.config.tile
             gD = cute.local_tile(mD_tma[None, None, matrix], (tile, tile), (row_block, col_block))
@@ -627,7 +587,7 @@ class SyrkSm90Kernel:
             cute.arch.cp_async_bulk_commit_group()
 
 
-def compile_syrk(dtype_name: str, has_c: bool, config: TileConfig = DEFAULT_CONFIG):
+def compile_syrk(dtype_name: str, has_c: bool, config: Sm90TileConfig):
     """Compile the kernel for ``dtype_name`` ("float16"/"bfloat16"); the returned function takes
     ``(a_ptr, d_ptr, c_ptr, m, k_pad, batch, ctas, alpha, beta, stream)``."""
     kernel = SyrkSm90Kernel(ELEMENT_TYPES[dtype_name], has_c, config)
@@ -637,4 +597,4 @@ def compile_syrk(dtype_name: str, has_c: bool, config: TileConfig = DEFAULT_CONF
 
 
 # The adapter (syrk.cute) calls these on whichever kernel module runs.
-__all__ = ["ELEMENT_TYPES", "TileConfig", "compile_syrk", "pointer", "stream_handle"]
+__all__ = ["ELEMENT_TYPES", "compile_syrk", "pointer", "stream_handle"]

@@ -5,9 +5,8 @@ TMA, persistent and warp-specialised; 128x128 ping-pong tiles, or cooperative 25
 where those fill the SMs in as few rounds, see ``choose_config``), run on compute capability 9.x,
 and ``syrk._cute_kernel`` (SM80 warp-level MMA), run on 8.x and 10.x+ (wgmma exists only on 9.x)
 and selectable on Hopper through ``path``/``config`` (so it stays tested there). The adapter
-probes that
-nvidia-cutlass-dsl and the GPU can run them, chooses a path and a tile configuration per shape
-class, brings operands to the layout the kernel requires, and caches compiled kernels per (tile
+probes that nvidia-cutlass-dsl and the GPU can run them, chooses a path and a tile configuration
+(one of ``syrk._cute_tiles.TILE_CONFIGS``) per shape class, brings operands to the layout the kernel requires, and caches compiled kernels per (tile
 configuration, dtype, with or without C, compute capability) so a warm process never recompiles.
 It is the only module that imports the kernel modules (and through them cutlass), and only on
 first use, so importing dmuon_kernels never fails because cutlass is missing. It must not choose
@@ -43,6 +42,20 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from dmuon_kernels.syrk._cute_tiles import (
+    DIRECT,
+    EPILOGUES,
+    SM80,
+    SM90,
+    STAGED,
+    STAGED_EPILOGUES,
+    STAGED_FLAT,
+    TILE_CONFIGS,
+    TMA_ALIGNMENT_ELEMENTS,
+    Sm80TileConfig,
+    Sm90TileConfig,
+    TileConfig,
+)
 from dmuon_kernels.syrk._requirements import (
     check_gpu_operands,
     distribution_version,
@@ -55,81 +68,10 @@ CUTE_INSTALL_HINT = "pip install dmuon-kernels[cute]"
 # Bumped whenever the device code changes, so cached autotune verdicts are re-measured.
 KERNEL_REVISION = "3"
 
-SM80 = "sm80"
-SM90 = "sm90"
-_TMA_ALIGNMENT_ELEMENTS = 8  # K_pad multiple of 8: 16-byte TMA strides for fp16/bf16
-
-# The staged epilogue's TMA stores need D's rows 16 bytes apart (M a multiple of 8); for other M
-# a "<name>_<epilogue>" configuration runs its direct-epilogue twin "<name>".
-DIRECT = "direct"
-STAGED = "smem"
-STAGED_FLAT = "smem_flat"
-STAGED_EPILOGUES = (STAGED, STAGED_FLAT)
-EPILOGUES = (DIRECT, *STAGED_EPILOGUES)
-
 _INT32_LIMIT = 2**31 - 1
 _ALIGNMENT_BYTES = 16
 _MAX_GRID_Z = 65535  # the batch is the grid's z dimension
 
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class TileConfig:
-    """A tiling of the SM80 kernel (mirrors ``_cute_kernel.TileConfig``, which needs cutlass)."""
-
-    tile: int
-    tile_k: int
-    stages: int
-    warps_m: int
-    warps_n: int
-    path: str = SM80
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class Sm90TileConfig:
-    """A tiling of the SM90 kernel (mirrors ``_cute_sm90_kernel.TileConfig``)."""
-
-    tile: int
-    tile_k: int
-    stages: int
-    consumers: int = 2  # consumer warpgroups: 2 in ping-pong, or 1
-    cooperative: bool = False  # 2·tile x tile CTA tiles, both consumers on each
-    epilogue: str = DIRECT  # "direct", or staged in shared memory with TMA stores: "smem"
-    # (128-byte swizzled buffer) or "smem_flat" (plain row-major buffer)
-    path: str = SM90
-
-    @property
-    def rows(self) -> int:
-        """Rows of one CTA tile."""
-        return 2 * self.tile if self.cooperative else self.tile
-
-    def triangle_tiles(self, M: int) -> int:
-        """CTA tiles of one M x M lower triangle (a cooperative row block has 2r + 2)."""
-        row_blocks = math.ceil(M / self.rows)
-        per_row_block = 2 if self.cooperative else 1
-        return row_blocks * (row_blocks + 1) * per_row_block // 2
-
-
-TILE_CONFIGS: dict[str, TileConfig | Sm90TileConfig] = {
-    "128x128_4warps": TileConfig(tile=128, tile_k=64, stages=3, warps_m=2, warps_n=2),
-    "128x128_8warps": TileConfig(tile=128, tile_k=64, stages=3, warps_m=2, warps_n=4),
-    "64x64_4warps": TileConfig(tile=64, tile_k=64, stages=4, warps_m=2, warps_n=2),
-    "sm90_128x128": Sm90TileConfig(tile=128, tile_k=64, stages=5),
-    "sm90_256x128": Sm90TileConfig(tile=128, tile_k=64, stages=4, cooperative=True),
-    "sm90_128x128_1wg": Sm90TileConfig(tile=128, tile_k=64, stages=5, consumers=1),
-    "sm90_64x64": Sm90TileConfig(tile=64, tile_k=64, stages=8),
-    # The same tilings with the staged epilogue (one tile x tile output buffer per consumer in
-    # shared memory, so the cooperative ring has a stage less to fit in 227 KiB).
-    "sm90_128x128_smem": Sm90TileConfig(tile=128, tile_k=64, stages=5, epilogue=STAGED),
-    "sm90_256x128_smem": Sm90TileConfig(
-        tile=128, tile_k=64, stages=3, cooperative=True, epilogue=STAGED
-    ),
-    "sm90_64x64_smem": Sm90TileConfig(tile=64, tile_k=64, stages=8, epilogue=STAGED),
-    "sm90_128x128_smem_flat": Sm90TileConfig(tile=128, tile_k=64, stages=5, epilogue=STAGED_FLAT),
-    "sm90_256x128_smem_flat": Sm90TileConfig(
-        tile=128, tile_k=64, stages=3, cooperative=True, epilogue=STAGED_FLAT
-    ),
-    "sm90_64x64_smem_flat": Sm90TileConfig(tile=64, tile_k=64, stages=8, epilogue=STAGED_FLAT),
-}
 # Path -> shape class -> tile configuration: "small" problems (fewer 128-wide output tiles than
 # SMs) get small tiles so every SM has work. Large SM90 problems stage the epilogue through a
 # plain shared-memory buffer: on the H200 that beat direct stores at every measured shape
@@ -300,7 +242,7 @@ def syrk(
     dtype_name = str(A.dtype).removeprefix("torch.")
     stream = module.stream_handle(torch.cuda.current_stream(A.device).cuda_stream)
     if tiles.path == SM90:
-        k_pad = math.ceil(K / _TMA_ALIGNMENT_ELEMENTS) * _TMA_ALIGNMENT_ELEMENTS
+        k_pad = math.ceil(K / TMA_ALIGNMENT_ELEMENTS) * TMA_ALIGNMENT_ELEMENTS
         A_padded = _padded(A3, M, k_pad)  # TMA zero-fills the rest of the edge tiles
         tiles_per_matrix = tiles.triangle_tiles(M)
     else:
@@ -334,7 +276,11 @@ def runnable_config(name: str, M: int) -> str:
     """``name``, or its direct-epilogue twin when it stages the epilogue and M is not a
     multiple of 8 (TMA cannot describe D's rows then)."""
     tiles = TILE_CONFIGS[name]
-    if isinstance(tiles, Sm90TileConfig) and tiles.epilogue in STAGED_EPILOGUES and M % 8:
+    if (
+        isinstance(tiles, Sm90TileConfig)
+        and tiles.epilogue in STAGED_EPILOGUES
+        and M % TMA_ALIGNMENT_ELEMENTS
+    ):
         return with_epilogue(name, DIRECT)
     return name
 
@@ -380,12 +326,7 @@ def _kernel(
     if kernel is None:
         tiles = TILE_CONFIGS[name]
         module = api.kernel_modules[tiles.path]
-        # The kernel module's TileConfig takes the same fields (the mirror's path aside).
-        fields = {field.name for field in dataclasses.fields(module.TileConfig)}
-        config = module.TileConfig(
-            **{key: value for key, value in dataclasses.asdict(tiles).items() if key in fields}
-        )
-        kernel = _compiled[key] = module.compile_syrk(dtype_name, has_c, config)
+        kernel = _compiled[key] = module.compile_syrk(dtype_name, has_c, tiles)
     return kernel
 
 
@@ -431,3 +372,29 @@ def _contiguous_aligned(t: Tensor) -> Tensor:
 
 def _check_operand(A: Tensor, C: Tensor | None) -> None:
     check_gpu_operands("cute", A, C)
+
+
+__all__ = [
+    "DIRECT",
+    "EPILOGUES",
+    "NAME",
+    "SHAPE_CLASS_CONFIGS",
+    "SM80",
+    "SM90",
+    "SM90_COOPERATIVE_CONFIG",
+    "STAGED",
+    "STAGED_EPILOGUES",
+    "STAGED_FLAT",
+    "TILE_CONFIGS",
+    "Sm80TileConfig",
+    "Sm90TileConfig",
+    "TileConfig",
+    "choose_config",
+    "is_available",
+    "kernel_path",
+    "runnable_config",
+    "shape_class",
+    "syrk",
+    "versions",
+    "with_epilogue",
+]
