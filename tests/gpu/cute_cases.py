@@ -12,6 +12,7 @@ import math
 import torch
 
 from dmuon_kernels.syrk import cute as cute_backend
+from tests.numerics import batch_dims
 
 # (path, epilogue): the SM90 kernel with each epilogue it offers (direct stores; staged through
 # a swizzled ("smem") or a plain ("smem_flat") shared-memory buffer), each on the tiling the
@@ -43,13 +44,6 @@ SHAPES = (
     (4, 1100, 72),
     (None, 8192, 40),
 )
-
-
-def batch_dims(batch: int | tuple[int, ...] | None) -> tuple[int, ...]:
-    """The leading dimensions of a SHAPES entry's batch."""
-    if batch is None:
-        return ()
-    return (batch,) if isinstance(batch, int) else tuple(batch)
 
 
 def variant_config(M: int, batch: int, device: torch.device, variant: tuple[str, str]) -> str:

@@ -19,8 +19,9 @@ import torch
 
 from dmuon_kernels.syrk import autotune, backend_availability, get_backend, syrk
 from dmuon_kernels.syrk import cute as cute_backend
-from tests.gpu.accuracy import assert_within_twice_cublas, fp32_product
-from tests.gpu.cute_cases import SHAPES, VARIANT_IDS, VARIANTS, batch_dims, variant_config
+from tests.gpu.cute_cases import SHAPES, VARIANT_IDS, VARIANTS, variant_config
+from tests.numerics import assert_within_twice_cublas, fp32_product
+from tests.numerics import syrk_operands as operands
 
 DTYPES = (torch.float16, torch.bfloat16)
 STAGED_CONFIGS = sorted(
@@ -56,14 +57,6 @@ def run_cute(A, C, alpha, beta, variant):
         return cute_backend.syrk(A, C, alpha, beta, path=cute_backend.SM80)
     config = variant_config(A.shape[-2], math.prod(A.shape[:-2]), A.device, variant)
     return cute_backend.syrk(A, C, alpha, beta, config=config)
-
-
-def operands(batch, M, K, dtype, seed=0):
-    generator = torch.Generator(device="cuda").manual_seed(seed)
-    lead = batch_dims(batch)
-    A = torch.randn((*lead, M, K), device="cuda", generator=generator).mul_(K**-0.25)
-    S = torch.randn((*lead, M, M), device="cuda", generator=generator)
-    return A.to(dtype), ((S + S.mT) / 2).to(dtype)
 
 
 def poison_allocator(numel, dtype):

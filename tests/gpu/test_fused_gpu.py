@@ -12,21 +12,10 @@ from dmuon_kernels.fused import (
     muon_normalize,
     normalize_cast,
 )
+from tests.numerics import momentum_inputs, relative_error
 
 MOMENTUM = 0.95
 SHAPES = ((1024, 4096), (333, 517), (4096, 1024))
-
-
-def relative_error(actual, expected):
-    expected = expected.double().cpu()
-    return ((actual.double().cpu() - expected).norm() / expected.norm()).item()
-
-
-def data(shape, grad_dtype=torch.float32, seed=0):
-    generator = torch.Generator().manual_seed(seed)
-    grad = torch.randn(shape, generator=generator).to(grad_dtype)
-    buf = torch.randn(shape, generator=generator)
-    return grad, buf
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
@@ -36,7 +25,7 @@ def data(shape, grad_dtype=torch.float32, seed=0):
 def test_triton_momentum_matches_the_fallback(
     needs_triton, shape, nesterov, first_step, grad_dtype
 ):
-    grad, buf = data(shape, grad_dtype)
+    grad, buf = momentum_inputs(shape, grad_dtype)
     buf_gpu = buf.cuda()
     update, sq_norm = muon_momentum_(grad.cuda(), buf_gpu, MOMENTUM, nesterov, first_step)
     ref_update, ref_sq = muon_momentum_(grad, buf, MOMENTUM, nesterov, first_step)
@@ -46,7 +35,7 @@ def test_triton_momentum_matches_the_fallback(
 
 
 def test_triton_squared_norm_is_deterministic(needs_triton):
-    grad, buf = (t.cuda() for t in data((2048, 2048), seed=1))
+    grad, buf = (t.cuda() for t in momentum_inputs((2048, 2048), seed=1))
     sums = {muon_momentum_(grad, buf.clone(), MOMENTUM, True, False)[1].item() for _ in range(5)}
     assert len(sums) == 1
 
@@ -68,7 +57,7 @@ def test_triton_normalize_matches_the_fallback(needs_triton, dtype, transposed_o
 
 @pytest.mark.parametrize("nesterov", [True, False], ids=["nesterov", "plain"])
 def test_triton_momentum_normalize_matches_the_fallback(needs_triton, nesterov):
-    grad, buf = data((512, 2048), seed=3)
+    grad, buf = momentum_inputs((512, 2048), seed=3)
     buf_gpu = buf.cuda()
     X, sq_norm = muon_momentum_normalize_(grad.cuda(), buf_gpu, MOMENTUM, nesterov)
     ref_X, ref_sq = muon_momentum_normalize_(grad, buf, MOMENTUM, nesterov)

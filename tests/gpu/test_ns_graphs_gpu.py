@@ -16,8 +16,8 @@ from tests.kernels.ns_matrices import (
     log_spectrum,
     matrix_with_spectrum,
     plain_loop_error,
-    relative_error,
 )
+from tests.numerics import relative_error
 
 # wide (gram form), square (direct form), tall (transposed gram)
 CASES = {"wide": (256, 1024), "square": (384, 384), "tall": (1024, 256)}

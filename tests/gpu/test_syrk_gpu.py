@@ -22,19 +22,12 @@ from dmuon_kernels.syrk import (
     syrk,
 )
 from dmuon_kernels.syrk.cache import cache_file_name
-from tests.gpu.accuracy import assert_within_twice_cublas, fp32_product, relative_error
+from tests.numerics import assert_within_twice_cublas, fp32_product, relative_error
+from tests.numerics import syrk_operands as operands
 
 DTYPES = (torch.float16, torch.bfloat16)
 # (batch, M, K): aligned, M and K not multiples of 8 (padding path), a batch, a tall-ish one.
 SHAPES = ((None, 256, 1024), (None, 200, 777), (3, 128, 512), (None, 1024, 256))
-
-
-def operands(batch, M, K, dtype, seed=0):
-    generator = torch.Generator(device="cuda").manual_seed(seed)
-    lead = () if batch is None else (batch,)
-    A = torch.randn((*lead, M, K), device="cuda", generator=generator).mul_(K**-0.25)
-    S = torch.randn((*lead, M, M), device="cuda", generator=generator)
-    return A.to(dtype), ((S + S.mT) / 2).to(dtype)
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=str)

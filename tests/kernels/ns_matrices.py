@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from dmuon_kernels import reference
+from tests.numerics import relative_error
 
 LOW_PRECISION_RATIO = 2.0
 
@@ -49,11 +50,6 @@ SPECTRUM_CASES = {
     "single_row": (1, 100, [3.0]),
     "rank_deficient": (64, 128, log_spectrum(64, 1e-2, rank=16)),
 }
-
-
-def relative_error(actual: Tensor, expected: Tensor) -> float:
-    expected = expected.to(torch.float64)
-    return ((actual.to(torch.float64) - expected).norm() / expected.norm()).item()
 
 
 def fp32_tolerance(coefficients) -> float:

@@ -7,16 +7,13 @@ import pytest
 import torch
 
 from dmuon_kernels.syrk import cublas
+from tests.numerics import relative_error
 
 
 def random_symmetric(batch, M, seed):
     generator = torch.Generator().manual_seed(seed)
     S = torch.randn(*batch, M, M, generator=generator, dtype=torch.float64)
     return S + S.mT
-
-
-def relative_error(actual, reference):
-    return ((actual - reference).norm() / reference.norm()).item()
 
 
 def off_diagonal_blocks_are_mirrored(out, edges):

@@ -14,21 +14,10 @@ from dmuon_kernels.fused import (
     muon_momentum_normalize_,
     muon_normalize,
 )
+from tests.numerics import momentum_inputs, relative_error
 
 MOMENTUM = 0.95
 FP32_RTOL = 1e-6
-
-
-def tensors(*shape: int, seed: int = 0, dtype=torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
-    generator = torch.Generator().manual_seed(seed)
-    grad = torch.randn(shape, generator=generator).to(dtype)
-    buf = torch.randn(shape, generator=generator)
-    return grad, buf
-
-
-def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    expected = expected.double()
-    return ((actual.double() - expected).norm() / expected.norm()).item()
 
 
 def spec_momentum(grad, buf, nesterov, first_step):
@@ -43,7 +32,7 @@ def spec_momentum(grad, buf, nesterov, first_step):
 def test_momentum_updates_the_buffer_and_returns_the_update_and_its_squared_norm(
     nesterov, first_step
 ):
-    grad, buf = tensors(33, 70)
+    grad, buf = momentum_inputs((33, 70))
     expected_buf, expected_update = spec_momentum(grad, buf, nesterov, first_step)
     update, sq_norm = muon_momentum_(grad, buf, MOMENTUM, nesterov, first_step)
     assert relative_error(buf, expected_buf) < FP32_RTOL
@@ -55,7 +44,7 @@ def test_momentum_updates_the_buffer_and_returns_the_update_and_its_squared_norm
 
 
 def test_momentum_reads_a_bf16_gradient_into_an_fp32_buffer():
-    grad, buf = tensors(16, 48, dtype=torch.bfloat16)
+    grad, buf = momentum_inputs((16, 48), torch.bfloat16)
     expected_buf, expected_update = spec_momentum(grad, buf, True, False)
     update, _ = muon_momentum_(grad, buf, MOMENTUM, nesterov=True)
     assert buf.dtype == update.dtype == torch.float32
@@ -84,7 +73,7 @@ def test_normalize_writes_into_a_transposed_output_for_rows_le_cols():
 
 @pytest.mark.parametrize("nesterov", [True, False], ids=["nesterov", "plain"])
 def test_momentum_normalize_equals_momentum_then_normalize(nesterov):
-    grad, buf = tensors(24, 80, seed=3)
+    grad, buf = momentum_inputs((24, 80), seed=3)
     buf_two_calls = buf.clone()
     X, sq_norm = muon_momentum_normalize_(grad, buf, MOMENTUM, nesterov, dtype=torch.float16)
     update, sq_two = muon_momentum_(grad, buf_two_calls, MOMENTUM, nesterov)
@@ -106,7 +95,9 @@ def test_apply_update_decays_then_subtracts_the_scaled_update(weight_decay):
 
 
 def test_parameters_with_trailing_dims_are_handled_as_matrices():
-    grad, buf = tensors(8, 3, 5, seed=5)  # e.g. a conv weight: Muon flattens (3, 5) into 15
+    grad, buf = momentum_inputs(
+        (8, 3, 5), seed=5
+    )  # e.g. a conv weight: Muon flattens (3, 5) into 15
     update, sq_norm = muon_momentum_(grad, buf, MOMENTUM, True, True)
     X = muon_normalize(update, sq_norm, torch.float32)
     assert X.shape == (8, 3, 5)

@@ -27,8 +27,8 @@ from tests.kernels.ns_matrices import (
     log_spectrum,
     matrix_with_spectrum,
     plain_loop_error,
-    relative_error,
 )
+from tests.numerics import relative_error
 
 BACKENDS = ("gram", "direct")
 LOW_PRECISION = (torch.float16, torch.bfloat16)
