@@ -62,7 +62,7 @@ def timed(device: torch.device, action) -> float:
     started = time.perf_counter()
     action()
     bench_e2e.synchronize(device)
-    seconds = torch.tensor([time.perf_counter() - started], dtype=torch.float64)
+    seconds = torch.tensor([time.perf_counter() - started], dtype=torch.float64, device=device)
     dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
     return seconds.item()
 
@@ -117,17 +117,17 @@ def measure(variant: str, args, mesh, device, tokens, folder: Path) -> dict:
     if variant.startswith("dmuon"):
         atomic = functools.partial(atomic_save, model, optimizer, folder / "atomic")
         result["atomic_save_s"] = timed(device, atomic)
-        result["roundtrip_equal"] = roundtrip_equal(model, optimizer, path)
+        result["roundtrip_equal"] = roundtrip_equal(model, optimizer, path, device)
     return result
 
 
-def roundtrip_equal(model, optimizer, path: Path) -> bool:
+def roundtrip_equal(model, optimizer, path: Path, device: torch.device) -> bool:
     """The loaded weights equal the saved ones (a fresh state dict read back from ``path``)."""
     saved, _ = dckpt.get_state_dict(model, optimizer)
     expected = {key: value.clone() for key, value in saved.items()}
     dcp.load({"model": saved}, checkpoint_id=path)
     same = all(torch.equal(saved[key], expected[key]) for key in expected)
-    flag = torch.tensor([int(same)])
+    flag = torch.tensor([int(same)], device=device)
     dist.all_reduce(flag, op=dist.ReduceOp.MIN)
     return bool(flag.item())
 
