@@ -121,11 +121,7 @@ def symmetric_product(
             f"symmetric_product takes square A and B of the same shape; got A "
             f"{tuple(A.shape)} and B {shape}"
         )
-    backend = get_backend(resolve_kernel(kernel, A, C, op=SYMMETRIC_PRODUCT))
-    product = getattr(backend, SYMMETRIC_PRODUCT, None)
-    if product is None:
-        product = getattr(get_backend(CUBLAS), SYMMETRIC_PRODUCT)
-    return product(A, B, C, float(alpha), float(beta))
+    return _product(SYMMETRIC_PRODUCT, kernel, A, B, C, alpha, beta)
 
 
 def matmul(
@@ -159,10 +155,18 @@ def matmul(
     if C is not None and (not isinstance(C, Tensor) or tuple(C.shape) != expected):
         shape = tuple(C.shape) if isinstance(C, Tensor) else type(C).__name__
         raise ValueError(f"matmul C must have shape {expected}; got {shape}")
-    backend = get_backend(resolve_kernel(kernel, A, C, op=MATMUL, B=B))
-    product = getattr(backend, MATMUL, None)
+    return _product(MATMUL, kernel, A, B, C, alpha, beta)
+
+
+def _product(
+    op: str, kernel: str, A: Tensor, B: Tensor, C: Tensor | None, alpha: float, beta: float
+) -> Tensor:
+    """``op`` (SYMMETRIC_PRODUCT or MATMUL) through the backend ``kernel`` resolves to, or the
+    torch path when that backend does not implement it."""
+    backend = get_backend(resolve_kernel(kernel, A, C, op=op, B=B))
+    product = getattr(backend, op, None)
     if product is None:
-        product = getattr(get_backend(CUBLAS), MATMUL)
+        product = getattr(get_backend(CUBLAS), op)
     return product(A, B, C, float(alpha), float(beta))
 
 

@@ -11,6 +11,7 @@ anything from this package. Which tiling runs for a shape is the adapter's choic
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 SM80 = "sm80"
 SM90 = "sm90"
@@ -36,6 +37,7 @@ EPILOGUES = (DIRECT, *STAGED_EPILOGUES)
 class Sm80TileConfig:
     """A tiling of the SM80 kernel: tile x tile CTA tiles, k-tile, pipeline stages, warp grid."""
 
+    path: ClassVar[str] = SM80
     tile: int
     tile_k: int
     stages: int
@@ -47,10 +49,6 @@ class Sm80TileConfig:
             raise ValueError(f"tile_k must be a multiple of 64 (one swizzle atom), got {self}")
 
     @property
-    def path(self) -> str:
-        return SM80
-
-    @property
     def threads(self) -> int:
         return _WARP_THREADS * self.warps_m * self.warps_n
 
@@ -60,6 +58,7 @@ class Sm90TileConfig:
     """A tiling of the SM90 kernel: square tile, k-tile, shared-memory ring depth, consumer
     warpgroups, cooperative 2·tile x tile CTA tiles or not, and the epilogue."""
 
+    path: ClassVar[str] = SM90
     tile: int
     tile_k: int
     stages: int
@@ -79,10 +78,6 @@ class Sm90TileConfig:
             raise ValueError(f"the cooperative kernel has two consumers, got {self}")
         if self.epilogue not in EPILOGUES:
             raise ValueError(f"epilogue must be one of {EPILOGUES}, got {self}")
-
-    @property
-    def path(self) -> str:
-        return SM90
 
     @property
     def threads(self) -> int:
