@@ -162,3 +162,36 @@ def route_change_warning(path: str) -> list[str]:
         dckpt.load({"model": model_sd, "optim": optim_sd}, path)
         dckpt.set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
     return [str(w.message) for w in caught if "dmuon.checkpoint" in str(w.message)]
+
+
+def save_then_die_in_the_next_save(path: str, dying_rank: int = 1) -> None:
+    """Save a complete checkpoint after 2 steps; train a step; then ``dying_rank`` dies as the
+    next save into the same path starts writing (the other ranks are left inside the save)."""
+    import os
+
+    from dmuon.checkpoint import _storage
+
+    model, optimizer = build()
+    train(model, optimizer, range(2))
+    model_sd, optim_sd = dckpt.get_state_dict(model, optimizer)
+    dckpt.save({"model": model_sd, "optim": optim_sd}, path)
+    train(model, optimizer, range(2, 3))
+    model_sd, optim_sd = dckpt.get_state_dict(model, optimizer)
+    if dist.get_rank() == dying_rank:
+        _storage.dcp.save = lambda *args, **kwargs: os._exit(1)
+    dckpt.save({"model": model_sd, "optim": optim_sd}, path)
+
+
+def load_in_one_process(path: str) -> dict[str, torch.Tensor]:
+    """Weights of a fresh one-process model loaded from ``path`` (raises like ``load`` does)."""
+    model, optimizer = build(replicas=0)
+    model_sd, optim_sd = dckpt.get_state_dict(model, optimizer)
+    dckpt.load({"model": model_sd, "optim": optim_sd}, path)
+    dckpt.set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
+    return full_weights(model)
+
+
+def trained_in_one_process(steps: int) -> dict[str, torch.Tensor]:
+    model, optimizer = build(replicas=0)
+    train(model, optimizer, range(steps))
+    return full_weights(model)

@@ -12,6 +12,7 @@ import torch
 
 from tests.distributed import scenarios_checkpoint as scenarios
 from tests.distributed.models import TinyDecoder
+from tests.distributed.pool import WorkerCrash
 
 FP32_TOLERANCE = 1e-5
 
@@ -153,3 +154,21 @@ def test_a_checkpoint_with_other_routes_loads_and_warns_naming_the_parameters_th
     assert len(warnings) == 1
     assert "layers.0.q_proj.weight" in warnings[0] and "lm_head.weight" in warnings[0]
     assert "starts fresh" in warnings[0]
+
+
+def test_a_rank_killed_during_a_save_leaves_the_previous_checkpoint_and_no_loadable_one(
+    pool2, tmp_path
+):
+    path = tmp_path / "checkpoint"
+    with pytest.raises(WorkerCrash):
+        pool2.run(scenarios.save_then_die_in_the_next_save, path=str(path))
+    # The interrupted save never replaced the complete one; its staging folder is refused.
+    loaded = scenarios.load_in_one_process(str(path))
+    assert max_relative_difference(loaded, scenarios.trained_in_one_process(2)) < FP32_TOLERANCE
+    staging = tmp_path / f".{path.name}.incomplete"
+    assert staging.is_dir()
+    with pytest.raises(FileNotFoundError, match="is not a complete checkpoint"):
+        scenarios.load_in_one_process(str(staging))
+    (path / ".metadata").unlink()  # as if the kill had come between the two renames
+    with pytest.raises(FileNotFoundError, match="a save into it did not finish"):
+        scenarios.load_in_one_process(str(path))
