@@ -1,15 +1,19 @@
-"""DMuonTrainer in one process (no torch.distributed): training, and every construction check."""
+"""DMuonTrainer in one process (no torch.distributed): training, checkpoints, and every
+construction check."""
 
 from __future__ import annotations
 
+import logging
 import math
+import os
 
 import pytest
 import torch
-from transformers import TrainingArguments
+from transformers import AutoModelForCausalLM, TrainingArguments
 
 import dmuon
 from dmuon_hf import DMuonTrainer, default_predicate
+from dmuon_kernels.newton_schulz import NewtonSchulz
 from tests.hf.tiny_models import tiny_llama, token_batch
 
 
@@ -88,25 +92,33 @@ def test_model_init_is_rejected(tmp_path):
         DMuonTrainer(model_init=tiny_llama, args=training_arguments(tmp_path))
 
 
-def test_checkpoint_saving_is_rejected_with_the_fix(tmp_path):
+def test_save_on_each_node_is_rejected_with_the_fix(tmp_path):
     model = dedicated_llama()
     with pytest.raises(ValueError) as error:
         DMuonTrainer(
             model=model,
-            args=training_arguments(tmp_path, save_strategy="steps"),
+            args=training_arguments(tmp_path, save_on_each_node=True),
             optimizers=(dmuon.Muon(model), None),
         )
     assert str(error.value) == (
-        "DMuonTrainer: save_strategy='steps' is not supported: saving a dmuon model's "
-        "checkpoint through Trainer is not implemented yet. Pass "
-        "TrainingArguments(..., save_strategy='no')."
+        "DMuonTrainer: TrainingArguments(save_on_each_node=True) is not supported: every rank "
+        "writes its shard into one checkpoint folder and the first rank writes the full model, "
+        "so output_dir must be on a filesystem every node shares. Remove save_on_each_node."
     )
 
 
-def test_missing_training_arguments_are_rejected(tmp_path):
+def test_a_folder_without_dmuon_state_or_weights_is_rejected_on_resume(tmp_path):
     model = dedicated_llama()
-    with pytest.raises(ValueError, match="needs TrainingArguments with save_strategy='no'"):
-        DMuonTrainer(model=model, optimizers=(dmuon.Muon(model), None))
+    trainer = DMuonTrainer(
+        model=model, args=training_arguments(tmp_path), optimizers=(dmuon.Muon(model), None)
+    )
+    with pytest.raises(ValueError) as error:
+        trainer._load_from_checkpoint(str(tmp_path))
+    assert str(error.value) == (
+        f"DMuonTrainer: {tmp_path} is not a checkpoint DMuonTrainer wrote: it has neither "
+        "dmuon_state/ nor model.safetensors (or model.safetensors.index.json). Pass a "
+        "checkpoint-N folder from a DMuonTrainer output_dir."
+    )
 
 
 def test_torch_compile_argument_is_rejected(tmp_path):
@@ -145,3 +157,93 @@ def test_fsdp_training_argument_is_rejected(tmp_path):
         "DMuonTrainer: TrainingArguments(fsdp=True) would shard the model again. Remove "
         "fsdp/fsdp_config: call fully_shard yourself after dmuon.dedicate_params."
     )
+
+
+# ---- checkpoints --------------------------------------------------------------------------------
+
+
+def checkpointed_trainer(output_dir, **overrides) -> DMuonTrainer:
+    """8 rows, 4 a step: 2 steps an epoch. fp32 Newton-Schulz, so a resume repeats bit for bit."""
+    model = dedicated_llama()
+    optimizer = dmuon.Muon(
+        model,
+        lr=0.02,
+        adamw_lr=1e-2,
+        ns_backend=NewtonSchulz(dtype=torch.float32, kernel="cublas"),
+    )
+    settings = dict(
+        save_strategy="steps", save_steps=3, max_steps=4, lr_scheduler_type="linear", seed=0
+    )
+    return DMuonTrainer(
+        model=model,
+        args=training_arguments(output_dir, **{**settings, **overrides}),
+        train_dataset=dataset(rows=8),
+        eval_dataset=dataset(rows=8),
+        optimizers=(optimizer, None),
+    )
+
+
+def logits_of(model) -> torch.Tensor:
+    model.eval()
+    with torch.no_grad():
+        return model(input_ids=token_batch(2, seq_len=16, seed=1)).logits
+
+
+def logged_losses(trainer) -> dict[int, float]:
+    return {entry["step"]: entry["loss"] for entry in trainer.state.log_history if "loss" in entry}
+
+
+def test_single_process_resume_mid_epoch_repeats_the_last_step_and_the_export_loads(tmp_path):
+    trainer = checkpointed_trainer(tmp_path / "run")
+    trainer.train()
+    assert sorted(os.listdir(tmp_path / "run")) == ["checkpoint-3", "checkpoint-4"]
+    assert "rng_state.pth" in os.listdir(tmp_path / "run" / "checkpoint-3")
+    trainer.save_model(str(tmp_path / "export"))
+
+    resumed = checkpointed_trainer(tmp_path / "resumed")
+    resumed.train(resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-3"))
+
+    assert logged_losses(resumed) == logged_losses(trainer)
+    expected = logits_of(trainer.model)
+    assert torch.equal(logits_of(resumed.model), expected)
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "export")
+    assert torch.equal(logits_of(exported), expected)
+
+
+def test_save_only_model_checkpoint_resumes_the_model_and_starts_the_optimizer_fresh(
+    tmp_path, caplog
+):
+    trainer = checkpointed_trainer(
+        tmp_path / "run", save_only_model=True, save_steps=2, max_steps=2
+    )
+    trainer.train()
+    checkpoint = tmp_path / "run" / "checkpoint-2"
+    files = os.listdir(checkpoint)
+    assert "model.safetensors" in files and "trainer_state.json" in files
+    assert not {"dmuon_state", "scheduler.pt", "rng_state.pth"} & set(files)
+
+    # max_steps=2: nothing left to train, the model is exactly what the checkpoint holds.
+    resumed = checkpointed_trainer(tmp_path / "resumed", max_steps=2)
+    with caplog.at_level(logging.WARNING, logger="dmuon_hf"):
+        resumed.train(resume_from_checkpoint=str(checkpoint))
+    assert f"{checkpoint} has no dmuon_state/ (written with save_only_model=True?)" in caplog.text
+    assert torch.equal(logits_of(resumed.model), logits_of(trainer.model))
+
+
+def test_load_best_model_at_end_loads_the_best_checkpoint_not_the_last_step(tmp_path):
+    # A checkpoint and an evaluation per epoch (2 steps). greater_is_better on the eval loss:
+    # the best checkpoint is the first one (the loss falls).
+    trainer = checkpointed_trainer(
+        tmp_path / "run",
+        save_strategy="epoch",
+        eval_strategy="epoch",
+        load_best_model_at_end=True,
+        metric_for_best_model="loss",
+        greater_is_better=True,
+    )
+    trainer.train()
+    assert trainer.state.best_model_checkpoint == str(tmp_path / "run" / "checkpoint-2")
+    best = AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "checkpoint-2")
+    last = AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "checkpoint-4")
+    assert not torch.equal(logits_of(last), logits_of(best))
+    assert torch.equal(logits_of(trainer.model), logits_of(best))

@@ -22,21 +22,52 @@ What a stock ``Trainer`` does, and what this subclass does instead:
 - ``place_model_on_device``: ``model.to(device)`` is never called; the model must already be on
   ``args.device``. ``Trainer._wrap_model`` (DataParallel when one process sees several GPUs)
   returns the model unchanged.
+- saving: ``model.state_dict()`` raises on a distributed dmuon model (the dedicated weights live
+  on their owners), and ``torch.save(optimizer.state_dict())`` on one rank would hold one rank's
+  share. Here ``_save`` (``save_model`` and the model of every checkpoint) gathers the full model
+  onto the first rank with ``dmuon.checkpoint`` on every rank and writes it with
+  ``save_pretrained(state_dict=...)``; each checkpoint also holds ``dmuon_state/``, one sharded
+  ``dmuon.checkpoint`` of the model (the fp32 masters) and the optimizer, written by every rank.
+  The scheduler, RNG and trainer state are written as ``Trainer`` writes them.
+- resuming: ``Trainer`` loads ``model.safetensors`` with ``load_state_dict`` and the optimizer
+  with ``optimizer.load_state_dict``. Here the model and the optimizer both come from
+  ``dmuon_state/`` in ``_load_optimizer_and_scheduler``: after Accelerate has wrapped the
+  optimizer (its wrap round-trips ``optimizer.state_dict()``, so state loaded earlier would be
+  replaced by copies) and before the first step. ``load_best_model_at_end`` and checkpoints
+  written with ``save_only_model=True`` (no ``dmuon_state/``) load the model from the full
+  weights, through ``dmuon.checkpoint.set_model_state_dict``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
+import logging
+import os
+import warnings
 from typing import Any
 
+import safetensors.torch
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions
 from transformers import Trainer, TrainingArguments
-from transformers.trainer_utils import SaveStrategy
+from transformers.trainer import SCHEDULER_NAME
+from transformers.trainer_pt_utils import reissue_pt_warnings
+from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME
 
 import dmuon
+import dmuon.checkpoint as dckpt
 from dmuon.api import get_dedicated_state
 from dmuon.clip import clip_grad_norm_
+
+logger = logging.getLogger("dmuon_hf")
+
+# The sharded checkpoint of the model and the optimizer inside each ``checkpoint-N`` folder.
+DMUON_STATE_DIR = "dmuon_state"
+# The whole model, on the CPU of the first rank (the others get {}): what save_pretrained writes.
+_FULL_ON_FIRST_RANK = StateDictOptions(full_state_dict=True, cpu_offload=True)
 
 
 class DMuonTrainer(Trainer):
@@ -46,17 +77,22 @@ class DMuonTrainer(Trainer):
 
         trainer = DMuonTrainer(
             model=model,  # after dmuon.dedicate_params(...) and fully_shard(...)
-            args=TrainingArguments(..., save_strategy="no"),
+            args=TrainingArguments(..., save_strategy="steps", save_steps=500),
             train_dataset=dataset,
             optimizers=(dmuon.Muon(model, lr=0.02, adamw_lr=1e-3), None),  # or a scheduler
         )
-        trainer.train()
+        trainer.train()  # or trainer.train(resume_from_checkpoint=True)
+        trainer.save_model("out/final")  # on every rank: from_pretrained("out/final") loads it
+
+    Checkpoints (``save_strategy``, ``save_total_limit``, ``resume_from_checkpoint``) hold the
+    full model for ``from_pretrained`` and a sharded ``dmuon_state/`` (model and optimizer) for
+    resuming. ``save_model`` and every save and load are collective: call them on every rank.
 
     Requirements (each checked, with a message saying the fix): ``optimizers[0]`` is the
-    ``dmuon.Muon`` built on this model; ``save_strategy="no"`` (checkpointing a dmuon model
-    through ``Trainer`` is not supported yet); no ``fsdp``, ``deepspeed``, ``torch_compile``
-    or ``model_init`` (the model is sharded and compiled by you, before the trainer sees it).
-    See the module docstring for what differs from ``Trainer``.
+    ``dmuon.Muon`` built on this model; no ``fsdp``, ``deepspeed``, ``torch_compile``,
+    ``model_init`` (the model is sharded and compiled by you, before the trainer sees it) or
+    ``save_on_each_node`` (every rank writes into one checkpoint folder). See the module
+    docstring for what differs from ``Trainer``.
     """
 
     def __init__(
@@ -156,6 +192,84 @@ class DMuonTrainer(Trainer):
             grad_norm = clip_grad_norm_(self.model, self._dmuon_optimizer, float("inf"))
         return grad_norm
 
+    # ---- saving -----------------------------------------------------------------------------------
+
+    def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
+        # Trainer returns early on every rank but the first; the gather below needs them all.
+        if state_dict is None:
+            state_dict = dckpt.get_model_state_dict(self.model, options=_FULL_ON_FIRST_RANK)
+        if not self.args.should_save:
+            return
+        if not state_dict:
+            raise RuntimeError(
+                f"DMuonTrainer: process {self.args.process_index} writes the model but "
+                "dmuon.checkpoint gathered it on another rank (the lowest rank of the mesh "
+                "passed to dmuon.dedicate_params). Build that mesh over every rank of the job."
+            )
+        # save_pretrained writes the given state dict; it never reads the module's placeholders.
+        super()._save(output_dir, state_dict=state_dict)
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        model_state, optim_state = dckpt.get_state_dict(self.model, self._dmuon_optimizer)
+        dckpt.save(
+            {"model": model_state, "optim": optim_state}, os.path.join(output_dir, DMUON_STATE_DIR)
+        )
+        if self.args.should_save:
+            with warnings.catch_warnings(record=True) as caught_warnings:
+                torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
+            reissue_pt_warnings(caught_warnings)
+
+    # ---- resuming ---------------------------------------------------------------------------------
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None):
+        # Trainer.train calls this before the optimizer is prepared, and
+        # _load_optimizer_and_scheduler after: a dmuon_state/ loads there, model and optimizer
+        # together (one checkpoint, one checked load).
+        if not _exists_on_every_rank(os.path.join(resume_from_checkpoint, DMUON_STATE_DIR)):
+            self._load_full_model(resume_from_checkpoint)
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        if checkpoint is None:
+            return
+        state_dir = os.path.join(checkpoint, DMUON_STATE_DIR)
+        if not _exists_on_every_rank(state_dir):
+            logger.warning(
+                f"{checkpoint} has no {DMUON_STATE_DIR}/ (written with save_only_model=True?): "
+                "the model was loaded from its full weights; the optimizer and the scheduler "
+                "start fresh."
+            )
+            return
+        model_state, optim_state = dckpt.get_state_dict(self.model, self._dmuon_optimizer)
+        dckpt.load({"model": model_state, "optim": optim_state}, state_dir)
+        dckpt.set_state_dict(
+            self.model,
+            self._dmuon_optimizer,
+            model_state_dict=model_state,
+            optim_state_dict=optim_state,
+        )
+        scheduler_file = os.path.join(checkpoint, SCHEDULER_NAME)
+        if os.path.isfile(scheduler_file):
+            with warnings.catch_warnings(record=True) as caught_warnings:
+                self.lr_scheduler.load_state_dict(torch.load(scheduler_file, weights_only=True))
+            reissue_pt_warnings(caught_warnings)
+
+    def _load_best_model(self) -> None:
+        logger.info(
+            f"Loading best model from {self.state.best_model_checkpoint} "
+            f"(score: {self.state.best_metric})."
+        )
+        self._load_full_model(self.state.best_model_checkpoint)
+
+    def _load_full_model(self, checkpoint: str) -> None:
+        """Load the full weights ``save_pretrained`` wrote into ``checkpoint`` (every rank reads
+        them on its CPU, as ``Trainer`` does; each keeps its own part)."""
+        full = _read_full_weights(checkpoint)
+        result = dckpt.set_model_state_dict(
+            self.model, full, options=StateDictOptions(strict=False)
+        )
+        del full
+        self._issue_warnings_after_load(result)
+
     # ---- end of training ------------------------------------------------------------------------
 
     def train(self, *args: Any, **kwargs: Any):
@@ -194,15 +308,13 @@ def _check_model_and_optimizer(
 
 def _check_training_arguments(args: TrainingArguments | None) -> None:
     if args is None:
+        return  # Trainer's defaults
+    if args.save_on_each_node:
         raise ValueError(
-            "DMuonTrainer needs TrainingArguments with save_strategy='no', e.g. "
-            "TrainingArguments(output_dir=..., save_strategy='no')."
-        )
-    if args.save_strategy != SaveStrategy.NO:
-        raise ValueError(
-            f"DMuonTrainer: save_strategy={_plain(args.save_strategy)!r} is not supported: "
-            "saving a dmuon model's checkpoint through Trainer is not implemented yet. Pass "
-            "TrainingArguments(..., save_strategy='no')."
+            "DMuonTrainer: TrainingArguments(save_on_each_node=True) is not supported: every "
+            "rank writes its shard into one checkpoint folder and the first rank writes the "
+            "full model, so output_dir must be on a filesystem every node shares. Remove "
+            "save_on_each_node."
         )
     if args.fsdp:
         raise ValueError(
@@ -222,8 +334,44 @@ def _check_training_arguments(args: TrainingArguments | None) -> None:
         )
 
 
-def _plain(value: Any) -> Any:
-    return getattr(value, "value", value)
+# ---- files ----------------------------------------------------------------------------------------
+
+
+def _exists_on_every_rank(path: str) -> bool:
+    """Whether ``path`` is a folder, agreed by every rank (one collective when distributed)."""
+    exists = os.path.isdir(path)
+    if not dist.is_initialized():
+        return exists
+    everyone: list[bool | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, exists)
+    if len(set(everyone)) > 1:
+        blind = [rank for rank, seen in enumerate(everyone) if not seen]
+        raise RuntimeError(
+            f"DMuonTrainer: ranks {blind} do not see {path}, the other ranks do. Every rank "
+            "reads the checkpoint: put output_dir on a filesystem every node shares."
+        )
+    return exists
+
+
+def _read_full_weights(checkpoint: str) -> dict[str, torch.Tensor]:
+    single = os.path.join(checkpoint, SAFE_WEIGHTS_NAME)
+    if os.path.isfile(single):
+        return safetensors.torch.load_file(single, device="cpu")
+    index = os.path.join(checkpoint, SAFE_WEIGHTS_INDEX_NAME)
+    if os.path.isfile(index):
+        with open(index) as file:
+            shards = sorted(set(json.load(file)["weight_map"].values()))
+        weights: dict[str, torch.Tensor] = {}
+        for shard in shards:
+            weights.update(
+                safetensors.torch.load_file(os.path.join(checkpoint, shard), device="cpu")
+            )
+        return weights
+    raise ValueError(
+        f"DMuonTrainer: {checkpoint} is not a checkpoint DMuonTrainer wrote: it has neither "
+        f"{DMUON_STATE_DIR}/ nor {SAFE_WEIGHTS_NAME} (or {SAFE_WEIGHTS_INDEX_NAME}). Pass a "
+        "checkpoint-N folder from a DMuonTrainer output_dir."
+    )
 
 
 def _same_device(a: torch.device, b: torch.device) -> bool:
