@@ -5,6 +5,9 @@ Each rank trains the same tiny Llama, prepared with dmuon.dedicate_params + full
 torch's own clip_grad_norm_) on the whole dataset. The dataset is exactly one optimizer step's
 worth of rows, so every step of both sees all of it: their gradients, losses and weights must
 agree whatever order the sampler deals the rows in.
+
+The checkpoint scenario compares ``DMuonTrainer`` with itself instead: a run interrupted at a
+checkpoint and resumed must repeat the uninterrupted one exactly.
 """
 
 from __future__ import annotations
@@ -39,6 +42,23 @@ def _dataset(rows: int) -> list[dict[str, torch.Tensor]]:
     return [{"input_ids": row, "labels": row} for row in tokens]
 
 
+def _prepared_llama():
+    """The tiny Llama, dedicated and ``fully_shard``-ed over every rank, and its ``dmuon.Muon``."""
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("shard",))
+    model = tiny_llama(seed=0)
+    dmuon.dedicate_params(model, mesh, default_predicate(model))
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optimizer = dmuon.Muon(
+        model,
+        lr=MUON_LR,
+        adamw_lr=ADAMW_LR,
+        ns_backend=NewtonSchulz(backend="gram", dtype=torch.float32, kernel="cublas"),
+    )
+    return model, optimizer
+
+
 def _reference_run(steps: int, rows: int, max_grad_norm: float) -> dict:
     model = tiny_llama(seed=0)
     optimizer = ReferenceMuonAdamW(
@@ -70,18 +90,7 @@ def train_with_dmuon_trainer(
     os.environ.setdefault("LOCAL_RANK", str(dist.get_rank()))  # one host: local = global rank
     world = dist.get_world_size()
     rows = world * per_device_batch * accumulation
-    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("shard",))
-    model = tiny_llama(seed=0)
-    dmuon.dedicate_params(model, mesh, default_predicate(model))
-    for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    optimizer = dmuon.Muon(
-        model,
-        lr=MUON_LR,
-        adamw_lr=ADAMW_LR,
-        ns_backend=NewtonSchulz(backend="gram", dtype=torch.float32, kernel="cublas"),
-    )
+    model, optimizer = _prepared_llama()
     output_dir = tempfile.mkdtemp(prefix="dmuon-hf-trainer-")
     try:
         args = TrainingArguments(
@@ -132,4 +141,116 @@ def train_with_dmuon_trainer(
         # dmuon reduces gradients to their owners with c10d reduce, FSDP2 with reduce_scatter.
         "reduces_per_step": log.count("reduce") / steps,
         "reduce_scatters_per_step": log.count("reduce_scatter") / steps,
+    }
+
+
+# ---- checkpoints --------------------------------------------------------------------------------
+
+CHECKPOINT_STEPS = 6
+SAVE_STEPS = 2
+RESUME_STEP = 4  # one step into the second epoch: Trainer skips that epoch's first batch
+STEPS_PER_EPOCH = 3
+PER_DEVICE_BATCH = 2
+
+
+def probe_tokens() -> torch.Tensor:
+    """(2, SEQ_LEN) tokens the trained models are compared on."""
+    return token_batch(2, seq_len=SEQ_LEN, seed=1)
+
+
+def _checkpoint_arguments(output_dir: str, **overrides) -> TrainingArguments:
+    settings = dict(
+        output_dir=output_dir,
+        use_cpu=True,
+        report_to=[],
+        save_strategy="steps",
+        save_steps=SAVE_STEPS,
+        save_total_limit=2,
+        max_steps=CHECKPOINT_STEPS,
+        per_device_train_batch_size=PER_DEVICE_BATCH,
+        # A decaying rate: a resume that lost the scheduler's position would step at another one.
+        lr_scheduler_type="linear",
+        logging_steps=1,
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+        seed=0,
+    )
+    settings.update(overrides)
+    return TrainingArguments(**settings)
+
+
+def _eval_logits(model) -> torch.Tensor:
+    model.eval()
+    with torch.no_grad():
+        logits = model(input_ids=probe_tokens()).logits
+    model.train()
+    return logits
+
+
+def _logged(trainer, key: str) -> dict[int, float]:
+    return {entry["step"]: entry[key] for entry in trainer.state.log_history if key in entry}
+
+
+def train_save_and_resume(*, output_dir: str) -> dict:
+    """An uninterrupted checkpointed run, its export, and a run resumed from its step-4 checkpoint.
+
+    ``output_dir`` is shared by every rank. The resumed run starts from a fresh model and
+    optimizer, in an output folder holding only a copy of ``checkpoint-4``, with
+    ``resume_from_checkpoint=True``.
+    """
+    os.environ.setdefault("LOCAL_RANK", str(dist.get_rank()))
+    rows = dist.get_world_size() * PER_DEVICE_BATCH * STEPS_PER_EPOCH
+    dataset = _dataset(rows)
+    run_dir = os.path.join(output_dir, "run")
+    resumed_dir = os.path.join(output_dir, "resumed")
+    export_dir = os.path.join(output_dir, "export")
+
+    model, optimizer = _prepared_llama()
+    trainer = DMuonTrainer(
+        model=model,
+        args=_checkpoint_arguments(run_dir),
+        train_dataset=dataset,
+        optimizers=(optimizer, None),
+    )
+    trainer.train()
+    checkpoints = sorted(os.listdir(run_dir))
+    last_checkpoint_files = sorted(os.listdir(os.path.join(run_dir, checkpoints[-1])))
+    trainer.save_model(export_dir)
+    logits = _eval_logits(model)
+
+    if dist.get_rank() == 0:
+        name = f"checkpoint-{RESUME_STEP}"
+        shutil.copytree(os.path.join(run_dir, name), os.path.join(resumed_dir, name))
+    dist.barrier()
+    model, optimizer = _prepared_llama()
+    resumed = DMuonTrainer(
+        model=model,
+        args=_checkpoint_arguments(resumed_dir),
+        train_dataset=dataset,
+        optimizers=(optimizer, None),
+    )
+    resumed.train(resume_from_checkpoint=True)
+    resumed_logits = _eval_logits(model)
+
+    # The full weights alone (save_only_model checkpoints, load_best_model_at_end) load too.
+    model, optimizer = _prepared_llama()
+    from_export = DMuonTrainer(
+        model=model,
+        args=_checkpoint_arguments(os.path.join(output_dir, "unused")),
+        optimizers=(optimizer, None),
+    )
+    from_export._load_from_checkpoint(export_dir)
+    return {
+        "checkpoints": checkpoints,
+        "last_checkpoint_files": last_checkpoint_files,
+        "export_files": sorted(os.listdir(export_dir)),
+        "losses": _logged(trainer, "loss"),
+        "grad_norms": _logged(trainer, "grad_norm"),
+        "learning_rates": _logged(trainer, "learning_rate"),
+        "logits": logits,
+        "resumed_losses": _logged(resumed, "loss"),
+        "resumed_grad_norms": _logged(resumed, "grad_norm"),
+        "resumed_learning_rates": _logged(resumed, "learning_rate"),
+        "resumed_logits": resumed_logits,
+        "export_loaded_logits": _eval_logits(model),
     }
