@@ -1,6 +1,8 @@
 """The READMEs' programs run as written, taken from the Markdown itself.
 
 - README.md, "## Use it": the complete training program, on 2 gloo processes (torchrun).
+- README.md, "## Save and resume": trained and saved on 2 gloo processes, resumed on 1; the
+  resumed steps' losses equal the uninterrupted run's.
 - packages/dmuon-kernels/README.md, "## Use": the Newton-Schulz example, in this process.
 
 Run as a script, this file makes the same checks with the interpreter that runs it:
@@ -22,6 +24,7 @@ from pathlib import Path
 REPOSITORY_ROOT = Path(__file__).resolve().parents[1]
 READMES = {
     "dmuon": (REPOSITORY_ROOT / "README.md", "## Use it"),
+    "dmuon-resume": (REPOSITORY_ROOT / "README.md", "## Save and resume"),
     "dmuon-kernels": (REPOSITORY_ROOT / "packages" / "dmuon-kernels" / "README.md", "## Use"),
 }
 LAUNCH_TIMEOUT_S = 300
@@ -45,24 +48,49 @@ def printed_losses(stdout: str) -> list[float]:
     return [float(value) for value in re.findall(r"loss (\d+\.\d+)", stdout)]
 
 
-def check_the_training_program(workdir: Path) -> str:
-    """Runs README.md's program with ``torchrun --nproc-per-node 2``; checks that it trained."""
-    program = workdir / "train.py"
-    program.write_text(python_block(*READMES["dmuon"]))
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+def torchrun(program: Path, processes: int, *arguments: str) -> str:
+    """stdout of ``torchrun --nproc-per-node <processes> <program> <arguments>`` in its folder."""
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
     result = subprocess.run(
-        [*launcher, str(program)],
-        cwd=workdir,
+        [*launcher, f"--nproc-per-node={processes}", str(program), *arguments],
+        cwd=program.parent,
         env=dict(os.environ, OMP_NUM_THREADS="1"),
         capture_output=True,
         text=True,
         timeout=LAUNCH_TIMEOUT_S,
     )
     assert result.returncode == 0, result.stdout + result.stderr
-    losses = printed_losses(result.stdout)
-    assert len(losses) >= 2, result.stdout
-    assert losses[-1] < losses[0] / 2, f"the loss did not fall: {losses}"
     return result.stdout
+
+
+def check_the_training_program(workdir: Path) -> str:
+    """Runs README.md's program with ``torchrun --nproc-per-node 2``; checks that it trained."""
+    program = workdir / "train.py"
+    program.write_text(python_block(*READMES["dmuon"]))
+    stdout = torchrun(program, 2)
+    losses = printed_losses(stdout)
+    assert len(losses) >= 2, stdout
+    assert losses[-1] < losses[0] / 2, f"the loss did not fall: {losses}"
+    return stdout
+
+
+def check_the_resume_program(workdir: Path) -> str:
+    """Runs README.md's save-and-resume program on 2 processes, then resumes it on 1."""
+    import torch
+
+    program = workdir / "resume.py"
+    program.write_text(python_block(*READMES["dmuon-resume"]))
+    uninterrupted = printed_losses(torchrun(program, 2))
+    resumed_stdout = torchrun(program, 1, "ckpt/step-5")
+    resumed = printed_losses(resumed_stdout)
+    assert len(uninterrupted) == 10 and len(resumed) == 5, resumed_stdout
+    for step, (expected, got) in enumerate(zip(uninterrupted[5:], resumed), start=6):
+        assert abs(expected - got) <= 2e-5 * abs(expected), (step, uninterrupted, resumed)
+    exported = torch.load(workdir / "model.pt")
+    assert set(exported) == {"embed.weight", "lm_head.weight", "lm_head.bias"} | {
+        f"layers.{i}.{kind}" for i in range(2) for kind in ("weight", "bias")
+    }
+    return resumed_stdout
 
 
 def check_the_kernels_example() -> dict:
@@ -95,6 +123,10 @@ def test_the_use_it_program_trains_on_two_gloo_processes(tmp_path):
     check_the_training_program(tmp_path)
 
 
+def test_the_save_and_resume_program_resumes_on_another_world_size_like_uninterrupted(tmp_path):
+    check_the_resume_program(tmp_path)
+
+
 def test_the_kernels_example_orthogonalises_in_fp32_on_cpu():
     names = check_the_kernels_example()
     if names["device"] == "cpu":
@@ -106,7 +138,10 @@ if __name__ == "__main__":
     if which == "dmuon":
         with tempfile.TemporaryDirectory() as workdir:
             sys.stdout.write(check_the_training_program(Path(workdir)))
+    elif which == "dmuon-resume":
+        with tempfile.TemporaryDirectory() as workdir:
+            sys.stdout.write(check_the_resume_program(Path(workdir)))
     elif which == "dmuon-kernels":
         check_the_kernels_example()
     else:
-        sys.exit(f"usage: {sys.argv[0]} [dmuon|dmuon-kernels]; got {which!r}")
+        sys.exit(f"usage: {sys.argv[0]} [dmuon|dmuon-resume|dmuon-kernels]; got {which!r}")
