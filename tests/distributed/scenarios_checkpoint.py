@@ -195,3 +195,12 @@ def trained_in_one_process(steps: int) -> dict[str, torch.Tensor]:
     model, optimizer = build(replicas=0)
     train(model, optimizer, range(steps))
     return full_weights(model)
+
+
+def load_model_only(path: str) -> dict[str, torch.Tensor]:
+    """Weights of a fresh one-process model after loading only ``{"model": ...}`` from ``path``."""
+    model, _ = build(replicas=0)
+    model_sd = dckpt.get_model_state_dict(model)
+    dckpt.load({"model": model_sd}, path)
+    dckpt.set_model_state_dict(model, model_sd)
+    return full_weights(model)

@@ -172,3 +172,12 @@ def test_a_rank_killed_during_a_save_leaves_the_previous_checkpoint_and_no_loada
     (path / ".metadata").unlink()  # as if the kill had come between the two renames
     with pytest.raises(FileNotFoundError, match="a save into it did not finish"):
         scenarios.load_in_one_process(str(path))
+
+
+def test_the_model_part_of_a_checkpoint_loads_alone(checkpoints):
+    path, _ = checkpoints("1d-4")
+    model_only = scenarios.load_model_only(path)
+    with_optimizer = scenarios.load_in_one_process(path)
+    assert model_only.keys() == with_optimizer.keys()
+    for key, value in with_optimizer.items():
+        assert torch.equal(model_only[key], value), key

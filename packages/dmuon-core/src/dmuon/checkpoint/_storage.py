@@ -72,6 +72,8 @@ def load(
 
     Before reading any tensor, every rank checks its ``state_dict`` against the checkpoint:
     missing, unexpected and mis-shaped keys raise a ``ValueError`` on every rank naming them.
+    Unexpected keys count under the top-level keys ``state_dict`` has: ``{"model": ...}`` alone
+    loads the model part of a checkpoint saved as ``{"model": ..., "optim": ...}``.
     Optimizer state entries (under a dict with ``"state"`` and ``"param_groups"``) that the
     checkpoint does not have are dropped from ``state_dict`` instead: that parameter's state
     starts fresh, and ``dmuon.checkpoint.set_optimizer_state_dict`` warns naming it.
@@ -106,10 +108,15 @@ def load(
                     f"state dict {tuple(value.shape)}"
                 )
     requested = _union_over_ranks(set(flat), process_group)
+    # Only the parts asked for count: {"model": ...} alone loads the model of a model +
+    # optimizer checkpoint.
+    parts = {key.split(".", 1)[0] for key in requested} | set(state_dict)
     unexpected = sorted(
         key
         for key in saved
-        if key not in requested and not _looks_like_optimizer_state(key, optimizer_prefixes)
+        if key not in requested
+        and key.split(".", 1)[0] in parts
+        and not _looks_like_optimizer_state(key, optimizer_prefixes)
     )
     errors += [f"in the checkpoint but not in the state dict: {key}" for key in unexpected]
     _raise_if_any_rank_failed(errors, path, process_group)
