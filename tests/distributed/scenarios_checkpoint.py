@@ -109,6 +109,7 @@ def state_dict_shapes(replicas: int = 1) -> dict:
     for name, attempt in {
         "state_dict": lambda: model.state_dict(),
         "torch_get_model_state_dict": lambda: _torch_get_model_state_dict(model),
+        "torch_get_optimizer_state_dict": lambda: _torch_get_optimizer_state_dict(model, optimizer),
         "named_parameters_save": lambda: torch.save(dict(model.named_parameters()), "/dev/null"),
         "detach": lambda: {n: p.detach() for n, p in model.named_parameters()},
     }.items():
@@ -124,6 +125,12 @@ def _torch_get_model_state_dict(model):
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+
+
+def _torch_get_optimizer_state_dict(model, optimizer):
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    return get_optimizer_state_dict(model, optimizer)
 
 
 def load_errors(path: str) -> dict[str, str]:

@@ -106,6 +106,7 @@ def test_plain_saving_paths_raise_naming_dmuon_checkpoint_instead_of_saving_empt
     for path in ("state_dict", "torch_get_model_state_dict"):
         assert "dmuon.checkpoint.get_model_state_dict" in result[path], path
         assert "RuntimeError" in result[path]
+    assert "dmuon.checkpoint.get_optimizer_state_dict" in result["torch_get_optimizer_state_dict"]
     for path in ("named_parameters_save", "detach"):
         assert "placeholder of a dedicated parameter" in result[path], path
         assert "dmuon.checkpoint" in result[path]

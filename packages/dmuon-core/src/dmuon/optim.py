@@ -12,6 +12,7 @@ Routes (one param group each, so ``torch.optim.lr_scheduler`` scales both):
 from __future__ import annotations
 
 import math
+import sys
 from collections import defaultdict
 from collections.abc import Callable
 
@@ -126,6 +127,15 @@ class Muon(torch.optim.Optimizer):
                 boundary.wait_for_publish()
         return loss
 
+    def state_dict(self) -> dict:
+        """This rank's state, keyed by index as in torch (same layout only); see below."""
+        _refuse_torch_checkpoint_state_dict(sys._getframe(1), "get_optimizer_state_dict")
+        return super().state_dict()
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        _refuse_torch_checkpoint_state_dict(sys._getframe(1), "set_optimizer_state_dict")
+        super().load_state_dict(state_dict)
+
     @torch.no_grad()
     def init_state(self) -> None:
         """Create the state every trainable parameter's next step would create (zeros).
@@ -230,6 +240,19 @@ class Muon(torch.optim.Optimizer):
                     [(p.fqn, tuple(p.shape)) for p in self._dedicated.params.values()],
                 ),
             },
+        )
+
+
+def _refuse_torch_checkpoint_state_dict(caller, dmuon_function: str) -> None:
+    """torch.distributed.checkpoint.state_dict maps optimizer state to names through the model's
+    parameters; the owners' fp32 masters are not among them, and it would fail with a bare
+    ``KeyError`` after a zero-lr warm-up step. Refuse there, naming the function that works."""
+    if caller.f_globals.get("__name__") == "torch.distributed.checkpoint.state_dict":
+        raise RuntimeError(
+            "torch.distributed.checkpoint.state_dict cannot name dmuon.Muon's state: it lives on "
+            "the owners' fp32 masters, which are not parameters of the model. Use "
+            f"dmuon.checkpoint.{dmuon_function} (the same signature), or "
+            "dmuon.checkpoint.get_state_dict / set_state_dict."
         )
 
 
