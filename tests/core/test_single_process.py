@@ -139,6 +139,16 @@ def test_muon_without_dedicate_params_says_to_call_it_first():
         dmuon.Muon(TinyDecoder())
 
 
+def test_muon_given_model_parameters_says_to_pass_the_model():
+    model = TinyDecoder()
+    dmuon.dedicate_params(model, None, proj_predicate)
+    with pytest.raises(
+        TypeError,
+        match=r"takes the model itself, got generator.*not dmuon\.Muon\(model\.parameters\(\)",
+    ):
+        dmuon.Muon(model.parameters())
+
+
 def test_compute_dtype_together_with_param_policy_is_refused():
     with pytest.raises(ValueError, match="param_policy"):
         dmuon.dedicate_params(

@@ -71,6 +71,13 @@ class Muon(torch.optim.Optimizer):
             adamw_eps=adamw_eps,
             adamw_weight_decay=adamw_weight_decay,
         )
+        if not isinstance(model, nn.Module):
+            raise TypeError(
+                f"dmuon.Muon takes the model itself, got {type(model).__name__}: dmuon.Muon("
+                "model, lr=0.02, adamw_lr=1e-3), not dmuon.Muon(model.parameters(), ...). It "
+                "finds the owners' fp32 masters and the other parameters through the model "
+                "that dmuon.dedicate_params prepared."
+            )
         self._dedicated = get_dedicated_state(model)
         self._dedicated.ensure_adopted()
         self._newton_schulz = _resolve_newton_schulz(ns_backend)
