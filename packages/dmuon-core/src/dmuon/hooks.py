@@ -62,9 +62,6 @@ class DedicatedState:
         self.boundaries = boundaries
         self.profile = profile  # forward-unshard wait counters (DMUON_RECORD_FORWARD_PROFILE=1)
         self.requires_gradient_sync = True
-        # Set by ``Muon.step()``: the next backward starts the masters' gradients afresh, so the
-        # usual ``model.zero_grad()`` (which cannot see the masters) is enough between steps.
-        self.gradients_consumed = False
         self.is_adopted = False
         # Set by dmuon.checkpoint while it reads or loads the model (see ``module_state``).
         self.checkpoint_reading = False
@@ -81,6 +78,7 @@ class DedicatedState:
     # ---- setup --------------------------------------------------------------------------------
 
     def register_hooks(self) -> None:
+        self._follow_model_zero_grad()
         for group in self.boundaries:
             self._handles.append(
                 group.module.register_forward_pre_hook(
@@ -90,6 +88,33 @@ class DedicatedState:
             self._handles.append(
                 group.module.register_forward_hook(functools.partial(_post_forward, self, group))
             )
+
+    def _follow_model_zero_grad(self) -> None:
+        """``model.zero_grad()`` clears the owners' master gradients too.
+
+        The masters are not parameters of the model, so ``Module.zero_grad`` cannot see them; yet
+        their gradients must follow torch's rules (accumulate over backwards until zeroed) for
+        the usual loop, a skipped step, and accumulation alike. The model's own ``zero_grad``
+        is wrapped on this instance, and still runs.
+        """
+        module_zero_grad = self.model.zero_grad
+
+        @functools.wraps(module_zero_grad)
+        def zero_grad(set_to_none: bool = True) -> None:
+            module_zero_grad(set_to_none)
+            self.zero_master_grads(set_to_none)
+
+        object.__setattr__(self.model, "zero_grad", zero_grad)
+
+    def zero_master_grads(self, set_to_none: bool = True) -> None:
+        for p in self.params.values():
+            if p.master is not None and p.master.grad is not None:
+                if set_to_none:
+                    p.master.grad = None
+                else:
+                    p.master.grad.zero_()
+            if p.unsharded is not None:  # gradients kept locally under no_sync
+                p.unsharded.grad = None
 
     def ensure_adopted(self) -> None:
         """Move the weights into the owners' segments (deferred for meta-device models)."""
@@ -151,10 +176,6 @@ class DedicatedState:
                 received += group.finish_reduce()
             group.in_backward = group.reduced_this_backward = False
             group.forward_count = group.backward_count = 0
-        if self.gradients_consumed and self.requires_gradient_sync:
-            for p in self.iter_owned_masters():
-                p.master.grad = None
-            self.gradients_consumed = False
         accumulate_into_masters(received, divisor=self.mesh.num_slots)
 
     # ---- loading weights ------------------------------------------------------------------------

@@ -42,10 +42,10 @@ class Muon(torch.optim.Optimizer):
         replicate_async: under HSDP, publish the new weights across replicas asynchronously
             after ``step()`` (waited for by the next forward) instead of synchronously.
 
-    The owners' fp32 masters are not parameters of the model, so ``model.zero_grad()`` cannot
-    reach their gradients; instead ``step()`` consumes them: the next backward starts them
-    afresh (micro-batches before a step still accumulate). ``optimizer.zero_grad()`` clears
-    them at once.
+    Gradients follow torch's rules: each backward adds the averaged gradient into the owners'
+    fp32 masters, ``step()`` leaves it there, and ``optimizer.zero_grad()`` or
+    ``model.zero_grad()`` clears it (``dedicate_params`` makes the model's ``zero_grad`` reach
+    the masters). A skipped step followed by ``zero_grad()`` leaks nothing into the next.
     """
 
     def __init__(
@@ -126,7 +126,6 @@ class Muon(torch.optim.Optimizer):
                 self._muon_step(group)
             else:
                 self._adamw_step(group)
-        self._dedicated.gradients_consumed = True
         for boundary in self._dedicated.boundaries:
             boundary.refresh_from_masters()
             boundary.publish()
@@ -164,9 +163,7 @@ class Muon(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none=set_to_none)
-        for p in self._dedicated.params.values():  # gradients kept locally under no_sync
-            if p.unsharded is not None:
-                p.unsharded.grad = None
+        self._dedicated.zero_master_grads(set_to_none)
 
     # ---- the Muon route -------------------------------------------------------------------------
 
