@@ -180,6 +180,18 @@ def test_bad_hyperparameters_are_refused_with_the_value():
         dmuon.Muon(model, lr=-0.1)
     with pytest.raises(TypeError, match=r"ns_backend must be 'gram', 'direct' or a dmuon"):
         dmuon.Muon(model, ns_backend=3)
+    with pytest.raises(ValueError, match=r"lr must be a finite number, got inf"):
+        dmuon.Muon(model, lr=float("inf"))
+    with pytest.raises(ValueError, match=r"adamw_eps must be a finite number, got nan"):
+        dmuon.Muon(model, adamw_eps=float("nan"))
+    with pytest.raises(TypeError, match=r"nesterov must be True or False, got 'no'"):
+        dmuon.Muon(model, nesterov="no")
+    with pytest.raises(TypeError, match=r"replicate_async must be True or False, got 1"):
+        dmuon.Muon(model, replicate_async=1)
+    with pytest.raises(ValueError, match=r"adamw_betas must be a pair of numbers .* got 0.9\."):
+        dmuon.Muon(model, adamw_betas=0.9)
+    with pytest.raises(ValueError, match=r"adamw_betas must be a pair .* got \(0.9, 1.0\)"):
+        dmuon.Muon(model, adamw_betas=(0.9, 1.0))
 
 
 def test_parameters_without_a_layer_name_warn_and_fall_back_to_their_parent_module():

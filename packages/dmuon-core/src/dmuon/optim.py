@@ -65,11 +65,13 @@ class Muon(torch.optim.Optimizer):
         _check_hyperparameters(
             lr=lr,
             momentum=momentum,
+            nesterov=nesterov,
             weight_decay=weight_decay,
             adamw_lr=adamw_lr,
             adamw_betas=adamw_betas,
             adamw_eps=adamw_eps,
             adamw_weight_decay=adamw_weight_decay,
+            replicate_async=replicate_async,
         )
         if not isinstance(model, nn.Module):
             raise TypeError(
@@ -243,6 +245,14 @@ class Muon(torch.optim.Optimizer):
                     "dedicated parameters (names and shapes)",
                     [(p.fqn, tuple(p.shape)) for p in self._dedicated.params.values()],
                 ),
+                "hyperparameters": (
+                    "hyperparameters (lr, momentum, weight decay, AdamW settings, ...)",
+                    [
+                        {k: v for k, v in group.items() if k != "params"}
+                        for group in self.param_groups
+                    ]
+                    + [{"replicate_async": self.replicate_async}],
+                ),
             },
         )
 
@@ -293,13 +303,33 @@ def _resolve_newton_schulz(ns_backend: str | NewtonSchulz) -> NewtonSchulz:
     )
 
 
-def _check_hyperparameters(*, adamw_betas, **values: float) -> None:
-    for name, value in values.items():
-        if not isinstance(value, (int, float)) or value < 0 or math.isnan(value):
+def _check_hyperparameters(
+    *, nesterov, replicate_async, adamw_betas, momentum, **values: float
+) -> None:
+    """Refuse what torch.optim would take silently or fail on later, showing the value."""
+    for name, value in {**values, "momentum": momentum}.items():
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, (int, float))
+            or not math.isfinite(value)
+        ):
+            raise ValueError(f"dmuon.Muon: {name} must be a finite number, got {value!r}.")
+        if value < 0:
             raise ValueError(f"dmuon.Muon: {name} must be a non-negative number, got {value!r}.")
-    if not 0 <= values["momentum"] < 1:
-        raise ValueError(f"dmuon.Muon: momentum must be in [0, 1), got {values['momentum']!r}.")
-    if len(adamw_betas) != 2 or not all(0 <= beta < 1 for beta in adamw_betas):
+    if not 0 <= momentum < 1:
+        raise ValueError(f"dmuon.Muon: momentum must be in [0, 1), got {momentum!r}.")
+    for name, value in {"nesterov": nesterov, "replicate_async": replicate_async}.items():
+        if not isinstance(value, bool):
+            raise TypeError(f"dmuon.Muon: {name} must be True or False, got {value!r}.")
+    if (
+        not isinstance(adamw_betas, (tuple, list))
+        or len(adamw_betas) != 2
+        or not all(
+            isinstance(beta, (int, float)) and not isinstance(beta, bool) and 0 <= beta < 1
+            for beta in adamw_betas
+        )
+    ):
         raise ValueError(
-            f"dmuon.Muon: adamw_betas must be two numbers in [0, 1), got {adamw_betas!r}."
+            "dmuon.Muon: adamw_betas must be a pair of numbers in [0, 1), e.g. (0.9, 0.999), "
+            f"got {adamw_betas!r}."
         )
