@@ -2,11 +2,20 @@
 
 from __future__ import annotations
 
+import math
+import warnings
+
+import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions
 from torch.distributed.device_mesh import init_device_mesh
 
 import dmuon
-from tests.distributed.models import TinyDecoder, proj_predicate
+import dmuon.checkpoint
+from tests.distributed.models import TinyDecoder, batches, loss_fn, proj_predicate, rank_rows
+from tests.distributed.scenarios_protocol import dedicate_and_shard
+
+_FULL = StateDictOptions(full_state_dict=True)
 
 
 def muon_with_a_different_value_on_rank_1(name: str, value, default) -> str:
@@ -19,3 +28,34 @@ def muon_with_a_different_value_on_rank_1(name: str, value, default) -> str:
     except ValueError as error:
         return str(error)
     return "no error"
+
+
+def nan_gradient_on_rank_1_only(nonfinite: str, clip: bool = False) -> dict:
+    """Two steps on a 1-D mesh; rank 1's second loss is NaN. Returns what each rank saw."""
+    torch.manual_seed(0)
+    model = TinyDecoder()
+    dedicate_and_shard(model, "cpu", replicas=1, reshard_after_forward=True)
+    optimizer = dmuon.Muon(model, nonfinite=nonfinite)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    first, second = batches(2, world)
+    loss_fn(model, rank_rows(first, rank, world)).backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    before = dmuon.checkpoint.get_model_state_dict(model, options=_FULL)
+    loss = loss_fn(model, rank_rows(second, rank, world))
+    (loss * math.nan if rank == 1 else loss).backward()
+    outcome = "stepped"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            if clip:
+                dmuon.clip_grad_norm_(model, optimizer, 1.0, error_if_nonfinite=True)
+            optimizer.step()
+        except RuntimeError as error:
+            outcome = f"raised: {error}"
+    after = dmuon.checkpoint.get_model_state_dict(model, options=_FULL)
+    return {
+        "outcome": outcome,
+        "warnings": [str(w.message) for w in caught if "dmuon.Muon" in str(w.message)],
+        "unchanged": all(torch.equal(before[k], after[k]) for k in before),
+    }

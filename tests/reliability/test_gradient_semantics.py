@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import dmuon
+import dmuon.checkpoint
 from dmuon.api import get_dedicated_state
 from dmuon_kernels import newton_schulz
 from dmuon_kernels.newton_schulz import NewtonSchulz
@@ -103,3 +104,60 @@ def test_model_zero_grad_still_clears_the_other_parameters(set_to_none):
     model.zero_grad(set_to_none=set_to_none)
     for name, param in model.named_parameters():
         assert param.grad is None or not param.grad.any(), name
+
+
+# ---- nonfinite="raise" | "skip" -----------------------------------------------------------------
+
+
+def nan_step(nonfinite: str):
+    model, optimizer, _, _ = build_pair()
+    optimizer.nonfinite = nonfinite
+    first, second = batches(2, 1)
+    loss_fn(model, first).backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    before = {k: v.clone() for k, v in dmuon.checkpoint.get_model_state_dict(model).items()}
+    state_before = {id(p): {k: v.clone() for k, v in s.items()} for p, s in optimizer.state.items()}
+    (loss_fn(model, second) * math.nan).backward()
+    return model, optimizer, before, state_before
+
+
+def test_nonfinite_skip_skips_the_step_and_warns_with_the_step_and_the_parameters():
+    model, optimizer, before, state_before = nan_step("skip")
+    with pytest.warns(
+        UserWarning, match=r"step 2: \d+ parameters have NaN or inf gradients \(.*proj"
+    ):
+        optimizer.step()
+    after = dmuon.checkpoint.get_model_state_dict(model)
+    for key, value in before.items():
+        assert torch.equal(after[key], value), key
+    for param, state in optimizer.state.items():
+        for name, value in state.items():
+            assert torch.equal(value, state_before[id(param)][name])
+
+
+def test_nonfinite_raise_names_the_parameters_and_updates_nothing():
+    model, optimizer, before, _ = nan_step("raise")
+    with pytest.raises(RuntimeError, match=r"step 2: .*NaN or inf gradients.*Nothing was updated"):
+        optimizer.step()
+    after = dmuon.checkpoint.get_model_state_dict(model)
+    assert all(torch.equal(after[key], value) for key, value in before.items())
+
+
+def test_nonfinite_ignore_is_the_default_and_steps_like_torch():
+    import inspect
+
+    assert inspect.signature(dmuon.Muon).parameters["nonfinite"].default == "ignore"
+    model, optimizer, _, _ = nan_step("ignore")
+    optimizer.step()
+    masters = [p.master for p in get_dedicated_state(model).iter_owned_masters()]
+    assert not all(torch.isfinite(m).all() for m in masters)
+
+
+def test_an_unknown_nonfinite_policy_lists_the_choices():
+    model = TinyDecoder()
+    dmuon.dedicate_params(model, None, proj_predicate)
+    with pytest.raises(
+        ValueError, match=r"nonfinite='drop' is not one of \('ignore', 'raise', 'skip'\)"
+    ):
+        dmuon.Muon(model, nonfinite="drop")

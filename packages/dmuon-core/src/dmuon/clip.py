@@ -31,11 +31,17 @@ from dmuon.api import get_dedicated_state
 
 @torch.no_grad()
 def clip_grad_norm_(
-    model: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    max_norm: float,
+    error_if_nonfinite: bool = False,
 ) -> torch.Tensor:
     """Scale every gradient by ``min(1, max_norm / total_norm)``; return the pre-clip norm.
 
-    ``max_norm=float("inf")`` only computes the norm. Collective: every rank must call it.
+    ``max_norm=float("inf")`` only computes the norm. With ``error_if_nonfinite=True`` a NaN or
+    infinite total norm raises (on every rank: the norm is the same everywhere) before any
+    gradient is scaled, as in ``torch.nn.utils.clip_grad_norm_``; that reads the norm on the
+    host. Collective: every rank must call it.
     """
     state = get_dedicated_state(model)
     owned_master_ids = {id(p.master) for p in state.iter_owned_masters()}
@@ -65,6 +71,12 @@ def clip_grad_norm_(
         norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
         squared.append(norm.to(device, torch.float32).square())
     total_norm = torch.stack(squared).sum().sqrt()
+    if error_if_nonfinite and not torch.isfinite(total_norm).item():
+        raise RuntimeError(
+            f"dmuon.clip_grad_norm_: the total norm of the gradients is {total_norm.item()}, so "
+            "they cannot be clipped. Set error_if_nonfinite=False to clip anyway (the gradients "
+            "become NaN), or use dmuon.Muon(..., nonfinite='skip') to skip such steps."
+        )
 
     if max_norm != float("inf"):
         # One call per kind of gradient: plain tensors and each mesh's DTensors do not mix.

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import sys
+import warnings
 from collections import defaultdict
 from collections.abc import Callable
 
@@ -22,6 +23,7 @@ from torch.distributed.tensor import DTensor
 
 from dmuon.api import get_dedicated_state
 from dmuon.consistency import check_ranks_agree
+from dmuon.nonfinite import check_policy, nonfinite_gradients
 from dmuon.param import ADAMW_ROUTE, MUON_ROUTE, is_dedicated
 from dmuon_kernels.fused import muon_apply_update_, muon_momentum_normalize_
 from dmuon_kernels.newton_schulz import NewtonSchulz
@@ -41,6 +43,11 @@ class Muon(torch.optim.Optimizer):
         adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay: the AdamW route.
         replicate_async: under HSDP, publish the new weights across replicas asynchronously
             after ``step()`` (waited for by the next forward) instead of synchronously.
+        nonfinite: what a step does when a gradient holds NaN or inf on any rank: ``"ignore"``
+            (the default, torch's behaviour: no check, no host synchronisation), ``"raise"``
+            (RuntimeError naming the parameters, nothing updated) or ``"skip"`` (every rank
+            skips the step, weights and state untouched, with a warning naming the step and the
+            parameters). The check costs one fused norm per gradient dtype and one all-reduce.
 
     Gradients follow torch's rules: each backward adds the averaged gradient into the owners'
     fp32 masters, ``step()`` leaves it there, and ``optimizer.zero_grad()`` or
@@ -61,6 +68,7 @@ class Muon(torch.optim.Optimizer):
         adamw_eps: float = 1e-8,
         adamw_weight_decay: float = 0.01,
         replicate_async: bool = True,
+        nonfinite: str = "ignore",
     ) -> None:
         _check_hyperparameters(
             lr=lr,
@@ -84,6 +92,8 @@ class Muon(torch.optim.Optimizer):
         self._dedicated.ensure_adopted()
         self._newton_schulz = _resolve_newton_schulz(ns_backend)
         self.replicate_async = replicate_async
+        self.nonfinite = check_policy(nonfinite)
+        self._steps_taken = 0
 
         owned = list(self._dedicated.iter_owned_masters())
         others = list(
@@ -120,6 +130,9 @@ class Muon(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._steps_taken += 1
+        if self.nonfinite != "ignore" and self._skip_for_nonfinite_gradients():
+            return loss
         # A publish still in flight from the previous step reads the weights we are about to
         # change: drain it first (two steps without a forward in between stay correct).
         self._dedicated.wait_all_replicate_broadcasts()
@@ -134,6 +147,37 @@ class Muon(torch.optim.Optimizer):
             if not self.replicate_async:
                 boundary.wait_for_publish()
         return loss
+
+    def _skip_for_nonfinite_gradients(self) -> bool:
+        """Check every gradient this rank steps; True when the step must be skipped (all ranks
+        agree). Raises for ``nonfinite="raise"``."""
+        names = {id(p.master): p.fqn for p in self._dedicated.iter_owned_masters()}
+        names.update({id(param): name for name, param in self._dedicated.model.named_parameters()})
+        named_grads = [
+            (names.get(id(param), "?"), _local(param.grad))
+            for group in self.param_groups
+            for param in group["params"]
+            if param.grad is not None
+        ]
+        device = self._dedicated.boundaries[0].device if self._dedicated.boundaries else None
+        bad = nonfinite_gradients(
+            named_grads, self._dedicated.mesh.world_group, device or torch.device("cpu")
+        )
+        if not bad:
+            return False
+        where = f"step {self._steps_taken}: {len(bad)} parameters have NaN or inf gradients ({_preview(bad)})"
+        if self.nonfinite == "raise":
+            raise RuntimeError(
+                f"dmuon.Muon: {where}. Nothing was updated. Find the source (loss scale, data, "
+                "learning rate), or pass nonfinite='skip' to skip such steps."
+            )
+        warnings.warn(
+            f"dmuon.Muon: {where}; the step is skipped on every rank (nonfinite='skip'): weights "
+            "and optimizer state are unchanged. Call zero_grad() before the next backward.",
+            UserWarning,
+            stacklevel=3,
+        )
+        return True
 
     def state_dict(self) -> dict:
         """This rank's state, keyed by index as in torch (same layout only); see below."""
@@ -255,6 +299,11 @@ class Muon(torch.optim.Optimizer):
                 ),
             },
         )
+
+
+def _preview(names: list[str], limit: int = 5) -> str:
+    more = f", ... {len(names) - limit} more" if len(names) > limit else ""
+    return ", ".join(names[:limit]) + more
 
 
 def _refuse_torch_checkpoint_state_dict(caller, dmuon_function: str) -> None:

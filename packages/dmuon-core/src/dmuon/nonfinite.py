@@ -1,0 +1,63 @@
+"""Non-finite gradients: the check ``dmuon.Muon(nonfinite=...)`` runs before a step.
+
+Owns finding which gradients hold a NaN or an infinity, agreed over every rank of the ownership
+grid, so that all ranks take the same decision. It must not change gradients or weights.
+
+The check is one ``torch._foreach_norm(..., inf)`` per gradient dtype and device (the max-abs
+norm is NaN or inf exactly when the tensor holds one; it cannot overflow) and one all-reduce of a
+flag; the host waits for that flag only here, and only when the policy is not ``"ignore"``.
+Parameter names are exchanged only when something was found.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+
+NONFINITE_POLICIES = ("ignore", "raise", "skip")
+
+
+def check_policy(nonfinite: object) -> str:
+    if nonfinite not in NONFINITE_POLICIES:
+        raise ValueError(
+            f"dmuon.Muon: nonfinite={nonfinite!r} is not one of {NONFINITE_POLICIES}: 'ignore' "
+            "(torch's behaviour: the step runs), 'raise' (RuntimeError naming the parameters) or "
+            "'skip' (the step is skipped on every rank, with a warning)."
+        )
+    return nonfinite
+
+
+def nonfinite_gradients(
+    named_grads: Iterable[tuple[str, torch.Tensor]],
+    group: dist.ProcessGroup | None,
+    device: torch.device,
+) -> list[str]:
+    """Names of the gradients holding NaN or inf on any rank of ``group`` (sorted; [] if none)."""
+    by_kind: dict[tuple, list[tuple[str, torch.Tensor]]] = defaultdict(list)
+    for name, grad in named_grads:
+        by_kind[(grad.dtype, grad.device)].append((name, grad))
+    # Per kind: the names, and which of them are finite (one fused max-abs norm).
+    checked = [
+        (
+            [name for name, _ in members],
+            torch.stack(torch._foreach_norm([g for _, g in members], math.inf)).isfinite(),
+        )
+        for members in by_kind.values()
+    ]
+    flag = torch.ones((), dtype=torch.int32, device=device)
+    for _, finite in checked:
+        flag = flag.minimum(finite.all().to(device=device, dtype=torch.int32))
+    if group is not None:
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+    if flag.item():
+        return []
+    mine = [name for names, finite in checked for name, ok in zip(names, finite.tolist()) if not ok]
+    if group is None:
+        return sorted(mine)
+    everyone: list[list[str] | None] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, mine, group=group)
+    return sorted({name for found in everyone for name in found})
