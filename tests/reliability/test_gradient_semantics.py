@@ -88,7 +88,7 @@ def test_never_zeroing_accumulates_across_steps_as_torch_does():
 
 
 def test_zero_grad_without_set_to_none_zeroes_the_masters_in_place():
-    model, optimizer, _, _ = build_pair()
+    model, _, _, _ = build_pair()
     loss_fn(model, batches(1, 1)[0]).backward()
     masters = [p.master for p in get_dedicated_state(model).iter_owned_masters()]
     grads = [master.grad for master in masters]
