@@ -18,10 +18,10 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from dmuon import fsdp2
-from dmuon.consistency import check_ranks_agree
+from dmuon.consistency import check_ranks_agree, ranks_fail_together
 from dmuon.group import BoundaryGroup
 from dmuon.hooks import DedicatedState
-from dmuon.mesh import build_ownership_mesh
+from dmuon.mesh import build_ownership_mesh, resolve_ownership_layout
 from dmuon.param import DedicatedParam, is_dedicated, make_placeholder, mark_dedicated
 from dmuon.partition import OwnerCoord, ParamSpec, layer_id_of, plan_ownership
 from dmuon.policy import resolve_param_policy
@@ -93,10 +93,14 @@ def dedicate_params(
     if mesh is not None:
         fsdp2.require_fully_shard_integration()
     policy = resolve_param_policy(param_policy, compute_dtype)
-    selected = _select(model, predicate)
+    # A setup error on one rank (its predicate raised, a bad argument) is raised on every rank
+    # before any process group is created: none is left waiting for the failed rank.
+    with ranks_fail_together("dedicate_params"):
+        selected = _select(model, predicate)
+        layout = resolve_ownership_layout(mesh, replicate_mesh, process_group_policy)
     if not selected:
         warnings.warn(NO_MATCH_WARNING, UserWarning, stacklevel=2)
-    ownership_mesh = build_ownership_mesh(mesh, replicate_mesh, process_group_policy, timeout)
+    ownership_mesh = build_ownership_mesh(layout, timeout)
     # The partition below must come out the same everywhere: check its inputs first.
     check_ranks_agree(
         ownership_mesh.world_group,

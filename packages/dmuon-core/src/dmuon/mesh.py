@@ -2,7 +2,13 @@
 
 Owns the validation of the meshes a user passes to ``dedicate_params`` (names, the HSDP 2-D
 shape), the (shard, replicate) coordinates of ranks, and the process groups dmuon's collectives
-run on. It must not move tensors or know about parameters.
+run on, with their timeouts. It must not move tensors or know about parameters.
+
+It works in two phases, so that a setup error on one rank can be raised on every rank before any
+group exists (``dedicate_params`` runs the first phase inside ``consistency.ranks_fail_together``):
+``resolve_ownership_layout`` validates this rank's meshes and reads the grid of owner slots they
+span (local, no collective); ``build_ownership_mesh`` creates the groups (collective over the
+default group).
 
 [Note: isolated process groups]
 With ``process_group_policy="isolated"`` (the default) dmuon clones the mesh's groups. dmuon issues
@@ -10,6 +16,24 @@ asynchronous collectives (a prefetched broadcast, a post-step publish) that may 
 when the training loop issues its own collectives (a loss all-reduce for logging, a checkpoint
 barrier). On a shared group those would be ordered behind or interleaved with dmuon's; on a
 cloned group they are independent streams of work. ``"shared"`` reuses the mesh's groups.
+
+[Note: groups of sub-meshes]
+The meshes given to ``dedicate_params`` may be slices of a larger named mesh: ``mesh["dp"]`` of a
+("dp", "tp") mesh, or each pipeline stage's ``mesh["dp"]`` of a ("pp", "dp") mesh. A rank then
+knows only the ranks of its own slice, but ``dist.new_group`` is collective over the whole default
+group: every rank must create every group, in one order, or the ranks block in mismatched calls.
+So ``build_ownership_mesh`` first gathers every rank's grid of owner slots (one
+``all_gather_object`` on the default group); then every rank creates the groups of every distinct
+grid, in sorted order, and keeps its own. Hence every rank of the default group calls
+``dedicate_params``, also pipeline stages whose models differ. ``world_group`` spans only this
+rank's grid, so one stage's consistency checks and gradient-norm reduce never mix with another's.
+
+[Note: group timeouts]
+``dist.new_group(timeout=None)`` does not inherit the default group's timeout: it takes the
+backend's default (30 min on gloo, 10 min on NCCL) whatever ``init_process_group(timeout=...)``
+said. Every group dmuon creates gets ``dedicate_params(timeout=...)`` or, by default, the default
+group's own timeout as its backend reports it (``process_group_timeout``), so a stalled peer fails
+dmuon's collectives as soon as it would fail the trainer's.
 """
 
 from __future__ import annotations
@@ -30,6 +54,25 @@ HSDP_MESH_FIX = (
     'mesh_dim_names=("replicate", "shard"))\n'
     '    dmuon.dedicate_params(model, hsdp["shard"], predicate, replicate_mesh=hsdp["replicate"])'
 )
+
+SAME_MESH_FIX = (
+    "Build the DeviceMesh the same way on every rank (init_device_mesh with the same shape and "
+    "mesh_dim_names) and pass the same dims of it to dedicate_params on every rank."
+)
+
+# Global rank of every owner slot, indexed [replicate][shard].
+RankGrid = tuple[tuple[int, ...], ...]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class OwnershipLayout:
+    """This rank's validated meshes and the grid of owner slots they span; no group exists yet."""
+
+    rank_grid: RankGrid
+    process_group_policy: str
+    # None: torch.distributed is not in use (or has one rank) and everything is owned locally.
+    mesh: DeviceMesh | None
+    replicate_mesh: DeviceMesh | None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -76,13 +119,12 @@ class OwnershipMesh:
         )
 
 
-def build_ownership_mesh(
+def resolve_ownership_layout(
     mesh: DeviceMesh | None,
     replicate_mesh: DeviceMesh | None,
     process_group_policy: str,
-    timeout: timedelta | None = None,
-) -> OwnershipMesh:
-    """Validate the user's meshes and build the groups dmuon communicates on."""
+) -> OwnershipLayout:
+    """Validate the user's meshes and read this rank's grid of owner slots; no collective."""
     if process_group_policy not in PROCESS_GROUP_POLICIES:
         raise ValueError(
             f"process_group_policy={process_group_policy!r} is not one of "
@@ -101,7 +143,12 @@ def build_ownership_mesh(
                 f"{dist.get_world_size()}. Pass the data-parallel DeviceMesh, e.g. "
                 'init_device_mesh(device_type, (world_size,), mesh_dim_names=("shard",)).'
             )
-        return OwnershipMesh.local()
+        return OwnershipLayout(
+            rank_grid=OwnershipMesh.local().rank_grid,
+            process_group_policy=process_group_policy,
+            mesh=None,
+            replicate_mesh=None,
+        )
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(
             f"mesh must be a torch.distributed DeviceMesh or None, got {type(mesh).__name__}."
@@ -112,20 +159,33 @@ def build_ownership_mesh(
             f"dims {mesh.mesh_dim_names}. For HSDP pass the 'shard' dim as mesh and the "
             "'replicate' dim as replicate_mesh.\n" + HSDP_MESH_FIX
         )
+    if mesh.get_coordinate() is None:
+        raise ValueError(
+            f"this rank ({dist.get_rank()}) is not in the mesh given to dedicate_params (ranks "
+            f'{mesh.mesh.tolist()}). Pass the slice that holds this rank, e.g. mesh["dp"] of a '
+            "mesh built with init_device_mesh on every rank."
+        )
     if replicate_mesh is None:
-        ranks = tuple(mesh.mesh.tolist())
-        return _build(mesh, None, (ranks,), process_group_policy, timeout)
-    rank_grid = _validate_hsdp(mesh, replicate_mesh)
-    return _build(mesh, replicate_mesh, rank_grid, process_group_policy, timeout)
+        rank_grid: RankGrid = (tuple(mesh.mesh.tolist()),)
+    else:
+        rank_grid = _hsdp_rank_grid(mesh, replicate_mesh)
+    return OwnershipLayout(
+        rank_grid=rank_grid,
+        process_group_policy=process_group_policy,
+        mesh=mesh,
+        replicate_mesh=replicate_mesh,
+    )
 
 
-def _validate_hsdp(mesh: DeviceMesh, replicate_mesh: DeviceMesh) -> tuple[tuple[int, ...], ...]:
+def _hsdp_rank_grid(mesh: DeviceMesh, replicate_mesh: DeviceMesh) -> RankGrid:
+    """The (replicate, shard) slice of the root mesh that holds this rank."""
     if not isinstance(replicate_mesh, DeviceMesh):
         raise TypeError(
             f"replicate_mesh must be a DeviceMesh, got {type(replicate_mesh).__name__}.\n"
             + HSDP_MESH_FIX
         )
     root = replicate_mesh._get_root_mesh()
+    names = root.mesh_dim_names or ()
     problem = None
     if replicate_mesh.mesh_dim_names is None:
         problem = "replicate_mesh has no mesh_dim_names"
@@ -133,10 +193,14 @@ def _validate_hsdp(mesh: DeviceMesh, replicate_mesh: DeviceMesh) -> tuple[tuple[
         problem = (
             f"replicate_mesh is {replicate_mesh.ndim}-D (dims {replicate_mesh.mesh_dim_names})"
         )
-    elif root is replicate_mesh or root.ndim != 2:
+    elif root is replicate_mesh or root.ndim < 2:
         problem = f"replicate_mesh is not a dim of a 2-D mesh (its root is {root.ndim}-D)"
-    elif root.mesh_dim_names != ("replicate", "shard"):
-        problem = f"the 2-D mesh is named {root.mesh_dim_names}"
+    elif not (
+        "replicate" in names
+        and "shard" in names
+        and names.index("replicate") < names.index("shard")
+    ):
+        problem = f"the {root.ndim}-D mesh is named {root.mesh_dim_names}"
     elif replicate_mesh.mesh_dim_names != ("replicate",):
         problem = f"replicate_mesh is the {replicate_mesh.mesh_dim_names} dim"
     elif mesh._get_root_mesh() is not root or mesh.mesh_dim_names != ("shard",):
@@ -147,37 +211,48 @@ def _validate_hsdp(mesh: DeviceMesh, replicate_mesh: DeviceMesh) -> tuple[tuple[
     if problem is not None:
         raise ValueError(
             f"HSDP needs replicate_mesh to be the 'replicate' dim of a 2-D DeviceMesh built "
-            f'with mesh_dim_names=("replicate", "shard"), but {problem}.\n' + HSDP_MESH_FIX
+            f'with mesh_dim_names=("replicate", "shard") (or of a larger mesh with these two '
+            f'dims, e.g. ("replicate", "shard", "tp")), but {problem}.\n' + HSDP_MESH_FIX
         )
-    return tuple(tuple(row) for row in root.mesh.tolist())
+    # Fix this rank's coordinate on every other dim (tp, pp, ...): a (replicate, shard) slice.
+    coordinate = root.get_coordinate()
+    index = tuple(
+        slice(None) if name in ("replicate", "shard") else position
+        for name, position in zip(names, coordinate)
+    )
+    return tuple(tuple(row) for row in root.mesh[index].tolist())
 
 
-def _build(
-    mesh: DeviceMesh,
-    replicate_mesh: DeviceMesh | None,
-    rank_grid: tuple[tuple[int, ...], ...],
-    process_group_policy: str,
-    timeout: timedelta | None,
+def build_ownership_mesh(
+    layout: OwnershipLayout, timeout: timedelta | None = None
 ) -> OwnershipMesh:
+    """Create the process groups of ``layout``; collective over the default group.
+
+    Every rank of the default group must call it, each with its own layout (see [Note: groups of
+    sub-meshes]). ``timeout`` is the timeout of the groups created; None takes the default
+    group's (see [Note: group timeouts]).
+    """
+    if layout.mesh is None:
+        return OwnershipMesh.local()
+    rank_grid = layout.rank_grid
     rank = dist.get_rank()
     replicate, shard = next((r, row.index(rank)) for r, row in enumerate(rank_grid) if rank in row)
     num_replicas, num_shards = len(rank_grid), len(rank_grid[0])
-    columns = [tuple(row[s] for row in rank_grid) for s in range(num_shards)]
-    if process_group_policy == "isolated":
-        # new_group is collective over the whole world: every rank creates every group, in the
-        # same order, and keeps the one it belongs to.
-        # Forward broadcasts and first-stage reduces sit on the critical path: on NCCL their
-        # group gets a high-priority stream; the replicate axis (publish, second-stage reduce)
-        # keeps the default priority, as FSDP2 splits intra- and inter-node traffic.
-        shard_group = _new_groups(
-            list(rank_grid), rank_grid[replicate], timeout, _high_priority_options()
+    grids = _gather_rank_grids(layout)
+    if timeout is None:
+        timeout = process_group_timeout(dist.distributed_c10d._get_default_group())
+    if layout.process_group_policy == "isolated":
+        shard_group, replicate_group, world_group = _create_isolated_groups(
+            grids, rank_grid, timeout
         )
-        replicate_group = _new_groups(columns, columns[shard], timeout, None)
-        world_group = dist.new_group(timeout=timeout)
     else:
-        shard_group = mesh.get_group()
-        replicate_group = replicate_mesh.get_group() if replicate_mesh is not None else None
-        world_group = dist.group.WORLD
+        shard_group = layout.mesh.get_group()
+        replicate_group = (
+            layout.replicate_mesh.get_group() if layout.replicate_mesh is not None else None
+        )
+        world_group = (
+            shard_group if num_replicas == 1 else _create_grid_groups(grids, rank_grid, timeout)
+        )
     return OwnershipMesh(
         num_shards=num_shards,
         num_replicas=num_replicas,
@@ -189,25 +264,124 @@ def _build(
     )
 
 
-def _new_groups(
-    all_ranks: list[tuple[int, ...]],
-    mine: tuple[int, ...],
-    timeout: timedelta | None,
-    pg_options: object | None,
+def process_group_timeout(group: dist.ProcessGroup) -> timedelta | None:
+    """The timeout torch applies to ``group``'s collectives, as its backend reports it.
+
+    None where no backend of the group says (torch then gives new groups its own default).
+    """
+    # ProcessGroupGloo and ProcessGroupNCCL keep the timeout they were created with in
+    # ``options._timeout`` (torch 2.11 to 2.13); ``init_process_group`` passes its ``timeout``
+    # there. No public API returns it.
+    for device in getattr(group, "_device_types", ()):
+        try:
+            backend = group._get_backend(device)
+        except (RuntimeError, AttributeError):
+            continue
+        timeout = getattr(getattr(backend, "options", None), "_timeout", None)
+        if isinstance(timeout, timedelta):
+            return timeout
+    return None
+
+
+def _gather_rank_grids(layout: OwnershipLayout) -> list[RankGrid]:
+    """Every rank's grid, indexed by global rank; raise on every rank if the meshes disagree."""
+    world_size = dist.get_world_size()
+    if world_size == 1:
+        return [layout.rank_grid]
+    everyone: list[tuple[RankGrid, str] | None] = [None] * world_size
+    dist.all_gather_object(everyone, (layout.rank_grid, layout.process_group_policy))
+    policies: dict[str, list[int]] = {}
+    for rank, (_, policy) in enumerate(everyone):
+        policies.setdefault(policy, []).append(rank)
+    if len(policies) > 1:
+        seen = "; ".join(f"{policy!r} on ranks {ranks}" for policy, ranks in policies.items())
+        raise ValueError(
+            f"dedicate_params got different process_group_policy values across ranks: {seen}. "
+            "Pass the same process_group_policy on every rank: the groups it creates are "
+            "created by all ranks together."
+        )
+    grids = [grid for grid, _ in everyone]
+    for rank, grid in enumerate(grids):
+        for member in _ranks_of(grid):
+            if member >= world_size or grids[member] != grid:
+                theirs = grids[member] if member < world_size else "no grid (no such rank)"
+                raise ValueError(
+                    f"dedicate_params got meshes that disagree across ranks: rank {rank}'s mesh "
+                    f"spans the owner grid {_as_lists(grid)} (ranks by [replicate][shard]), "
+                    f"which holds rank {member}, but rank {member}'s spans "
+                    f"{_as_lists(theirs)}. {SAME_MESH_FIX}"
+                )
+    return grids
+
+
+def _create_isolated_groups(
+    grids: list[RankGrid], mine: RankGrid, timeout: timedelta | None
+) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup | None, dist.ProcessGroup | None]:
+    """Clone the shard, replicate and whole-grid groups of every grid; return this rank's."""
+    rank = dist.get_rank()
+    shard_group = replicate_group = world_group = None
+    for grid in sorted(set(grids)):
+        columns = [tuple(row[s] for row in grid) for s in range(len(grid[0]))]
+        # Forward broadcasts and first-stage reduces sit on the critical path: on NCCL their
+        # group gets a high-priority stream; the replicate axis (publish, second-stage reduce)
+        # keeps the default priority, as FSDP2 splits intra- and inter-node traffic.
+        for row in grid:
+            group = _new_group(row, timeout, "dmuon_shard", _high_priority_options(timeout))
+            if grid == mine and rank in row:
+                shard_group = group
+        for column in columns:
+            group = _new_group(column, timeout, "dmuon_replicate")
+            if grid == mine and rank in column:
+                replicate_group = group
+        group = _new_group(_ranks_of(grid), timeout, "dmuon_world")
+        if grid == mine:
+            world_group = group
+    return shard_group, replicate_group, world_group
+
+
+def _create_grid_groups(
+    grids: list[RankGrid], mine: RankGrid, timeout: timedelta | None
 ) -> dist.ProcessGroup | None:
-    if len(mine) == 1:
+    """The group of every rank of this rank's grid ("shared" policy, HSDP)."""
+    distinct = sorted(set(grids))
+    if len(distinct) == 1:
+        return dist.group.WORLD  # one grid spans the whole default group
+    world_group = None
+    for grid in distinct:
+        group = _new_group(_ranks_of(grid), timeout, "dmuon_world")
+        if grid == mine:
+            world_group = group
+    return world_group
+
+
+def _new_group(
+    ranks: tuple[int, ...],
+    timeout: timedelta | None,
+    description: str,
+    pg_options: object | None = None,
+) -> dist.ProcessGroup | None:
+    # A group of one rank carries no collective; every rank skips it alike.
+    if len(ranks) == 1:
         return None
-    mine_group = None
-    for ranks in all_ranks:
-        group = dist.new_group(list(ranks), timeout=timeout, pg_options=pg_options)
-        if ranks == mine:
-            mine_group = group
-    return mine_group
+    return dist.new_group(
+        list(ranks), timeout=timeout, pg_options=pg_options, group_desc=description
+    )
 
 
-def _high_priority_options() -> object | None:
+def _high_priority_options(timeout: timedelta | None) -> object | None:
+    # A fresh Options object per group: new_group writes the group's name and ranks into it.
     if dist.get_backend() != "nccl" or not hasattr(dist, "ProcessGroupNCCL"):
         return None
     options = dist.ProcessGroupNCCL.Options()
     options.is_high_priority_stream = True
+    if timeout is not None:
+        options._timeout = timeout
     return options
+
+
+def _ranks_of(grid: RankGrid) -> tuple[int, ...]:
+    return tuple(sorted(rank for row in grid for rank in row))
+
+
+def _as_lists(grid: RankGrid | str) -> object:
+    return grid if isinstance(grid, str) else [list(row) for row in grid]
