@@ -20,16 +20,21 @@ from collections.abc import Callable
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
+from torch.optim.adamw import adamw
 
 from dmuon.api import get_dedicated_state
 from dmuon.consistency import check_ranks_agree
 from dmuon.nonfinite import check_policy, nonfinite_gradients
 from dmuon.param import ADAMW_ROUTE, MUON_ROUTE, is_dedicated
+from dmuon_kernels.coefficients import KELLER_COEFFICIENTS
 from dmuon_kernels.fused import muon_apply_update_, muon_momentum_normalize_
 from dmuon_kernels.newton_schulz import NewtonSchulz
 
 # Muon's update is scaled by 0.2 * sqrt(max(m, n)) so its RMS matches AdamW's.
 MUON_RMS_MATCH = 0.2
+# How the learning rate of an (m, n) matrix is scaled: see ``_lr_scale``.
+ADJUST_LR = ("match_rms_adamw", "spectral", None)
+_FUSED_ADAMW_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 class Muon(torch.optim.Optimizer):
@@ -48,6 +53,12 @@ class Muon(torch.optim.Optimizer):
             (RuntimeError naming the parameters, nothing updated) or ``"skip"`` (every rank
             skips the step, weights and state untouched, with a warning naming the step and the
             parameters). The check costs one fused norm per gradient dtype and one all-reduce.
+        adjust_lr: the Muon learning rate of an (m, n) matrix is ``lr`` times
+            ``0.2 * sqrt(max(m, n))`` (``"match_rms_adamw"``, the default: the update's RMS is
+            AdamW's), ``sqrt(max(1, m / n))`` (``"spectral"``, torch.optim.Muon's default) or 1
+            (None). ``Muon.torch_compatible(model, ...)`` reproduces torch.optim.Muon.
+        allow_no_muon: construct even when no dedicated parameter is a matrix (AdamW alone);
+            otherwise that raises, since it is almost always a predicate that matched nothing.
 
     Gradients follow torch's rules: each backward adds the averaged gradient into the owners'
     fp32 masters, ``step()`` leaves it there, and ``optimizer.zero_grad()`` or
@@ -69,6 +80,8 @@ class Muon(torch.optim.Optimizer):
         adamw_weight_decay: float = 0.01,
         replicate_async: bool = True,
         nonfinite: str = "ignore",
+        allow_no_muon: bool = False,
+        adjust_lr: str | None = "match_rms_adamw",
     ) -> None:
         _check_hyperparameters(
             lr=lr,
@@ -81,6 +94,12 @@ class Muon(torch.optim.Optimizer):
             adamw_weight_decay=adamw_weight_decay,
             replicate_async=replicate_async,
         )
+        if adjust_lr not in ADJUST_LR:
+            raise ValueError(
+                f"dmuon.Muon: adjust_lr={adjust_lr!r} is not one of {ADJUST_LR}: "
+                "'match_rms_adamw' (lr x 0.2 sqrt(max(m, n)), the default), 'spectral' "
+                "(lr x sqrt(max(1, m / n)), torch.optim.Muon's default) or None (lr as given)."
+            )
         if not isinstance(model, nn.Module):
             raise TypeError(
                 f"dmuon.Muon takes the model itself, got {type(model).__name__}: dmuon.Muon("
@@ -89,6 +108,16 @@ class Muon(torch.optim.Optimizer):
                 "that dmuon.dedicate_params prepared."
             )
         self._dedicated = get_dedicated_state(model)
+        if not allow_no_muon and not any(
+            p.route == MUON_ROUTE for p in self._dedicated.params.values()
+        ):
+            raise ValueError(
+                "dmuon.Muon: no parameter is on the Muon route (dedicate_params selected "
+                f"{len(self._dedicated.params)} parameters, none a matrix), so this optimizer "
+                "would run AdamW alone. Fix the predicate of dmuon.dedicate_params (print the 2-D "
+                "parameters' names: [(n, p.shape) for n, p in model.named_parameters() if "
+                "p.ndim == 2]), or pass allow_no_muon=True if AdamW alone is intended."
+            )
         self._dedicated.ensure_adopted()
         self._newton_schulz = _resolve_newton_schulz(ns_backend)
         self.replicate_async = replicate_async
@@ -104,6 +133,7 @@ class Muon(torch.optim.Optimizer):
         muon_group = dict(
             params=[p.master for p in owned if p.route == MUON_ROUTE],
             route=MUON_ROUTE,
+            adjust_lr=adjust_lr,
             lr=lr,
             momentum=momentum,
             nesterov=nesterov,
@@ -119,6 +149,41 @@ class Muon(torch.optim.Optimizer):
         )
         super().__init__([muon_group, adamw_group], defaults={})
         self._check_ranks_agree()
+
+    @classmethod
+    def torch_compatible(
+        cls,
+        model: nn.Module,
+        lr: float = 1e-3,
+        momentum: float = 0.95,
+        nesterov: bool = True,
+        weight_decay: float = 0.1,
+        adjust_lr: str | None = "spectral",
+        **kwargs,
+    ) -> Muon:
+        """The update of ``torch.optim.Muon`` (same defaults), within bf16 rounding.
+
+        torch's Newton-Schulz: Keller Jordan's coefficients, the direct iteration in bf16, and
+        its default learning-rate rule ``sqrt(max(1, m / n))``. Its momentum is an EMA, ours a
+        sum; Newton-Schulz normalises its input, so the updates agree to bf16 rounding. The
+        AdamW route and the other options are ``dmuon.Muon``'s (``**kwargs``).
+        """
+        newton_schulz = NewtonSchulz(
+            backend="direct",
+            coefficients=KELLER_COEFFICIENTS,
+            dtype=torch.bfloat16,
+            kernel="cublas",
+        )
+        return cls(
+            model,
+            lr=lr,
+            momentum=momentum,
+            nesterov=nesterov,
+            weight_decay=weight_decay,
+            ns_backend=newton_schulz,
+            adjust_lr=adjust_lr,
+            **kwargs,
+        )
 
     @property
     def newton_schulz(self) -> NewtonSchulz:
@@ -241,9 +306,9 @@ class Muon(torch.optim.Optimizer):
                     dtype=newton_schulz.dtype, out=_oriented(ns_input, rows > cols),
                 )  # fmt: skip
             orthogonal = newton_schulz.iterate_normalized(inputs)
-            scale = MUON_RMS_MATCH * math.sqrt(long)
             for master, ortho in zip(masters, orthogonal):
                 rows, cols = _matrix_shape(master)
+                scale = _lr_scale(group["adjust_lr"], rows, cols)
                 muon_apply_update_(
                     master.view(rows, cols), _oriented(ortho, rows > cols), lr, wd, scale
                 )
@@ -251,29 +316,30 @@ class Muon(torch.optim.Optimizer):
     # ---- the AdamW route ------------------------------------------------------------------------
 
     def _adamw_step(self, group: dict) -> None:
-        lr, (beta1, beta2), eps, wd = (
-            group["lr"],
-            group["betas"],
-            group["eps"],
-            group["weight_decay"],
-        )
+        """torch's own AdamW on this rank's tensors (DTensors as their local shards): one
+        multi-tensor pass (fused on CUDA, foreach elsewhere) per device and dtype, no host sync."""
+        params, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []
         for param in group["params"]:
             if param.grad is None:
                 continue
-            weight, grad = _local(param), _local(param.grad)
+            weight = _local(param)
             state = self.state[param]
             if not state:
                 state.update(_new_adamw_state(weight))
-            state["step"] += 1
-            step = state["step"].item()
-            exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
-            weight.mul_(1 - lr * wd)
-            exp_avg.lerp_(grad, 1 - beta1)
-            exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-            bias_correction1 = 1 - beta1**step
-            bias_correction2 = 1 - beta2**step
-            denominator = (exp_avg_sq.sqrt() / math.sqrt(bias_correction2)).add_(eps)
-            weight.addcdiv_(exp_avg, denominator, value=-lr / bias_correction1)
+            params.append(weight)
+            grads.append(_local(param.grad))
+            exp_avgs.append(state["exp_avg"])
+            exp_avg_sqs.append(state["exp_avg_sq"])
+            steps.append(state["step"])
+        if not params:
+            return
+        fused = all(_fused_adamw_runs_on(p) for p in params)
+        beta1, beta2 = group["betas"]
+        adamw(
+            params, grads, exp_avgs, exp_avg_sqs, [], steps,
+            foreach=not fused, fused=fused, amsgrad=False, beta1=beta1, beta2=beta2,
+            lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"], maximize=False,
+        )  # fmt: skip
 
     # ---- construction checks --------------------------------------------------------------------
 
@@ -319,6 +385,14 @@ def _refuse_torch_checkpoint_state_dict(caller, dmuon_function: str) -> None:
         )
 
 
+def _lr_scale(adjust_lr: str | None, rows: int, cols: int) -> float:
+    if adjust_lr == "match_rms_adamw":  # the update's RMS matches AdamW's
+        return MUON_RMS_MATCH * math.sqrt(max(rows, cols))
+    if adjust_lr == "spectral":  # the update's spectral norm scales with sqrt(fan-out / fan-in)
+        return math.sqrt(max(1.0, rows / cols))
+    return 1.0
+
+
 def _matrix_shape(param: torch.Tensor) -> tuple[int, int]:
     """(m, n) of a weight, trailing dims flattened into n."""
     return param.shape[0], param[0].numel()
@@ -330,11 +404,17 @@ def _oriented(matrix: torch.Tensor, transposed: bool) -> torch.Tensor:
 
 
 def _new_adamw_state(weight: torch.Tensor) -> dict[str, torch.Tensor]:
+    # torch's layout: the fused kernel reads the step on the weight's device, foreach on the CPU.
+    step_device = weight.device if _fused_adamw_runs_on(weight) else torch.device("cpu")
     return {
-        "step": torch.zeros((), dtype=torch.float32),
-        "exp_avg": torch.zeros_like(weight),
-        "exp_avg_sq": torch.zeros_like(weight),
+        "step": torch.zeros((), dtype=torch.float32, device=step_device),
+        "exp_avg": torch.zeros_like(weight, memory_format=torch.preserve_format),
+        "exp_avg_sq": torch.zeros_like(weight, memory_format=torch.preserve_format),
     }
+
+
+def _fused_adamw_runs_on(weight: torch.Tensor) -> bool:
+    return weight.device.type == "cuda" and weight.dtype in _FUSED_ADAMW_DTYPES
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
