@@ -211,3 +211,24 @@ def load_model_only(path: str) -> dict[str, torch.Tensor]:
     dckpt.load({"model": model_sd}, path)
     dckpt.set_model_state_dict(model, model_sd)
     return full_weights(model)
+
+
+def older_checkpoint_without_a_group_option(path: str) -> dict:
+    """Save with one group option removed (as a dmuon that predates it would), then load."""
+    model, optimizer = build(replicas=0)
+    train(model, optimizer, range(2))
+    model_sd, optim_sd = dckpt.get_state_dict(model, optimizer)
+    del optim_sd["param_groups"][0]["adjust_lr"]
+    optim_sd["param_groups"][0]["retired_option"] = 1  # one it has and this dmuon does not
+    dckpt.save({"model": model_sd, "optim": optim_sd}, path)
+    fresh, fresh_optimizer = build(replicas=0)
+    model_sd, optim_sd = dckpt.get_state_dict(fresh, fresh_optimizer)
+    dckpt.load({"model": model_sd, "optim": optim_sd}, path)
+    dckpt.set_state_dict(
+        fresh, fresh_optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd
+    )
+    return {
+        "group": dict(fresh_optimizer.param_groups[0], params=None),
+        "weights": full_weights(fresh),
+        "expected": full_weights(model),
+    }

@@ -182,3 +182,11 @@ def test_the_model_part_of_a_checkpoint_loads_alone(checkpoints):
     assert model_only.keys() == with_optimizer.keys()
     for key, value in with_optimizer.items():
         assert torch.equal(model_only[key], value), key
+
+
+def test_a_checkpoint_that_predates_a_group_option_loads_and_keeps_the_current_value(tmp_path):
+    result = scenarios.older_checkpoint_without_a_group_option(str(tmp_path / "older"))
+    assert result["group"]["adjust_lr"] == "match_rms_adamw"
+    assert "retired_option" not in result["group"]
+    for key, value in result["expected"].items():
+        assert torch.equal(result["weights"][key], value), key

@@ -74,9 +74,10 @@ def load(
     missing, unexpected and mis-shaped keys raise a ``ValueError`` on every rank naming them.
     Unexpected keys count under the top-level keys ``state_dict`` has: ``{"model": ...}`` alone
     loads the model part of a checkpoint saved as ``{"model": ..., "optim": ...}``.
-    Optimizer state entries (under a dict with ``"state"`` and ``"param_groups"``) that the
-    checkpoint does not have are dropped from ``state_dict`` instead: that parameter's state
-    starts fresh, and ``dmuon.checkpoint.set_optimizer_state_dict`` warns naming it.
+    Optimizer entries (under a dict with ``"state"`` and ``"param_groups"``) that the checkpoint
+    does not have are dropped from ``state_dict`` instead: that parameter's state starts fresh
+    (``dmuon.checkpoint.set_optimizer_state_dict`` warns naming it), a group option the
+    checkpoint predates keeps its current value; the checkpoint's extra entries are not read.
     """
     path = Path(checkpoint_id)
     if not (path / _METADATA_FILE).is_file():
@@ -93,7 +94,7 @@ def load(
     errors, dropped = [], []
     for key, value in flat.items():
         if key not in saved:
-            if _is_optimizer_state(paths[key], optimizer_prefixes):
+            if _is_optimizer_entry(paths[key], optimizer_prefixes):
                 dropped.append(paths[key])
             else:
                 errors.append(f"missing in the checkpoint: {key}")
@@ -116,7 +117,7 @@ def load(
         for key in saved
         if key not in requested
         and key.split(".", 1)[0] in parts
-        and not _looks_like_optimizer_state(key, optimizer_prefixes)
+        and not _looks_like_optimizer_entry(key, optimizer_prefixes)
     )
     errors += [f"in the checkpoint but not in the state dict: {key}" for key in unexpected]
     _raise_if_any_rank_failed(errors, path, process_group)
@@ -140,25 +141,35 @@ def _optimizer_state_prefixes(state_dict: Mapping, prefix: tuple = ()) -> list[t
     return found
 
 
-def _is_optimizer_state(path: tuple, prefixes: list[tuple]) -> bool:
-    return any(path[: len(p)] == p and path[len(p) : len(p) + 1] == ("state",) for p in prefixes)
+# An optimizer entry may be missing from either side: per-parameter state under another route
+# (starts fresh), or a group option the other version of dmuon did not have (keeps its value).
+_LENIENT_PARTS = ("state", "param_groups")
 
 
-def _looks_like_optimizer_state(flat_key: str, prefixes: list[tuple]) -> bool:
-    return any(flat_key.startswith(".".join(map(str, (*p, "state"))) + ".") for p in prefixes)
+def _is_optimizer_entry(path: tuple, prefixes: list[tuple]) -> bool:
+    return any(
+        path[: len(p)] == p and path[len(p) : len(p) + 1] in {(part,) for part in _LENIENT_PARTS}
+        for p in prefixes
+    )
+
+
+def _looks_like_optimizer_entry(flat_key: str, prefixes: list[tuple]) -> bool:
+    return any(
+        flat_key.startswith(".".join(map(str, (*p, part))) + ".")
+        for p in prefixes
+        for part in _LENIENT_PARTS
+    )
 
 
 def _drop(state_dict: dict, path: tuple) -> None:
+    """Delete the entry at ``path``; a per-parameter state dict left empty goes too."""
     *parents, last = path
     node = state_dict
-    chain = []
     for key in parents:
-        chain.append((node, key))
-        node = node[key]
+        parent, node = node, node[key]
     del node[last]
-    for parent, key in reversed(chain[1:]):  # an emptied per-parameter dict goes too
-        if not parent[key]:
-            del parent[key]
+    if not node and isinstance(parent, dict):
+        del parent[parents[-1]]
 
 
 # ---- agreement over ranks -------------------------------------------------------------------
