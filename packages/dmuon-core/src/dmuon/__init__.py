@@ -10,12 +10,17 @@ publishes the new weight across replicas asynchronously, behind the next forward
         fully_shard(layer, mesh=dp_mesh)
     fully_shard(model, mesh=dp_mesh)
     optimizer = dmuon.Muon(model, lr=0.02, adamw_lr=1e-3)
+
+``dmuon.inspect`` holds read-only views of what ``dedicate_params`` decided (owners, boundaries,
+segments, the partition plan) and the partition's pure functions for what-ifs; ``dmuon.checkpoint``
+saves and loads. Every other module is internal.
 """
 
 from dmuon_kernels._torch_support import require_torch
 
 require_torch("dmuon-core")
 
+from dmuon import inspect  # noqa: E402
 from dmuon.api import (  # noqa: E402
     dedicate_params,
     dedicated_parameters,
@@ -77,6 +82,7 @@ __all__ = [
     "dedicated_parameters",
     "get_backend_status",
     "get_ns_backend",
+    "inspect",
     "no_sync",
     "wait_all_replicate_broadcasts",
 ]

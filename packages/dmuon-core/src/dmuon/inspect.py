@@ -1,0 +1,455 @@
+"""Read-only views of what ``dedicate_params`` decided for a model: owners, boundaries, segments.
+
+The public inspection surface of dmuon-core. dmuon-tools, dmuon-hf and users read the partition
+plan, the owner grid, each dedicated parameter's owner and dtypes, and each hook boundary's
+segments here, never in dmuon's internal modules::
+
+    view = dmuon.inspect.view(model)          # ValueError if dedicate_params was never called
+    param = view.params["layers.0.q_proj.weight"]
+    param.owner, param.owner_rank, param.is_owner, param.route, param.param_dtype
+    for boundary in view.boundaries:          # in module registration order
+        for segment in boundary.segments:     # one coalesced broadcast and gradient reduce each
+            segment.shard, segment.root_rank, segment.value_bytes, segment.slices
+
+Owns: building the views, each a frozen dataclass made on request from the live state (a
+snapshot: it does not follow later changes). Every fact in a view is read from the code that acts
+on it — the owner's global rank from ``OwnershipMesh.global_rank``, the segment layout from
+``BoundaryGroup.build_segments`` — and is never derived a second time here.
+
+Must not: change what it reads, issue collectives, or hand out tensors other than
+``ParamView.master`` (the identity of what the optimizer updates) and the CUDA events of
+``ForwardWaitsView``.
+
+What-ifs without a model use the partition itself, re-exported here: ``plan_ownership``,
+``make_param_specs``, ``ns_cost``, ... are the very functions ``dedicate_params`` runs (pure: no
+tensors, no process group; fast for 10,000 owner slots), and ``what_if_grid(G, R)`` gives the
+owner ranks of a mesh built as ``init_device_mesh(device, (R, G), ("replicate", "shard"))``.
+
+[Note: the partition through inspect]
+The partition's pure functions are public through this module rather than ``dmuon/__init__``:
+the top-level names are the training API (``dedicate_params``, ``Muon``, ...), while a plan is
+something one inspects — of a live model (``view(model).plan``) or of a model that does not
+exist yet (the ``dmuon-tools plan`` what-ifs). Re-exporting the objects themselves, not
+wrappers, keeps a what-if equal to the real decision by construction; ``dmuon.partition`` stays
+an internal module, free to reorganise behind these names.
+
+[Note: layout before adoption]
+A meta-device model's weights are moved into their boundaries' segments only at adoption (the
+first forward, or ``dmuon.Muon``), so until then no segment exists. Its views still show the
+segments as they will be: ``BoundaryGroup.build_segments`` — the one code that lays segments
+out — runs on copies of the boundary's parameters over meta-device buffers, which allocate
+nothing and leave the model untouched.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+
+import torch
+from torch import nn
+
+from dmuon.api import get_dedicated_state
+from dmuon.group import BoundaryGroup, Segment
+from dmuon.mesh import OwnershipMesh
+from dmuon.optim import Muon
+from dmuon.param import ADAMW_ROUTE, MUON_ROUTE, DedicatedParam
+from dmuon.partition import (
+    DEFAULT_SMALL_PARAM_NUMEL,
+    OwnerCoord,
+    OwnershipPlan,
+    OwnershipUnit,
+    ParamSpec,
+    layer_id_of,
+    make_param_specs,
+    ns_cost,
+    param_cost,
+    plan_ownership,
+)
+from dmuon.profile import FORWARD_PROFILE_ENV, BoundaryWaits
+
+WHAT_IF_RANK_FORMULA = (
+    'rank = replicate * G + shard (init_device_mesh((R, G), ("replicate", "shard")))'
+)
+"""How ``what_if_grid`` numbers the owners, as one line for reports."""
+
+# The owners' fp32 master copies (``group._make_master``): known before adoption too.
+_MASTER_DTYPE = torch.float32
+
+
+# ---- the owner grid -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class OwnerGrid:
+    """The (shard, replicate) grid of owner slots and the global rank of each.
+
+    ``num_shards`` (G) ranks hold one replica of the dedicated weights; ``num_replicas`` (R)
+    replicas make the HSDP grid (R = 1 without HSDP). ``owner_rank`` is the one formula of an
+    owner's rank, the one dmuon's collectives use.
+    """
+
+    num_shards: int
+    num_replicas: int
+    coord: OwnerCoord | None  # this rank's slot; None on a what-if grid
+    rank_grid: tuple[tuple[int, ...], ...]  # global rank of every slot, [replicate][shard]
+    _mesh: OwnershipMesh = field(repr=False, compare=False)
+
+    @property
+    def num_slots(self) -> int:
+        return self.num_shards * self.num_replicas
+
+    def owner_rank(self, owner: OwnerCoord) -> int:
+        """The global rank of the owner slot ``owner``."""
+        if not (0 <= owner.shard < self.num_shards and 0 <= owner.replicate < self.num_replicas):
+            raise ValueError(
+                f"{owner} is outside the owner grid of {self.num_shards} shards x "
+                f"{self.num_replicas} replicas; shard must be in [0, {self.num_shards}) and "
+                f"replicate in [0, {self.num_replicas})."
+            )
+        return self._mesh.global_rank(owner)
+
+
+def what_if_grid(num_shards: int, num_replicas: int = 1) -> OwnerGrid:
+    """The owner grid of a mesh built as ``init_device_mesh(device, (R, G),
+    mesh_dim_names=("replicate", "shard"))``: ``rank = replicate * G + shard``
+    (``WHAT_IF_RANK_FORMULA``), which is also the plan's slot index ([Note: slot order] in the
+    partition)."""
+    for name, value in (("num_shards", num_shards), ("num_replicas", num_replicas)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(
+                f"what_if_grid: {name} must be an int >= 1, got {value!r}; pass the size of the "
+                f"{'shard' if name == 'num_shards' else 'replicate'} mesh dim"
+            )
+    rank_grid = tuple(
+        tuple(range(replicate * num_shards, (replicate + 1) * num_shards))
+        for replicate in range(num_replicas)
+    )
+    mesh = OwnershipMesh(
+        num_shards=num_shards,
+        num_replicas=num_replicas,
+        coord=OwnerCoord(0, 0),
+        rank_grid=rank_grid,
+        shard_group=None,
+        replicate_group=None,
+        world_group=None,
+    )
+    return OwnerGrid(
+        num_shards=num_shards,
+        num_replicas=num_replicas,
+        coord=None,
+        rank_grid=rank_grid,
+        _mesh=mesh,
+    )
+
+
+# ---- the views ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ParamView:
+    """One dedicated parameter: its owner, route and dtypes, as seen from this rank."""
+
+    name: str  # fully-qualified name, as in model.named_parameters()
+    shape: tuple[int, ...]  # the full shape
+    route: str  # MUON_ROUTE (>= 2-D: orthogonalised) or ADAMW_ROUTE, on its owner
+    requires_grad: bool
+    owner: OwnerCoord
+    owner_rank: int
+    is_owner: bool  # this rank holds the fp32 master and runs the update
+    boundary: str  # FQN of the hook-boundary module that moves it ("" for the root)
+    param_dtype: torch.dtype  # forward compute dtype (the segment buffer's)
+    reduce_dtype: torch.dtype  # the gradient's dtype in the reduce to the owner
+    master_dtype: torch.dtype | None  # what the optimizer updates here; None off the owner
+    # The owner's fp32 master, the tensor that sits in ``optimizer.param_groups`` (to find the
+    # group holding it); None off the owner and before adoption. Read it, do not modify it.
+    master: torch.Tensor | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class OwnerSliceView:
+    """The part of a segment owned by one slot ``(shard, replicate)``: under HSDP, what that
+    owner publishes after the step and receives in the second-stage gradient reduce."""
+
+    owner: OwnerCoord
+    owner_rank: int
+    params: tuple[str, ...]
+    numel: int
+    value_bytes: int  # published across replicas after the step
+    message_bytes: int  # gradients and their flags, reduced across replicas to the owner
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SegmentView:
+    """The parameters of one boundary owned by one shard index (and one compute dtype): one
+    coalesced broadcast from its root in forward, one gradient message reduced to it.
+
+    A gradient message holds each gradient followed by one flag element (whether this rank
+    produced it), in ``reduce_dtype``.
+    """
+
+    shard: int  # shard index of the owners, and of the root in every replica
+    root_rank: int  # the rank that broadcasts it in this rank's replica
+    is_local: bool  # this rank is the root: the segment stays resident here
+    dtype: torch.dtype  # compute dtype of the broadcast buffer
+    reduce_dtype: torch.dtype  # dtype of the gradient message (the widest of its gradients')
+    params: tuple[str, ...]  # in buffer order: by owner replica, then registration order
+    numel: int
+    message_numel: int  # numel plus one flag per parameter
+    slices: tuple[OwnerSliceView, ...]  # by owner replica
+
+    @property
+    def value_bytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+    @property
+    def message_bytes(self) -> int:
+        return self.message_numel * self.reduce_dtype.itemsize
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class BoundaryView:
+    """The dedicated parameters one hook-boundary module moves, by segment."""
+
+    name: str  # the module's FQN ("" for the root)
+    params: tuple[str, ...]
+    reshard_after_forward: bool  # True: Z3, False: Z2
+    broadcasts_per_step: int  # 2 under Z3 (forward, then again for backward), 1 under Z2
+    segments: tuple[SegmentView, ...]  # by shard index
+
+    @property
+    def value_bytes(self) -> int:
+        """Bytes of one unshard (every segment's broadcast)."""
+        return sum(segment.value_bytes for segment in self.segments)
+
+    @property
+    def message_bytes(self) -> int:
+        """Bytes of the gradient messages of one backward."""
+        return sum(segment.message_bytes for segment in self.segments)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ModelView:
+    """What ``dedicate_params`` decided for one model, as seen from this rank."""
+
+    grid: OwnerGrid
+    plan: OwnershipPlan  # the partition: owners, units, per-slot loads
+    # The weights sit in the owners' segments: False for a meta-device model until its first
+    # forward or ``dmuon.Muon`` (its segments show the layout they will have).
+    is_adopted: bool
+    params: Mapping[str, ParamView]  # read-only; in dedication order
+    boundaries: tuple[BoundaryView, ...]  # in module registration order
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ForwardWaitsView:
+    """How often and how long forward waited for one boundary's broadcasts
+    (``DMUON_RECORD_FORWARD_PROFILE=1``); counters accumulate from ``dedicate_params`` on."""
+
+    boundary: str
+    waits: int  # forward pre-hooks that needed the boundary's weights
+    prefetched: int  # ... whose broadcast a prefetch had already issued
+    host_ms: float  # host time in the waits (the transfer on gloo, the enqueueing on NCCL)
+    # (start, end) CUDA events around the most recent waits, on the compute stream; empty on CPU.
+    cuda_events: tuple[tuple[torch.cuda.Event, torch.cuda.Event], ...] = field(
+        default=(), repr=False, compare=False
+    )
+
+
+# ---- reading a model ----------------------------------------------------------------------------
+
+
+def is_prepared(model: nn.Module) -> bool:
+    """True when ``dmuon.dedicate_params`` was called on ``model``."""
+    try:
+        get_dedicated_state(model)
+    except ValueError:
+        return False
+    return True
+
+
+def view(model: nn.Module) -> ModelView:
+    """The plan, owner grid, dedicated parameters and boundaries of ``model``; rank-local.
+
+    Raises ValueError, saying what to call, when ``dedicate_params`` was never called on it.
+    """
+    state = get_dedicated_state(model)
+    grid = _grid_of(state.mesh)
+    boundary_of = {p.fqn: group.name for group in state.boundaries for p in group.params}
+    params = {name: _param_view(p, grid, boundary_of[name]) for name, p in state.params.items()}
+    return ModelView(
+        grid=grid,
+        plan=state.plan,
+        is_adopted=state.is_adopted,
+        params=MappingProxyType(params),
+        boundaries=tuple(_boundary_view(group, grid) for group in state.boundaries),
+    )
+
+
+def model_of(optimizer: Muon) -> nn.Module:
+    """The model a ``dmuon.Muon`` was built on."""
+    if not isinstance(optimizer, Muon):
+        raise TypeError(
+            f"dmuon.inspect.model_of takes a dmuon.Muon, got {type(optimizer).__name__}; build "
+            "the optimizer with dmuon.Muon(model, ...)."
+        )
+    return optimizer._dedicated.model
+
+
+def forward_waits(model: nn.Module) -> tuple[ForwardWaitsView, ...] | None:
+    """Per boundary, the forward-unshard waits recorded so far; None when they are not recorded
+    (``DMUON_RECORD_FORWARD_PROFILE=1`` was not set before ``dedicate_params``).
+
+    Boundaries in the order forward first waited for them, then those that never waited.
+    Raises ValueError when ``dedicate_params`` was never called on ``model``.
+    """
+    state = get_dedicated_state(model)
+    if state.profile is None:
+        return None
+    recorded = dict(state.profile.boundaries)
+    names = list(recorded) + [g.name for g in state.boundaries if g.name not in recorded]
+    return tuple(_waits_view(name, recorded.get(name, BoundaryWaits())) for name in names)
+
+
+# ---- building the views -------------------------------------------------------------------------
+
+
+def _grid_of(mesh: OwnershipMesh) -> OwnerGrid:
+    return OwnerGrid(
+        num_shards=mesh.num_shards,
+        num_replicas=mesh.num_replicas,
+        coord=mesh.coord,
+        rank_grid=mesh.rank_grid,
+        _mesh=mesh,
+    )
+
+
+def _param_view(p: DedicatedParam, grid: OwnerGrid, boundary: str) -> ParamView:
+    return ParamView(
+        name=p.fqn,
+        shape=tuple(p.shape),
+        route=p.route,
+        requires_grad=p.requires_grad,
+        owner=p.owner,
+        owner_rank=grid.owner_rank(p.owner),
+        is_owner=p.is_owner,
+        boundary=boundary,
+        param_dtype=p.param_dtype,
+        reduce_dtype=_gradient_dtype(p),
+        master_dtype=_master_dtype(p),
+        master=p.master,
+    )
+
+
+def _boundary_view(group: BoundaryGroup, grid: OwnerGrid) -> BoundaryView:
+    laid_out = group if group.segments else _planned_layout(group)
+    return BoundaryView(
+        name=group.name,
+        params=tuple(p.fqn for p in group.params),
+        reshard_after_forward=group.reshard_after_forward,
+        broadcasts_per_step=2 if group.reshard_after_forward else 1,
+        segments=tuple(_segment_view(segment, laid_out, grid) for segment in laid_out.segments),
+    )
+
+
+def _planned_layout(group: BoundaryGroup) -> BoundaryGroup:
+    """``group`` laid out on copies of its parameters over meta buffers ([Note: layout before
+    adoption])."""
+    copies = [dataclasses.replace(p) for p in group.params]
+    planned = BoundaryGroup(
+        group.name, group.module, copies, group.mesh, group.reshard_after_forward
+    )
+    planned.build_segments(torch.device("meta"))
+    return planned
+
+
+def _segment_view(segment: Segment, group: BoundaryGroup, grid: OwnerGrid) -> SegmentView:
+    reduce_dtype = _message_dtype(segment.params)
+    slices = []
+    for replicate, (start, end) in segment.value_ranges.items():
+        message_start, message_end = segment.message_ranges[replicate]
+        owner = OwnerCoord(segment.shard, replicate)
+        slices.append(
+            OwnerSliceView(
+                owner=owner,
+                owner_rank=grid.owner_rank(owner),
+                params=tuple(p.fqn for p in segment.params if p.owner.replicate == replicate),
+                numel=end - start,
+                value_bytes=(end - start) * segment.dtype.itemsize,
+                message_bytes=(message_end - message_start) * reduce_dtype.itemsize,
+            )
+        )
+    return SegmentView(
+        shard=segment.shard,
+        root_rank=group._root_rank(segment),
+        is_local=segment.is_local,
+        dtype=segment.dtype,
+        reduce_dtype=reduce_dtype,
+        params=tuple(p.fqn for p in segment.params),
+        numel=segment.numel,
+        message_numel=sum(end - start for start, end in segment.message_ranges.values()),
+        slices=tuple(slices),
+    )
+
+
+def _master_dtype(p: DedicatedParam) -> torch.dtype | None:
+    if p.master is not None:
+        return p.master.dtype
+    return _MASTER_DTYPE if p.is_owner else None  # not adopted yet: the owner will hold one
+
+
+def _gradient_dtype(p: DedicatedParam) -> torch.dtype:
+    # The policy's reduce dtype, else the gradient's own: that of the unsharded parameter.
+    return p.reduce_dtype or p.param_dtype
+
+
+def _message_dtype(params: list[DedicatedParam]) -> torch.dtype:
+    # A segment mixing gradient dtypes is reduced in the widest (``group._pack_gradients``).
+    return max((_gradient_dtype(p) for p in params), key=lambda d: torch.finfo(d).bits)
+
+
+def _waits_view(name: str, waits: BoundaryWaits) -> ForwardWaitsView:
+    return ForwardWaitsView(
+        boundary=name,
+        waits=waits.waits,
+        prefetched=waits.prefetched,
+        host_ms=waits.host_ms,
+        cuda_events=tuple(waits.events),
+    )
+
+
+__all__ = [
+    "ADAMW_ROUTE",
+    "DEFAULT_SMALL_PARAM_NUMEL",
+    "FORWARD_PROFILE_ENV",
+    "MUON_ROUTE",
+    "WHAT_IF_RANK_FORMULA",
+    "BoundaryView",
+    "ForwardWaitsView",
+    "ModelView",
+    "OwnerCoord",
+    "OwnerGrid",
+    "OwnerSliceView",
+    "OwnershipPlan",
+    "OwnershipUnit",
+    "ParamSpec",
+    "ParamView",
+    "SegmentView",
+    "forward_waits",
+    "is_prepared",
+    "layer_id_of",
+    "make_param_specs",
+    "model_of",
+    "ns_cost",
+    "param_cost",
+    "plan_ownership",
+    "view",
+    "what_if_grid",
+]
