@@ -22,6 +22,7 @@ from dmuon.consistency import check_ranks_agree, ranks_fail_together
 from dmuon.group import BoundaryGroup
 from dmuon.hooks import DedicatedState
 from dmuon.mesh import build_ownership_mesh, resolve_ownership_layout
+from dmuon.module_state import register_state_dict_hooks
 from dmuon.param import DedicatedParam, is_dedicated, make_placeholder, mark_dedicated
 from dmuon.partition import OwnerCoord, ParamSpec, layer_id_of, plan_ownership
 from dmuon.policy import resolve_param_policy
@@ -157,6 +158,7 @@ def dedicate_params(
         profile=ForwardUnshardProfile() if forward_profile_requested() else None,
     )
     state.register_hooks()
+    register_state_dict_hooks(state)
     object.__setattr__(model, _STATE_ATTR, state)
     if not any(p.original.is_meta for p in params.values()):
         state.ensure_adopted()
