@@ -8,16 +8,13 @@ issues, and returns them beside what the summaries say. Summaries come back as J
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 
 import torch.distributed as dist
 
 import dmuon
-from dmuon.api import get_dedicated_state
-from dmuon.profile import FORWARD_PROFILE_ENV
-from dmuon_tools.comm_plan import planned_segment_layouts, segment_layouts
+from dmuon.inspect import FORWARD_PROFILE_ENV
 from tests.distributed.comm_counter import CollectiveLog
 from tests.distributed.scenarios_protocol import TrainConfig, build, counted_second_step
 
@@ -63,23 +60,13 @@ def one_step_against_the_summaries(**kwargs) -> dict:
     finally:
         del os.environ[FORWARD_PROFILE_ENV]  # the worker process serves later scenarios
     log = counted_second_step(model, optimizer, config)
-    state = get_dedicated_state(model)
-    mesh = state.mesh
-    shard_ranks = tuple(mesh.rank_grid[mesh.coord.replicate])
-    replicate_ranks = tuple(row[mesh.coord.shard] for row in mesh.rank_grid)
+    grid = dmuon.inspect.view(model).grid
+    shard_ranks = tuple(grid.rank_grid[grid.coord.replicate])
+    replicate_ranks = tuple(row[grid.coord.shard] for row in grid.rank_grid)
     return {
         "rank": dist.get_rank(),
         "comm_plan": json.dumps(dmuon.summarize_comm_plan(model)),
         "param_groups": json.dumps(dmuon.summarize_param_groups(model, optimizer)),
         "profile": json.dumps(dmuon.collect_forward_unshard_profile(model)),
         "measured": _measured_per_kind(log, shard_ranks, replicate_ranks),
-        # The layout the summaries derive before adoption equals the one the buffers have.
-        "planned_layouts": [
-            [dataclasses.astuple(layout) for layout in planned_segment_layouts(boundary.params)]
-            for boundary in state.boundaries
-        ],
-        "built_layouts": [
-            [dataclasses.astuple(layout) for layout in segment_layouts(boundary)]
-            for boundary in state.boundaries
-        ],
     }

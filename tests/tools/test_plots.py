@@ -5,7 +5,7 @@ import importlib.util
 import pytest
 
 import dmuon
-from dmuon.partition import make_param_specs, plan_ownership
+from dmuon.inspect import make_param_specs, plan_ownership
 from dmuon_tools import plots
 from dmuon_tools.model_shapes import PRESETS
 from tests.distributed.models import TinyDecoder, proj_predicate

@@ -1,7 +1,8 @@
-"""Reading dmuon's per-model state for the summaries: dtype names, owner coordinates, ranks.
+"""The small conversions every summary shares: dtype names, owner coordinates, this rank.
 
-Owns the small conversions every summary shares (a dtype to its JSON name, an owner coordinate to
-a dict, this process's rank). It must not issue collectives nor change the state it reads.
+Owns turning what ``dmuon.inspect`` reports into plain JSON values (a dtype to its name, an owner
+coordinate to a dict, an optimizer hyperparameter to JSON) and this process's rank. It must not
+issue collectives nor read dmuon's state other than through ``dmuon.inspect``.
 """
 
 from __future__ import annotations
@@ -10,34 +11,13 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
-from dmuon.api import get_dedicated_state
-from dmuon.hooks import DedicatedState
-from dmuon.partition import OwnerCoord
-
-
-def dedicated_state_or_none(model: nn.Module) -> DedicatedState | None:
-    """The model's dmuon state, or None when ``dedicate_params`` was never called on it."""
-    try:
-        return get_dedicated_state(model)
-    except ValueError:
-        return None
+from dmuon.inspect import OwnerCoord
 
 
 def dtype_name(dtype: torch.dtype | None) -> str | None:
     """``torch.bfloat16 -> "bfloat16"`` (None stays None)."""
     return None if dtype is None else str(dtype).removeprefix("torch.")
-
-
-def itemsize(dtype: torch.dtype) -> int:
-    """Bytes per element of ``dtype``."""
-    return torch.empty((), dtype=dtype).element_size()
-
-
-def widest(dtypes: list[torch.dtype]) -> torch.dtype:
-    """The dtype a mixed gradient message is reduced in: the one with the most bits."""
-    return max(dtypes, key=lambda d: torch.finfo(d).bits if d.is_floating_point else 0)
 
 
 def owner_dict(coord: OwnerCoord) -> dict[str, int]:

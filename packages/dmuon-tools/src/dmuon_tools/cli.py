@@ -19,7 +19,7 @@ import json
 import sys
 from collections.abc import Sequence
 
-from dmuon.partition import DEFAULT_SMALL_PARAM_NUMEL
+from dmuon.inspect import DEFAULT_SMALL_PARAM_NUMEL
 from dmuon_tools.model_shapes import PRESETS, load_decoder_shape
 from dmuon_tools.ns_table import DEFAULT_CANDIDATE, NSTimeTable
 from dmuon_tools.planner import format_report, parse_mesh, plan_report

@@ -1,7 +1,7 @@
 """``collect_forward_unshard_profile``: how often and how long forward waited for owners' weights.
 
 Owns the reading of the counters dmuon records when ``DMUON_RECORD_FORWARD_PROFILE=1`` was set
-before ``dedicate_params`` (``dmuon.profile``): per boundary, the waits, how many were already
+before ``dedicate_params`` (``dmuon.inspect.forward_waits``): per boundary, the waits, how many were already
 prefetched, the host time, and the CUDA time between the event pair recorded around each wait.
 Rank-local, no collectives; reading does not reset the counters (they accumulate from
 ``dedicate_params`` on). It synchronises the device only when asked to.
@@ -15,9 +15,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from dmuon.api import get_dedicated_state
-from dmuon.profile import FORWARD_PROFILE_ENV, BoundaryWaits
-from dmuon_tools._state import this_rank
+import dmuon.inspect
+from dmuon.inspect import FORWARD_PROFILE_ENV, ForwardWaitsView
+from dmuon_tools._json import this_rank
 
 PROFILE_HINT = f"set {FORWARD_PROFILE_ENV}=1 before dmuon.dedicate_params"
 
@@ -40,17 +40,14 @@ def collect_forward_unshard_profile(model: nn.Module, synchronize: bool = False)
     completed CUDA event pairs; ``mean``/``max`` are None when none is complete)) and
     ``totals`` (the same, summed over boundaries).
     """
-    state = get_dedicated_state(model)
-    profile = state.profile
-    if profile is None:
+    waits = dmuon.inspect.forward_waits(model)
+    if waits is None:
         return {"enabled": False, "hint": PROFILE_HINT}
     synchronized = bool(synchronize and torch.cuda.is_available() and torch.cuda.is_initialized())
     if synchronized:
         torch.cuda.synchronize()
 
-    recorded = dict(profile.boundaries)
-    names = list(recorded) + [b.name for b in state.boundaries if b.name not in recorded]
-    boundaries = [_boundary_entry(name, recorded.get(name, BoundaryWaits())) for name in names]
+    boundaries = [_boundary_entry(boundary) for boundary in waits]
     return {
         "enabled": True,
         "rank": this_rank(),
@@ -60,19 +57,17 @@ def collect_forward_unshard_profile(model: nn.Module, synchronize: bool = False)
     }
 
 
-def _boundary_entry(name: str, waits: BoundaryWaits) -> dict[str, Any]:
+def _boundary_entry(waits: ForwardWaitsView) -> dict[str, Any]:
     # An event pair is timed only once both have completed; query() never blocks.
     timed = [
-        start.elapsed_time(end)
-        for start, end in list(waits.events)
-        if start.query() and end.query()
+        start.elapsed_time(end) for start, end in waits.cuda_events if start.query() and end.query()
     ]
     return {
-        "name": name,
+        "name": waits.boundary,
         "waits": waits.waits,
         "prefetched": waits.prefetched,
         "host_ms": waits.host_ms,
-        "cuda_wait_ms": _stats(timed, num_events=len(waits.events)),
+        "cuda_wait_ms": _stats(timed, num_events=len(waits.cuda_events)),
     }
 
 

@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from dmuon.partition import ns_cost
+from dmuon.inspect import ns_cost
 
 DEFAULT_CANDIDATE = "dmuon gram"
 

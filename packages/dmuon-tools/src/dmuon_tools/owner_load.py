@@ -8,19 +8,12 @@ no tensors, no collectives; fast for 10,000 slots.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from typing import Any
 
-from dmuon.partition import OwnerCoord, OwnershipPlan
+from dmuon.inspect import OwnerGrid, OwnershipPlan, what_if_grid
 
 FLOP_PER_GFLOP = 1e9
 LOAD_UNIT = "GFLOP per step: Newton-Schulz cost 6n'^2m'+14n'^3 per matrix, numel per 1-D parameter"
-
-
-def what_if_rank(plan: OwnershipPlan) -> Callable[[OwnerCoord], int]:
-    """Global rank of an owner on a mesh built as ``init_device_mesh(..., (R, G),
-    mesh_dim_names=("replicate", "shard"))``: ``replicate * G + shard``."""
-    return lambda coord: coord.replicate * plan.num_shards + coord.shard
 
 
 def params_per_slot(plan: OwnershipPlan) -> list[list[str]]:
@@ -34,16 +27,17 @@ def params_per_slot(plan: OwnershipPlan) -> list[list[str]]:
 def summarize_owner_loads(
     plan: OwnershipPlan,
     *,
-    global_rank: Callable[[OwnerCoord], int] | None = None,
+    grid: OwnerGrid | None = None,
     heaviest: int = 5,
     every_owner: bool = True,
 ) -> dict[str, Any]:
     """Load per owner slot of ``plan`` in GFLOP, its balance and the ``heaviest`` owners.
 
-    ``global_rank`` maps an owner coordinate to its rank (default: :func:`what_if_rank`).
-    ``every_owner=False`` leaves out the per-owner list (for what-ifs with thousands of slots).
+    ``grid`` gives each owner's rank: a live model's ``dmuon.inspect.view(model).grid``, by
+    default the what-if grid ``rank = replicate * G + shard``. ``every_owner=False`` leaves out
+    the per-owner list (for what-ifs with thousands of slots).
     """
-    rank_of = global_rank or what_if_rank(plan)
+    grid = grid or what_if_grid(plan.num_shards, plan.num_replicas)
     owned = params_per_slot(plan)
     loads = [load / FLOP_PER_GFLOP for load in plan.loads]
 
@@ -53,7 +47,7 @@ def summarize_owner_loads(
             "slot": slot,
             "shard": coord.shard,
             "replicate": coord.replicate,
-            "rank": rank_of(coord),
+            "rank": grid.owner_rank(coord),
             "gflop": loads[slot],
             "num_params": len(owned[slot]),
         }

@@ -1,6 +1,6 @@
 """``summarize_param_groups``: which optimizer route, owner and dtypes each parameter has.
 
-Owns the rank-local routing summary of a model and its optimizer. It reads dmuon's state, the
+Owns the rank-local routing summary of a model and its optimizer. It reads ``dmuon.inspect``, the
 optimizer's param groups and (for FSDP2-managed parameters) the mixed-precision policy; it must
 not issue collectives nor change anything it reads.
 """
@@ -13,14 +13,9 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from dmuon.param import ADAMW_ROUTE, DedicatedParam
-from dmuon_tools._state import (
-    dedicated_state_or_none,
-    dtype_name,
-    jsonable,
-    owner_dict,
-    this_rank,
-)
+import dmuon.inspect
+from dmuon.inspect import ADAMW_ROUTE, ModelView, ParamView
+from dmuon_tools._json import dtype_name, jsonable, owner_dict, this_rank
 
 FROZEN_ROUTE = "frozen"
 
@@ -41,8 +36,8 @@ def summarize_param_groups(model: nn.Module, optimizer: torch.optim.Optimizer) -
         updates on this rank; None where this rank updates nothing), ``fsdp2``, ``group``
         (index of the optimizer group holding it on this rank, or None)) and ``totals`` per route.
     """
-    state = dedicated_state_or_none(model)
-    dedicated = state.params if state is not None else {}
+    view = dmuon.inspect.view(model) if dmuon.inspect.is_prepared(model) else None
+    dedicated = view.params if view is not None else {}
     group_of = _group_index_by_tensor(optimizer)
     compute_dtypes = _fsdp2_compute_dtypes(model)
 
@@ -50,7 +45,7 @@ def summarize_param_groups(model: nn.Module, optimizer: torch.optim.Optimizer) -
     first_name: dict[int, str] = {}
     for name, param in model.named_parameters(remove_duplicate=False):
         if name in dedicated:
-            entry = _dedicated_entry(dedicated[name], state.mesh, group_of)
+            entry = _dedicated_entry(dedicated[name], group_of)
         else:
             entry = _regular_entry(param, group_of, compute_dtypes)
         if id(param) in first_name and name not in dedicated:
@@ -60,7 +55,7 @@ def summarize_param_groups(model: nn.Module, optimizer: torch.optim.Optimizer) -
 
     return {
         "rank": this_rank(),
-        "mesh": _mesh_entry(state),
+        "mesh": _mesh_entry(view),
         "optimizer": _optimizer_entry(optimizer),
         "groups": [
             _group_entry(index, group) for index, group in enumerate(optimizer.param_groups)
@@ -70,22 +65,18 @@ def summarize_param_groups(model: nn.Module, optimizer: torch.optim.Optimizer) -
     }
 
 
-def _dedicated_entry(p: DedicatedParam, mesh, group_of: dict[int, int]) -> dict[str, Any]:
-    if p.master is not None:
-        master_dtype = dtype_name(p.master.dtype)
-    else:  # not adopted yet (meta-device model): the owner will hold an fp32 master
-        master_dtype = "float32" if p.is_owner else None
+def _dedicated_entry(p: ParamView, group_of: dict[int, int]) -> dict[str, Any]:
     return {
         "route": p.route if p.requires_grad else FROZEN_ROUTE,
         "dedicated": True,
         "owner": owner_dict(p.owner),
-        "owner_rank": mesh.global_rank(p.owner),
+        "owner_rank": p.owner_rank,
         "is_owner": p.is_owner,
         "shape": list(p.shape),
         "numel": p.numel,
         "param_dtype": dtype_name(p.param_dtype),
-        "reduce_dtype": dtype_name(p.reduce_dtype or p.param_dtype),
-        "master_dtype": master_dtype,
+        "reduce_dtype": dtype_name(p.reduce_dtype),
+        "master_dtype": dtype_name(p.master_dtype),
         "fsdp2": False,
         "requires_grad": p.requires_grad,
         "group": group_of.get(id(p.master)) if p.master is not None else None,
@@ -151,15 +142,15 @@ def _optimizer_entry(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     return entry
 
 
-def _mesh_entry(state) -> dict[str, Any] | None:
-    if state is None:
+def _mesh_entry(view: ModelView | None) -> dict[str, Any] | None:
+    if view is None:
         return None
-    mesh = state.mesh
+    grid = view.grid
     return {
-        "num_shards": mesh.num_shards,
-        "num_replicas": mesh.num_replicas,
-        "coord": owner_dict(mesh.coord),
-        "rank_grid": [list(row) for row in mesh.rank_grid],
+        "num_shards": grid.num_shards,
+        "num_replicas": grid.num_replicas,
+        "coord": owner_dict(grid.coord),
+        "rank_grid": [list(row) for row in grid.rank_grid],
     }
 
 

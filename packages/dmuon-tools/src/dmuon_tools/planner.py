@@ -1,8 +1,8 @@
 """Partition what-ifs: who would own what for a model config on a G x R mesh, and how long the
 optimizer's Newton-Schulz would take on each rank.
 
-Owns the ``dmuon-tools plan`` report: the decoder's matrices, ``dmuon.partition.plan_ownership``
-on the owner grid (the same pure function ``dedicate_params`` runs), the per-owner load and, with a
+Owns the ``dmuon-tools plan`` report: the decoder's matrices, ``dmuon.inspect.plan_ownership`` on
+the owner grid (the same pure function ``dedicate_params`` runs), the per-owner load and, with a
 measured NS time table, the predicted NS time per rank. Pure and fast: no model, no tensors, no
 process group, so 10,000-rank what-ifs take well under a second.
 """
@@ -15,19 +15,20 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from dmuon.partition import (
+from dmuon.inspect import (
     DEFAULT_SMALL_PARAM_NUMEL,
+    WHAT_IF_RANK_FORMULA,
     OwnershipPlan,
     make_param_specs,
     ns_cost,
     plan_ownership,
+    what_if_grid,
 )
 from dmuon_tools.model_shapes import DecoderShape
 from dmuon_tools.ns_table import NSTimeTable, format_shape, shape_key
-from dmuon_tools.owner_load import params_per_slot, summarize_owner_loads, what_if_rank
+from dmuon_tools.owner_load import params_per_slot, summarize_owner_loads
 
 _MESH = re.compile(r"\s*([0-9]+)\s*(?:[x×*]\s*([0-9]+)\s*)?")
-RANK_FORMULA = 'rank = replicate * G + shard (init_device_mesh((R, G), ("replicate", "shard")))'
 PREDICTION_NOTE = (
     "Sum of the measured median Newton-Schulz time of each matrix a rank owns, one call per "
     "matrix: batched same-shape calls run faster, and momentum, the update and communication are "
@@ -72,7 +73,7 @@ def predict_optimizer_ms(
     for name, owner in plan.owners.items():
         per_slot_ms[plan.slot_of(owner)] += lookups[shape_key(shapes[name])].ms
     owned = params_per_slot(plan)
-    rank_of = what_if_rank(plan)
+    grid = what_if_grid(plan.num_shards, plan.num_replicas)
     order = sorted(range(plan.num_slots), key=lambda slot: (-per_slot_ms[slot], slot))
     one_rank_ms = math.fsum(lookups[key].ms * count for key, count in counts.items())
     slowest = max(per_slot_ms)
@@ -101,7 +102,7 @@ def predict_optimizer_ms(
         "heaviest": [
             {
                 "slot": slot,
-                "rank": rank_of(plan.owner_of_slot(slot)),
+                "rank": grid.owner_rank(plan.owner_of_slot(slot)),
                 "shard": plan.owner_of_slot(slot).shard,
                 "replicate": plan.owner_of_slot(slot).replicate,
                 "ms": per_slot_ms[slot],
@@ -143,7 +144,7 @@ def plan_report(
             "num_shards": num_shards,
             "num_replicas": num_replicas,
             "num_slots": num_shards * num_replicas,
-            "rank_formula": RANK_FORMULA,
+            "rank_formula": WHAT_IF_RANK_FORMULA,
         },
         "partition": plan.describe(),
         "load": summarize_owner_loads(plan, heaviest=heaviest, every_owner=every_owner),

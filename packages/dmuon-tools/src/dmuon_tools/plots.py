@@ -13,8 +13,8 @@ from typing import Any
 
 from torch import nn
 
-from dmuon.partition import OwnershipPlan
-from dmuon_tools._state import dedicated_state_or_none
+import dmuon.inspect
+from dmuon.inspect import OwnershipPlan
 from dmuon_tools.comm_plan import COLLECTIVE_KINDS, summarize_comm_plan
 from dmuon_tools.owner_load import FLOP_PER_GFLOP
 
@@ -37,13 +37,12 @@ def _figure():
 def _plan_of(plan_or_model: OwnershipPlan | nn.Module) -> OwnershipPlan:
     if isinstance(plan_or_model, OwnershipPlan):
         return plan_or_model
-    state = dedicated_state_or_none(plan_or_model) if isinstance(plan_or_model, nn.Module) else None
-    if state is None:
+    if not (isinstance(plan_or_model, nn.Module) and dmuon.inspect.is_prepared(plan_or_model)):
         raise TypeError(
-            "plot_owner_load needs a dmuon.partition.OwnershipPlan or a model prepared with "
+            "plot_owner_load needs a dmuon.inspect.OwnershipPlan or a model prepared with "
             f"dmuon.dedicate_params, got {type(plan_or_model).__name__}."
         )
-    return state.plan
+    return dmuon.inspect.view(plan_or_model).plan
 
 
 def plot_owner_load(
