@@ -59,8 +59,6 @@ from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME
 
 import dmuon
 import dmuon.checkpoint as dckpt
-from dmuon.api import get_dedicated_state
-from dmuon.clip import clip_grad_norm_
 
 logger = logging.getLogger("dmuon_hf")
 
@@ -185,11 +183,11 @@ class DMuonTrainer(Trainer):
     # ---- gradient norm --------------------------------------------------------------------------
 
     def _clip_grad_norm(self, model: nn.Module) -> torch.Tensor:
-        return clip_grad_norm_(self.model, self._dmuon_optimizer, self.args.max_grad_norm)
+        return dmuon.clip_grad_norm_(self.model, self._dmuon_optimizer, self.args.max_grad_norm)
 
     def _get_grad_norm(self, model: nn.Module, grad_norm: torch.Tensor | None = None):
         if grad_norm is None:
-            grad_norm = clip_grad_norm_(self.model, self._dmuon_optimizer, float("inf"))
+            grad_norm = dmuon.clip_grad_norm_(self.model, self._dmuon_optimizer, float("inf"))
         return grad_norm
 
     # ---- saving -----------------------------------------------------------------------------------
@@ -290,7 +288,7 @@ def _check_model_and_optimizer(
             "DMuonTrainer needs the prepared model itself (model=...), not model_init: build the "
             "model, call dmuon.dedicate_params and fully_shard, then pass it."
         )
-    get_dedicated_state(model)  # raises, saying to call dmuon.dedicate_params first
+    dmuon.inspect.view(model)  # raises, saying to call dmuon.dedicate_params first
     optimizer = optimizers[0] if optimizers else None
     if not isinstance(optimizer, dmuon.Muon):
         raise ValueError(
@@ -298,8 +296,7 @@ def _check_model_and_optimizer(
             f"optimizers[0]={type(optimizer).__name__}. Build the optimizer yourself: "
             "optimizer = dmuon.Muon(model, lr=0.02, adamw_lr=1e-3)."
         )
-    built_on = getattr(optimizer, "_dedicated", None)
-    if built_on is not None and built_on is not get_dedicated_state(model):
+    if dmuon.inspect.model_of(optimizer) is not model:
         raise ValueError(
             "DMuonTrainer: the dmuon.Muon optimizer was built on another model than the one "
             "passed as model=. Build it with dmuon.Muon(model, ...) on the same model."
