@@ -55,7 +55,6 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # noqa: E4
 from torch.utils.checkpoint import checkpoint  # noqa: E402
 
 import dmuon  # noqa: E402
-from dmuon.api import get_dedicated_state  # noqa: E402
 
 VARIANTS = ("fsdp2-adamw", "dmuon-z3", "dmuon-z2", "naive-muon")
 STEP_TARGET = 1.03  # dmuon step time at most 1.03x FSDP2 + AdamW
@@ -212,7 +211,7 @@ def build(variant: str, args: argparse.Namespace, mesh, device: torch.device):
     elif variant.startswith("dmuon"):
         optimizer = dmuon.Muon(model, lr=MUON_LR, adamw_lr=ADAMW_LR)
         newton_schulz = optimizer.newton_schulz
-        extra["partition"] = get_dedicated_state(model).plan.describe()
+        extra["partition"] = dmuon.inspect.view(model).plan.describe()
         extra["newton_schulz"] = repr(newton_schulz)
         extra["ns_kernel"] = f"{newton_schulz.kernel} ({newton_schulz.kernel_reason})"
     else:

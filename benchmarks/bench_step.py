@@ -138,12 +138,12 @@ def bench_torch_optimizer(make_optimizer, shapes, device, warmup: int, iters: in
 
 def bench_dmuon(ns_backend, layer_shapes, num_layers, device, warmup: int, iters: int) -> dict:
     import dmuon
-    from dmuon.api import get_dedicated_state
 
     model = ProjectionStack(layer_shapes, num_layers, device)
     dmuon.dedicate_params(model, None, predicate=lambda name, p: p.ndim == 2)
     optimizer = dmuon.Muon(model, ns_backend=ns_backend)
-    masters = [p.master for p in get_dedicated_state(model).iter_owned_masters()]
+    views = dmuon.inspect.view(model).params.values()
+    masters = [p.master for p in views if p.master is not None]
     shapes = [tuple(master.shape) for master in masters]
     for master, grad in zip(masters, random_gradients(shapes, device)):
         master.grad = grad

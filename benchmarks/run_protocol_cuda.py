@@ -1,11 +1,12 @@
 """The ownership protocol on CUDA tensors, checked against a single-process reference.
 
-Trains the tiny decoder of ``tests/distributed/models.py`` with ``dedicate_params`` ->
-``fully_shard`` per layer and root -> ``dmuon.Muon`` (fp32 Newton-Schulz: ``kernel="cublas"``,
-``dtype=torch.float32``) for ``--steps`` steps, and on every rank the same model in one process
-on the full batch with the plain reference optimizer (``tests/reference_optim.py``). After each
-step it compares every parameter a rank can see (its owned fp32 masters and the full FSDP2
-parameters) with the reference and keeps the worst relative error over all ranks.
+Trains the tiny decoder of ``_protocol_model.py`` (the CPU protocol tests' model) with
+``dedicate_params`` -> ``fully_shard`` per layer and root -> ``dmuon.Muon`` (fp32
+Newton-Schulz: ``kernel="cublas"``, ``dtype=torch.float32``) for ``--steps`` steps, and on every
+rank the same model in one process on the full batch with the plain reference optimizer
+(``_reference_optim.py``). After each step it compares every parameter a rank can see (its owned
+fp32 masters and the full FSDP2 parameters) with the reference and keeps the worst relative error
+over all ranks.
 
 Configurations, by world size:
 
@@ -39,28 +40,26 @@ from dataclasses import asdict, dataclass
 
 import _common
 
-# The repository root (for tests.*) and, where the packages are not installed, their sources.
-sys.path.insert(0, str(_common.REPO_ROOT))
+# Where the packages are not installed, their sources.
 _common.add_package_sources_if_missing()
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset  # noqa: E402
-
-import dmuon  # noqa: E402
-from dmuon.api import get_dedicated_state  # noqa: E402
-from dmuon_kernels.newton_schulz import NewtonSchulz, newton_schulz  # noqa: E402
-from tests.distributed.models import (  # noqa: E402
+from _protocol_model import (  # noqa: E402
     TinyDecoder,
     batches,
+    dedicate_and_shard,
     loss_fn,
     proj_predicate,
     rank_rows,
 )
-from tests.distributed.scenarios_protocol import dedicate_and_shard  # noqa: E402
-from tests.reference_optim import ReferenceMuonAdamW  # noqa: E402
+from _reference_optim import ReferenceMuonAdamW  # noqa: E402
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset  # noqa: E402
 
-REFERENCE = "tests/reference_optim.py ReferenceMuonAdamW"
+import dmuon  # noqa: E402
+from dmuon_kernels.newton_schulz import NewtonSchulz, newton_schulz  # noqa: E402
+
+REFERENCE = "benchmarks/_reference_optim.py ReferenceMuonAdamW"
 
 LR = 0.02
 WEIGHT_DECAY = 0.01
@@ -133,12 +132,14 @@ def visible_weights(model) -> dict[str, tuple[torch.Tensor, tuple[slice, ...]]]:
     functional all-gather crashes on gloo with CUDA tensors (torch 2.11), and comparing the
     local shards checks the same numbers without it.
     """
-    state = get_dedicated_state(model)
+    dedicated = dmuon.inspect.view(model).params
     weights = {
-        p.fqn: (p.master.detach().clone(), (slice(None),)) for p in state.iter_owned_masters()
+        name: (p.master.detach().clone(), (slice(None),))
+        for name, p in dedicated.items()
+        if p.master is not None
     }
     for name, param in model.named_parameters():
-        if name in state.params:
+        if name in dedicated:
             continue
         shape, offset = compute_local_shape_and_global_offset(
             param.shape, param.device_mesh, param.placements
@@ -187,7 +188,6 @@ def train(config: RunConfig, steps: int, device: torch.device) -> dict:
         error = max_relative_error(visible_weights(model), reference)
         max_errors.append(all_ranks(error, dist.ReduceOp.MAX, device))
     dmuon.wait_all_replicate_broadcasts(model)
-    state = get_dedicated_state(model)
     return {
         **asdict(config),
         "mesh": f"{config.replicas} x {world // config.replicas}",
@@ -195,7 +195,7 @@ def train(config: RunConfig, steps: int, device: torch.device) -> dict:
         "loss_per_step": losses,
         "reference_loss_per_step": reference_losses,
         "seconds": time.perf_counter() - started,
-        "partition": state.plan.describe(),
+        "partition": dmuon.inspect.view(model).plan.describe(),
         # rank-local, for the bit-for-bit comparisons; not written to JSON
         "_local_losses": local_losses,
         "_weights": visible_weights(model),
