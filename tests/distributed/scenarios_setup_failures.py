@@ -44,13 +44,16 @@ def predicate_raises_on(*, failing_ranks: list[int]) -> dict:
 
 
 def bad_argument_on_rank_1(*, argument: str) -> dict:
-    """Rank 1 passes a bad ``argument`` ("policy": an unknown process_group_policy; "mesh": a
-    mesh that is no DeviceMesh); every other rank passes good ones."""
+    """Rank 1 passes a bad ``argument`` ("policy": an unknown process_group_policy;
+    "param_policy": an unknown dtype; "mesh": a mesh that is no DeviceMesh); every other rank
+    passes good ones."""
     mesh = _flat_mesh()
     kwargs = {"mesh": mesh, "predicate": proj_predicate}
     if dist.get_rank() == 1:
         if argument == "policy":
             kwargs["process_group_policy"] = "clone"
+        elif argument == "param_policy":
+            kwargs["param_policy"] = {"defaults": {"param_dtype": "fp8"}}
         else:
             kwargs["mesh"] = [0, 1]
     return _dedicate_and_report(**kwargs)

@@ -58,8 +58,9 @@ def test_when_every_rank_fails_each_raises_its_own_error_unchanged(pool2):
     [
         ("policy", "ValueError", "ValueError: process_group_policy='clone' is not one of"),
         ("mesh", "TypeError", "TypeError: mesh must be a torch.distributed DeviceMesh or None"),
+        ("param_policy", "ValueError", "ValueError: param_policy['defaults']['param_dtype']='fp8'"),
     ],
-    ids=["unknown-process-group-policy", "mesh-that-is-no-device-mesh"],
+    ids=["unknown-process-group-policy", "mesh-that-is-no-device-mesh", "unknown-param-dtype"],
 )
 def test_a_bad_argument_on_one_rank_raises_on_every_rank(pool2, argument, error_type, original):
     results = pool2.run(bad_argument_on_rank_1, argument=argument, deadline_s=DEADLINE_S)

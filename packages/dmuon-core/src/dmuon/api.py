@@ -62,7 +62,11 @@ def dedicate_params(
     Call once on the whole model, after TP ``parallelize_module`` and before ``fully_shard``
     (which then skips the dedicated parameters by itself). ``mesh`` is the 1-D data-parallel
     DeviceMesh (the ``"shard"`` dim under HSDP, with ``replicate_mesh`` its ``"replicate"``
-    dim), or None when torch.distributed is not initialised (everything is owned locally).
+    dim), or None when torch.distributed is not initialised (everything is owned locally). It
+    may be a dim of a larger named mesh (``mesh["dp"]`` of a ("dp", "tp") or ("pp", "dp")
+    mesh): every rank of the world calls ``dedicate_params`` (pipeline stages with their own
+    models included), since the process groups are created collectively; each rank's ownership
+    spans its own slice.
 
     Args:
         predicate: ``(name, param) -> bool`` choosing the dedicated parameters.
@@ -81,22 +85,11 @@ def dedicate_params(
             ``(layers|blocks|layer|h|block).N`` rule does not understand.
         timeout: timeout of the process groups dmuon creates (default: the default group's).
     """
-    if getattr(model, _STATE_ATTR, None) is not None:
-        raise RuntimeError(
-            "dedicate_params was already called on this model; call it once, on the whole model."
-        )
-    if fsdp2.is_fully_sharded(model):
-        raise RuntimeError(
-            "dedicate_params must be called before fully_shard: this model already has FSDP2 "
-            "modules. Call dmuon.dedicate_params(model, ...) first, then fully_shard each layer "
-            "and the root."
-        )
-    if mesh is not None:
-        fsdp2.require_fully_shard_integration()
-    policy = resolve_param_policy(param_policy, compute_dtype)
     # A setup error on one rank (its predicate raised, a bad argument) is raised on every rank
     # before any process group is created: none is left waiting for the failed rank.
     with ranks_fail_together("dedicate_params"):
+        _check_call_order(model, mesh)
+        policy = resolve_param_policy(param_policy, compute_dtype)
         selected = _select(model, predicate)
         layout = resolve_ownership_layout(mesh, replicate_mesh, process_group_policy)
     if not selected:
@@ -163,6 +156,21 @@ def dedicate_params(
     if not any(p.original.is_meta for p in params.values()):
         state.ensure_adopted()
     return dict(plan.owners)
+
+
+def _check_call_order(model: nn.Module, mesh) -> None:
+    if getattr(model, _STATE_ATTR, None) is not None:
+        raise RuntimeError(
+            "dedicate_params was already called on this model; call it once, on the whole model."
+        )
+    if fsdp2.is_fully_sharded(model):
+        raise RuntimeError(
+            "dedicate_params must be called before fully_shard: this model already has FSDP2 "
+            "modules. Call dmuon.dedicate_params(model, ...) first, then fully_shard each layer "
+            "and the root."
+        )
+    if mesh is not None:
+        fsdp2.require_fully_shard_integration()
 
 
 def get_dedicated_state(model: nn.Module) -> DedicatedState:
