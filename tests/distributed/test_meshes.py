@@ -113,6 +113,9 @@ def test_a_stalled_peer_makes_the_others_fail_within_the_inherited_timeout(short
     waited = results[0]
     assert waited["error"] is not None, "rank 0 finished a forward without its peer"
     assert "timed out" in waited["error"].lower(), waited["error"]
+    # The error names dmuon's collective, its root and the ranks it waited for.
+    assert "dmuon: the broadcast of" in waited["error"], waited["error"]
+    assert "over ranks [0, 1]" in waited["error"], waited["error"]
     # Without inheritance the group's timeout would be torch's 30 minutes (and the pool's
     # deadline would end the scenario); the bound leaves room for a busy machine.
     assert waited["seconds"] < 6 * STALL_PG_TIMEOUT_S, waited

@@ -38,18 +38,43 @@ class _Done:
 DONE: Handle = _Done()
 
 
+class _Named:
+    """A collective's work handle whose failure (a timeout, a dead peer) names the collective."""
+
+    __slots__ = ("group", "numel", "operation", "root", "work")
+
+    def __init__(self, work, operation: str, root: int, group: dist.ProcessGroup, numel: int):
+        self.work, self.operation, self.root, self.group, self.numel = (
+            work, operation, root, group, numel,
+        )  # fmt: skip
+
+    def wait(self) -> object:
+        try:
+            return self.work.wait()
+        except RuntimeError as error:
+            ranks = dist.get_process_group_ranks(self.group)
+            raise RuntimeError(
+                f"dmuon: the {self.operation} of {self.numel} elements with root rank "
+                f"{self.root} over ranks {ranks} (rank {dist.get_rank()} waiting) failed: "
+                f"{error}. A rank of this group stalled, died or skipped the call; its own log "
+                "says why."
+            ) from error
+
+
 def broadcast(tensor: torch.Tensor, src_rank: int, group: dist.ProcessGroup | None) -> Handle:
     """Send ``tensor`` from global rank ``src_rank`` into the same tensor on every group rank."""
     if group is None:
         return DONE
-    return dist.broadcast(tensor, src=src_rank, group=group, async_op=True)
+    work = dist.broadcast(tensor, src=src_rank, group=group, async_op=True)
+    return _Named(work, "broadcast", src_rank, group, tensor.numel())
 
 
 def reduce_sum(tensor: torch.Tensor, dst_rank: int, group: dist.ProcessGroup | None) -> Handle:
     """Sum ``tensor`` over the group into global rank ``dst_rank`` (other ranks' copies are junk)."""
     if group is None:
         return DONE
-    return dist.reduce(tensor, dst=dst_rank, op=dist.ReduceOp.SUM, group=group, async_op=True)
+    work = dist.reduce(tensor, dst=dst_rank, op=dist.ReduceOp.SUM, group=group, async_op=True)
+    return _Named(work, "reduce", dst_rank, group, tensor.numel())
 
 
 def wait_all(handles: Iterable[Handle]) -> None:
