@@ -53,10 +53,6 @@ class Segment:
     def numel(self) -> int:
         return self.buffer.numel()
 
-    @property
-    def nbytes(self) -> int:
-        return self.buffer.numel() * self.buffer.element_size()
-
 
 @dataclass(eq=False, slots=True)
 class _PendingReduce:
@@ -284,10 +280,6 @@ class BoundaryGroup:
     def wait_for_publish(self) -> None:
         collectives.wait_all(self._pending_publish)
         self._pending_publish.clear()
-
-    @property
-    def has_pending_publish(self) -> bool:
-        return bool(self._pending_publish)
 
 
 def _pack_gradients(params: list[DedicatedParam]) -> torch.Tensor:
