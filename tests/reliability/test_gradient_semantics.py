@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import math
+import warnings
 
 import pytest
 import torch
@@ -161,3 +162,31 @@ def test_an_unknown_nonfinite_policy_lists_the_choices():
         ValueError, match=r"nonfinite='drop' is not one of \('ignore', 'raise', 'skip'\)"
     ):
         dmuon.Muon(model, nonfinite="drop")
+
+
+# ---- mixed precision without a policy for the rest of the model -------------------------------
+
+
+def test_bf16_dedicated_weights_with_fp32_inputs_warn_before_the_dtype_error():
+    model = TinyDecoder()
+    dmuon.dedicate_params(
+        model, None, proj_predicate, param_policy={"defaults": {"param_dtype": torch.bfloat16}}
+    )
+    with (
+        pytest.warns(
+            UserWarning,
+            match=r"inputs of layers\.0 are torch\.float32 .*mp_policy=MixedPrecisionPolicy",
+        ),
+        pytest.raises(RuntimeError, match="dtype"),
+    ):
+        loss_fn(model, batches(1, 1)[0])
+
+
+def test_matching_compute_dtypes_do_not_warn():
+    model = TinyDecoder().to(torch.bfloat16)
+    dmuon.dedicate_params(
+        model, None, proj_predicate, param_policy={"defaults": {"param_dtype": torch.bfloat16}}
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        loss_fn(model, batches(1, 1)[0]).backward()

@@ -88,6 +88,7 @@ class BoundaryGroup:
         self.forward_count = 0
         self.backward_count = 0
         self.reduced_this_backward = False
+        self.warned_input_dtype = False  # see hooks._warn_on_mixed_input_dtype
 
     # ---- layout ----------------------------------------------------------------------------
 

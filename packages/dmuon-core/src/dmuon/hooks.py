@@ -23,6 +23,7 @@ leaves everything in place. Inside backward the hooks never issue a collective o
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -218,6 +219,8 @@ def _pre_forward(
         group.register_unsharded()
         return None
     state.ensure_adopted()
+    if state._forward_position is None:  # the first forward: look once, cheaply
+        _warn_on_mixed_input_dtype(group, args, kwargs)
     state._record_forward(group)
     if state.profile is not None:
         state.profile.record(group.name, group.is_unsharding, group.device, group.wait_for_unshard)
@@ -231,6 +234,33 @@ def _pre_forward(
         return None
     group.forward_count += 1
     return _attach_post_backward(state, group, args, kwargs)
+
+
+def _warn_on_mixed_input_dtype(group: BoundaryGroup, args: tuple, kwargs: dict) -> None:
+    """Dedicated weights computing in a lower precision than the boundary's floating inputs
+    (``param_dtype=bf16`` without FSDP2's ``MixedPrecisionPolicy`` or autocast) make the first
+    matmul fail with torch's bare dtype error: say why just before."""
+    if group.warned_input_dtype or torch.is_autocast_enabled():
+        return
+    group.warned_input_dtype = True
+    inputs = {t.dtype for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+    weights = {p.param_dtype for p in group.params}
+    wider = sorted(
+        str(d)
+        for d in inputs
+        if d.is_floating_point and all(d.itemsize > w.itemsize for w in weights)
+    )
+    if wider:
+        warnings.warn(
+            f"dmuon: the inputs of {group.name or 'the root module'} are {', '.join(wider)} but its "
+            f"dedicated weights compute in {', '.join(sorted(str(w) for w in weights))} "
+            "(param_policy.defaults.param_dtype), so a matmul that mixes them will fail with a "
+            "dtype error. Give the model's other parameters the same compute dtype: "
+            "fully_shard(..., mp_policy=MixedPrecisionPolicy(param_dtype=...)) on every module, "
+            "or run forward under torch.autocast.",
+            UserWarning,
+            stacklevel=2,
+        )
 
 
 def _post_forward(
