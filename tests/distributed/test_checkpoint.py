@@ -74,7 +74,7 @@ def test_resume_in_one_process_continues_like_the_uninterrupted_run(checkpoints)
     path, uninterrupted = checkpoints("1d-4")
     resumed = scenarios.resume_and_finish(path=path, replicas=0)
     assert max_relative_difference(resumed["weights"], uninterrupted) < FP32_TOLERANCE
-    assert resumed["lrs"] == [0.02, 1e-3]
+    assert resumed["lrs"][0] == 0.02 and set(resumed["lrs"][1:]) == {1e-3}
 
 
 @pytest.mark.parametrize("layout", ["1d-4", "hsdp-2x2"])

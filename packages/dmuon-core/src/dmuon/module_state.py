@@ -74,24 +74,24 @@ def register_state_dict_hooks(state: DedicatedState) -> list[torch.utils.hooks.R
     return handles
 
 
-@contextlib.contextmanager
-def entries_as_markers(state: DedicatedState) -> Iterator[None]:
+def entries_as_markers(state: DedicatedState) -> contextlib.AbstractContextManager[None]:
     """Inside, ``state_dict()`` gives a ``DedicatedEntry`` for each dedicated parameter."""
-    previous, state.checkpoint_reading = state.checkpoint_reading, True
-    try:
-        yield
-    finally:
-        state.checkpoint_reading = previous
+    return _flag_set(state, "checkpoint_reading")
+
+
+def dedicated_entries_applied(state: DedicatedState) -> contextlib.AbstractContextManager[None]:
+    """Inside, ``load_state_dict()`` skips dedicated entries (the caller has applied them)."""
+    return _flag_set(state, "checkpoint_loading")
 
 
 @contextlib.contextmanager
-def dedicated_entries_applied(state: DedicatedState) -> Iterator[None]:
-    """Inside, ``load_state_dict()`` skips dedicated entries (the caller has applied them)."""
-    previous, state.checkpoint_loading = state.checkpoint_loading, True
+def _flag_set(state: DedicatedState, flag: str) -> Iterator[None]:
+    previous = getattr(state, flag)
+    setattr(state, flag, True)
     try:
         yield
     finally:
-        state.checkpoint_loading = previous
+        setattr(state, flag, previous)
 
 
 def _state_dict_pre_hook(
