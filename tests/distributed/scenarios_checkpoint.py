@@ -232,3 +232,29 @@ def older_checkpoint_without_a_group_option(path: str) -> dict:
         "weights": full_weights(fresh),
         "expected": full_weights(model),
     }
+
+
+def flattened_round_trip(path: str) -> dict:
+    """Save a flattened optimizer state dict, resume from it in one process, finish training."""
+    flat = StateDictOptions(flatten_optimizer_state_dict=True)
+    model, optimizer = build(replicas=0)
+    train(model, optimizer, range(3))
+    model_sd, optim_sd = dckpt.get_state_dict(model, optimizer, options=flat)
+    dckpt.save({"model": model_sd, "optim": optim_sd}, path)
+    train(model, optimizer, range(3, 6))
+    resumed, resumed_optimizer = build(replicas=0)
+    model_sd, optim_sd = dckpt.get_state_dict(resumed, resumed_optimizer, options=flat)
+    dckpt.load({"model": model_sd, "optim": optim_sd}, path)
+    dckpt.set_state_dict(
+        resumed,
+        resumed_optimizer,
+        model_state_dict=model_sd,
+        optim_state_dict=optim_sd,
+        options=flat,
+    )
+    train(resumed, resumed_optimizer, range(3, 6))
+    return {
+        "flat_keys": sorted(optim_sd)[:3],
+        "weights": full_weights(resumed),
+        "expected": full_weights(model),
+    }

@@ -190,3 +190,10 @@ def test_a_checkpoint_that_predates_a_group_option_loads_and_keeps_the_current_v
     assert "retired_option" not in result["group"]
     for key, value in result["expected"].items():
         assert torch.equal(result["weights"][key], value), key
+
+
+def test_a_flattened_optimizer_state_dict_saves_and_resumes_bit_identically(tmp_path):
+    result = scenarios.flattened_round_trip(str(tmp_path / "flat"))
+    assert all(key.startswith(("state.", "param_groups.")) for key in result["flat_keys"])
+    for key, value in result["expected"].items():
+        assert torch.equal(result["weights"][key], value), key

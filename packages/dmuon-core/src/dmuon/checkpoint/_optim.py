@@ -243,15 +243,24 @@ def _check_groups(saved: dict[str, object]) -> list[str]:
 def _load_hyperparameters(
     optimizer: Muon, global_groups: list[list[str]], saved_groups: list[dict]
 ) -> None:
-    """Each group takes the hyperparameters of the saved group that shares most of its FQNs."""
+    """Each group takes the hyperparameters of the saved group of its update rule (``"route"``)
+    that shares most of its FQNs; without a shared FQN, the saved group at its own index if that
+    one has its rule. A group takes nothing from a group of the other rule: a checkpoint written
+    with other routes may hold most of a group's parameters under the other rule."""
     for index, (group, fqns) in enumerate(zip(optimizer.param_groups, global_groups)):
         mine = set(fqns)
-        overlaps = [len(mine & set(saved[_PARAMS])) for saved in saved_groups]
-        best = max(range(len(saved_groups)), key=lambda i: (overlaps[i], -i), default=None)
-        if best is None or (overlaps[best] == 0 and index >= len(saved_groups)):
-            continue
-        source = saved_groups[best] if overlaps[best] else saved_groups[index]
-        for key, value in source.items():
+        same_rule = [
+            i
+            for i, saved in enumerate(saved_groups)
+            if saved.get("route", group["route"]) == group["route"]
+        ]
+        overlaps = {i: len(mine & set(saved_groups[i][_PARAMS])) for i in same_rule}
+        best = max(same_rule, key=lambda i: (overlaps[i], -i), default=None)
+        if best is None or overlaps[best] == 0:
+            if index not in overlaps:
+                continue
+            best = index
+        for key, value in saved_groups[best].items():
             if key != _PARAMS:
                 group[key] = value
 

@@ -131,9 +131,14 @@ def load(
 
 
 def _optimizer_state_prefixes(state_dict: Mapping, prefix: tuple = ()) -> list[tuple]:
-    """Paths of the optimizer state dicts (``{"state": ..., "param_groups": ...}``) inside."""
+    """Paths of the optimizer state dicts inside: ``{"state": ..., "param_groups": ...}``, or
+    their flattened form (every key ``state.<fqn>.<name>`` or ``param_groups.<fqn>.<key>``)."""
     found = []
-    if "state" in state_dict and "param_groups" in state_dict:
+    nested = "state" in state_dict and "param_groups" in state_dict
+    flattened = bool(state_dict) and all(
+        isinstance(key, str) and key.startswith(("state.", "param_groups.")) for key in state_dict
+    )
+    if nested or flattened:
         found.append(prefix)
     for key, value in state_dict.items():
         if isinstance(value, Mapping):
@@ -148,9 +153,14 @@ _LENIENT_PARTS = ("state", "param_groups")
 
 def _is_optimizer_entry(path: tuple, prefixes: list[tuple]) -> bool:
     return any(
-        path[: len(p)] == p and path[len(p) : len(p) + 1] in {(part,) for part in _LENIENT_PARTS}
+        path[: len(p)] == p and len(path) > len(p) and _is_lenient_part(str(path[len(p)]))
         for p in prefixes
     )
+
+
+def _is_lenient_part(key: str) -> bool:
+    """``state`` / ``param_groups`` (nested form) or ``state.<...>`` (flattened form)."""
+    return any(key == part or key.startswith(part + ".") for part in _LENIENT_PARTS)
 
 
 def _looks_like_optimizer_entry(flat_key: str, prefixes: list[tuple]) -> bool:
@@ -168,7 +178,7 @@ def _drop(state_dict: dict, path: tuple) -> None:
     for key in parents:
         parent, node = node, node[key]
     del node[last]
-    if not node and isinstance(parent, dict):
+    if parents and not node and isinstance(parent, dict):
         del parent[parents[-1]]
 
 
