@@ -104,7 +104,19 @@ def measure(variant: str, args, mesh, device, tokens, folder: Path) -> dict:
             shutil.rmtree(path, ignore_errors=True)
         saves.append(timed(device, functools.partial(save, api, model, optimizer, path)))
         loads.append(timed(device, functools.partial(load, api, model, optimizer, path)))
+    allocated = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
     export_s = timed(device, functools.partial(export, api, model))
+    # Extra device memory of the export against the largest single full tensor of the model.
+    export_extra_gib = (
+        (torch.cuda.max_memory_allocated(device) - allocated) / 2**30
+        if device.type == "cuda"
+        else None
+    )
+    with torch.device("meta"):
+        shapes = bench_e2e.Llama(args.model, 1, False).parameters()
+        largest_gib = max(p.numel() * 4 for p in shapes) / 2**30  # fp32 parameters
     bytes_written = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
     result = {
         "save_s": saves,
@@ -113,6 +125,8 @@ def measure(variant: str, args, mesh, device, tokens, folder: Path) -> dict:
         "load_s_median": statistics.median(loads),
         "checkpoint_gib": bytes_written / 2**30,
         "export_full_cpu_s": export_s,
+        "export_extra_device_gib": export_extra_gib,
+        "largest_tensor_gib": largest_gib,
     }
     if variant.startswith("dmuon"):
         atomic = functools.partial(atomic_save, model, optimizer, folder / "atomic")
@@ -168,7 +182,8 @@ def main(argv=None) -> int:
             r = results[variant]
             print(
                 f"  {variant}: save {r['save_s_median']:.2f} s, load {r['load_s_median']:.2f} s, "
-                f"{r['checkpoint_gib']:.2f} GiB",
+                f"{r['checkpoint_gib']:.2f} GiB; export's extra device memory "
+                f"{r['export_extra_device_gib']} GiB (largest tensor {r['largest_tensor_gib']:.3f})",
                 flush=True,
             )
     if rank == 0:
