@@ -216,11 +216,14 @@ def ns_request_mismatch() -> str:
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("shard",))
     model = TinyDecoder()
     dmuon.dedicate_params(model, mesh, proj_predicate)
+    ddp_model = torch.nn.parallel.DistributedDataParallel(model)  # replicated, so Muon takes it
     backend = "direct" if dist.get_rank() == 1 else "gram"
     try:
         dmuon.Muon(model, ns_backend=backend)
     except ValueError as error:
         return str(error)
+    finally:
+        del ddp_model
     return "no error"
 
 

@@ -23,10 +23,13 @@ def muon_with_a_different_value_on_rank_1(name: str, value, default) -> str:
     mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("shard",))
     model = TinyDecoder()
     dmuon.dedicate_params(model, mesh, proj_predicate)
+    ddp_model = torch.nn.parallel.DistributedDataParallel(model)  # replicated, so Muon takes it
     try:
         dmuon.Muon(model, **{name: value if dist.get_rank() == 1 else default})
     except ValueError as error:
         return str(error)
+    finally:
+        del ddp_model
     return "no error"
 
 

@@ -23,6 +23,7 @@ require_torch("dmuon-core")
 from dmuon import inspect  # noqa: E402
 from dmuon.api import (  # noqa: E402
     dedicate_params,
+    dedicate_params_ddp,
     dedicated_parameters,
     no_sync,
     wait_all_replicate_broadcasts,
@@ -79,6 +80,7 @@ __all__ = [
     "__version__",
     "clip_grad_norm_",
     "dedicate_params",
+    "dedicate_params_ddp",
     "dedicated_parameters",
     "get_backend_status",
     "get_ns_backend",

@@ -19,6 +19,7 @@ from torch.distributed.tensor import DTensor
 
 from dmuon import fsdp2
 from dmuon.consistency import check_ranks_agree, ranks_fail_together
+from dmuon.ddp import ddp_wrappers, ignore_dedicated_in_ddp
 from dmuon.group import BoundaryGroup
 from dmuon.hooks import DedicatedState
 from dmuon.mesh import build_ownership_mesh, resolve_ownership_layout
@@ -60,8 +61,9 @@ def dedicate_params(
     """Give every parameter selected by ``predicate`` one owner rank; returns FQN -> owner.
 
     Call once on the whole model, after TP ``parallelize_module`` and before ``fully_shard``
-    (which then skips the dedicated parameters by itself). ``mesh`` is the 1-D data-parallel
-    DeviceMesh (the ``"shard"`` dim under HSDP, with ``replicate_mesh`` its ``"replicate"``
+    (which then skips the dedicated parameters by itself) or ``DistributedDataParallel(model)``
+    (which likewise averages only the other gradients, without ``find_unused_parameters``).
+    ``mesh`` is the 1-D data-parallel DeviceMesh (the ``"shard"`` dim under HSDP, with ``replicate_mesh`` its ``"replicate"``
     dim), or None when torch.distributed is not initialised (everything is owned locally). It
     may be a dim of a larger named mesh (``mesh["dp"]`` of a ("dp", "tp") or ("pp", "dp")
     mesh): every rank of the world calls ``dedicate_params`` (pipeline stages with their own
@@ -152,6 +154,7 @@ def dedicate_params(
     )
     state.register_hooks()
     register_state_dict_hooks(state)
+    ignore_dedicated_in_ddp(model, params)
     object.__setattr__(model, _STATE_ATTR, state)
     if not any(p.original.is_meta for p in params.values()):
         state.ensure_adopted()
@@ -175,6 +178,14 @@ def _check_call_order(model: nn.Module, mesh) -> None:
 
 def get_dedicated_state(model: nn.Module) -> DedicatedState:
     state = getattr(model, _STATE_ATTR, None)
+    inner = getattr(model, "module", None)
+    if state is None and isinstance(inner, nn.Module) and hasattr(inner, _STATE_ATTR):
+        raise ValueError(
+            f"{type(model).__name__} wraps the model dedicate_params prepared; dmuon takes that "
+            "model itself: pass model.module (dmuon.Muon(ddp_model.module, ...), "
+            "dmuon.no_sync(ddp_model.module), dmuon.checkpoint.get_state_dict(ddp_model.module, "
+            "optimizer))."
+        )
     if state is None:
         raise ValueError(
             f"{type(model).__name__} has no dedicated parameters: call "
@@ -196,21 +207,61 @@ def wait_all_replicate_broadcasts(model: nn.Module) -> None:
 
 @contextlib.contextmanager
 def no_sync(model: nn.Module) -> Iterator[None]:
-    """Accumulate gradients locally: no reduce to owners (nor FSDP2 reduce-scatter) inside."""
+    """Accumulate gradients locally: no reduce to owners (nor FSDP2 reduce-scatter, nor the
+    all-reduce of a ``DistributedDataParallel`` around ``model``) inside; DDP's own
+    ``no_sync()`` is then not needed."""
     from torch.distributed.fsdp import FSDPModule
 
     state = get_dedicated_state(model)
     fsdp_modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    ddp_modules = ddp_wrappers(model)
     previous = state.requires_gradient_sync
+    previous_ddp = [ddp.require_backward_grad_sync for ddp in ddp_modules]
     state.requires_gradient_sync = False
     for module in fsdp_modules:
         module.set_requires_gradient_sync(False, recurse=False)
+    for ddp in ddp_modules:
+        ddp.require_backward_grad_sync = False
     try:
         yield
     finally:
         state.requires_gradient_sync = previous
         for module in fsdp_modules:
             module.set_requires_gradient_sync(previous, recurse=False)
+        for ddp, value in zip(ddp_modules, previous_ddp):
+            ddp.require_backward_grad_sync = value
+
+
+def dedicate_params_ddp(
+    model: nn.Module, mesh, predicate: Predicate, *, ddp_kwargs: dict | None = None, **kwargs
+) -> torch.nn.parallel.DistributedDataParallel:
+    """``dedicate_params`` for replicated training: returns ``DistributedDataParallel(model)``.
+
+    The DDP averages the gradients of every parameter that is not dedicated (the dedicated ones
+    go to their owners), over the ranks of ``mesh`` (its group is DDP's ``process_group``
+    unless ``ddp_kwargs`` names one). ``kwargs`` are ``dedicate_params``'s. Run forward and
+    backward through the returned wrapper; give dmuon the model itself::
+
+        ddp_model = dmuon.dedicate_params_ddp(model, mesh, predicate)
+        optimizer = dmuon.Muon(model, lr=0.02, adamw_lr=1e-3)
+
+    It is the same as ``dedicate_params(model, mesh, predicate)`` followed by
+    ``DistributedDataParallel(model, process_group=mesh.get_group())``.
+    """
+    from torch.nn.parallel import DistributedDataParallel
+
+    if kwargs.get("replicate_mesh") is not None:
+        raise ValueError(
+            "dmuon.dedicate_params_ddp takes a 1-D mesh: replicated training has no "
+            f"(replicate, shard) layout, got replicate_mesh={kwargs['replicate_mesh']!r}. Pass "
+            "the whole data-parallel mesh as mesh, or use dedicate_params(..., replicate_mesh=) "
+            "with fully_shard for HSDP."
+        )
+    dedicate_params(model, mesh, predicate, **kwargs)
+    ddp_kwargs = dict(ddp_kwargs or {})
+    if mesh is not None:
+        ddp_kwargs.setdefault("process_group", mesh.get_group())
+    return DistributedDataParallel(model, **ddp_kwargs)
 
 
 # ---- selection and hook boundaries ------------------------------------------------------------
