@@ -23,18 +23,37 @@ AdamW, with step count t (per parameter, counting only steps where it had a grad
 ``W = W - adamw_lr * m_hat / (sqrt(v_hat) + eps)``.
 
 A parameter whose ``grad`` is None is skipped: its weight and state stay as they are.
+
+``no_decay(name)`` selects the parameters that get no weight decay; the default is HF Trainer's
+rule (``dmuon.Muon``'s default) read from the name alone: ``bias``, ``layernorm`` or ``rmsnorm``
+in it, or a ``norm`` / ``*_norm`` component. ``decay_everything=True`` turns it off.
+``per_param`` overrides the learning rate and weight decay of single parameters by name (what
+``dmuon.Muon``'s ``param_groups=`` and ``no_decay=`` decide): ``{"norm.weight": {"weight_decay":
+0.0}}`` replaces ``adamw_weight_decay`` (or ``weight_decay`` for a Muon parameter) for it alone.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 
 import torch
 from torch import Tensor
 
 # Scale that gives Muon's update the RMS of a typical AdamW update (Moonshot's "match RMS").
 MUON_RMS_MATCHING_FACTOR = 0.2
+
+
+def hf_no_decay(name: str) -> bool:
+    """HF Trainer's no-weight-decay rule, by name: biases and norm weights."""
+    lowered = name.lower()
+    components = lowered.split(".")
+    return (
+        "bias" in lowered
+        or "layernorm" in lowered
+        or "rmsnorm" in lowered
+        or any(part == "norm" or part.endswith("_norm") for part in components)
+    )
 
 
 class ReferenceMuonAdamW:
@@ -54,6 +73,9 @@ class ReferenceMuonAdamW:
         adamw_eps: float = 1e-8,
         adamw_weight_decay: float = 0.01,
         orthogonalize: Callable[[Tensor], Tensor],
+        per_param: Mapping[str, Mapping[str, float]] | None = None,
+        no_decay: Callable[[str], bool] | None = None,
+        decay_everything: bool = False,
     ) -> None:
         self.lr = lr
         self.momentum = momentum
@@ -64,7 +86,12 @@ class ReferenceMuonAdamW:
         self.adamw_eps = adamw_eps
         self.adamw_weight_decay = adamw_weight_decay
         self.orthogonalize = orthogonalize
+        self.per_param = {name: dict(entry) for name, entry in (per_param or {}).items()}
         self.params: dict[str, Tensor] = dict(named_params)
+        if not decay_everything:
+            for name in self.params:
+                if (no_decay or hf_no_decay)(name):
+                    self.per_param.setdefault(name, {}).setdefault("weight_decay", 0.0)
         self.muon_names: list[str] = []
         self.adamw_names: list[str] = []
         for name, param in self.params.items():
@@ -111,8 +138,10 @@ class ReferenceMuonAdamW:
         # scaling a bf16 tensor would round the update to bf16.
         orthogonal = self.orthogonalize(update).to(param.dtype)
         scale = MUON_RMS_MATCHING_FACTOR * math.sqrt(max(rows, columns))
-        new_weight = param * (1 - self.lr * self.weight_decay)
-        new_weight = new_weight - self.lr * scale * orthogonal.reshape(param.shape)
+        lr = self.per_param.get(name, {}).get("lr", self.lr)
+        weight_decay = self.per_param.get(name, {}).get("weight_decay", self.weight_decay)
+        new_weight = param * (1 - lr * weight_decay)
+        new_weight = new_weight - lr * scale * orthogonal.reshape(param.shape)
         param.copy_(new_weight)
 
     def _adamw_update(self, name: str, param: Tensor, grad: Tensor) -> None:
@@ -128,8 +157,10 @@ class ReferenceMuonAdamW:
         state["exp_avg_sq"] = beta2 * state["exp_avg_sq"] + (1 - beta2) * grad * grad
         exp_avg_corrected = state["exp_avg"] / (1 - beta1**step)
         exp_avg_sq_corrected = state["exp_avg_sq"] / (1 - beta2**step)
-        new_weight = param * (1 - self.adamw_lr * self.adamw_weight_decay)
-        new_weight = new_weight - self.adamw_lr * exp_avg_corrected / (
+        lr = self.per_param.get(name, {}).get("lr", self.adamw_lr)
+        weight_decay = self.per_param.get(name, {}).get("weight_decay", self.adamw_weight_decay)
+        new_weight = param * (1 - lr * weight_decay)
+        new_weight = new_weight - lr * exp_avg_corrected / (
             exp_avg_sq_corrected.sqrt() + self.adamw_eps
         )
         param.copy_(new_weight)

@@ -23,6 +23,7 @@ def test_the_adamw_route_is_bit_identical_to_torch_adamw_foreach():
         adamw_eps=HYPERPARAMETERS["eps"],
         adamw_weight_decay=HYPERPARAMETERS["weight_decay"],
         allow_no_muon=True,
+        no_decay=None,  # torch's AdamW decays every parameter
     )
     reference = torch.optim.AdamW(plain.parameters(), foreach=True, **HYPERPARAMETERS)
     for batch in batches(4, 1):

@@ -58,7 +58,7 @@ def test_view_of_a_model_without_dedicated_parameters_says_to_call_dedicate_para
 
 def test_every_dedicated_parameter_shows_its_owner_route_dtypes_and_boundary():
     model = prepared(param_policy=BF16_COMPUTE_FP32_REDUCE)
-    optimizer = dmuon.Muon(model)
+    optimizer = dmuon.Muon(model, no_decay=None)  # two groups: Muon and AdamW
     view = dmuon.inspect.view(model)
 
     assert dmuon.inspect.is_prepared(model) is True

@@ -88,6 +88,7 @@ def test_adamw_part_matches_torch_adamw_to_fp32_rounding(weight_decay):
         adamw_eps=1e-6,
         adamw_weight_decay=weight_decay,
         orthogonalize=torch_newton_schulz,
+        decay_everything=True,  # torch's AdamW decays every parameter
     )
     torch_adamw = torch.optim.AdamW(
         theirs.values(), lr=1e-2, betas=(0.8, 0.95), eps=1e-6, weight_decay=weight_decay

@@ -32,7 +32,7 @@ def test_param_groups_report_route_owner_shape_and_dtypes_of_every_parameter():
     model = TinyDecoder()
     model.layers[1].attn_norm.weight.requires_grad_(False)
     dmuon.dedicate_params(model, None, proj_predicate, param_policy=BF16_COMPUTE_FP32_REDUCE)
-    optimizer = dmuon.Muon(model, lr=0.02, adamw_lr=1e-3)
+    optimizer = dmuon.Muon(model, lr=0.02, adamw_lr=1e-3, no_decay=None)  # two groups
 
     summary = dmuon_tools.summarize_param_groups(model, optimizer)
 

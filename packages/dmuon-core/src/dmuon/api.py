@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from datetime import timedelta
 
 import torch
@@ -28,10 +28,12 @@ from dmuon.param import DedicatedParam, is_dedicated, make_placeholder, mark_ded
 from dmuon.partition import OwnerCoord, ParamSpec, layer_id_of, plan_ownership
 from dmuon.policy import resolve_param_policy
 from dmuon.profile import ForwardUnshardProfile, forward_profile_requested
+from dmuon.routing import MUON_ROUTE, ROUTES, SHARDED_ADAMW_ROUTE
 
 logger = logging.getLogger("dmuon")
 
 Predicate = Callable[[str, nn.Parameter], bool]
+Routes = Mapping[str, str] | Callable[[str, nn.Parameter], str | None]
 
 NO_MATCH_WARNING = (
     "dedicate_params: no parameters matched the predicate. Print the 2-D parameters to see their "
@@ -42,6 +44,7 @@ NO_MATCH_WARNING = (
 )
 
 _STATE_ATTR = "_dmuon_state"
+_ROUTES_ATTR = "_dmuon_route_overrides"
 
 
 def dedicate_params(
@@ -57,6 +60,7 @@ def dedicate_params(
     process_group_policy: str = "isolated",
     layer_id_fn: Callable[[str], str | None] | None = None,
     timeout: timedelta | None = None,
+    routes: Routes | None = None,
 ) -> dict[str, OwnerCoord]:
     """Give every parameter selected by ``predicate`` one owner rank; returns FQN -> owner.
 
@@ -86,13 +90,18 @@ def dedicate_params(
         layer_id_fn: ``name -> layer id`` for models whose names the default
             ``(layers|blocks|layer|h|block).N`` rule does not understand.
         timeout: timeout of the process groups dmuon creates (default: the default group's).
+        routes: per-parameter route overrides, ``{fqn: route}`` or ``(name, param) -> route |
+            None`` (None: the predicate decides). ``"muon"`` and ``"adamw"`` dedicate the
+            parameter whatever the predicate says (Muon, or AdamW on the owner's fp32 master);
+            ``"sharded_adamw"`` leaves it to FSDP2 and AdamW on its shards (a huge embedding,
+            say). A 1-D parameter cannot take ``"muon"``. ``optimizer.routing()`` shows the result.
     """
     # A setup error on one rank (its predicate raised, a bad argument) is raised on every rank
     # before any process group is created: none is left waiting for the failed rank.
     with ranks_fail_together("dedicate_params"):
         _check_call_order(model, mesh)
         policy = resolve_param_policy(param_policy, compute_dtype)
-        selected = _select(model, predicate)
+        selected, overrides = _select(model, predicate, routes)
         layout = resolve_ownership_layout(mesh, replicate_mesh, process_group_policy)
     if not selected:
         warnings.warn(NO_MATCH_WARNING, UserWarning, stacklevel=2)
@@ -104,7 +113,8 @@ def dedicate_params(
             "dedicated": (
                 "dedicated parameters (names and shapes)",
                 [(name, tuple(param.shape)) for name, _, _, param in selected],
-            )
+            ),
+            "routes": ("route overrides (routes=)", sorted(overrides.items())),
         },
     )
 
@@ -140,6 +150,7 @@ def dedicate_params(
             is_owner=ownership_mesh.is_me(owner),
             placeholder=make_placeholder(param),
             original=param,
+            route_override=overrides.get(name),
         )
     boundaries = _group_by_boundary(
         model, params, hook_boundary_predicate, ownership_mesh, reshard_after_forward
@@ -156,6 +167,7 @@ def dedicate_params(
     register_state_dict_hooks(state)
     ignore_dedicated_in_ddp(model, params)
     object.__setattr__(model, _STATE_ATTR, state)
+    object.__setattr__(model, _ROUTES_ATTR, overrides)
     if not any(p.original.is_meta for p in params.values()):
         state.ensure_adopted()
     return dict(plan.owners)
@@ -193,6 +205,11 @@ def get_dedicated_state(model: nn.Module) -> DedicatedState:
             "constructing dmuon.Muon(model, ...)."
         )
     return state
+
+
+def route_overrides(model: nn.Module) -> dict[str, str]:
+    """FQN -> route for every parameter ``dedicate_params(..., routes=...)`` routed."""
+    return dict(getattr(model, _ROUTES_ATTR, {}))
 
 
 def dedicated_parameters(model: nn.Module) -> set[nn.Parameter]:
@@ -267,16 +284,24 @@ def dedicate_params_ddp(
 # ---- selection and hook boundaries ------------------------------------------------------------
 
 
-def _select(model: nn.Module, predicate: Predicate):
-    """(name, module, attr, param) for each selected parameter, in registration order."""
+def _select(model: nn.Module, predicate: Predicate, routes: Routes | None):
+    """(name, module, attr, param) for each selected parameter, in registration order, and
+    the route overrides (FQN -> route) ``routes`` gave."""
     names_of: dict[int, list[str]] = {}
     for name, param in model.named_parameters(remove_duplicate=False):
         names_of.setdefault(id(param), []).append(name)
+    _check_routes_mapping(routes, names_of)
     selected = []
+    overrides: dict[str, str] = {}
     for module_name, module in model.named_modules():
         for attr, param in module.named_parameters(recurse=False):
             name = f"{module_name}.{attr}" if module_name else attr
-            if names_of[id(param)][0] != name or not predicate(name, param):
+            if names_of[id(param)][0] != name:
+                continue
+            route = _route_override(name, param, routes)
+            if route is not None:
+                overrides[name] = route
+            if route == SHARDED_ADAMW_ROUTE or (route is None and not predicate(name, param)):
                 continue
             if len(names_of[id(param)]) > 1:
                 warnings.warn(
@@ -285,11 +310,48 @@ def _select(model: nn.Module, predicate: Predicate):
                     UserWarning,
                     stacklevel=3,
                 )
+                overrides.pop(name, None)
                 continue
             if isinstance(param, DTensor):
                 _reject_dtensor(name, param)
             selected.append((name, module, attr, param))
-    return selected
+    return selected, overrides
+
+
+def _check_routes_mapping(routes: Routes | None, names_of: dict[int, list[str]]) -> None:
+    if routes is None or callable(routes):
+        return
+    if not isinstance(routes, Mapping):
+        raise TypeError(
+            f"dedicate_params: routes must be a dict {{fqn: route}} or a function (name, param) "
+            f"-> route | None, got {type(routes).__name__}: {routes!r}."
+        )
+    known = {name for names in names_of.values() for name in names}
+    unknown = [name for name in routes if name not in known]
+    if unknown:
+        raise ValueError(
+            f"dedicate_params: routes names {len(unknown)} parameters the model does not have: "
+            f"{_preview(unknown)}. Use the names of model.named_parameters(), e.g. "
+            "routes={'lm_head.weight': 'adamw'}."
+        )
+
+
+def _route_override(name: str, param: nn.Parameter, routes: Routes | None) -> str | None:
+    if routes is None:
+        return None
+    route = routes(name, param) if callable(routes) else routes.get(name)
+    if route is not None and route not in ROUTES:
+        raise ValueError(
+            f"dedicate_params: routes gives {name} the route {route!r}; the routes are "
+            f"{list(ROUTES)} (or None from a function: the predicate decides)."
+        )
+    if route == MUON_ROUTE and param.ndim < 2:
+        raise ValueError(
+            f"dedicate_params: routes puts {name} of shape {tuple(param.shape)} on the Muon "
+            "route, but Muon orthogonalises matrices (2 or more dims). Route it to 'adamw' "
+            "(owner-side AdamW) or 'sharded_adamw' (left to FSDP2), or leave it out of routes."
+        )
+    return route
 
 
 def _reject_dtensor(name: str, param: DTensor) -> None:

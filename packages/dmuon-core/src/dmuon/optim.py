@@ -3,14 +3,19 @@
 Owns the update math of the owner step and the two routes; it must not move data itself beyond
 asking each boundary to refresh and publish its weights after the step.
 
-Routes (one param group each, so ``torch.optim.lr_scheduler`` scales both):
+Routes (``dmuon.routing`` decides each parameter's route, group and hyperparameters):
 - ``"muon"``: the fp32 masters of the dedicated matrices this rank owns;
-- ``"adamw"``: the fp32 masters of owned dedicated non-matrix parameters, and every other
-  trainable parameter of the model (FSDP2's sharded DTensors: updated shard-locally).
+- ``"adamw"``: the fp32 masters of owned dedicated non-matrix parameters (and of matrices
+  ``routes=`` sent there);
+- ``"sharded_adamw"``: every other trainable parameter of the model (FSDP2's sharded DTensors:
+  updated shard-locally by the same AdamW).
+Each torch param group holds one update rule (its ``"route"`` key: ``"muon"`` or ``"adamw"``),
+so ``torch.optim.lr_scheduler`` and HF's schedulers scale every group.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import sys
 import warnings
@@ -18,23 +23,38 @@ from collections import defaultdict
 from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.optim.adamw import adamw
 
-from dmuon.api import get_dedicated_state
+from dmuon.api import get_dedicated_state, route_overrides
 from dmuon.consistency import check_ranks_agree
-from dmuon.ddp import check_gradients_are_averaged
 from dmuon.nonfinite import check_policy, nonfinite_gradients
-from dmuon.param import ADAMW_ROUTE, MUON_ROUTE, is_dedicated
+from dmuon.param import MUON_ROUTE, is_dedicated
+from dmuon.routing import (
+    ADJUST_LR,
+    HF_NO_DECAY,
+    SHARDED_ADAMW_ROUTE,
+    WHY_NOT_DEDICATED,
+    WHY_PREDICATE,
+    WHY_ROUTES_OVERRIDE,
+    NoDecay,
+    ParamFacts,
+    RoutingRow,
+    no_decay_fqns,
+    plan_groups,
+    route_summaries,
+    routing_rows,
+)
 from dmuon_kernels.coefficients import KELLER_COEFFICIENTS
 from dmuon_kernels.fused import muon_apply_update_, muon_momentum_normalize_
 from dmuon_kernels.newton_schulz import NewtonSchulz
 
 # Muon's update is scaled by 0.2 * sqrt(max(m, n)) so its RMS matches AdamW's.
 MUON_RMS_MATCH = 0.2
-# How the learning rate of an (m, n) matrix is scaled: see ``_lr_scale``.
-ADJUST_LR = ("match_rms_adamw", "spectral", None)
+# How the learning rate of an (m, n) matrix is scaled (ADJUST_LR): see ``_lr_scale``.
+logger = logging.getLogger("dmuon")
 _FUSED_ADAMW_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
@@ -60,6 +80,23 @@ class Muon(torch.optim.Optimizer):
             (None). ``Muon.torch_compatible(model, ...)`` reproduces torch.optim.Muon.
         allow_no_muon: construct even when no dedicated parameter is a matrix (AdamW alone);
             otherwise that raises, since it is almost always a predicate that matched nothing.
+        param_groups: ``[{"params": fqns | (name, param) -> bool, "lr": ..., ...}, ...]``,
+            applied in order on top of the routes (a parameter takes the first group that
+            matches). A group may set ``lr`` and ``weight_decay`` (any route), ``momentum``,
+            ``nesterov`` and ``adjust_lr`` (Muon), ``betas`` and ``eps`` (AdamW); a key that
+            does not apply to a parameter the group matches raises. Each becomes one torch
+            param group per update rule it covers. A predicate sees a dedicated parameter as a
+            meta tensor of its full shape (its value lives on the owner only), so every rank
+            decides alike.
+        no_decay: which parameters get no weight decay. ``"hf"`` (the default) is HF
+            Trainer's rule: biases, the parameters of ``nn.LayerNorm`` modules and parameters
+            named like norms (``layernorm``, ``rmsnorm``, ``norm``, ``*_norm``). Embeddings
+            are decayed, as in HF. A function ``(name, param) -> bool`` chooses them itself;
+            None or False decays every parameter by its group's ``weight_decay``. A group that
+            sets ``weight_decay`` explicitly wins over this rule.
+
+    ``optimizer.routing()`` lists every parameter's route, owner, lr, weight decay and why; a
+    summary line per route is logged (INFO, rank 0) on the ``dmuon`` logger at construction.
 
     Gradients follow torch's rules: each backward adds the averaged gradient into the owners'
     fp32 masters, ``step()`` leaves it there, and ``optimizer.zero_grad()`` or
@@ -83,6 +120,8 @@ class Muon(torch.optim.Optimizer):
         nonfinite: str = "ignore",
         allow_no_muon: bool = False,
         adjust_lr: str | None = "match_rms_adamw",
+        param_groups: list[dict] | None = None,
+        no_decay: NoDecay = HF_NO_DECAY,
     ) -> None:
         _check_hyperparameters(
             lr=lr,
@@ -120,37 +159,30 @@ class Muon(torch.optim.Optimizer):
                 "p.ndim == 2]), or pass allow_no_muon=True if AdamW alone is intended."
             )
         self._dedicated.ensure_adopted()
-        check_gradients_are_averaged(self._dedicated)
         self._newton_schulz = _resolve_newton_schulz(ns_backend)
         self.replicate_async = replicate_async
         self.nonfinite = check_policy(nonfinite)
         self._steps_taken = 0
 
-        owned = list(self._dedicated.iter_owned_masters())
-        others = list(
+        self._facts, local_tensors = _param_facts(model, self._dedicated)
+        self._routing_plan = plan_groups(
+            self._facts,
             {
-                id(p): p for p in model.parameters() if p.requires_grad and not is_dedicated(p)
-            }.values()
-        )
-        muon_group = dict(
-            params=[p.master for p in owned if p.route == MUON_ROUTE],
-            route=MUON_ROUTE,
-            adjust_lr=adjust_lr,
-            lr=lr,
-            momentum=momentum,
-            nesterov=nesterov,
-            weight_decay=weight_decay,
-        )
-        adamw_group = dict(
-            params=[p.master for p in owned if p.route == ADAMW_ROUTE] + others,
-            route=ADAMW_ROUTE,
-            lr=adamw_lr,
-            betas=tuple(adamw_betas),
-            eps=adamw_eps,
-            weight_decay=adamw_weight_decay,
-        )
-        super().__init__([muon_group, adamw_group], defaults={})
+                MUON_ROUTE: dict(lr=lr, momentum=momentum, nesterov=nesterov,
+                                 weight_decay=weight_decay, adjust_lr=adjust_lr),
+                "adamw": dict(lr=adamw_lr, betas=tuple(adamw_betas), eps=adamw_eps,
+                              weight_decay=adamw_weight_decay),
+            },
+            param_groups,
+            no_decay_fqns(model, no_decay, self._facts),
+        )  # fmt: skip
+        torch_groups = [
+            group.torch_group([local_tensors[f] for f in group.fqns if f in local_tensors])
+            for group in self._routing_plan.groups
+        ]
+        super().__init__(torch_groups, defaults={})
         self._check_ranks_agree()
+        _log_route_summaries(self.routing())
 
     @classmethod
     def torch_compatible(
@@ -190,6 +222,18 @@ class Muon(torch.optim.Optimizer):
     @property
     def newton_schulz(self) -> NewtonSchulz:
         return self._newton_schulz
+
+    def routing(self) -> list[RoutingRow]:
+        """Every trainable parameter: ``(fqn, shape, route, owner_rank, lr, weight_decay, why)``.
+
+        ``route`` is ``"muon"``, ``"adamw"`` (owner-side, on the fp32 master) or
+        ``"sharded_adamw"`` (left to FSDP2); ``owner_rank`` is the owner's global rank (None
+        when not dedicated); ``lr`` and ``weight_decay`` are its group's current values (a
+        scheduler's changes included); ``why`` says what decided it: ``"predicate"``,
+        ``"routes override"`` or ``"not dedicated"``, then ``"no_decay rule"`` and
+        ``"param_groups[i]"`` where they apply. The same list on every rank; no collective.
+        """
+        return routing_rows(self._facts, self._routing_plan, self.param_groups)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None):  # type: ignore[override]
@@ -357,16 +401,85 @@ class Muon(torch.optim.Optimizer):
                     "dedicated parameters (names and shapes)",
                     [(p.fqn, tuple(p.shape)) for p in self._dedicated.params.values()],
                 ),
+                "routing": (
+                    "parameter groups (param_groups=, no_decay=, routes=)",
+                    [(f.fqn, self._routing_plan.group_of[f.fqn]) for f in self._facts],
+                ),
                 "hyperparameters": (
                     "hyperparameters (lr, momentum, weight decay, AdamW settings, ...)",
-                    [
+                    # replicate_async first: the message shows the start of a long list.
+                    [{"replicate_async": self.replicate_async}]
+                    + [
                         {k: v for k, v in group.items() if k != "params"}
                         for group in self.param_groups
-                    ]
-                    + [{"replicate_async": self.replicate_async}],
+                    ],
                 ),
             },
         )
+
+
+def _param_facts(model: nn.Module, dedicated) -> tuple[list[ParamFacts], dict[str, torch.Tensor]]:
+    """What every rank knows of each trainable parameter, and this rank's tensor of each (an
+    owned master, or FSDP2's parameter); see ``dmuon.routing``."""
+    overrides = route_overrides(model)
+    facts: list[ParamFacts] = []
+    local: dict[str, torch.Tensor] = {}
+    for name, param in model.named_parameters():
+        p = dedicated.params.get(name)
+        if p is not None:
+            if not p.requires_grad:
+                continue
+            stand_in = torch.empty(p.shape, dtype=p.placeholder.dtype, device="meta")
+            facts.append(
+                ParamFacts(
+                    fqn=name,
+                    shape=tuple(p.shape),
+                    route=p.route,
+                    why_route=WHY_ROUTES_OVERRIDE if p.route_override else WHY_PREDICATE,
+                    owner_rank=dedicated.mesh.global_rank(p.owner),
+                    stand_in=stand_in.requires_grad_(True),
+                )
+            )
+            if p.master is not None:
+                local[name] = p.master
+        elif param.requires_grad and not is_dedicated(param):
+            facts.append(
+                ParamFacts(
+                    fqn=name,
+                    shape=tuple(param.shape),
+                    route=SHARDED_ADAMW_ROUTE,
+                    why_route=WHY_ROUTES_OVERRIDE if name in overrides else WHY_NOT_DEDICATED,
+                    owner_rank=None,
+                    stand_in=param,
+                )
+            )
+            local[name] = param
+    return facts, local
+
+
+def _log_route_summaries(rows: list[RoutingRow]) -> None:
+    """One INFO line per route on rank 0 (the ``dmuon`` logger gets a handler if none)."""
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return
+    _ensure_log_handler()
+    for line in route_summaries(rows):
+        logger.info("[DMuon] %s", line)
+
+
+_log_handler: logging.Handler | None = None
+
+
+def _ensure_log_handler() -> None:
+    """Like torch.distributed's own warnings: when the application configured no logging (no
+    handler on ``dmuon`` nor on the root logger), add one stderr handler at INFO, once."""
+    global _log_handler
+    if _log_handler is not None or logger.handlers or logging.getLogger().handlers:
+        return
+    _log_handler = logging.StreamHandler(sys.stderr)
+    _log_handler.setLevel(logging.INFO)
+    logger.addHandler(_log_handler)
+    if logger.level == logging.NOTSET or logger.level > logging.INFO:
+        logger.setLevel(logging.INFO)
 
 
 def _preview(names: list[str], limit: int = 5) -> str:

@@ -23,13 +23,11 @@ import torch
 from torch import nn
 
 from dmuon.partition import OwnerCoord
+from dmuon.routing import ADAMW_ROUTE, MUON_ROUTE
 
 # Attribute set on every placeholder (and on a dedicated parameter awaiting adoption) so that
 # FSDP2 and the optimizer leave it alone.
 DEDICATED_TAG = "_dmuon_dedicated"
-
-MUON_ROUTE = "muon"
-ADAMW_ROUTE = "adamw"
 
 
 PLACEHOLDER_VALUE_ERROR = (
@@ -132,6 +130,9 @@ class DedicatedParam:
     # The original full parameter, kept until adoption (meta-device models are adopted after
     # ``to_empty()`` + init).
     original: nn.Parameter | None = field(default=None, repr=False)
+    # ``dedicate_params(..., routes=...)``: "muon" or "adamw" chosen for this parameter (None:
+    # by its shape).
+    route_override: str | None = None
 
     @property
     def numel(self) -> int:
@@ -139,6 +140,8 @@ class DedicatedParam:
 
     @property
     def route(self) -> str:
+        if self.route_override is not None:
+            return self.route_override
         # Muon orthogonalises matrices; trailing dims of >2-D weights are flattened into columns.
         return MUON_ROUTE if len(self.shape) >= 2 else ADAMW_ROUTE
 

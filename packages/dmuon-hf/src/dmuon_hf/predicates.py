@@ -82,11 +82,32 @@ def default_predicate(model: nn.Module) -> Predicate:
     raise ValueError(
         f"dmuon_hf.default_predicate: no default predicate for {type(model).__name__} with "
         f"{what}. Supported model types: {', '.join(sorted(PREDICATES))}. Pass a predicate of "
-        "your own that selects the 2-D projection matrices inside the blocks, e.g.\n"
-        "    dmuon.dedicate_params(model, mesh, predicate=lambda name, p: p.ndim == 2 and "
-        "name.endswith(('q_proj.weight', 'k_proj.weight', 'v_proj.weight', 'o_proj.weight')))\n"
+        f"your own that selects the 2-D projection matrices inside the blocks{_example(model)}"
         "and print the candidates with:\n"
         "    for name, p in model.named_parameters():\n"
         "        if p.ndim == 2:\n"
         "            print(name, tuple(p.shape))"
+    )
+
+
+# A block of a transformer: ``layers.3.``, ``h.7.``, ``encoder.layer.2.``, ``blocks.5.``.
+_BLOCK = re.compile(r"(?:^|\.)(?:layers|blocks|layer|h|block)\.\d+\.")
+
+
+def _example(model: nn.Module) -> str:
+    """A predicate for this model, built from its own names: the 2-D weights inside its
+    blocks, by their name within the block. Empty (no example) when it has none."""
+    suffixes: list[str] = []
+    for name, param in model.named_parameters():
+        found = list(_BLOCK.finditer(name))
+        if param.ndim == 2 and found and name.endswith(".weight"):
+            suffix = name[found[-1].end() :]
+            if suffix not in suffixes:
+                suffixes.append(suffix)
+    if not suffixes:
+        return ", "
+    return (
+        ", for this model e.g.\n"
+        "    dmuon.dedicate_params(model, mesh, predicate=lambda name, p: p.ndim == 2 and "
+        f"name.endswith({tuple('.' + s for s in suffixes)!r}))\n"
     )

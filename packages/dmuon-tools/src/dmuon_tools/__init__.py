@@ -18,10 +18,13 @@ __version__ = "0.1.0"
 from dmuon_tools.comm_plan import summarize_comm_plan
 from dmuon_tools.forward_profile import collect_forward_unshard_profile
 from dmuon_tools.param_groups import summarize_param_groups
+from dmuon_tools.routing import format_routing_table, print_routing
 
 __all__ = [
     "__version__",
     "collect_forward_unshard_profile",
+    "format_routing_table",
+    "print_routing",
     "summarize_comm_plan",
     "summarize_param_groups",
 ]

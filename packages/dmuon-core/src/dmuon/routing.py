@@ -1,0 +1,353 @@
+"""Which optimizer group each parameter of ``dmuon.Muon`` is in, with which hyperparameters, and why.
+
+Owns the decision as a function of facts every rank holds (FQNs, full shapes, routes, owners, the
+module tree): the route defaults, the ``no_decay`` rule (HF Trainer's by default), the user's
+``param_groups`` (first match wins), the torch param groups they become, and the routing table.
+Must not: read parameter values, issue collectives or build optimizer state. ``optim`` turns
+the planned groups into torch param groups holding this rank's tensors.
+
+[Note: deciding identically on every rank]
+A dedicated parameter's value lives on its owner only; every other rank holds a 0-element
+placeholder. So nothing here reads values: a ``param_groups`` or ``no_decay`` predicate receives,
+for a dedicated parameter, a meta tensor of its full shape, dtype and ``requires_grad`` (its
+"stand-in"), and FSDP2's parameters as they are (DTensors with the full shape). Every rank then
+plans the same groups, in the same order, with the same hyperparameters; only the tensors a group
+holds on a rank differ (the masters it owns, FSDP2's local shards). ``Muon`` checks that
+agreement once at construction, with its other facts.
+
+[Note: torch groups]
+Each torch group has one update rule (its ``"route"`` key: ``"muon"`` or ``"adamw"``; the
+``"adamw"`` rule serves both owner-side AdamW and FSDP2's shards) and one set of hyperparameters.
+Groups 0 and 1 always exist: the Muon and AdamW defaults. After them come the defaults with the
+``no_decay`` rule applied (weight decay 0), then each user group in order, split by update rule
+and by the rule; a group no parameter falls in (on any rank) is left out. A key a user group
+sets wins over the ``no_decay`` rule: ``{"params": ..., "weight_decay": 0.1}`` decays its biases.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable, Collection, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import torch
+from torch import nn
+
+MUON_ROUTE = "muon"
+ADAMW_ROUTE = "adamw"
+SHARDED_ADAMW_ROUTE = "sharded_adamw"
+ROUTES = (MUON_ROUTE, ADAMW_ROUTE, SHARDED_ADAMW_ROUTE)
+"""Per parameter: Muon on the owner's fp32 master, AdamW on the owner's fp32 master, or left to
+FSDP2 (not dedicated) and AdamW on its shards."""
+
+ADJUST_LR = ("match_rms_adamw", "spectral", None)
+
+# Why a parameter is where it is (the last column of the routing table).
+WHY_PREDICATE = "predicate"
+WHY_ROUTES_OVERRIDE = "routes override"
+WHY_NOT_DEDICATED = "not dedicated"
+WHY_NO_DECAY = "no_decay rule"
+
+# The keys a group of each update rule holds, besides "params" and "route".
+UPDATE_KEYS: Mapping[str, tuple[str, ...]] = {
+    MUON_ROUTE: ("lr", "momentum", "nesterov", "weight_decay", "adjust_lr"),
+    ADAMW_ROUTE: ("lr", "betas", "eps", "weight_decay"),
+}
+GROUP_KEYS = ("params", "lr", "weight_decay", "momentum", "nesterov", "adjust_lr", "betas", "eps")
+"""The keys a ``param_groups`` entry may set."""
+
+HF_NO_DECAY = "hf"
+# transformers 5.x ``Trainer.get_decay_parameter_names``: parameters inside ``nn.LayerNorm``
+# modules, and those whose lower-cased name matches one of these, get no weight decay.
+HF_NO_DECAY_NAME_PATTERNS = (
+    r"bias",
+    r"layernorm",
+    r"rmsnorm",
+    r"(?:^|\.)norm(?:$|\.)",
+    r"_norm(?:$|\.)",
+)
+HF_NO_DECAY_LAYER_TYPES = (nn.LayerNorm,)
+
+NoDecay = str | Callable[[str, torch.Tensor], bool] | None | bool
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ParamFacts:
+    """What every rank knows about one trainable parameter."""
+
+    fqn: str
+    shape: tuple[int, ...]
+    route: str  # one of ROUTES
+    why_route: str  # WHY_PREDICATE, WHY_ROUTES_OVERRIDE or WHY_NOT_DEDICATED
+    owner_rank: int | None  # global rank of the owner; None when not dedicated
+    stand_in: torch.Tensor  # what predicates receive; see [Note: deciding identically ...]
+
+    @property
+    def update(self) -> str:
+        """The update rule: Muon, or AdamW (owner-side or on FSDP2's shards)."""
+        return MUON_ROUTE if self.route == MUON_ROUTE else ADAMW_ROUTE
+
+
+class RoutingRow(NamedTuple):
+    """One row of ``Muon.routing()``."""
+
+    fqn: str
+    shape: tuple[int, ...]
+    route: str
+    owner_rank: int | None
+    lr: float
+    weight_decay: float
+    why: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PlannedGroup:
+    update: str  # the torch group's "route" key
+    source: str  # "defaults", "no_decay rule", "param_groups[i]", "param_groups[i], no_decay rule"
+    hyperparameters: dict[str, Any]
+    fqns: tuple[str, ...]
+
+    def torch_group(self, params: list[torch.Tensor]) -> dict[str, Any]:
+        return {"params": params, "route": self.update, "source": self.source,
+                **self.hyperparameters}  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RoutingPlan:
+    groups: list[PlannedGroup]
+    group_of: dict[str, int]  # FQN -> index into ``groups``
+    why: dict[str, str]  # FQN -> the routing table's "why"
+
+
+def plan_groups(
+    facts: Sequence[ParamFacts],
+    defaults: Mapping[str, Mapping[str, Any]],
+    param_groups: Sequence[Mapping[str, Any]] | None,
+    no_decay: Collection[str],
+) -> RoutingPlan:
+    """The torch groups of ``facts`` (see [Note: torch groups]).
+
+    ``defaults`` maps each update rule (``"muon"``, ``"adamw"``) to its hyperparameters;
+    ``no_decay`` holds the FQNs the no-decay rule selects. Raises ValueError or TypeError for a
+    malformed ``param_groups`` entry, naming it and the fix.
+    """
+    user_groups = list(param_groups or ())
+    if param_groups is not None and not isinstance(param_groups, (list, tuple)):
+        raise TypeError(
+            f"dmuon.Muon: param_groups must be a list of dicts, got {type(param_groups).__name__}"
+            ': param_groups=[{"params": ["lm_head.weight"], "lr": 1e-4}, ...].'
+        )
+    known = {f.fqn for f in facts}
+    for index, spec in enumerate(user_groups):
+        _check_group_spec(index, spec, known)
+
+    members: dict[str, int | None] = {f.fqn: _first_match(f, user_groups) for f in facts}
+    for index, spec in enumerate(user_groups):
+        _check_keys_apply(index, spec, [f for f in facts if members[f.fqn] == index])
+
+    # (source index: -1 for the defaults, update rule, no_decay applied) -> FQNs
+    buckets: dict[tuple[int, str, bool], list[str]] = {}
+    why: dict[str, str] = {}
+    for f in facts:
+        index = members[f.fqn]
+        spec = user_groups[index] if index is not None else {}
+        applies_no_decay = f.fqn in no_decay and "weight_decay" not in spec
+        reasons = [f.why_route]
+        if applies_no_decay:
+            reasons.append(WHY_NO_DECAY)
+        if index is not None:
+            reasons.append(f"param_groups[{index}]")
+        why[f.fqn] = ", ".join(reasons)
+        source = -1 if index is None else index
+        buckets.setdefault((source, f.update, applies_no_decay), []).append(f.fqn)
+
+    order = [(-1, MUON_ROUTE, False), (-1, ADAMW_ROUTE, False)]
+    order += [(-1, MUON_ROUTE, True), (-1, ADAMW_ROUTE, True)]
+    order += [
+        (index, update, nd)
+        for index in range(len(user_groups))
+        for update in (MUON_ROUTE, ADAMW_ROUTE)
+        for nd in (False, True)
+    ]
+    groups: list[PlannedGroup] = []
+    group_of: dict[str, int] = {}
+    for position, (index, update, nd) in enumerate(order):
+        fqns = buckets.get((index, update, nd), [])
+        if not fqns and position >= 2:
+            continue
+        hyperparameters = dict(defaults[update])
+        if nd:
+            hyperparameters["weight_decay"] = 0.0
+        source = "defaults" if index < 0 else f"param_groups[{index}]"
+        if index >= 0:
+            hyperparameters.update({k: v for k, v in user_groups[index].items() if k != "params"})
+            if "betas" in hyperparameters:
+                hyperparameters["betas"] = tuple(hyperparameters["betas"])
+        if nd:
+            source = WHY_NO_DECAY if index < 0 else f"{source}, {WHY_NO_DECAY}"
+        for fqn in fqns:
+            group_of[fqn] = len(groups)
+        groups.append(
+            PlannedGroup(update=update, source=source, hyperparameters=hyperparameters,
+                         fqns=tuple(fqns))
+        )  # fmt: skip
+    return RoutingPlan(groups=groups, group_of=group_of, why=why)
+
+
+def routing_rows(
+    facts: Sequence[ParamFacts], plan: RoutingPlan, torch_groups: Sequence[Mapping[str, Any]]
+) -> list[RoutingRow]:
+    """The routing table, with each group's current lr and weight decay (a scheduler's too)."""
+    rows = []
+    for f in facts:
+        group = torch_groups[plan.group_of[f.fqn]]
+        rows.append(
+            RoutingRow(f.fqn, f.shape, f.route, f.owner_rank, group["lr"], group["weight_decay"],
+                       plan.why[f.fqn])
+        )  # fmt: skip
+    return rows
+
+
+def route_summaries(rows: Sequence[RoutingRow]) -> list[str]:
+    """One line per route present: count, elements, learning rates and weight decays."""
+    lines = []
+    for route in ROUTES:
+        mine = [row for row in rows if row.route == route]
+        if not mine:
+            continue
+        numel = sum(math.prod(row.shape) for row in mine)
+        lrs = "/".join(f"{v:g}" for v in sorted({row.lr for row in mine}))
+        wds = "/".join(f"{v:g}" for v in sorted({row.weight_decay for row in mine}))
+        lines.append(
+            f"route {route}: {len(mine)} parameters, {numel:,} elements, lr {lrs}, "
+            f"weight_decay {wds}"
+        )
+    return lines
+
+
+# ---- the no_decay rule ------------------------------------------------------------------------
+
+
+def no_decay_fqns(model: nn.Module, no_decay: NoDecay, facts: Sequence[ParamFacts]) -> set[str]:
+    """The FQNs of ``facts`` that get no weight decay.
+
+    ``"hf"``: HF Trainer's rule (``Trainer.get_decay_parameter_names`` of transformers 5.x):
+    parameters of ``nn.LayerNorm`` modules (at any depth) and parameters whose lower-cased FQN
+    contains ``bias``, ``layernorm`` or ``rmsnorm``, or has a ``norm`` or ``*_norm`` component.
+    Decided from names and module types only, so identically on every rank. A callable
+    ``(name, param) -> bool`` selects them itself; None or False selects none.
+    """
+    if no_decay is None or no_decay is False:
+        return set()
+    if callable(no_decay):
+        return {f.fqn for f in facts if no_decay(f.fqn, f.stand_in)}
+    if no_decay != HF_NO_DECAY:
+        raise ValueError(
+            f"dmuon.Muon: no_decay={no_decay!r} is not a rule: pass 'hf' (the default: biases "
+            "and norm weights get no weight decay, as in HF Trainer), a function (name, param) "
+            "-> bool, or None to decay every parameter by its group's weight_decay."
+        )
+    patterns = [re.compile(pattern) for pattern in HF_NO_DECAY_NAME_PATTERNS]
+    norm_prefixes = [
+        f"{name}." if name else ""
+        for name, module in model.named_modules()
+        if isinstance(module, HF_NO_DECAY_LAYER_TYPES)
+    ]
+    return {
+        f.fqn
+        for f in facts
+        if any(f.fqn.startswith(prefix) for prefix in norm_prefixes)
+        or any(pattern.search(f.fqn.lower()) for pattern in patterns)
+    }
+
+
+# ---- user groups ------------------------------------------------------------------------------
+
+
+def _first_match(f: ParamFacts, user_groups: Sequence[Mapping[str, Any]]) -> int | None:
+    for index, spec in enumerate(user_groups):
+        params = spec["params"]
+        if f.fqn in params if not callable(params) else params(f.fqn, f.stand_in):
+            return index
+    return None
+
+
+def _check_group_spec(index: int, spec: Any, known: set[str]) -> None:
+    where = f"dmuon.Muon: param_groups[{index}]"
+    if not isinstance(spec, Mapping):
+        raise TypeError(
+            f"{where} must be a dict, got {type(spec).__name__}: "
+            '{"params": ["lm_head.weight"] or lambda name, p: ..., "lr": ..., ...}.'
+        )
+    unknown = sorted(set(spec) - set(GROUP_KEYS), key=str)
+    if unknown:
+        raise ValueError(
+            f"{where} has unknown keys {unknown}; a group accepts {list(GROUP_KEYS)} (the "
+            "Muon route takes lr, weight_decay, momentum, nesterov, adjust_lr; the AdamW routes "
+            "take lr, weight_decay, betas, eps)."
+        )
+    if "params" not in spec:
+        raise ValueError(
+            f"{where} has no 'params': give the FQNs it holds (a list of names from "
+            "model.named_parameters()) or a predicate (name, param) -> bool."
+        )
+    params = spec["params"]
+    if not callable(params):
+        if isinstance(params, str) or not isinstance(params, (list, tuple, set, frozenset)):
+            hint = f" For one parameter write [{params!r}]." if isinstance(params, str) else ""
+            raise TypeError(
+                f"{where}['params'] must be a list of FQNs or a predicate (name, param) -> bool, "
+                f"got {type(params).__name__}: {params!r}.{hint}"
+            )
+        missing = [name for name in params if name not in known]
+        if missing:
+            raise ValueError(
+                f"{where}['params'] names {len(missing)} parameters the optimizer does not "
+                f"update: {missing[:5]}{' ...' if len(missing) > 5 else ''}. Use the names of "
+                "model.named_parameters() (trainable ones; with the task head's prefix, e.g. "
+                "'model.layers.0...'), or a predicate (name, param) -> bool."
+            )
+    for key, value in spec.items():
+        if key != "params":
+            _check_value(f"{where}[{key!r}]", key, value)
+
+
+def _check_value(where: str, key: str, value: Any) -> None:
+    if key in ("lr", "weight_decay", "eps", "momentum"):
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"{where} must be a finite number, got {value!r}.")
+        if not math.isfinite(value) or value < 0 or (key == "momentum" and value >= 1):
+            limit = "in [0, 1)" if key == "momentum" else "a finite non-negative number"
+            raise ValueError(f"{where} must be {limit}, got {value!r}.")
+    elif key == "nesterov":
+        if not isinstance(value, bool):
+            raise TypeError(f"{where} must be True or False, got {value!r}.")
+    elif key == "adjust_lr":
+        if value not in ADJUST_LR:
+            raise ValueError(f"{where}={value!r} is not one of {ADJUST_LR}.")
+    elif key == "betas" and (
+        not isinstance(value, (tuple, list))
+        or len(value) != 2
+        or not all(
+            isinstance(beta, (int, float)) and not isinstance(beta, bool) and 0 <= beta < 1
+            for beta in value
+        )
+    ):
+        raise ValueError(f"{where} must be a pair of numbers in [0, 1), e.g. (0.9, 0.95), got {value!r}.")  # fmt: skip
+
+
+def _check_keys_apply(index: int, spec: Mapping[str, Any], members: Sequence[ParamFacts]) -> None:
+    for f in members:
+        misplaced = [k for k in spec if k != "params" and k not in UPDATE_KEYS[f.update]]
+        if misplaced:
+            others = [m.fqn for m in members if m.update == f.update]
+            more = f" and {len(others) - 1} more" if len(others) > 1 else ""
+            raise ValueError(
+                f"dmuon.Muon: param_groups[{index}] sets {misplaced}, which do not apply to the "
+                f"{f.route} route of {f.fqn!r}{more} (shape {f.shape}). The Muon route takes "
+                f"{list(UPDATE_KEYS[MUON_ROUTE])}, the AdamW routes {list(UPDATE_KEYS[ADAMW_ROUTE])}"
+                ". Narrow the group's params to one route (e.g. lambda name, p: ... and "
+                "p.ndim >= 2), or split it into one group per route."
+            )
