@@ -30,6 +30,7 @@ from torch.optim.adamw import adamw
 
 from dmuon.api import get_dedicated_state, route_overrides
 from dmuon.consistency import check_ranks_agree
+from dmuon.ddp import check_gradients_are_averaged
 from dmuon.nonfinite import check_policy, nonfinite_gradients
 from dmuon.param import MUON_ROUTE, is_dedicated
 from dmuon.routing import (
@@ -159,6 +160,7 @@ class Muon(torch.optim.Optimizer):
                 "p.ndim == 2]), or pass allow_no_muon=True if AdamW alone is intended."
             )
         self._dedicated.ensure_adopted()
+        check_gradients_are_averaged(self._dedicated)
         self._newton_schulz = _resolve_newton_schulz(ns_backend)
         self.replicate_async = replicate_async
         self.nonfinite = check_policy(nonfinite)
