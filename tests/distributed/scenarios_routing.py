@@ -180,6 +180,7 @@ def rank_dependent_param_groups() -> str:
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("shard",))
     model = TinyDecoder()
     dmuon.dedicate_params(model, mesh, proj_predicate)
+    fully_shard(model, mesh=mesh)
     lr = 0.01 if dist.get_rank() == 1 else 0.02
     try:
         dmuon.Muon(model, param_groups=[{"params": ["layers.1.q_proj.weight"], "lr": lr}])
