@@ -45,6 +45,7 @@ def views_before_and_after_adoption(replicas: int) -> dict:
     for module in model.modules():
         if hasattr(module, "reset_parameters"):
             module.reset_parameters()
+    _ddp = torch.nn.parallel.DistributedDataParallel(model)  # replicated, so Muon takes it
     optimizer = dmuon.Muon(model)
     after = dmuon.inspect.view(model)
     grid = after.grid
