@@ -182,7 +182,7 @@ def worker(args: argparse.Namespace) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
     import dmuon
-    from dmuon.api import get_dedicated_state
+    from dmuon.hooks import get_dedicated_state
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()

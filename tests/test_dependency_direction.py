@@ -1,7 +1,7 @@
 """The packages depend on each other only downward: hf, tools -> core -> kernels -> torch.
 
 Above core, only its public surface: dmuon-tools, dmuon-hf and the benchmarks use ``dmuon``'s
-public modules and the names in their ``__all__``, never an internal module (``dmuon.api``,
+public modules and the names in their ``__all__``, never an internal module (``dmuon.hooks``,
 ``dmuon.group``, ...). Benchmarks never import the test suite.
 """
 
@@ -146,12 +146,12 @@ def test_tools_hf_and_benchmarks_use_only_dmuon_public_modules_and_names(folder)
 @pytest.mark.parametrize(
     ("source", "expected"),
     [
-        ("from dmuon.api import get_dedicated_state", ["1: from dmuon.api import ..."]),
+        ("from dmuon.hooks import get_dedicated_state", ["1: from dmuon.hooks import ..."]),
         ("import dmuon.group", ["1: import dmuon.group"]),
         ("import dmuon.partition as p", ["1: import dmuon.partition"]),
         ("from dmuon import api", ["1: from dmuon import api"]),
         ("from dmuon.inspect import BoundaryGroup", ["1: from dmuon.inspect import BoundaryGroup"]),
-        ("import dmuon\ndmuon.api.get_dedicated_state(m)", ["2: dmuon.api"]),
+        ("import dmuon\ndmuon.hooks.get_dedicated_state(m)", ["2: dmuon.hooks"]),
         (
             "import dmuon.inspect\ndmuon.inspect._segment_view(s)",
             ["2: dmuon.inspect._segment_view"],

@@ -13,7 +13,7 @@ from torch import nn
 
 import dmuon
 import dmuon.partition
-from dmuon.api import get_dedicated_state
+from dmuon.hooks import get_dedicated_state
 from dmuon.inspect import OwnerCoord, make_param_specs, plan_ownership, what_if_grid
 from tests.core.scenarios_inspect import (
     view_of_a_one_dimensional_mesh,

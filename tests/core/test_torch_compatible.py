@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import dmuon
-from dmuon.api import get_dedicated_state
+from dmuon.hooks import get_dedicated_state
 from tests.distributed.models import TinyDecoder, batches, loss_fn, proj_predicate
 
 STEPS = 5

@@ -16,6 +16,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions
 
 import dmuon
 import dmuon.checkpoint as dckpt
+from dmuon.hooks import get_dedicated_state
 from dmuon_kernels.newton_schulz import NewtonSchulz
 from tests.distributed.models import TinyDecoder, batches, loss_fn, proj_predicate, rank_rows
 from tests.distributed.scenarios_protocol import dedicate_and_shard
@@ -102,9 +103,9 @@ def state_dict_shapes(replicas: int = 1) -> dict:
         },
         "optim_groups": [sorted(g["params"]) for g in optim_sharded["param_groups"]],
         "sharded_dedicated_keys": sorted(
-            key for key in sharded if key in dmuon.api.get_dedicated_state(model).params
+            key for key in sharded if key in get_dedicated_state(model).params
         ),
-        "owned": sorted(p.fqn for p in dmuon.api.get_dedicated_state(model).iter_owned_masters()),
+        "owned": sorted(p.fqn for p in get_dedicated_state(model).iter_owned_masters()),
     }
     for name, attempt in {
         "state_dict": lambda: model.state_dict(),

@@ -19,7 +19,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 import dmuon
 import dmuon.checkpoint as dckpt
-from dmuon.api import get_dedicated_state
+from dmuon.hooks import get_dedicated_state
 from dmuon_kernels.newton_schulz import NewtonSchulz, newton_schulz
 from tests.distributed import scenarios_checkpoint
 from tests.distributed.models import TinyDecoder, batches, loss_fn, proj_predicate, rank_rows

@@ -17,7 +17,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 import dmuon
-from dmuon.api import get_dedicated_state
+from dmuon.hooks import get_dedicated_state
 from dmuon_kernels.newton_schulz import NewtonSchulz, newton_schulz
 from tests.distributed.models import TinyDecoder, batches, loss_fn, proj_predicate, rank_rows
 from tests.reference_optim import ReferenceMuonAdamW

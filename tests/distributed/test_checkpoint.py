@@ -120,9 +120,7 @@ def test_one_process_state_dict_holds_the_real_values():
     assert {k: v.shape for k, v in state.items()} == {
         k: v.shape for k, v in plain.state_dict().items()
     }
-    owned = {
-        p.fqn: p.master for p in scenarios.dmuon.api.get_dedicated_state(model).params.values()
-    }
+    owned = {p.fqn: p.master for p in scenarios.get_dedicated_state(model).params.values()}
     for fqn, master in owned.items():
         assert torch.equal(state[fqn], master)
     plain.load_state_dict(state)

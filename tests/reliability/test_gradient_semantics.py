@@ -16,7 +16,7 @@ import torch
 
 import dmuon
 import dmuon.checkpoint
-from dmuon.api import get_dedicated_state
+from dmuon.hooks import get_dedicated_state
 from dmuon_kernels import newton_schulz
 from dmuon_kernels.newton_schulz import NewtonSchulz
 from tests.distributed.models import TinyDecoder, batches, loss_fn, proj_predicate

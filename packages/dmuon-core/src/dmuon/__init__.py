@@ -21,14 +21,14 @@ from dmuon_kernels._torch_support import require_torch
 require_torch("dmuon-core")
 
 from dmuon import inspect  # noqa: E402
-from dmuon.api import (  # noqa: E402
+from dmuon.clip import clip_grad_norm_  # noqa: E402
+from dmuon.dedicate import (  # noqa: E402
     dedicate_params,
     dedicate_params_ddp,
     dedicated_parameters,
     no_sync,
     wait_all_replicate_broadcasts,
 )
-from dmuon.clip import clip_grad_norm_  # noqa: E402
 from dmuon.optim import Muon  # noqa: E402
 from dmuon.partition import OwnerCoord  # noqa: E402
 from dmuon.policy import ParamDefaults, ParamPolicy  # noqa: E402

@@ -26,7 +26,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.nn.utils import clip_grads_with_norm_, get_total_norm
 
-from dmuon.api import get_dedicated_state
+from dmuon.hooks import get_dedicated_state
 
 
 @torch.no_grad()

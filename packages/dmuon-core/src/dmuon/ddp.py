@@ -40,6 +40,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
+from dmuon._text import preview_names
 from dmuon.param import DedicatedParam, is_dedicated
 
 if TYPE_CHECKING:
@@ -184,7 +185,7 @@ def _local_problem(state: DedicatedState) -> str | None:
             return DDP_BUILT_BEFORE.format(count=len(gone))
         wrongly = [placeholders[id(p)] for p in reduced if id(p) in placeholders]
         if wrongly:
-            return DDP_REDUCES_DEDICATED.format(names=_preview(wrongly))
+            return DDP_REDUCES_DEDICATED.format(names=preview_names(wrongly))
         ddp_ranks = sorted(dist.get_process_group_ranks(ddp.process_group))
         dmuon_ranks = sorted(r for row in state.mesh.rank_grid for r in row)
         if ddp_ranks != dmuon_ranks:
@@ -194,7 +195,7 @@ def _local_problem(state: DedicatedState) -> str | None:
     if not missing:
         return None
     return NOT_AVERAGED.format(
-        count=len(missing), names=_preview(missing), slots=state.mesh.num_slots
+        count=len(missing), names=preview_names(missing), slots=state.mesh.num_slots
     )
 
 
@@ -218,8 +219,3 @@ def _composably_replicated(model: nn.Module) -> str | None:
         if registry is not None and "replicate" in registry:
             return f"module {name!r}" if name else "the model"
     return None
-
-
-def _preview(names: list[str], limit: int = 5) -> str:
-    more = f", ... {len(names) - limit} more" if len(names) > limit else ""
-    return ", ".join(names[:limit]) + more

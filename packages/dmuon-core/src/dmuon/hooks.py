@@ -337,3 +337,35 @@ def _attach_post_backward(
     for i, tensor in zip(positions, wrapped):
         leaves[i] = tensor
     return tree_unflatten(leaves, spec)
+
+
+# ---- the state on its model ------------------------------------------------------------------
+
+_STATE_ATTR = "_dmuon_state"
+
+
+def attach_state(model: nn.Module, state: DedicatedState) -> None:
+    object.__setattr__(model, _STATE_ATTR, state)
+
+
+def find_dedicated_state(model: nn.Module) -> DedicatedState | None:
+    return getattr(model, _STATE_ATTR, None)
+
+
+def get_dedicated_state(model: nn.Module) -> DedicatedState:
+    state = getattr(model, _STATE_ATTR, None)
+    inner = getattr(model, "module", None)
+    if state is None and isinstance(inner, nn.Module) and hasattr(inner, _STATE_ATTR):
+        raise ValueError(
+            f"{type(model).__name__} wraps the model dedicate_params prepared; dmuon takes that "
+            "model itself: pass model.module (dmuon.Muon(ddp_model.module, ...), "
+            "dmuon.no_sync(ddp_model.module), dmuon.checkpoint.get_state_dict(ddp_model.module, "
+            "optimizer))."
+        )
+    if state is None:
+        raise ValueError(
+            f"{type(model).__name__} has no dedicated parameters: call "
+            "dmuon.dedicate_params(model, mesh, predicate) before fully_shard and before "
+            "constructing dmuon.Muon(model, ...)."
+        )
+    return state

@@ -52,8 +52,8 @@ from types import MappingProxyType
 import torch
 from torch import nn
 
-from dmuon.api import get_dedicated_state
 from dmuon.group import BoundaryGroup, Segment
+from dmuon.hooks import get_dedicated_state
 from dmuon.mesh import OwnershipMesh
 from dmuon.optim import Muon
 from dmuon.param import ADAMW_ROUTE, MUON_ROUTE, DedicatedParam

@@ -28,9 +28,11 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.optim.adamw import adamw
 
-from dmuon.api import get_dedicated_state, route_overrides
+from dmuon._text import preview_names
 from dmuon.consistency import check_ranks_agree
 from dmuon.ddp import check_gradients_are_averaged
+from dmuon.dedicate import route_overrides
+from dmuon.hooks import get_dedicated_state
 from dmuon.nonfinite import check_policy, nonfinite_gradients
 from dmuon.param import MUON_ROUTE, is_dedicated
 from dmuon.routing import (
@@ -278,7 +280,7 @@ class Muon(torch.optim.Optimizer):
         )
         if not bad:
             return False
-        where = f"step {self._steps_taken}: {len(bad)} parameters have NaN or inf gradients ({_preview(bad)})"
+        where = f"step {self._steps_taken}: {len(bad)} parameters have NaN or inf gradients ({preview_names(bad)})"
         if self.nonfinite == "raise":
             raise RuntimeError(
                 f"dmuon.Muon: {where}. Nothing was updated. Find the source (loss scale, data, "
@@ -482,11 +484,6 @@ def _ensure_log_handler() -> None:
     logger.addHandler(_log_handler)
     if logger.level == logging.NOTSET or logger.level > logging.INFO:
         logger.setLevel(logging.INFO)
-
-
-def _preview(names: list[str], limit: int = 5) -> str:
-    more = f", ... {len(names) - limit} more" if len(names) > limit else ""
-    return ", ".join(names[:limit]) + more
 
 
 def _refuse_torch_checkpoint_state_dict(caller, dmuon_function: str) -> None:

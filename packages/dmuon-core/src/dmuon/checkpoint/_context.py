@@ -23,8 +23,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions
 from torch.distributed.tensor import DTensor
 
-from dmuon.api import get_dedicated_state
-from dmuon.hooks import DedicatedState
+from dmuon.hooks import DedicatedState, get_dedicated_state
 from dmuon.param import DedicatedParam
 
 _DEFAULT_OPTIONS = StateDictOptions()

@@ -28,6 +28,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from dmuon._text import preview_names
 from dmuon.checkpoint._context import CheckpointContext, checkpoint_context
 from dmuon.optim import Muon
 
@@ -95,7 +96,7 @@ def set_optimizer_state_dict(
     if fresh_everywhere and ctx.rank == ctx.receiver:
         warnings.warn(
             f"dmuon.checkpoint: the optimizer state of {len(fresh_everywhere)} parameters is not "
-            f"in the checkpoint under the entries their route needs ({_preview(fresh_everywhere)})"
+            f"in the checkpoint under the entries their route needs ({preview_names(fresh_everywhere)})"
             "; their state starts fresh. This happens when the checkpoint was written with "
             "another predicate or routes (a matrix moved between Muon and AdamW).",
             UserWarning,
@@ -314,8 +315,3 @@ def _the_optimizer(ctx: CheckpointContext, optimizers) -> Muon:
             "model it was built on."
         )
     return candidates[0]
-
-
-def _preview(names: list[str], limit: int = 5) -> str:
-    more = f", ... {len(names) - limit} more" if len(names) > limit else ""
-    return ", ".join(names[:limit]) + more

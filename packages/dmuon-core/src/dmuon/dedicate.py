@@ -1,7 +1,9 @@
-"""The public entry points of the ownership protocol: ``dedicate_params`` and its companions.
+"""The setup of a model for dmuon: ``dedicate_params`` and its companions.
 
-Owns the wiring of the three independent decisions — partition (who owns each parameter),
-hook boundary (which module's hooks move it) and the owner step (``optim``) — for one model.
+Owns selecting the dedicated parameters (predicate and routes) and wiring the three independent
+decisions for one model: partition (``partition``: who owns each parameter), hook boundary
+(``boundaries``: which module's hooks move it) and the owner step (``optim``). The protocol's
+state lives in ``hooks`` (``DedicatedState``, looked up with ``get_dedicated_state``).
 """
 
 from __future__ import annotations
@@ -13,15 +15,15 @@ from collections.abc import Callable, Iterator, Mapping
 from datetime import timedelta
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
 from dmuon import fsdp2
+from dmuon._text import preview_names
+from dmuon.boundaries import group_by_boundary
 from dmuon.consistency import check_ranks_agree, ranks_fail_together
 from dmuon.ddp import ddp_wrappers, ignore_dedicated_in_ddp
-from dmuon.group import BoundaryGroup
-from dmuon.hooks import DedicatedState
+from dmuon.hooks import DedicatedState, attach_state, find_dedicated_state, get_dedicated_state
 from dmuon.mesh import build_ownership_mesh, resolve_ownership_layout
 from dmuon.module_state import register_state_dict_hooks
 from dmuon.param import DedicatedParam, is_dedicated, make_placeholder, mark_dedicated
@@ -29,6 +31,7 @@ from dmuon.partition import OwnerCoord, ParamSpec, layer_id_of, plan_ownership
 from dmuon.policy import resolve_param_policy
 from dmuon.profile import ForwardUnshardProfile, forward_profile_requested
 from dmuon.routing import MUON_ROUTE, ROUTES, SHARDED_ADAMW_ROUTE
+from dmuon_kernels._log import rank_tag
 
 logger = logging.getLogger("dmuon")
 
@@ -43,7 +46,6 @@ NO_MATCH_WARNING = (
     "            print(name, param.shape)"
 )
 
-_STATE_ATTR = "_dmuon_state"
 _ROUTES_ATTR = "_dmuon_route_overrides"
 
 
@@ -126,13 +128,13 @@ def dedicate_params(
     if plan.unlayered and len(plan.unlayered) > 1:
         warnings.warn(
             f"dedicate_params: no layer id found for {len(plan.unlayered)} parameters "
-            f"({_preview(plan.unlayered)}); they are partitioned as one layer, which can put "
+            f"({preview_names(plan.unlayered)}); they are partitioned as one layer, which can put "
             "too many large matrices on one owner (out of memory). Name layers like "
             "'layers.N' / 'blocks.N', or pass layer_id_fn=lambda name: ...",
             UserWarning,
             stacklevel=2,
         )
-    logger.info("%s %s", _rank_tag(), plan.describe())
+    logger.info("%s %s", rank_tag().rstrip(), plan.describe())
 
     params: dict[str, DedicatedParam] = {}
     for name, module, attr, param in selected:
@@ -152,7 +154,7 @@ def dedicate_params(
             original=param,
             route_override=overrides.get(name),
         )
-    boundaries = _group_by_boundary(
+    boundaries = group_by_boundary(
         model, params, hook_boundary_predicate, ownership_mesh, reshard_after_forward
     )
     state = DedicatedState(
@@ -166,7 +168,7 @@ def dedicate_params(
     state.register_hooks()
     register_state_dict_hooks(state)
     ignore_dedicated_in_ddp(model, params)
-    object.__setattr__(model, _STATE_ATTR, state)
+    attach_state(model, state)
     object.__setattr__(model, _ROUTES_ATTR, overrides)
     if not any(p.original.is_meta for p in params.values()):
         state.ensure_adopted()
@@ -174,7 +176,7 @@ def dedicate_params(
 
 
 def _check_call_order(model: nn.Module, mesh) -> None:
-    if getattr(model, _STATE_ATTR, None) is not None:
+    if find_dedicated_state(model) is not None:
         raise RuntimeError(
             "dedicate_params was already called on this model; call it once, on the whole model."
         )
@@ -186,25 +188,6 @@ def _check_call_order(model: nn.Module, mesh) -> None:
         )
     if mesh is not None:
         fsdp2.require_fully_shard_integration()
-
-
-def get_dedicated_state(model: nn.Module) -> DedicatedState:
-    state = getattr(model, _STATE_ATTR, None)
-    inner = getattr(model, "module", None)
-    if state is None and isinstance(inner, nn.Module) and hasattr(inner, _STATE_ATTR):
-        raise ValueError(
-            f"{type(model).__name__} wraps the model dedicate_params prepared; dmuon takes that "
-            "model itself: pass model.module (dmuon.Muon(ddp_model.module, ...), "
-            "dmuon.no_sync(ddp_model.module), dmuon.checkpoint.get_state_dict(ddp_model.module, "
-            "optimizer))."
-        )
-    if state is None:
-        raise ValueError(
-            f"{type(model).__name__} has no dedicated parameters: call "
-            "dmuon.dedicate_params(model, mesh, predicate) before fully_shard and before "
-            "constructing dmuon.Muon(model, ...)."
-        )
-    return state
 
 
 def route_overrides(model: nn.Module) -> dict[str, str]:
@@ -331,7 +314,7 @@ def _check_routes_mapping(routes: Routes | None, names_of: dict[int, list[str]])
     if unknown:
         raise ValueError(
             f"dedicate_params: routes names {len(unknown)} parameters the model does not have: "
-            f"{_preview(unknown)}. Use the names of model.named_parameters(), e.g. "
+            f"{preview_names(unknown)}. Use the names of model.named_parameters(), e.g. "
             "routes={'lm_head.weight': 'adamw'}."
         )
 
@@ -366,65 +349,3 @@ def _reject_dtensor(name: str, param: DTensor) -> None:
         "dmuon-core does not dedicate tensor-parallel parameters yet. Exclude it from the "
         "predicate (it then stays with FSDP2 and the AdamW route)."
     )
-
-
-def _group_by_boundary(
-    model: nn.Module,
-    params: dict[str, DedicatedParam],
-    hook_boundary_predicate: Callable[[nn.Module], bool] | None,
-    mesh,
-    reshard_after_forward: bool,
-) -> list[BoundaryGroup]:
-    modules = dict(model.named_modules())
-    by_boundary: dict[str, list[DedicatedParam]] = {}
-    fallback: list[str] = []
-    for name, p in params.items():
-        module_name = name.rpartition(".")[0]
-        boundary = _boundary_of(module_name, modules, hook_boundary_predicate)
-        if boundary is None:
-            boundary = module_name
-            fallback.append(name)
-        by_boundary.setdefault(boundary, []).append(p)
-    if fallback:
-        warnings.warn(
-            f"dedicate_params: no hook boundary found for {len(fallback)} parameters "
-            f"({_preview(fallback)}); each uses its parent module as boundary. Pass "
-            "hook_boundary_predicate=lambda module: ... to choose boundaries.",
-            UserWarning,
-            stacklevel=3,
-        )
-    # Boundaries in module registration order (the initial guess of the forward order).
-    order = {name: i for i, name in enumerate(modules)}
-    return [
-        BoundaryGroup(boundary, modules[boundary], members, mesh, reshard_after_forward)
-        for boundary, members in sorted(by_boundary.items(), key=lambda kv: order[kv[0]])
-    ]
-
-
-def _boundary_of(
-    module_name: str,
-    modules: dict[str, nn.Module],
-    hook_boundary_predicate: Callable[[nn.Module], bool] | None,
-) -> str | None:
-    if hook_boundary_predicate is not None:
-        candidate = module_name
-        while True:
-            if hook_boundary_predicate(modules[candidate]):
-                return candidate
-            if not candidate:
-                return None
-            candidate = candidate.rpartition(".")[0]
-    # The same rule as the partition's layer id (``layers.N``, ``blocks.N``, ...).
-    return layer_id_of(module_name + ".weight")
-
-
-def _preview(names, limit: int = 5) -> str:
-    names = list(names)
-    more = f", ... {len(names) - limit} more" if len(names) > limit else ""
-    return ", ".join(names[:limit]) + more
-
-
-def _rank_tag() -> str:
-    if dist.is_initialized():
-        return f"[DMuon][rank={dist.get_rank()}/{dist.get_world_size()}]"
-    return "[DMuon][rank=0/1]"
