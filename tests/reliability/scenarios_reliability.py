@@ -62,3 +62,23 @@ def nan_gradient_on_rank_1_only(nonfinite: str, clip: bool = False) -> dict:
         "warnings": [str(w.message) for w in caught if "dmuon.Muon" in str(w.message)],
         "unchanged": all(torch.equal(before[k], after[k]) for k in before),
     }
+
+
+def tp_parameter_on_an_unnamed_mesh() -> str:
+    """A DTensor parameter on a mesh without names (one rank is enough): the seed's TP error."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    world = dist.get_world_size()
+    model = TinyDecoder()
+    weight = model.layers[0].q_proj.weight
+    unnamed = DeviceMesh("cpu", list(range(world)))
+    model.layers[0].q_proj.weight = torch.nn.Parameter(
+        distribute_tensor(weight, unnamed, [Shard(0)])
+    )
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("shard",))
+    try:
+        dmuon.dedicate_params(model, mesh, proj_predicate)
+    except ValueError as error:
+        return str(error)
+    return "no error"

@@ -9,7 +9,7 @@ default deadline.
 
 import pytest
 
-from tests.distributed.scenarios_setup_failures import (
+from tests.reliability.scenarios_setup_failures import (
     bad_argument_on_rank_1,
     different_process_group_policies,
     failure_on_another_pipeline_stage,
