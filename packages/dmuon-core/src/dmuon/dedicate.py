@@ -69,9 +69,9 @@ def dedicate_params(
     Call once on the whole model, after TP ``parallelize_module`` and before ``fully_shard``
     (which then skips the dedicated parameters by itself) or ``DistributedDataParallel(model)``
     (which likewise averages only the other gradients, without ``find_unused_parameters``).
-    ``mesh`` is the 1-D data-parallel DeviceMesh (the ``"shard"`` dim under HSDP, with ``replicate_mesh`` its ``"replicate"``
-    dim), or None when torch.distributed is not initialised (everything is owned locally). It
-    may be a dim of a larger named mesh (``mesh["dp"]`` of a ("dp", "tp") or ("pp", "dp")
+    ``mesh`` is the 1-D data-parallel DeviceMesh (the ``"shard"`` dim under HSDP, with
+    ``replicate_mesh`` its ``"replicate"`` dim), or None when torch.distributed is not
+    initialised (everything is owned locally). It may be a dim of a larger named mesh (``mesh["dp"]`` of a ("dp", "tp") or ("pp", "dp")
     mesh): every rank of the world calls ``dedicate_params`` (pipeline stages with their own
     models included), since the process groups are created collectively; each rank's ownership
     spans its own slice.
