@@ -31,6 +31,16 @@ heavier than the first pass left it, so the balance bound still holds:
 Lightest colliding units are repaired first. Layers with more units than slots are left as LPT
 placed them. When balance and spreading conflict, balance wins; ``crowded_layers`` and
 ``describe()`` report the layers left sharing an owner.
+
+[Note: expert stacks]
+A mixture-of-experts layer keeps its experts as one (E, m, n) tensor; Muon treats it as E
+matrices (m, n). One owner for the whole stack would put E matrices' Newton-Schulz on one rank,
+so a spec with ``expert_stack=True`` is cut into ``min(E, S)`` contiguous expert slices
+``[start, stop)`` (sizes differing by at most one, the larger first), each a unit of its own
+costing ``(stop - start) * ns_cost((m, n))``. They are never packed with the layer's small
+parameters, and since they share the layer id, the spreading pass puts them on distinct owners
+when the balance allows: an (8, m, n) stack on 4 owners gets 2 experts on each. A slice is named
+``<name>[start:stop]`` (``expert_piece_name``) in ``owners`` and in its unit.
 """
 
 from __future__ import annotations
@@ -39,7 +49,7 @@ import heapq
 import math
 import re
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 DEFAULT_SMALL_PARAM_NUMEL = 5_000_000
 """Parameters with fewer elements than this are packed per layer into one unit (one owner)."""
@@ -67,6 +77,8 @@ class ParamSpec:
     name: str  # fully-qualified name, as in model.named_parameters()
     shape: tuple[int, ...]
     layer_id: str | None  # e.g. "model.layers.3"; None = no layer found
+    # (E, m, n): E expert matrices, placed in slices (see [Note: expert stacks]).
+    expert_stack: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -102,6 +114,11 @@ class ParamSpec:
                 f"ParamSpec {self.name!r}: layer_id must be a str or None, got "
                 f"{self.layer_id!r}; use layer_id_of(name) or your layer_id_fn's result"
             )
+        if self.expert_stack and len(self.shape) != 3:
+            raise ValueError(
+                f"ParamSpec {self.name!r}: expert_stack=True needs a 3-D shape (num_experts, m, "
+                f"n), got {self.shape!r}; set expert_stack=False for other shapes"
+            )
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -118,12 +135,16 @@ class OwnershipUnit:
 class OwnershipPlan:
     """The owner of every parameter plus the load it puts on each slot (see [Note: slot order])."""
 
-    owners: dict[str, OwnerCoord]  # parameter name -> owner, in input order; do not mutate
+    # parameter name -> owner, in input order; an expert stack is replaced by its slices'
+    # names (``<name>[start:stop]``, in expert order). Do not mutate.
+    owners: dict[str, OwnerCoord]
     units: tuple[OwnershipUnit, ...]  # in placement order: heaviest first
     loads: tuple[float, ...]  # FLOPs per slot; slot i -> owner_of_slot(i)
     num_shards: int
     num_replicas: int
     unlayered: tuple[str, ...]  # names whose layer_id is None (callers warn about them)
+    # expert stack name -> its slices [start, stop), in expert order (see [Note: expert stacks])
+    expert_slices: dict[str, tuple[tuple[int, int], ...]] = field(default_factory=dict)
 
     @property
     def num_slots(self) -> int:
@@ -179,6 +200,9 @@ class OwnershipPlan:
         parts.append(
             f"{len(layers) - len(self.crowded_layers)}/{len(layers)} layers on distinct owners"
         )
+        if self.expert_slices:
+            slices = sum(len(ranges) for ranges in self.expert_slices.values())
+            parts.append(f"{len(self.expert_slices)} expert stacks in {slices} slices")
         if self.unlayered:
             shown = ", ".join(self.unlayered[:3]) + (", ..." if len(self.unlayered) > 3 else "")
             parts.append(f"{len(self.unlayered)} params without a layer id ({shown})")
@@ -254,6 +278,26 @@ def param_cost(shape: Sequence[int]) -> float:
     return float(_param_cost_int(tuple(shape)))
 
 
+def expert_slices(num_experts: int, num_slots: int) -> tuple[tuple[int, int], ...]:
+    """The contiguous expert ranges ``[start, stop)`` a stack of ``num_experts`` is cut into on
+    ``num_slots`` owner slots: ``min(num_experts, num_slots)`` of them (at least one), sizes
+    differing by at most one, the larger first. ``expert_slices(8, 4) == ((0, 2), (2, 4), (4, 6),
+    (6, 8))``."""
+    count = max(1, min(num_experts, num_slots))
+    size, larger = divmod(num_experts, count)
+    ranges, start = [], 0
+    for index in range(count):
+        stop = start + size + (1 if index < larger else 0)
+        ranges.append((start, stop))
+        start = stop
+    return tuple(ranges)
+
+
+def expert_piece_name(name: str, start: int, stop: int) -> str:
+    """The name of experts ``[start, stop)`` of the stack ``name`` in a plan: ``name[start:stop]``."""
+    return f"{name}[{start}:{stop}]"
+
+
 def plan_ownership(
     specs: Sequence[ParamSpec],
     num_shards: int,
@@ -265,7 +309,9 @@ def plan_ownership(
 
     Units: a parameter with ``numel >= small_param_numel`` is a unit alone; a layer's smaller
     parameters form one unit (one owner); a small parameter without a layer id is a unit alone (so
-    unlayered parameters never pile onto one owner). Unit cost = sum of :func:`param_cost`.
+    unlayered parameters never pile onto one owner). Unit cost = sum of :func:`param_cost`. An
+    expert stack (``expert_stack=True``) is cut into expert slices, each a unit alone (see [Note:
+    expert stacks] in this module's docstring).
 
     Placement: one global LPT greedy over all units, then a repair pass that moves a layer's
     units onto distinct owners without making the heaviest owner heavier (see [Note: spreading a
@@ -291,7 +337,12 @@ def plan_ownership(
     _check_specs(specs)
 
     num_slots = num_shards * num_replicas
-    units = sorted(_build_units(specs, small_param_numel), key=lambda u: (-u.cost, u.order_key))
+    slices_of = {
+        spec.name: expert_slices(spec.shape[0], num_slots) for spec in specs if spec.expert_stack
+    }
+    units = sorted(
+        _build_units(specs, small_param_numel, slices_of), key=lambda u: (-u.cost, u.order_key)
+    )
     loads = _place_greedy(units, num_slots)
     _spread_layers(units, loads, num_slots)
 
@@ -302,8 +353,13 @@ def plan_ownership(
     for unit in units:
         for name in unit.names:
             owner_by_name[name] = owner(unit.slot)
+    planned_names = [
+        expert_piece_name(spec.name, start, stop) if spec.expert_stack else spec.name
+        for spec in specs
+        for start, stop in slices_of.get(spec.name, ((0, 0),))
+    ]
     return OwnershipPlan(
-        owners={spec.name: owner_by_name[spec.name] for spec in specs},
+        owners={name: owner_by_name[name] for name in planned_names},
         units=tuple(
             OwnershipUnit(
                 names=unit.names,
@@ -317,6 +373,7 @@ def plan_ownership(
         num_shards=num_shards,
         num_replicas=num_replicas,
         unlayered=tuple(spec.name for spec in specs if spec.layer_id is None),
+        expert_slices=slices_of,
     )
 
 
@@ -372,15 +429,38 @@ def _check_specs(specs: tuple[ParamSpec, ...]) -> None:
         first_index[spec.name] = index
 
 
-def _build_units(specs: tuple[ParamSpec, ...], small_param_numel: int) -> list[_Unit]:
+def _build_units(
+    specs: tuple[ParamSpec, ...],
+    small_param_numel: int,
+    slices_of: dict[str, tuple[tuple[int, int], ...]],
+) -> list[_Unit]:
     units: list[_Unit] = []
     small_by_layer: dict[str, list[ParamSpec]] = {}
     for spec in specs:
-        if spec.layer_id is not None and math.prod(spec.shape) < small_param_numel:
+        if spec.expert_stack:
+            units.extend(_expert_units(spec, slices_of[spec.name]))
+        elif spec.layer_id is not None and math.prod(spec.shape) < small_param_numel:
             small_by_layer.setdefault(spec.layer_id, []).append(spec)
         else:
             units.append(_unit_of([spec], spec.layer_id))
     units.extend(_unit_of(group, layer_id) for layer_id, group in small_by_layer.items())
+    return units
+
+
+def _expert_units(spec: ParamSpec, ranges: tuple[tuple[int, int], ...]) -> list[_Unit]:
+    """One unit per expert slice of a stack: its experts' Newton-Schulz cost."""
+    per_expert = _ns_cost_int(spec.shape[1:])
+    units = []
+    for start, stop in ranges:
+        name = expert_piece_name(spec.name, start, stop)
+        units.append(
+            _Unit(
+                names=(name,),
+                layer_id=spec.layer_id,
+                cost=(stop - start) * per_expert,
+                order_key=name,
+            )
+        )
     return units
 
 
