@@ -13,6 +13,7 @@ import warnings
 
 import pytest
 import torch
+from torch import nn
 
 import dmuon
 import dmuon.checkpoint
@@ -77,6 +78,23 @@ def test_a_skipped_step_followed_by_model_zero_grad_leaks_nothing_into_the_next_
 
 def test_a_nan_step_that_is_skipped_leaves_every_weight_finite_and_like_the_reference():
     assert_same_weights(*run(["step", "nan-skip", "step", "step"]))
+
+
+def test_model_zero_grad_clears_the_masters_and_micro_batches_accumulate_into_them():
+    model = nn.Sequential(nn.Linear(4, 4, bias=False))
+    with pytest.warns(UserWarning, match="no hook boundary found"):
+        dmuon.dedicate_params(model, None, lambda name, p: p.ndim == 2)
+    optimizer = dmuon.Muon(model)
+    master = optimizer.param_groups[0]["params"][0]
+    x = torch.randn(2, 4)
+    model(x).sum().backward()
+    first = master.grad.clone()
+    optimizer.step()
+    model.zero_grad()  # the usual idiom (HF Trainer's); it cannot reach the masters itself
+    model(x).sum().backward()  # the same gradient again (it does not depend on the weight)
+    torch.testing.assert_close(master.grad, first)
+    model(x).sum().backward()  # a second micro-batch before the step accumulates
+    torch.testing.assert_close(master.grad, 2 * first)
 
 
 def test_optimizer_zero_grad_clears_the_masters_like_model_zero_grad():

@@ -53,7 +53,7 @@ def test_a_rank_that_dies_makes_every_other_rank_fail_instead_of_hanging(tmp_pat
         assert outputs[rank].exists(), logs[rank]
         report = json.loads(outputs[rank].read_text())
         assert report["error"] is not None, f"rank {rank} trained on without its peer"
-        # The first collective to notice may be dmuon's (then named, see test_meshes) or
+        # The first collective to notice may be dmuon's (then named, see test_timeouts) or
         # FSDP2's own; either way it is an error, not a hang.
         assert "Error" in report["error"], report["error"]
         assert report["seconds"] < FAIL_WITHIN_S, report

@@ -1,11 +1,17 @@
 """The one parser of ``DMUON_*`` on/off variables: the spellings it takes, and the message for
-one it does not."""
+one it does not; ``DMUON_NS_CUDA_GRAPH=disabled`` fails instead of meaning on.
+
+Imports dmuon-kernels alone (no dmuon-core), like the kernels it tests; dmuon-core's flag:
+``test_forward_profile_flag.py``.
+"""
 
 from __future__ import annotations
 
 import pytest
 
+from dmuon_kernels import NewtonSchulz
 from dmuon_kernels._env import env_flag
+from dmuon_kernels.graphs import cuda_graphs_enabled
 
 FLAG = "DMUON_TEST_FLAG"
 
@@ -40,3 +46,12 @@ def test_any_other_value_raises_naming_the_variable_the_value_and_the_spellings(
         "1, true, yes, on (on) or 0, false, no, off (off), any case, or unset it for the "
         "default (on)"
     )
+
+
+def test_a_dmuon_ns_cuda_graph_value_that_is_not_on_or_off_fails_the_construction(monkeypatch):
+    monkeypatch.setenv("DMUON_NS_CUDA_GRAPH", "disabled")
+    message = r"DMUON_NS_CUDA_GRAPH='disabled' is not an on/off value: use one of 1, true"
+    with pytest.raises(ValueError, match=message):
+        cuda_graphs_enabled()
+    with pytest.raises(ValueError, match=message):
+        NewtonSchulz()

@@ -1,0 +1,74 @@
+"""Scenarios of the timeouts of the process groups dmuon creates; run on every rank of a gloo pool.
+
+Each returns what the test checks (the timeouts torch applies, or what a rank whose peer stalled
+raised, and after how long).
+"""
+
+from __future__ import annotations
+
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+
+import dmuon
+from dmuon.hooks import get_dedicated_state
+from tests.distributed.models import TinyDecoder, batches, loss_fn, proj_predicate
+
+
+def timeout_seen_by_torch(group: dist.ProcessGroup) -> float:
+    """The timeout gloo applies to ``group``'s collectives, read from torch, in seconds."""
+    return group._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+
+
+def group_timeouts(
+    *,
+    timeout_s: float | None = None,
+    dims: tuple[str, ...] = ("replicate", "shard"),
+    shape: tuple[int, ...] = (2, 2),
+) -> dict:
+    """Timeouts of the groups dmuon creates under HSDP ("isolated" policy), and the default's.
+
+    ``dims`` may hold more than "replicate" and "shard" (e.g. a "tp" dim): dmuon then owns
+    over the ("replicate", "shard") slice of the mesh that holds this rank.
+    """
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=dims)
+    timeout = None if timeout_s is None else timedelta(seconds=timeout_s)
+    model = TinyDecoder()
+    dmuon.dedicate_params(
+        model, mesh["shard"], proj_predicate, replicate_mesh=mesh["replicate"], timeout=timeout
+    )
+    ownership = get_dedicated_state(model).mesh
+    groups = {
+        "shard": ownership.shard_group,
+        "replicate": ownership.replicate_group,
+        "world": ownership.world_group,
+    }
+    return {
+        "rank_grid": [list(row) for row in ownership.rank_grid],
+        "default": timeout_seen_by_torch(dist.group.WORLD),
+        **{name: timeout_seen_by_torch(group) for name, group in groups.items()},
+        "world_group_ranks": dist.get_process_group_ranks(ownership.world_group),
+    }
+
+
+def stalled_peer_fails_the_forward_broadcast(*, stalled_rank: int) -> dict:
+    """``stalled_rank`` never joins the forward's broadcasts; the others time out in them.
+
+    No ``fully_shard``: the forward's only collectives are dmuon's broadcasts from the owners
+    (every layer has owners on every rank), so nothing else can be what times out.
+    """
+    world = dist.get_world_size()
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("shard",))
+    model = TinyDecoder()
+    dmuon.dedicate_params(model, mesh, proj_predicate)
+    if dist.get_rank() == stalled_rank:
+        return {"stalled": True}
+    started = time.monotonic()
+    try:
+        loss_fn(model, batches(1, world)[0])
+    except Exception as error:
+        return {"seconds": time.monotonic() - started, "error": f"{type(error).__name__}: {error}"}
+    return {"seconds": time.monotonic() - started, "error": None}
