@@ -45,8 +45,8 @@ def _skip_if_available(name):
         ({"backend": "svd"}, r"backend must be 'gram' or 'direct'; got 'svd'"),
         (
             {"dtype": torch.float64},
-            r"dtype \(the iteration dtype\) must be torch.float16, torch.bfloat16 or "
-            r"torch.float32; got torch.float64",
+            r"dtype \(the iteration dtype\) must be None \(fp16 on CUDA, fp32 elsewhere\), "
+            r"torch.float16, torch.bfloat16 or torch.float32; got torch.float64",
         ),
         ({"coefficients": []}, r"coefficients is empty: give at least one \(a, b, c\) row"),
         (
@@ -179,7 +179,7 @@ def test_an_env_kernel_that_cannot_run_fails_at_construction_naming_the_variable
 def test_env_kernel_also_steers_the_function_form(monkeypatch):
     _skip_if_available("quack")
     monkeypatch.setenv("DMUON_NS_KERNEL", "quack")
-    with pytest.raises(RuntimeError, match=r"kernel='quack' cannot run here"):
+    with pytest.raises(RuntimeError, match=r"DMUON_NS_KERNEL='quack' cannot run here"):
         newton_schulz(torch.ones(4, 8))
 
 
@@ -187,7 +187,7 @@ def test_env_kernel_also_steers_the_function_form(monkeypatch):
 
 
 def test_config_is_hashable_json_able_and_equal_for_equal_requests():
-    first = NewtonSchulz("gram", restart_iterations=[2], dtype=torch.float16).config
+    first = NewtonSchulz("gram", restart_iterations=[2], dtype=None).config
     second = NewtonSchulz().config
     assert first == second and hash(first) == hash(second)
     assert first.to_json() == second.to_json()
@@ -198,8 +198,9 @@ def test_config_is_hashable_json_able_and_equal_for_equal_requests():
         "deterministic": False,
         "coefficients": [list(row) for row in POLAR_EXPRESS_COEFFICIENTS],
         "restart_iterations": [2],
-        "dtype": "float16",
+        "dtype": "auto",
     }
+    assert NewtonSchulz(dtype=torch.float16).config != first  # fp16 everywhere is another request
 
 
 def test_config_differences_name_each_differing_field():
@@ -207,7 +208,7 @@ def test_config_differences_name_each_differing_field():
     theirs = NewtonSchulz("direct", coefficients=KELLER_COEFFICIENTS, dtype=torch.bfloat16).config
     assert mine != theirs
     assert set(mine.differences(theirs)) == {"backend", "coefficients", "dtype"}
-    assert mine.differences(theirs)["dtype"] == ("float16", "bfloat16")
+    assert mine.differences(theirs)["dtype"] == ("auto", "bfloat16")
 
 
 def test_config_records_the_request_not_the_resolution(monkeypatch):

@@ -3,8 +3,10 @@
 ``newton_schulz(G)`` maps G = U·diag(σ)·Vᵀ to approximately U·Vᵀ: each singular value goes
 through the scalar recurrence ``x <- a·x + b·x³ + c·x⁵`` (one coefficient row per iteration),
 starting from σ / ||G||_F. Pipeline: cast to fp32, orient so rows <= cols, divide each matrix by
-its own Frobenius norm (+eps), iterate in ``dtype`` (fp16 by default), transpose back, cast to
-G's dtype. Batched inputs (..., m, n) run as one batched matmul per step.
+its own Frobenius norm (+eps), iterate in ``dtype``, transpose back, cast to G's dtype. Batched
+inputs (..., m, n) run as one batched matmul per step. ``dtype=None`` (the default) iterates in
+fp16 on CUDA, where tensor cores make it fast, and in fp32 elsewhere: CPUs without matrix units
+run fp16 and bf16 matmuls tens of times slower than fp32 (minutes for one 1024 x 4096 matrix).
 
 Two iterations compute the same polynomial up to rounding (with X of shape n x m, n <= m):
 
@@ -35,12 +37,14 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from dmuon_kernels._env import NS_KERNEL_ENV
 from dmuon_kernels.coefficients import CoefficientTable, validate_coefficients
 from dmuon_kernels.fused import DEFAULT_NS_EPS as DEFAULT_EPS
 from dmuon_kernels.fused import normalize_cast
@@ -50,13 +54,17 @@ from dmuon_kernels.syrk.dispatch import (
     default_device,
     effective_kernel,
     ns_kernel_request,
-    ns_syrk_kernel,
     require_ns_kernel,
 )
 from dmuon_kernels.syrk.registry import AUTO, CUBLAS, canonical_kernel_name
 
 BACKENDS = ("gram", "direct")
 ITERATION_DTYPES: tuple[torch.dtype, ...] = (torch.float16, torch.bfloat16, torch.float32)
+# dtype=None: the iteration dtype follows the input's device (fp16 on CUDA, fp32 elsewhere).
+AUTO_DTYPE = None
+AUTO_DTYPE_NAME = "auto"
+CUDA_AUTO_DTYPE = torch.float16
+CPU_AUTO_DTYPE = torch.float32
 DEFAULT_RESTART_ITERATIONS = (2,)
 # The "gram" backend runs the direct iteration when max(m, n) < GRAM_MIN_ASPECT_RATIO·min(m, n).
 GRAM_MIN_ASPECT_RATIO = 2.0
@@ -68,13 +76,21 @@ def validate_backend(backend: object) -> str:
     return backend  # type: ignore[return-value]
 
 
-def validate_dtype(dtype: object) -> torch.dtype:
-    if dtype not in ITERATION_DTYPES:
+def validate_dtype(dtype: object) -> torch.dtype | None:
+    if dtype is not AUTO_DTYPE and dtype not in ITERATION_DTYPES:
         raise ValueError(
-            "dtype (the iteration dtype) must be torch.float16, torch.bfloat16 or torch.float32; "
-            f"got {dtype!r}"
+            "dtype (the iteration dtype) must be None (fp16 on CUDA, fp32 elsewhere), "
+            f"torch.float16, torch.bfloat16 or torch.float32; got {dtype!r}"
         )
     return dtype  # type: ignore[return-value]
+
+
+def iteration_dtype(requested: torch.dtype | None, device: torch.device) -> torch.dtype:
+    """The dtype the iteration runs in on ``device``: ``requested``, or for None fp16 on CUDA
+    and fp32 elsewhere."""
+    if requested is not AUTO_DTYPE:
+        return requested
+    return CUDA_AUTO_DTYPE if device.type == "cuda" else CPU_AUTO_DTYPE
 
 
 def validate_restart_iterations(
@@ -208,30 +224,6 @@ def restored_output(X: Tensor, G: Tensor) -> Tensor:
     return X.reshape(G.shape).to(G.dtype)
 
 
-def orthogonalize(
-    G: Tensor,
-    *,
-    backend: str,
-    coefficients: CoefficientTable,
-    restart_iterations: Sequence[int],
-    eps: float,
-    dtype: torch.dtype,
-    kernel: str,
-) -> Tensor:
-    """``newton_schulz`` on already-validated arguments (the per-call fast path)."""
-    if G.numel() == 0:
-        return torch.zeros_like(G)
-    X = normalized_input(G, eps=eps, dtype=dtype)
-    X = iterate(
-        X,
-        backend=backend,
-        coefficients=coefficients,
-        restart_iterations=restart_iterations,
-        kernel=kernel,
-    )
-    return restored_output(X, G)
-
-
 def validate_input(G: object) -> Tensor:
     if not isinstance(G, Tensor):
         raise ValueError(f"newton_schulz expects a torch.Tensor; got {type(G).__name__}")
@@ -250,7 +242,7 @@ def newton_schulz(
     coefficients: Sequence[Sequence[float]] | None = None,
     restart_iterations: Iterable[int] | None = None,
     eps: float = DEFAULT_EPS,
-    dtype: torch.dtype = torch.float16,
+    dtype: torch.dtype | None = AUTO_DTYPE,
     kernel: str = AUTO,
 ) -> Tensor:
     """Orthogonalise G (m, n) or a batch (..., m, n): approximately U·Vᵀ of its SVD.
@@ -262,24 +254,68 @@ def newton_schulz(
         coefficients: (a, b, c) rows, one iteration each; default POLAR_EXPRESS_COEFFICIENTS.
         restart_iterations: 0-based iterations before which "gram" restarts; default [2].
         eps: added to each matrix's Frobenius norm before dividing.
-        dtype: iteration dtype, torch.float16 (default), torch.bfloat16 or torch.float32.
+        dtype: iteration dtype: None (default: torch.float16 on CUDA, torch.float32 on other
+            devices), torch.float16, torch.bfloat16 or torch.float32.
         kernel: SYRK kernel ("auto", "cublas", "quack", "cute", "cute_sm80"). "auto" honours
             the DMUON_NS_KERNEL environment variable, like ``NewtonSchulz``.
 
     Returns:
         A tensor of G's shape and dtype. A zero matrix gives zeros.
+
+    Each call runs through a ``NewtonSchulz`` kept per configuration (the arguments and the
+    current DMUON_NS_KERNEL), so repeated calls cost what calls of one instance cost, CUDA-graph
+    replay included.
     """
-    G = validate_input(G)
-    table = validate_coefficients(coefficients)
-    return orthogonalize(
-        G,
-        backend=validate_backend(backend),
-        coefficients=table,
-        restart_iterations=validate_restart_iterations(restart_iterations, len(table)),
-        eps=validate_eps(eps),
-        dtype=validate_dtype(dtype),
-        kernel=ns_syrk_kernel(canonical_kernel_name(kernel), deterministic=False),
+    return _instance_for(backend, coefficients, restart_iterations, eps, dtype, kernel)(G)
+
+
+# (backend, coefficients, restarts, eps, dtype, kernel, DMUON_NS_KERNEL) -> the instance that
+# serves newton_schulz() calls with those arguments.
+_instances: dict[tuple, NewtonSchulz] = {}
+# A bound for callers that vary the arguments without end (each instance keeps CUDA graphs).
+MAX_CACHED_INSTANCES = 64
+
+
+def _instance_for(
+    backend: object,
+    coefficients: object,
+    restart_iterations: object,
+    eps: object,
+    dtype: object,
+    kernel: object,
+) -> NewtonSchulz:
+    """The cached ``NewtonSchulz`` for these ``newton_schulz()`` arguments, built (and so
+    validated) on first use. DMUON_NS_KERNEL is part of the key: one dict lookup per call keeps a
+    changed value effective, as it is for a newly built NewtonSchulz."""
+    key = (
+        backend,
+        coefficients,
+        restart_iterations,
+        eps,
+        dtype,
+        kernel,
+        os.environ.get(NS_KERNEL_ENV),
     )
+    try:
+        instance = _instances.get(key)
+    except TypeError:  # lists as coefficients or restarts: key on their validated form
+        table = validate_coefficients(coefficients)  # type: ignore[arg-type]
+        restarts = validate_restart_iterations(restart_iterations, len(table))  # type: ignore[arg-type]
+        key = (backend, table, restarts, eps, dtype, kernel, key[-1])
+        instance = _instances.get(key)
+    if instance is None:
+        instance = NewtonSchulz(
+            backend,  # type: ignore[arg-type]
+            kernel,  # type: ignore[arg-type]
+            coefficients,  # type: ignore[arg-type]
+            restart_iterations,  # type: ignore[arg-type]
+            dtype=dtype,  # type: ignore[arg-type]
+        )
+        instance._eps = validate_eps(eps)
+        if len(_instances) >= MAX_CACHED_INSTANCES:
+            _instances.clear()
+        _instances[key] = instance
+    return instance
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -341,7 +377,8 @@ class NewtonSchulz:
         deterministic: True when asked for, or when kernel="cublas".
         coefficients: the (a, b, c) rows, one per iteration.
         restart_iterations: sorted 0-based iterations before which "gram" restarts.
-        dtype: the iteration dtype.
+        dtype: the requested iteration dtype; None (the default) means fp16 for CUDA inputs and
+            fp32 for the rest, decided per call by the input's device (``iteration_dtype``).
         config: the request as an ``NSConfig``.
     """
 
@@ -352,7 +389,7 @@ class NewtonSchulz:
         coefficients: Sequence[Sequence[float]] | None = None,
         restart_iterations: Iterable[int] | None = None,
         deterministic: bool = False,
-        dtype: torch.dtype = torch.float16,
+        dtype: torch.dtype | None = AUTO_DTYPE,
     ) -> None:
         if not isinstance(deterministic, bool):
             raise ValueError(f"deterministic must be True or False; got {deterministic!r}")
@@ -364,12 +401,14 @@ class NewtonSchulz:
             restart_iterations, len(self.coefficients)
         )
         self.dtype = validate_dtype(dtype)
+        self._eps = DEFAULT_EPS  # newton_schulz(eps=...) sets its cached instance's
         self._syrk_kernel, self.kernel_origin = ns_kernel_request(
             self.requested_kernel, self.deterministic
         )
         require_ns_kernel(self._syrk_kernel, self.kernel_origin)
+        device = default_device()
         self.kernel, self.kernel_reason = effective_kernel(
-            self._syrk_kernel, self.dtype, default_device()
+            self._syrk_kernel, self.iteration_dtype(device), device
         )
         self._graphed = GraphedFunction(self._iterate, name=f"NewtonSchulz({self.backend!r})")
 
@@ -381,8 +420,13 @@ class NewtonSchulz:
             deterministic=self.deterministic,
             coefficients=self.coefficients,
             restart_iterations=self.restart_iterations,
-            dtype=dtype_name(self.dtype),
+            dtype=AUTO_DTYPE_NAME if self.dtype is AUTO_DTYPE else dtype_name(self.dtype),
         )
+
+    def iteration_dtype(self, device: torch.device) -> torch.dtype:
+        """The dtype the iteration runs in for inputs on ``device`` (``dtype``, or for None
+        fp16 on CUDA and fp32 elsewhere)."""
+        return iteration_dtype(self.dtype, device)
 
     def __call__(self, G: Tensor) -> Tensor:
         """Orthogonalise G (m, n) or a batch (..., m, n); returns G's shape and dtype.
@@ -397,23 +441,27 @@ class NewtonSchulz:
         # Normalising writes the graph's input (fp16, rows <= cols) straight into the captured
         # graph's buffer; the output is cast back to G's dtype outside the graph, which is also
         # the copy that frees the static output for the next replay.
-        buffer = self._graphed.static_input(normalized_shape(G), self.dtype, G.device)
-        X = normalized_input(G, eps=DEFAULT_EPS, dtype=self.dtype, out=buffer)
+        dtype = self.iteration_dtype(G.device)
+        buffer = self._graphed.static_input(normalized_shape(G), dtype, G.device)
+        X = normalized_input(G, eps=self._eps, dtype=dtype, out=buffer)
         return restored_output(self._graphed(X, out_dtype=G.dtype), G)
 
     def normalized_buffer(self, shape: tuple[int, int, int], device: torch.device) -> Tensor:
         """Where a caller that normalises its own input (a fused optimizer step) writes it:
-        (B, n, m) with n <= m in ``self.dtype`` — the captured graph's input buffer when there
-        is one, so no copy is made into the graph."""
-        buffer = self._graphed.static_input(shape, self.dtype, device)
-        return torch.empty(shape, dtype=self.dtype, device=device) if buffer is None else buffer
+        (B, n, m) with n <= m in ``iteration_dtype(device)`` — the captured graph's input buffer
+        when there is one, so no copy is made into the graph."""
+        dtype = self.iteration_dtype(device)
+        buffer = self._graphed.static_input(shape, dtype, device)
+        return torch.empty(shape, dtype=dtype, device=device) if buffer is None else buffer
 
     def iterate_normalized(self, X: Tensor) -> Tensor:
-        """The iteration alone on X (B, n, m), n <= m, in ``self.dtype``, each matrix already
-        divided by its Frobenius norm + eps; returns a fresh tensor of X's shape and dtype."""
-        if X.dim() != 3 or X.dtype != self.dtype or X.shape[-2] > X.shape[-1]:
+        """The iteration alone on X (B, n, m), n <= m, in ``iteration_dtype(X.device)``, each
+        matrix already divided by its Frobenius norm + eps; returns a fresh tensor of X's shape
+        and dtype."""
+        dtype = self.iteration_dtype(X.device)
+        if X.dim() != 3 or X.dtype != dtype or X.shape[-2] > X.shape[-1]:
             raise ValueError(
-                f"iterate_normalized takes (B, n, m) with n <= m in {self.dtype}; got "
+                f"iterate_normalized takes (B, n, m) with n <= m in {dtype}; got "
                 f"{tuple(X.shape)} in {X.dtype}. Use ns(G) for inputs it should normalise itself."
             )
         return self._graphed(X)

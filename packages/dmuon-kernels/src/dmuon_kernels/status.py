@@ -50,7 +50,7 @@ def get_ns_backend(ns: NewtonSchulz | None = None) -> str:
         details += f"; set by {NS_KERNEL_ENV}"
     elif ns.kernel_origin == ORIGIN_DETERMINISTIC:
         details += f"; {ORIGIN_DETERMINISTIC}"
-    if ns.dtype not in KERNEL_DTYPES:
+    if ns.dtype is not None and ns.dtype not in KERNEL_DTYPES:  # asked for; None is no news
         details += f"; {str(ns.dtype).removeprefix('torch.')} iteration"
     if ns.kernel_origin == ORIGIN_AUTO and ns.kernel != CUBLAS:
         details += _autotune_summary(ns.kernel)

@@ -3,8 +3,10 @@
 products.
 
 Owns the three operations and the validation of their operands. Which backend computes each
-call is ``syrk.dispatch``'s decision (its docstring lists the order); the kernel names and the
-backend registry live in ``syrk.registry``; both are re-exported here. Backends live one per
+call is ``syrk.dispatch``'s decision (its docstring lists the order), taken on the first call of
+each operand signature and remembered by ``syrk._call_cache`` (a warmed call checks only alpha
+and beta, then runs the remembered backend function); the kernel names and the backend registry
+live in ``syrk.registry``; both are re-exported here. Backends live one per
 module (``cublas``, ``quack``, ``cute``). A backend is any object (usually a module) with::
 
     is_available() -> tuple[bool, str]      # (usable here?, human-readable reason)
@@ -25,6 +27,7 @@ import numbers
 
 from torch import Tensor
 
+from dmuon_kernels.syrk import _call_cache
 from dmuon_kernels.syrk._requirements import KERNEL_DTYPES
 from dmuon_kernels.syrk.dispatch import auto_candidate, resolve_kernel, sm_version
 from dmuon_kernels.syrk.registry import (
@@ -51,20 +54,27 @@ from dmuon_kernels.syrk.registry import (
 )
 
 
+def _validate_scalars(C: Tensor | None, alpha: object, beta: object) -> None:
+    """The checks a remembered signature still needs on every call: alpha and beta."""
+    for label, value in (("alpha", alpha), ("beta", beta)):
+        if type(value) is not float and (
+            isinstance(value, bool) or not isinstance(value, numbers.Real)
+        ):
+            raise ValueError(f"syrk {label} must be a real number; got {value!r}")
+    if C is None and beta != 0:
+        raise ValueError(
+            f"syrk got beta={beta!r} but no C: pass C=<(..., M, M) tensor> or leave beta=0"
+        )
+
+
 def _validate_operands(A: Tensor, C: Tensor | None, alpha: object, beta: object) -> None:
     if not isinstance(A, Tensor) or A.dim() < 2 or not A.is_floating_point():
         described = f"a {A.dim()}-D {A.dtype} tensor" if isinstance(A, Tensor) else type(A).__name__
         raise ValueError(
             f"syrk expects a floating-point tensor A of shape (..., M, K); got {described}"
         )
-    for label, value in (("alpha", alpha), ("beta", beta)):
-        if isinstance(value, bool) or not isinstance(value, numbers.Real):
-            raise ValueError(f"syrk {label} must be a real number; got {value!r}")
+    _validate_scalars(C, alpha, beta)
     if C is None:
-        if beta != 0:
-            raise ValueError(
-                f"syrk got beta={beta!r} but no C: pass C=<(..., M, M) tensor> or leave beta=0"
-            )
         return
     expected = (*A.shape[:-1], A.shape[-2])
     if not isinstance(C, Tensor) or tuple(C.shape) != expected:
@@ -93,9 +103,15 @@ def syrk(
     ``kernel_choices()``; ``syrk.dispatch`` says how it is resolved and when it falls back to
     the torch path.
     """
-    _validate_operands(A, C, alpha, beta)
-    backend = get_backend(resolve_kernel(kernel, A, C))
-    return backend.syrk(A, C, float(alpha), float(beta))
+    key = _call_cache.signature(SYRK, kernel, A, None, C)
+    run = _call_cache.lookup(key)
+    if run is None:  # a new signature: validate everything and resolve (maybe autotune)
+        _validate_operands(A, C, alpha, beta)
+        run = get_backend(resolve_kernel(kernel, A, C)).syrk
+        _call_cache.remember(key, run, A)
+    else:
+        _validate_scalars(C, alpha, beta)
+    return run(A, C, float(alpha), float(beta))
 
 
 def symmetric_product(
@@ -114,6 +130,10 @@ def symmetric_product(
     product would come back symmetrised. Kernel resolution is ``syrk``'s; a backend without
     ``symmetric_product`` runs the torch path.
     """
+    run = _call_cache.lookup(key := _call_cache.signature(SYMMETRIC_PRODUCT, kernel, A, B, C))
+    if run is not None:
+        _validate_scalars(C, alpha, beta)
+        return run(A, B, C, float(alpha), float(beta))
     _validate_operands(A, C, alpha, beta)
     if not isinstance(B, Tensor) or B.shape != A.shape or A.shape[-1] != A.shape[-2]:
         shape = tuple(B.shape) if isinstance(B, Tensor) else type(B).__name__
@@ -121,7 +141,7 @@ def symmetric_product(
             f"symmetric_product takes square A and B of the same shape; got A "
             f"{tuple(A.shape)} and B {shape}"
         )
-    return _product(SYMMETRIC_PRODUCT, kernel, A, B, C, alpha, beta)
+    return _product(SYMMETRIC_PRODUCT, kernel, A, B, C, alpha, beta, key)
 
 
 def matmul(
@@ -139,6 +159,9 @@ def matmul(
     faster GEMM than cuBLAS where one exists. Kernel resolution is ``syrk``'s; a backend without
     ``matmul`` runs the torch path.
     """
+    run = _call_cache.lookup(key := _call_cache.signature(MATMUL, kernel, A, B, C))
+    if run is not None:
+        return run(A, B, C, float(alpha), float(beta))
     if (
         not isinstance(A, Tensor)
         or not isinstance(B, Tensor)
@@ -155,18 +178,26 @@ def matmul(
     if C is not None and (not isinstance(C, Tensor) or tuple(C.shape) != expected):
         shape = tuple(C.shape) if isinstance(C, Tensor) else type(C).__name__
         raise ValueError(f"matmul C must have shape {expected}; got {shape}")
-    return _product(MATMUL, kernel, A, B, C, alpha, beta)
+    return _product(MATMUL, kernel, A, B, C, alpha, beta, key)
 
 
 def _product(
-    op: str, kernel: str, A: Tensor, B: Tensor, C: Tensor | None, alpha: float, beta: float
+    op: str,
+    kernel: str,
+    A: Tensor,
+    B: Tensor,
+    C: Tensor | None,
+    alpha: float,
+    beta: float,
+    key: _call_cache.Signature | None,
 ) -> Tensor:
     """``op`` (SYMMETRIC_PRODUCT or MATMUL) through the backend ``kernel`` resolves to, or the
-    torch path when that backend does not implement it."""
+    torch path when that backend does not implement it; remembered under ``key``."""
     backend = get_backend(resolve_kernel(kernel, A, C, op=op, B=B))
     product = getattr(backend, op, None)
     if product is None:
         product = getattr(get_backend(CUBLAS), op)
+    _call_cache.remember(key, product, A)
     return product(A, B, C, float(alpha), float(beta))
 
 

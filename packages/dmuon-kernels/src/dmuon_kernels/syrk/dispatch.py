@@ -1,8 +1,8 @@
 """Which SYRK kernel runs: the whole choice order, from the kernel argument to the autotuner.
 
 Owns every decision of the form "which backend computes this product". Newton-Schulz asks once
-per instance (``ns_kernel_request``), and every product asks again per call
-(``resolve_kernel``), in this order:
+per instance (``ns_kernel_request``), and each product once per operand signature
+(``resolve_kernel``; ``syrk._call_cache`` remembers the answer), in this order:
 
 1. a kernel name is validated first: an unknown one raises ValueError naming the choices;
 2. a kernel named by the caller (not "auto") always wins, so ``deterministic=True`` with
