@@ -294,3 +294,63 @@ def test_the_sm90_kernel_compiles_offline_for_hopper_with_every_named_configurat
 @needs_cutlass
 def test_the_sm80_kernel_compiles_offline_for_ampere_with_every_named_configuration():
     compile_offline("_cute_kernel", "sm_80", named_configs("sm80"))
+
+
+class _SignatureOnly:
+    """What the launch plan reads of A: shape, strides, dtype and device (no CUDA needed)."""
+
+    def __init__(self, *shape, dtype=torch.float16):
+        self.shape, self.dtype, self.device = torch.Size(shape), dtype, A_GPU
+
+    def stride(self):
+        return torch.empty(self.shape, device="meta").stride()
+
+
+@pytest.fixture
+def offline_hopper(monkeypatch):
+    """A Hopper with 132 SMs whose kernels 'compile' to recorded names, for the launch plan."""
+    compiled = []
+
+    class Module:
+        @staticmethod
+        def compile_syrk(dtype_name, has_c, tiles):
+            compiled.append((dtype_name, has_c, tiles))
+            return lambda *args: None
+
+    api = cute_backend._CuteApi({cute_backend.SM80: Module, cute_backend.SM90: Module}, "test")
+    monkeypatch.setattr(cute_backend, "_probe_result", api)
+    monkeypatch.setattr(cute_backend, "kernel_path", lambda device: cute_backend.SM90)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setitem(cute_backend._sm_counts, A_GPU, 132)
+    monkeypatch.setattr(cute_backend, "_plans", {})
+    monkeypatch.setattr(cute_backend, "_compiled", {})
+    return compiled
+
+
+def test_a_launch_plan_is_worked_out_once_per_signature(offline_hopper):
+    A = _SignatureOnly(4096, 4100)
+    plan = cute_backend._launch_plan(A, False, None, None)
+    assert cute_backend._launch_plan(A, False, None, None) is plan
+    tiles = cute_backend.TILE_CONFIGS["sm90_128x128_smem_flat"]
+    assert len(offline_hopper) == 1 and offline_hopper[0] == ("float16", False, tiles)
+    assert (plan.path, plan.batch, plan.M, plan.K) == ("sm90", 1, 4096, 4100)
+    assert plan.padded_shape == (4096, 4104)  # K padded to 16 bytes for TMA
+    assert plan.grid == (4104, tiles.triangle_tiles(4096))
+    assert plan.chunks == ((0, 1),) and plan.sm_count == 132
+    cute_backend._launch_plan(A, True, None, None)  # with C: its own plan and kernel
+    assert len(cute_backend._plans) == 2 and len(offline_hopper) == 2
+
+
+def test_a_launch_plan_of_the_sm80_path_pads_to_whole_tiles(offline_hopper):
+    plan = cute_backend._launch_plan(_SignatureOnly(3, 200, 777), True, None, "sm80")
+    tiles = cute_backend.TILE_CONFIGS[cute_backend.choose_config(200, 3, A_GPU, "sm80")]
+    m_tiles, k_tiles = -(-200 // tiles.tile), -(-777 // tiles.tile_k)
+    assert plan.path == "sm80" and plan.batch == 3
+    assert plan.grid == (m_tiles, k_tiles)
+    assert plan.padded_shape == (m_tiles * tiles.tile, k_tiles * tiles.tile_k)
+
+
+def test_an_invalid_config_is_refused_before_any_plan(offline_hopper):
+    with pytest.raises(ValueError, match=r"config 'sm90_64x64' belongs to path 'sm90', not"):
+        cute_backend._check_choice("sm90_64x64", "sm80")
+    assert cute_backend._plans == {}

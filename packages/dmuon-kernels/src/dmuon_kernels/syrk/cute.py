@@ -6,9 +6,11 @@ where those fill the SMs in as few rounds, see ``choose_config``), run on comput
 and ``syrk._cute_kernel`` (SM80 warp-level MMA), run on 8.x and 10.x+ (wgmma exists only on 9.x)
 and selectable on Hopper through ``path``/``config`` (so it stays tested there). The adapter
 probes that nvidia-cutlass-dsl and the GPU can run them, chooses a path and a tile configuration
-(one of ``syrk._cute_tiles.TILE_CONFIGS``) per shape class, brings operands to the layout the kernel requires, and caches compiled kernels per (tile
-configuration, dtype, with or without C, compute capability) so a warm process never recompiles.
-It is the only module that imports the kernel modules (and through them cutlass), and only on
+(one of ``syrk._cute_tiles.TILE_CONFIGS``) per shape class, brings operands to the layout the
+kernel requires, and caches compiled kernels per (tile configuration, dtype, with or without C,
+compute capability) so a warm process never recompiles, and a launch plan (configuration,
+padding, grid, batch chunks) per call signature so a warmed call queries nothing. It is the
+only module that imports the kernel modules (and through them cutlass), and only on
 first use, so importing dmuon_kernels never fails because cutlass is missing. It must not choose
 between backends (the dispatcher and the autotuner do) and must not fall back silently to
 another library.
@@ -98,10 +100,32 @@ class _CuteApi:
     cutlass_version: str
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class _LaunchPlan:
+    """Everything ``syrk`` derives from a call's signature (A's shape, strides, dtype and device,
+    with or without C, the config and path asked for): worked out once, so a warmed call makes
+    no device-capability query and chooses no configuration again."""
+
+    kernel: Callable[..., Any]
+    module: Any  # the kernel module of the path (pointer and stream helpers)
+    path: str
+    dtype_name: str
+    batch: int
+    M: int
+    K: int
+    padded_shape: tuple[int, int]  # (rows, cols) of each matrix of the buffer the kernel reads
+    grid: tuple[int, int]  # SM90: (k_pad, tiles per matrix); SM80: (m_tiles, k_tiles)
+    chunks: tuple[tuple[int, int], ...]
+    sm_count: int
+
+
 _probe_result: _CuteApi | str | None = None  # the probe runs once per process
 # (tile configuration, dtype name, with C, (major, minor)) -> compiled kernel
 _compiled: dict[tuple[str, str, bool, tuple[int, int]], Callable[..., Any]] = {}
 _sm_counts: dict[torch.device, int] = {}
+# (A shape, A strides, dtype, device, with C, config, path) -> launch plan
+_plans: dict[tuple, _LaunchPlan] = {}
+MAX_LAUNCH_PLANS = 4096
 
 
 def _probe_cutlass() -> _CuteApi | str:
@@ -193,6 +217,58 @@ def syrk(
     ``path`` or ``config`` (which implies its path) forces a kernel: "sm90" needs compute
     capability 9.x; "sm80" runs on any supported GPU (on Hopper too, which keeps it tested).
     """
+    if config is not None or path is not None:
+        _check_choice(config, path)
+    _check_operand(A, C)
+    alpha, beta = float(alpha), float(beta)
+    if beta == 0.0:
+        C = None  # beta·C with beta = 0 must not propagate NaN/inf from C, as in torch.addmm
+    M = A.shape[-2]
+    out_shape = (*A.shape[:-1], M)
+    if C is not None:
+        C = C.to(A.dtype).expand(out_shape)
+    if A.numel() == 0:
+        _api_and_path(A, config, path)  # nothing to compute, but the kernel must be runnable
+        out = torch.zeros(out_shape, dtype=A.dtype, device=A.device)
+        return out.add_(C, alpha=beta) if C is not None else out
+
+    plan = _launch_plan(A, C is not None, config, path)
+    batch, module, dtype_name = plan.batch, plan.module, plan.dtype_name
+    A_padded = _padded(A.reshape(batch, M, plan.K), *plan.padded_shape)
+    C3 = None if C is None else _contiguous_aligned(C.reshape(batch, M, M))
+    out = torch.empty((batch, M, M), dtype=A.dtype, device=A.device)
+    stream = module.stream_handle(torch.cuda.current_stream(A.device).cuda_stream)
+    with torch.cuda.device(A.device):
+        for start, stop in plan.chunks:
+            a_ptr = module.pointer(dtype_name, A_padded[start].data_ptr())
+            d_ptr = module.pointer(dtype_name, out[start].data_ptr())
+            c_ptr = d_ptr if C3 is None else module.pointer(dtype_name, C3[start].data_ptr())
+            if plan.path == SM90:
+                # persistent: at most one CTA per SM, each walking its share of the triangle
+                k_pad, tiles_per_matrix = plan.grid
+                ctas = min(plan.sm_count, tiles_per_matrix * (stop - start))
+                plan.kernel(a_ptr, d_ptr, c_ptr, M, k_pad, stop - start, ctas, alpha, beta, stream)
+            else:
+                m_tiles, k_tiles = plan.grid
+                plan.kernel(
+                    a_ptr, d_ptr, c_ptr, M, m_tiles, k_tiles, stop - start, alpha, beta, stream
+                )
+    return out.reshape(out_shape)
+
+
+def _launch_plan(A: Tensor, has_c: bool, config: str | None, path: str | None) -> _LaunchPlan:
+    """The plan for this signature, worked out (and the kernel compiled) on first use."""
+    key = (A.shape, A.stride(), A.dtype, A.device, has_c, config, path)
+    plan = _plans.get(key)
+    if plan is None:
+        if len(_plans) >= MAX_LAUNCH_PLANS:  # shapes that never repeat: start over
+            _plans.clear()
+        plan = _plans[key] = _new_launch_plan(A, has_c, config, path)
+    return plan
+
+
+def _check_choice(config: str | None, path: str | None) -> None:
+    """ValueError unless ``config`` and ``path`` name a configuration and a path that agree."""
     if config is not None and config not in TILE_CONFIGS:
         raise ValueError(
             f"config must be one of {', '.join(map(repr, TILE_CONFIGS))} or None; got {config!r}"
@@ -206,7 +282,10 @@ def syrk(
             f"config {config!r} belongs to path {TILE_CONFIGS[config].path!r}, not {path!r}; "
             "pass one of them"
         )
-    _check_operand(A, C)
+
+
+def _api_and_path(A: Tensor, config: str | None, path: str | None) -> tuple[_CuteApi, str]:
+    """The library and the path that run A; RuntimeError or ValueError when they cannot."""
     api = _cute_api()
     if isinstance(api, str):
         raise RuntimeError(f"SYRK kernel 'cute' cannot run: {api}")
@@ -220,46 +299,36 @@ def syrk(
             f"the SM90 (wgmma) kernel needs compute capability 9.x, but {A.device} is "
             f"SM{major}{minor}; use path='sm80' or leave path and config as None"
         )
-    alpha, beta = float(alpha), float(beta)
-    if beta == 0.0:
-        C = None  # beta·C with beta = 0 must not propagate NaN/inf from C, as in torch.addmm
-    M, K = A.shape[-2], A.shape[-1]
-    out_shape = (*A.shape[:-1], M)
-    if C is not None:
-        C = C.to(A.dtype).expand(out_shape)
-    if A.numel() == 0:
-        out = torch.zeros(out_shape, dtype=A.dtype, device=A.device)
-        return out.add_(C, alpha=beta) if C is not None else out
+    return api, path
 
+
+def _new_launch_plan(A: Tensor, has_c: bool, config: str | None, path: str | None) -> _LaunchPlan:
+    api, path = _api_and_path(A, config, path)
+    M, K = A.shape[-2], A.shape[-1]
     batch = math.prod(A.shape[:-2])
-    A3 = A.reshape(batch, M, K)
-    C3 = None if C is None else _contiguous_aligned(C.reshape(batch, M, M))
     name = runnable_config(config or choose_config(M, batch, A.device, path), M)
     tiles = TILE_CONFIGS[name]
-    out = torch.empty((batch, M, M), dtype=A.dtype, device=A.device)
-    kernel = _kernel(api, name, A.dtype, C3 is not None, A.device)
-    module = api.kernel_modules[tiles.path]
-    dtype_name = str(A.dtype).removeprefix("torch.")
-    stream = module.stream_handle(torch.cuda.current_stream(A.device).cuda_stream)
     if tiles.path == SM90:
         k_pad = math.ceil(K / TMA_ALIGNMENT_ELEMENTS) * TMA_ALIGNMENT_ELEMENTS
-        A_padded = _padded(A3, M, k_pad)  # TMA zero-fills the rest of the edge tiles
-        tiles_per_matrix = tiles.triangle_tiles(M)
+        padded_shape = (M, k_pad)  # TMA zero-fills the rest of the edge tiles
+        grid = (k_pad, tiles.triangle_tiles(M))
     else:
         m_tiles, k_tiles = math.ceil(M / tiles.tile), math.ceil(K / tiles.tile_k)
-        A_padded = _padded(A3, m_tiles * tiles.tile, k_tiles * tiles.tile_k)
-    with torch.cuda.device(A.device):
-        for start, stop in _batch_chunks(batch, A_padded[0].numel(), M * M):
-            a_ptr = module.pointer(dtype_name, A_padded[start].data_ptr())
-            d_ptr = module.pointer(dtype_name, out[start].data_ptr())
-            c_ptr = d_ptr if C3 is None else module.pointer(dtype_name, C3[start].data_ptr())
-            if tiles.path == SM90:
-                # persistent: at most one CTA per SM, each walking its share of the triangle
-                ctas = min(_sm_count(A.device), tiles_per_matrix * (stop - start))
-                kernel(a_ptr, d_ptr, c_ptr, M, k_pad, stop - start, ctas, alpha, beta, stream)
-            else:
-                kernel(a_ptr, d_ptr, c_ptr, M, m_tiles, k_tiles, stop - start, alpha, beta, stream)
-    return out.reshape(out_shape)
+        padded_shape = (m_tiles * tiles.tile, k_tiles * tiles.tile_k)
+        grid = (m_tiles, k_tiles)
+    return _LaunchPlan(
+        kernel=_kernel(api, name, A.dtype, has_c, A.device),
+        module=api.kernel_modules[tiles.path],
+        path=tiles.path,
+        dtype_name=str(A.dtype).removeprefix("torch."),
+        batch=batch,
+        M=M,
+        K=K,
+        padded_shape=padded_shape,
+        grid=grid,
+        chunks=tuple(_batch_chunks(batch, padded_shape[0] * padded_shape[1], M * M)),
+        sm_count=_sm_count(A.device),
+    )
 
 
 def choose_config(M: int, batch: int, device: torch.device, path: str | None = None) -> str:
