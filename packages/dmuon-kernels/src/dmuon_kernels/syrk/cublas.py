@@ -76,6 +76,24 @@ def _gemm_into(
         out.mul_(alpha)
 
 
+def _gemm(left: Tensor, right: Tensor, C: Tensor | None, alpha: float, beta: float) -> Tensor:
+    """``alpha·left·right + beta·C`` as a new tensor, for 2-D or 3-D (batched) operands: one
+    torch call, no output buffer made beforehand (the cheapest launch on the host)."""
+    if left.dim() == 2:
+        out = (
+            torch.mm(left, right)
+            if C is None
+            else torch.addmm(C, left, right, beta=beta, alpha=alpha)
+        )
+    elif C is None:
+        out = torch.bmm(left, right)
+    else:
+        out = torch.baddbmm(C, left, right, beta=beta, alpha=alpha)
+    if C is None and alpha != 1.0:
+        out.mul_(alpha)
+    return out
+
+
 def symmetric_blocked(
     left: Tensor, right: Tensor, C: Tensor | None, alpha: float, beta: float, blocks: int
 ) -> Tensor:
@@ -107,9 +125,7 @@ def _symmetric(left: Tensor, right: Tensor, C: Tensor | None, alpha: float, beta
     blocks = symmetric_block_count(M, K, batch) if left.is_cuda else 1
     if blocks > 1:
         return symmetric_blocked(left, right, C, alpha, beta, blocks)
-    out = left.new_empty((*left.shape[:-1], M))
-    _gemm_into(out, left, right, C, alpha, beta)
-    return out
+    return _gemm(left, right, C, alpha, beta)
 
 
 def _batched(t: Tensor | None) -> Tensor | None:
@@ -121,19 +137,18 @@ def syrk(A: Tensor, C: Tensor | None, alpha: float, beta: float) -> Tensor:
     """Return ``alpha·A·Aᵀ + beta·C`` for A (..., M, K) and C (..., M, M) or None."""
     A3 = _batched(A)
     out = _symmetric(A3, A3.mT, _batched(C), alpha, beta)
-    return out.reshape(*A.shape[:-1], A.shape[-2])
+    return out if A.dim() <= 3 else out.reshape(*A.shape[:-1], A.shape[-2])
 
 
 def symmetric_product(A: Tensor, B: Tensor, C: Tensor | None, alpha: float, beta: float) -> Tensor:
     """Return ``alpha·A·B + beta·C`` for square A, B, C (..., M, M) when A·B is symmetric."""
-    return _symmetric(_batched(A), _batched(B), _batched(C), alpha, beta).reshape(A.shape)
+    out = _symmetric(_batched(A), _batched(B), _batched(C), alpha, beta)
+    return out if A.dim() <= 3 else out.reshape(A.shape)
 
 
 def matmul(A: Tensor, B: Tensor, C: Tensor | None, alpha: float, beta: float) -> Tensor:
     """Return ``alpha·A·B + beta·C`` for A (..., M, K), B (..., K, N), C (..., M, N) or None."""
     if C is not None and beta == 0.0:
         C = None
-    left = _batched(A)
-    out = left.new_empty((*left.shape[:-1], B.shape[-1]))
-    _gemm_into(out, left, _batched(B), _batched(C), alpha, beta)
-    return out.reshape(*A.shape[:-1], B.shape[-1])
+    out = _gemm(_batched(A), _batched(B), _batched(C), alpha, beta)
+    return out if A.dim() <= 3 else out.reshape(*A.shape[:-1], B.shape[-1])
