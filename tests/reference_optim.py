@@ -9,7 +9,9 @@ It must not be fast, clever or shared with dmuon: no torch.optim inside, no fuse
 kernels, no import of dmuon. Orthogonalization is passed in, so the same oracle serves an fp32
 Newton-Schulz (exact comparisons) and the bf16 one of ``torch.optim.Muon``.
 
-Muon, for a parameter W of shape (m, n, ...) flattened to the matrix (m, n * ...), with gradient g:
+Muon, for a parameter W of shape (m, n, ...) flattened to the matrix (m, n * ...), with gradient g
+(a parameter named in ``expert_stacks``, of shape (E, m, n), is E matrices W[e], each updated
+below on its own, with its own momentum):
 
 1. momentum: first step ``buf = g``, then ``buf = momentum * buf + g``;
 2. Nesterov: ``u = g + momentum * buf``, else ``u = buf``;
@@ -35,7 +37,7 @@ in it, or a ``norm`` / ``*_norm`` component. ``decay_everything=True`` turns it 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 
 import torch
 from torch import Tensor
@@ -76,6 +78,7 @@ class ReferenceMuonAdamW:
         per_param: Mapping[str, Mapping[str, float]] | None = None,
         no_decay: Callable[[str], bool] | None = None,
         decay_everything: bool = False,
+        expert_stacks: Collection[str] = (),
     ) -> None:
         self.lr = lr
         self.momentum = momentum
@@ -86,6 +89,7 @@ class ReferenceMuonAdamW:
         self.adamw_eps = adamw_eps
         self.adamw_weight_decay = adamw_weight_decay
         self.orthogonalize = orthogonalize
+        self.expert_stacks = frozenset(expert_stacks)
         self.per_param = {name: dict(entry) for name, entry in (per_param or {}).items()}
         self.params: dict[str, Tensor] = dict(named_params)
         if not decay_everything:
@@ -124,10 +128,21 @@ class ReferenceMuonAdamW:
                 self._adamw_update(name, param, param.grad)
 
     def _muon_update(self, name: str, param: Tensor, grad: Tensor) -> None:
+        if name in self.expert_stacks:
+            # An (E, m, n) expert stack is E matrices: each expert slice has its own momentum
+            # (state "<name>[e]"), orthogonalization and (m, n) scale, as if it were a parameter.
+            for expert in range(param.shape[0]):
+                self._muon_matrix_update(f"{name}[{expert}]", name, param[expert], grad[expert])
+            return
+        self._muon_matrix_update(name, name, param, grad)
+
+    def _muon_matrix_update(self, key: str, name: str, param: Tensor, grad: Tensor) -> None:
+        """Muon on one matrix ``param`` (updated in place), its state under ``key``, its
+        hyperparameters under ``name``."""
         rows = param.shape[0]
         grad = grad.reshape(rows, -1)  # (m, n): trailing dims flattened into n
         columns = grad.shape[1]
-        state = self.state.setdefault(name, {})
+        state = self.state.setdefault(key, {})
         if "momentum_buffer" not in state:
             state["momentum_buffer"] = grad.clone()
         else:

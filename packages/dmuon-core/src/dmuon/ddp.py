@@ -103,6 +103,7 @@ def ignore_dedicated_in_ddp(model: nn.Module, params: dict[str, DedicatedParam])
     ignored = list(getattr(model, DDP_IGNORE_ATTR, ()))
     for name, p in params.items():
         p.placeholder._ddp_ignored = True
+        name = p.stack.fqn if p.stack is not None else name  # an expert piece: its stack's FQN
         for form in (name, "." + name) if "." not in name else (name,):
             if form not in ignored:
                 ignored.append(form)

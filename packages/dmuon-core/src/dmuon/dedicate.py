@@ -23,11 +23,17 @@ from dmuon._text import preview_names
 from dmuon.boundaries import group_by_boundary
 from dmuon.consistency import check_ranks_agree, ranks_fail_together
 from dmuon.ddp import ddp_wrappers, ignore_dedicated_in_ddp
+from dmuon.experts import (
+    ExpertStackPredicate,
+    expert_original,
+    expert_stack_names,
+    make_expert_stack,
+)
 from dmuon.hooks import DedicatedState, attach_state, find_dedicated_state, get_dedicated_state
 from dmuon.mesh import build_ownership_mesh, resolve_ownership_layout
 from dmuon.module_state import register_state_dict_hooks
 from dmuon.param import DedicatedParam, is_dedicated, make_placeholder, mark_dedicated
-from dmuon.partition import OwnerCoord, ParamSpec, layer_id_of, plan_ownership
+from dmuon.partition import OwnerCoord, ParamSpec, expert_piece_name, layer_id_of, plan_ownership
 from dmuon.policy import resolve_param_policy
 from dmuon.profile import ForwardUnshardProfile, forward_profile_requested
 from dmuon.routing import MUON_ROUTE, ROUTES, SHARDED_ADAMW_ROUTE
@@ -63,6 +69,7 @@ def dedicate_params(
     layer_id_fn: Callable[[str], str | None] | None = None,
     timeout: timedelta | None = None,
     routes: Routes | None = None,
+    expert_stacks: ExpertStackPredicate | None = None,
 ) -> dict[str, OwnerCoord]:
     """Give every parameter selected by ``predicate`` one owner rank; returns FQN -> owner.
 
@@ -97,6 +104,15 @@ def dedicate_params(
             parameter whatever the predicate says (Muon, or AdamW on the owner's fp32 master);
             ``"sharded_adamw"`` leaves it to FSDP2 and AdamW on its shards (a huge embedding,
             say). A 1-D parameter cannot take ``"muon"``. ``optimizer.routing()`` shows the result.
+        expert_stacks: which selected 3-D parameters are mixture-of-experts stacks (E, m, n),
+            ``(name, param) -> bool``. A stack is E matrices (m, n): one Newton-Schulz, one
+            momentum and the learning-rate scale of (m, n) per expert, its experts cut into
+            contiguous slices ``[start, stop)`` with one owner each (the returned map lists
+            them as ``<fqn>[start:stop]``), while the module still sees its whole (E, m, n)
+            parameter in forward and backward and checkpoints keep its FQN and shape. Default
+            (None): every selected 3-D parameter is a stack, except the weight of a torch
+            convolution (``nn.Conv1d``: (out, in, k)), which is one matrix with its trailing
+            dims flattened into columns, like any parameter of 4 or more dims.
     """
     # A setup error on one rank (its predicate raised, a bad argument) is raised on every rank
     # before any process group is created: none is left waiting for the failed rank.
@@ -104,6 +120,7 @@ def dedicate_params(
         _check_call_order(model, mesh)
         policy = resolve_param_policy(param_policy, compute_dtype)
         selected, overrides = _select(model, predicate, routes)
+        stacked = expert_stack_names(selected, expert_stacks)
         layout = resolve_ownership_layout(mesh, replicate_mesh, process_group_policy)
     if not selected:
         warnings.warn(NO_MATCH_WARNING, UserWarning, stacklevel=2)
@@ -117,11 +134,17 @@ def dedicate_params(
                 [(name, tuple(param.shape)) for name, _, _, param in selected],
             ),
             "routes": ("route overrides (routes=)", sorted(overrides.items())),
+            "expert_stacks": ("expert stacks (expert_stacks=)", stacked),
         },
     )
 
     specs = [
-        ParamSpec(name=name, shape=tuple(param.shape), layer_id=layer_id_of(name, layer_id_fn))
+        ParamSpec(
+            name=name,
+            shape=tuple(param.shape),
+            layer_id=layer_id_of(name, layer_id_fn),
+            expert_stack=name in stacked,
+        )
         for name, _, _, param in selected
     ]
     plan = plan_ownership(specs, ownership_mesh.num_shards, ownership_mesh.num_replicas)
@@ -138,6 +161,11 @@ def dedicate_params(
 
     params: dict[str, DedicatedParam] = {}
     for name, module, attr, param in selected:
+        if name in plan.expert_slices:
+            params.update(
+                _expert_pieces(name, module, attr, param, plan, ownership_mesh, policy, overrides)
+            )
+            continue
         owner = plan.owners[name]
         mark_dedicated(param)
         params[name] = DedicatedParam(
@@ -173,6 +201,46 @@ def dedicate_params(
     if not any(p.original.is_meta for p in params.values()):
         state.ensure_adopted()
     return dict(plan.owners)
+
+
+def _expert_pieces(
+    name: str, module: nn.Module, attr: str, param: nn.Parameter, plan, mesh, policy, overrides
+) -> dict[str, DedicatedParam]:
+    """The expert pieces of the stack ``name``, by piece name (see [Note: expert stacks are
+    pieces] in ``dmuon.experts``)."""
+    mark_dedicated(param)
+    param_dtype = policy.defaults.param_dtype or param.dtype
+    stack = make_expert_stack(
+        name=name,
+        module=module,
+        attr=attr,
+        param=param,
+        param_dtype=param_dtype,
+        placeholder=make_placeholder(param),
+    )
+    pieces = {}
+    for start, stop in plan.expert_slices[name]:
+        piece_name = expert_piece_name(name, start, stop)
+        owner = plan.owners[piece_name]
+        piece = DedicatedParam(
+            fqn=piece_name,
+            module=module,
+            attr=attr,
+            shape=torch.Size((stop - start, *param.shape[1:])),
+            param_dtype=param_dtype,
+            reduce_dtype=policy.defaults.reduce_dtype,
+            requires_grad=param.requires_grad,
+            owner=owner,
+            is_owner=mesh.is_me(owner),
+            placeholder=stack.placeholder,
+            original=expert_original(param, start, stop),
+            route_override=overrides.get(name),
+            stack=stack,
+            experts=(start, stop),
+        )
+        stack.pieces.append(piece)
+        pieces[piece_name] = piece
+    return pieces
 
 
 def _check_call_order(model: nn.Module, mesh) -> None:

@@ -33,6 +33,7 @@ from torch import nn
 
 from dmuon import collectives
 from dmuon.collectives import Handle
+from dmuon.experts import stacks_of
 from dmuon.mesh import OwnershipMesh
 from dmuon.param import DedicatedParam
 from dmuon.partition import OwnerCoord
@@ -75,6 +76,8 @@ class BoundaryGroup:
         self.name = name  # the module's FQN ("" for the root)
         self.module = module
         self.params = params
+        # Expert stacks among them: see [Note: expert stacks are pieces] in ``dmuon.experts``.
+        self.stacks = list(stacks_of(params).values())
         self.mesh = mesh
         self.reshard_after_forward = reshard_after_forward
         self.segments: list[Segment] = []
@@ -213,6 +216,8 @@ class BoundaryGroup:
         self.unshard()
         collectives.wait_all(self._pending_unshard)
         self._pending_unshard.clear()
+        for stack in self.stacks:  # the pieces have landed: the module's stacks take them
+            stack.fill_from_pieces()
         self.is_unsharded = True
 
     def reshard(self) -> None:
@@ -221,6 +226,8 @@ class BoundaryGroup:
         for segment in self.segments:
             if not segment.is_local:
                 _free(segment.buffer)
+        for stack in self.stacks:
+            stack.free()
         self.is_unsharded = False
 
     def register_unsharded(self) -> None:
@@ -235,6 +242,8 @@ class BoundaryGroup:
 
     def reduce_gradients(self) -> None:
         """Pack this rank's gradients per segment and start reducing them to the segment roots."""
+        for stack in self.stacks:  # an expert stack's gradient goes to its pieces' owners
+            stack.split_gradient()
         for segment in self.segments:
             message = _pack_gradients(segment.params)
             handle = collectives.reduce_sum(

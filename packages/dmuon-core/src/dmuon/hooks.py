@@ -32,6 +32,7 @@ from torch import nn
 from torch.autograd import Variable
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from dmuon.experts import expert_original, mark_expert_piece, stacks_of
 from dmuon.group import BoundaryGroup, accumulate_into_masters
 from dmuon.mesh import OwnershipMesh
 from dmuon.param import DedicatedParam
@@ -61,6 +62,7 @@ class DedicatedState:
         self.plan = plan
         self.params = params
         self.boundaries = boundaries
+        self.stacks = stacks_of(params.values())  # FQN -> expert stack (see ``dmuon.experts``)
         self.profile = profile  # forward-unshard wait counters (DMUON_RECORD_FORWARD_PROFILE=1)
         self.requires_gradient_sync = True
         self.is_adopted = False
@@ -116,6 +118,9 @@ class DedicatedState:
                     p.master.grad.zero_()
             if p.unsharded is not None:  # gradients kept locally under no_sync
                 p.unsharded.grad = None
+        for stack in self.stacks.values():
+            if stack.unsharded is not None:
+                stack.unsharded.grad = None
 
     def ensure_adopted(self) -> None:
         """Move the weights into the owners' segments (deferred for meta-device models)."""
@@ -124,7 +129,7 @@ class DedicatedState:
         for p in self.params.values():
             current = p.module._parameters[p.attr]
             if current is not p.placeholder:
-                p.original = current
+                p.original = current if p.experts is None else expert_original(current, *p.experts)
             if p.original is None or p.original.is_meta:
                 raise RuntimeError(
                     f"dedicated parameter {p.fqn!r} is still on the meta device. Materialise the "
@@ -133,9 +138,14 @@ class DedicatedState:
                 )
         for group in self.boundaries:
             group.build_segments(next(iter(group.params)).original.device)
+        for stack in self.stacks.values():
+            stack.bind(stack.pieces[0].original.device)
         for group in self.boundaries:
             group.adopt()
             group.register_placeholders()
+        for p in self.params.values():
+            if p.experts is not None and p.master is not None:
+                mark_expert_piece(p.master)  # the optimizer sees k expert matrices
         self.is_adopted = True
 
     # ---- prefetch order -------------------------------------------------------------------------

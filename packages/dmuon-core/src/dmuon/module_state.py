@@ -30,6 +30,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from dmuon.experts import ExpertStack
 from dmuon.param import DedicatedParam
 
 if TYPE_CHECKING:
@@ -49,13 +50,16 @@ STATE_DICT_NEEDS_CHECKPOINT = (
 class DedicatedEntry:
     """Stands for a dedicated parameter in a ``state_dict()`` taken by ``dmuon.checkpoint``."""
 
-    param: DedicatedParam
+    param: DedicatedParam | ExpertStack
 
 
 def register_state_dict_hooks(state: DedicatedState) -> list[torch.utils.hooks.RemovableHandle]:
-    by_module: dict[nn.Module, list[DedicatedParam]] = defaultdict(list)
+    by_module: dict[nn.Module, list[DedicatedParam | ExpertStack]] = defaultdict(list)
     for p in state.params.values():
-        by_module[p.module].append(p)
+        if p.stack is None:
+            by_module[p.module].append(p)
+    for stack in state.stacks.values():  # one entry for all of a stack's expert pieces
+        by_module[stack.module].append(stack)
     handles = []
     for module, params in by_module.items():
         handles.append(
@@ -120,7 +124,7 @@ def _state_dict_post_hook(
         if state.checkpoint_reading:
             state_dict[key] = DedicatedEntry(p)
         elif state.mesh.num_slots == 1:
-            state_dict[key] = p.master.detach().to(p.placeholder.dtype)
+            state_dict[key] = _full_value_here(p).to(p.placeholder.dtype)
         else:
             raise RuntimeError(
                 STATE_DICT_NEEDS_CHECKPOINT.format(
@@ -163,5 +167,15 @@ def _load_state_dict_pre_hook(
                 f"size mismatch for {key}: copying a param with shape {tuple(value.shape)} from "
                 f"checkpoint, the shape in current model is {tuple(p.shape)}."
             )
+        elif isinstance(p, ExpertStack):
+            for piece in p.pieces:
+                state.load_full_value(piece, value[piece.experts[0] : piece.experts[1]])
         else:
             state.load_full_value(p, value)
+
+
+def _full_value_here(p: DedicatedParam | ExpertStack) -> torch.Tensor:
+    """The full fp32 value of ``p`` on an ownership grid of one slot (this rank owns it all)."""
+    if isinstance(p, ExpertStack):
+        return torch.cat([piece.master.detach() for piece in p.pieces])
+    return p.master.detach()

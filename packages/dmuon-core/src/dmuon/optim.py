@@ -32,6 +32,7 @@ from dmuon._text import preview_names
 from dmuon.consistency import check_ranks_agree
 from dmuon.ddp import check_gradients_are_averaged
 from dmuon.dedicate import route_overrides
+from dmuon.experts import ExpertStack, is_expert_piece
 from dmuon.hooks import get_dedicated_state
 from dmuon.nonfinite import check_policy, nonfinite_gradients
 from dmuon.param import MUON_ROUTE, is_dedicated
@@ -42,6 +43,7 @@ from dmuon.routing import (
     WHY_NOT_DEDICATED,
     WHY_PREDICATE,
     WHY_ROUTES_OVERRIDE,
+    ExpertSliceOwner,
     NoDecay,
     ParamFacts,
     RoutingRow,
@@ -181,7 +183,7 @@ class Muon(torch.optim.Optimizer):
             no_decay_fqns(model, no_decay, self._facts),
         )  # fmt: skip
         torch_groups = [
-            group.torch_group([local_tensors[f] for f in group.fqns if f in local_tensors])
+            group.torch_group([t for f in group.fqns for t in _local_tensors(local_tensors, f)])
             for group in self._routing_plan.groups
         ]
         super().__init__(torch_groups, defaults={})
@@ -317,7 +319,7 @@ class Muon(torch.optim.Optimizer):
                     continue
                 if group["route"] == MUON_ROUTE:
                     self.state[param]["momentum_buffer"] = torch.zeros(
-                        _matrix_shape(param), dtype=torch.float32, device=param.device
+                        _momentum_shape(param), dtype=torch.float32, device=param.device
                     )
                 else:
                     self.state[param].update(_new_adamw_state(_local(param)))
@@ -333,34 +335,33 @@ class Muon(torch.optim.Optimizer):
         newton_schulz = self._newton_schulz
         # Newton-Schulz runs on rows <= cols, so an (m, n) and an (n, m) matrix share one
         # batched call (Llama's gate/up and down projections, say).
-        masters_by_ns_shape: dict[tuple[int, int], list[nn.Parameter]] = defaultdict(list)
+        # (master, expert): expert None for a matrix, i for expert i of an expert piece.
+        masters_by_ns_shape: dict[tuple[int, int], list[tuple[nn.Parameter, int | None]]] = (
+            defaultdict(list)
+        )
         for master in group["params"]:
             if master.grad is not None and master.numel() > 0:
                 rows, cols = _matrix_shape(master)
-                masters_by_ns_shape[(min(rows, cols), max(rows, cols))].append(master)
+                masters_by_ns_shape[(min(rows, cols), max(rows, cols))] += _matrices_of(master)
         # Momentum, Nesterov and the normalisation write the Newton-Schulz input directly (in
         # the NS dtype); decay and the scaled update go into the fp32 master in one pass.
         for (short, long), masters in masters_by_ns_shape.items():
-            inputs = newton_schulz.normalized_buffer((len(masters), short, long), masters[0].device)
-            for master, ns_input in zip(masters, inputs):
+            device = masters[0][0].device
+            inputs = newton_schulz.normalized_buffer((len(masters), short, long), device)
+            for (master, expert), ns_input in zip(masters, inputs):
                 rows, cols = _matrix_shape(master)
-                state = self.state[master]
-                first_step = "momentum_buffer" not in state
-                if first_step:
-                    state["momentum_buffer"] = torch.empty(
-                        (rows, cols), dtype=torch.float32, device=master.device
-                    )
+                first_step, momentum = _momentum_of(self.state[master], master, expert)
                 muon_momentum_normalize_(
-                    master.grad.view(rows, cols), state["momentum_buffer"], mu,
+                    _matrix(master.grad, expert), momentum, mu,
                     nesterov=group["nesterov"], first_step=first_step,
                     dtype=newton_schulz.dtype, out=_oriented(ns_input, rows > cols),
                 )  # fmt: skip
             orthogonal = newton_schulz.iterate_normalized(inputs)
-            for master, ortho in zip(masters, orthogonal):
+            for (master, expert), ortho in zip(masters, orthogonal):
                 rows, cols = _matrix_shape(master)
                 scale = _lr_scale(group["adjust_lr"], rows, cols)
                 muon_apply_update_(
-                    master.view(rows, cols), _oriented(ortho, rows > cols), lr, wd, scale
+                    _matrix(master, expert), _oriented(ortho, rows > cols), lr, wd, scale
                 )
 
     # ---- the AdamW route ------------------------------------------------------------------------
@@ -429,6 +430,12 @@ def _param_facts(model: nn.Module, dedicated) -> tuple[list[ParamFacts], dict[st
     facts: list[ParamFacts] = []
     local: dict[str, torch.Tensor] = {}
     for name, param in model.named_parameters():
+        stack = dedicated.stacks.get(name)
+        if stack is not None:  # one row for the stack; this rank's tensors: its owned pieces
+            if stack.requires_grad:
+                facts.append(_expert_stack_facts(stack, dedicated.mesh))
+                local[name] = tuple(piece.master for piece in stack.owned_pieces())
+            continue
         p = dedicated.params.get(name)
         if p is not None:
             if not p.requires_grad:
@@ -459,6 +466,28 @@ def _param_facts(model: nn.Module, dedicated) -> tuple[list[ParamFacts], dict[st
             )
             local[name] = param
     return facts, local
+
+
+def _expert_stack_facts(stack: ExpertStack, mesh) -> ParamFacts:
+    """An expert stack as one parameter of its full shape, owned slice by slice."""
+    stand_in = torch.empty(stack.shape, dtype=stack.placeholder.dtype, device="meta")
+    return ParamFacts(
+        fqn=stack.fqn,
+        shape=tuple(stack.shape),
+        route=stack.route,
+        why_route=WHY_ROUTES_OVERRIDE if stack.route_override else WHY_PREDICATE,
+        owner_rank=tuple(
+            ExpertSliceOwner(*piece.experts, mesh.global_rank(piece.owner))
+            for piece in stack.pieces
+        ),
+        stand_in=stand_in.requires_grad_(True),
+    )
+
+
+def _local_tensors(local: dict, fqn: str) -> tuple[torch.Tensor, ...]:
+    """This rank's tensors of ``fqn``: none, one, or an expert stack's owned pieces."""
+    tensors = local.get(fqn, ())
+    return tensors if isinstance(tensors, tuple) else (tensors,)
 
 
 def _log_route_summaries(rows: list[RoutingRow]) -> None:
@@ -508,8 +537,45 @@ def _lr_scale(adjust_lr: str | None, rows: int, cols: int) -> float:
 
 
 def _matrix_shape(param: torch.Tensor) -> tuple[int, int]:
-    """(m, n) of a weight, trailing dims flattened into n."""
+    """(m, n) of a weight, trailing dims flattened into n; of each expert of an expert piece."""
+    if is_expert_piece(param):
+        return param.shape[1], param.shape[2]
     return param.shape[0], param[0].numel()
+
+
+def _matrices_of(master: torch.Tensor) -> list[tuple[torch.Tensor, int | None]]:
+    """The matrices Muon orthogonalises in ``master``: itself, or each expert of an expert
+    piece (k, m, n), which gets its own Newton-Schulz, momentum and lr scale."""
+    if is_expert_piece(master):
+        return [(master, expert) for expert in range(master.shape[0])]
+    return [(master, None)]
+
+
+def _matrix(tensor: torch.Tensor, expert: int | None) -> torch.Tensor:
+    """(m, n) view of a master-shaped tensor (weight or gradient): the matrix, or one expert."""
+    return tensor.view(_matrix_shape(tensor)) if expert is None else tensor[expert]
+
+
+def _momentum_shape(master: torch.Tensor) -> tuple[int, ...]:
+    """Muon's momentum of a master: (m, n), or (k, m, n) for an expert piece."""
+    return tuple(master.shape) if is_expert_piece(master) else _matrix_shape(master)
+
+
+def _momentum_of(state: dict, master: torch.Tensor, expert: int | None):
+    """``(first_step, the (m, n) momentum buffer)`` of one matrix, created on its first step.
+
+    An expert piece keeps one (k, m, n) buffer created as zeros: ``buf = momentum * 0 + g`` is
+    exactly the first step's ``buf = g`` for each of its experts.
+    """
+    first_step = "momentum_buffer" not in state
+    if first_step:
+        create = torch.zeros if expert is not None else torch.empty
+        state["momentum_buffer"] = create(
+            _momentum_shape(master), dtype=torch.float32, device=master.device
+        )
+    if expert is None:
+        return first_step, state["momentum_buffer"]
+    return False, state["momentum_buffer"][expert]
 
 
 def _oriented(matrix: torch.Tensor, transposed: bool) -> torch.Tensor:

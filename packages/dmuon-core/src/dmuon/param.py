@@ -18,12 +18,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from dmuon.partition import OwnerCoord
 from dmuon.routing import ADAMW_ROUTE, MUON_ROUTE
+
+if TYPE_CHECKING:
+    from dmuon.experts import ExpertStack
 
 # Attribute set on every placeholder (and on a dedicated parameter awaiting adoption) so that
 # FSDP2 and the optimizer leave it alone.
@@ -133,6 +137,11 @@ class DedicatedParam:
     # ``dedicate_params(..., routes=...)``: "muon" or "adamw" chosen for this parameter (None:
     # by its shape).
     route_override: str | None = None
+    # An expert piece (see [Note: expert stacks are pieces] in ``dmuon.experts``): the stack
+    # whose experts [start, stop) it holds; ``module``/``attr`` and ``placeholder`` are the
+    # stack's, ``shape`` is (stop - start, m, n), ``original`` its experts of the stack's weight.
+    stack: ExpertStack | None = field(default=None, repr=False)
+    experts: tuple[int, int] | None = None
 
     @property
     def numel(self) -> int:
@@ -146,9 +155,15 @@ class DedicatedParam:
         return MUON_ROUTE if len(self.shape) >= 2 else ADAMW_ROUTE
 
     def register_unsharded(self) -> None:
+        if self.stack is not None:  # an expert piece: the module holds the whole stack
+            self.stack.register_unsharded()
+            return
         self.module._parameters[self.attr] = self.unsharded
 
     def register_placeholder(self) -> None:
+        if self.stack is not None:
+            self.stack.register_placeholder()
+            return
         self.module._parameters[self.attr] = self.placeholder
 
     def bind_unsharded(self, segment: torch.Tensor) -> None:

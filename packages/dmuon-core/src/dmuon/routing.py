@@ -73,6 +73,18 @@ HF_NO_DECAY_LAYER_TYPES = (nn.LayerNorm,)
 NoDecay = str | Callable[[str, torch.Tensor], bool] | None | bool
 
 
+class ExpertSliceOwner(NamedTuple):
+    """The owner of experts ``[start, stop)`` of an expert stack (its ``owner_rank`` is a tuple
+    of these, in expert order)."""
+
+    start: int
+    stop: int
+    rank: int  # global rank
+
+    def __str__(self) -> str:
+        return f"[{self.start}:{self.stop}]@{self.rank}"
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ParamFacts:
     """What every rank knows about one trainable parameter."""
@@ -81,7 +93,8 @@ class ParamFacts:
     shape: tuple[int, ...]
     route: str  # one of ROUTES
     why_route: str  # WHY_PREDICATE, WHY_ROUTES_OVERRIDE or WHY_NOT_DEDICATED
-    owner_rank: int | None  # global rank of the owner; None when not dedicated
+    # global rank of the owner; an expert stack's slices' owners; None when not dedicated
+    owner_rank: int | tuple[ExpertSliceOwner, ...] | None
     stand_in: torch.Tensor  # what predicates receive; see [Note: deciding identically ...]
 
     @property
@@ -96,7 +109,7 @@ class RoutingRow(NamedTuple):
     fqn: str
     shape: tuple[int, ...]
     route: str
-    owner_rank: int | None
+    owner_rank: int | tuple[ExpertSliceOwner, ...] | None  # see ParamFacts.owner_rank
     lr: float
     weight_decay: float
     why: str
