@@ -14,6 +14,7 @@ import os
 NS_KERNEL_ENV = "DMUON_NS_KERNEL"  # a kernel name: the Newton-Schulz "auto" override
 NS_CUDA_GRAPH_ENV = "DMUON_NS_CUDA_GRAPH"  # flag, default on: CUDA-graph replay of NS
 SYRK_AUTOTUNE_LOG_ENV = "DMUON_SYRK_AUTOTUNE_LOG"  # flag, default on: autotune progress lines
+KERNEL_CACHE_ENV = "DMUON_KERNEL_CACHE"  # flag, default on: compiled kernels kept on disk
 
 TRUE_SPELLINGS = ("1", "true", "yes", "on")
 FALSE_SPELLINGS = ("0", "false", "no", "off")

@@ -273,7 +273,7 @@ class VerdictCache:
         path = self.path
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            with _exclusive_lock(path):
+            with exclusive_lock(path):
                 merged = self._read_disk()
                 merged.update(new_verdicts)
                 document = {
@@ -282,7 +282,7 @@ class VerdictCache:
                     "gpu": self.gpu_model,
                     "verdicts": {key: merged[key].to_json() for key in sorted(merged)},
                 }
-                _atomic_write_json(path, document)
+                atomic_write_bytes(path, (json.dumps(document, indent=1) + "\n").encode())
         except OSError as exc:
             # A read-only home or a full disk must not stop training: the verdict stays in memory.
             warnings.warn(
@@ -294,14 +294,21 @@ class VerdictCache:
 
 
 @contextlib.contextmanager
-def _exclusive_lock(path: Path) -> Iterator[None]:
-    """Hold an advisory lock on ``<path>.lock`` so concurrent read-merge-writes serialise."""
+def exclusive_lock(path: Path, on_wait: Callable[[], None] | None = None) -> Iterator[None]:
+    """Hold an advisory lock on ``<path>.lock`` so concurrent read-merge-writes (or compiles of
+    one kernel) serialise across processes; released when the holder exits, even by a crash.
+    ``on_wait`` is called once before blocking when another process holds the lock."""
     if fcntl is None:
         yield
         return
     with open(path.with_name(path.name + ".lock"), "a+b") as lock_file:
         try:
-            fcntl.flock(lock_file.fileno(), fcntl.LOCK_EX)
+            try:
+                fcntl.flock(lock_file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                if on_wait is not None:
+                    on_wait()
+                fcntl.flock(lock_file.fileno(), fcntl.LOCK_EX)
         except OSError:  # a file system without flock: the atomic replace still protects readers
             yield
             return
@@ -311,13 +318,13 @@ def _exclusive_lock(path: Path) -> Iterator[None]:
             fcntl.flock(lock_file.fileno(), fcntl.LOCK_UN)
 
 
-def _atomic_write_json(path: Path, document: object) -> None:
-    """Write ``document`` to a temporary file beside ``path``, fsync it, then rename over."""
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Write ``data`` to a temporary file beside ``path``, fsync it, then rename over: readers
+    see the old file or the new one, never part of one."""
     descriptor, temporary = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
     try:
-        with os.fdopen(descriptor, "w", encoding="utf-8") as handle:
-            json.dump(document, handle, indent=1, sort_keys=False)
-            handle.write("\n")
+        with os.fdopen(descriptor, "wb") as handle:
+            handle.write(data)
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(temporary, path)

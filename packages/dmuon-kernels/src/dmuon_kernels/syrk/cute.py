@@ -36,9 +36,11 @@ What the kernels require, and what the adapter does about it:
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import importlib.util
 import math
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -63,12 +65,16 @@ from dmuon_kernels.syrk._requirements import (
     distribution_version,
     gpu_problem,
 )
+from dmuon_kernels.syrk.kernel_cache import default_kernel_cache
 
 NAME = "cute"
 CUTE_MIN_COMPUTE_CAPABILITY = (8, 0)
 CUTE_INSTALL_HINT = "pip install dmuon-kernels[cute]"
 # Bumped whenever the device code changes, so cached autotune verdicts are re-measured.
 KERNEL_REVISION = "3"
+
+# The modules whose source is the kernels' device and launch code (see _kernel_sources_digest).
+_KERNEL_SOURCE_MODULES = ("_cute_kernel", "_cute_sm90_kernel", "_cute_runtime", "_cute_tiles")
 
 _INT32_LIMIT = 2**31 - 1
 _ALIGNMENT_BYTES = 16
@@ -98,6 +104,7 @@ class _CuteApi:
 
     kernel_modules: dict[str, Any]
     cutlass_version: str
+    runtime: Any = None  # syrk._cute_runtime: exports and loads compiled kernels
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -135,7 +142,7 @@ def _probe_cutlass() -> _CuteApi | str:
     try:
         import cutlass  # noqa: F401  (first, so a broken cutlass is what the reason names)
 
-        from dmuon_kernels.syrk import _cute_kernel, _cute_sm90_kernel
+        from dmuon_kernels.syrk import _cute_kernel, _cute_runtime, _cute_sm90_kernel
     except Exception as exc:  # a broken cutlass-dsl raises anything from ImportError to OSError
         return (
             f"nvidia-cutlass-dsl is installed but failed to import ({type(exc).__name__}: "
@@ -143,7 +150,9 @@ def _probe_cutlass() -> _CuteApi | str:
             "4.5.2)"
         )
     return _CuteApi(
-        {SM80: _cute_kernel, SM90: _cute_sm90_kernel}, distribution_version("nvidia-cutlass-dsl")
+        {SM80: _cute_kernel, SM90: _cute_sm90_kernel},
+        distribution_version("nvidia-cutlass-dsl"),
+        _cute_runtime,
     )
 
 
@@ -387,7 +396,8 @@ def _sm90_large_tiling(M: int, batch: int, sm_count: int) -> str:
 def _kernel(
     api: _CuteApi, name: str, dtype: torch.dtype, has_c: bool, device: torch.device
 ) -> Callable[..., Any]:
-    """The compiled kernel for this configuration, compiled on first use."""
+    """The compiled kernel for this configuration: from memory, else from the on-disk cache
+    (``syrk.kernel_cache``), else compiled on first use (and saved for later processes)."""
     capability = torch.cuda.get_device_capability(device)
     dtype_name = str(dtype).removeprefix("torch.")
     key = (name, dtype_name, has_c, capability)
@@ -395,8 +405,53 @@ def _kernel(
     if kernel is None:
         tiles = TILE_CONFIGS[name]
         module = api.kernel_modules[tiles.path]
-        kernel = _compiled[key] = module.compile_syrk(dtype_name, has_c, tiles)
+
+        def compile_kernel() -> Callable[..., Any]:
+            return module.compile_syrk(dtype_name, has_c, tiles)
+
+        if api.runtime is None:  # no way to export: compile in every process
+            kernel = compile_kernel()
+        else:
+            kernel = default_kernel_cache().get_or_compile(
+                f"CuTe SYRK kernel {name} dtype={dtype_name} with_c={has_c}",
+                _kernel_identity(api, tiles, dtype_name, has_c, capability),
+                compile_kernel,
+                api.runtime.load_compiled,
+                api.runtime.dump_compiled,
+            )
+        _compiled[key] = kernel
     return kernel
+
+
+def _kernel_identity(
+    api: _CuteApi, tiles: TileConfig, dtype_name: str, has_c: bool, capability: tuple[int, int]
+) -> dict[str, str]:
+    """Everything a compiled kernel's object code depends on: its name in the disk cache."""
+    return {
+        "tiles": repr(tiles),
+        "dtype": dtype_name,
+        "with_c": str(has_c),
+        "arch": f"sm{capability[0]}{capability[1]}",
+        "nvidia-cutlass-dsl": api.cutlass_version,
+        "kernel_revision": KERNEL_REVISION,
+        "kernel_sources": _kernel_sources_digest(),
+    }
+
+
+_sources_digest: str | None = None
+
+
+def _kernel_sources_digest() -> str:
+    """SHA-256 of the device-code modules, so any edit to a kernel invalidates saved objects
+    (KERNEL_REVISION only when someone remembers to bump it)."""
+    global _sources_digest
+    if _sources_digest is None:
+        digest = hashlib.sha256()
+        folder = Path(__file__).resolve().parent
+        for module in _KERNEL_SOURCE_MODULES:
+            digest.update((folder / f"{module}.py").read_bytes())
+        _sources_digest = digest.hexdigest()
+    return _sources_digest
 
 
 def _batch_chunks(batch: int, a_elements: int, d_elements: int) -> list[tuple[int, int]]:
