@@ -36,6 +36,12 @@ def rank_tag() -> str:
     return f"[DMuon][rank={rank}/{world_size}] "
 
 
+def is_rank_zero() -> bool:
+    """Whether this process is rank 0 (RANK unset counts as 0): the one that prints progress
+    lines meant once per job."""
+    return os.environ.get("RANK", "0").strip() in ("", "0")
+
+
 def _make_visible_by_default() -> None:
     # Progress lines must show up without any logging set-up, but an application that configured
     # logging (a handler on the root logger) gets them through its own handlers instead.

@@ -38,6 +38,7 @@ import dataclasses
 import json
 import math
 import os
+import time
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -45,6 +46,7 @@ import torch
 from torch import Tensor
 
 from dmuon_kernels._env import NS_KERNEL_ENV
+from dmuon_kernels._log import is_rank_zero, log_rank_tagged
 from dmuon_kernels.coefficients import CoefficientTable, validate_coefficients
 from dmuon_kernels.fused import DEFAULT_NS_EPS as DEFAULT_EPS
 from dmuon_kernels.fused import normalize_cast
@@ -174,6 +176,16 @@ def gram_iteration(
             R_step = symmetric_product(R, Z, C=R, beta=a, kernel=kernel)  # R·(a·I + Z)
             R = symmetric_product(Z, R_step, C=R_step, beta=a, kernel=kernel)  # (aI+Z)R(aI+Z)
     return matmul(Q, X, kernel=kernel)
+
+
+def _normalized_shape_of(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """``normalized_shape`` for a shape alone: (n', m') or (B, n', m') with n' <= m'."""
+    if len(shape) < 2 or not all(isinstance(size, int) and size > 0 for size in shape):
+        raise ValueError(
+            f"prepare takes shapes (m, n) or (..., m, n) of positive sizes; got {shape}"
+        )
+    rows, cols = sorted(shape[-2:])
+    return (rows, cols) if len(shape) == 2 else (math.prod(shape[:-2]), rows, cols)
 
 
 def uses_gram_form(rows: int, cols: int) -> bool:
@@ -445,6 +457,39 @@ class NewtonSchulz:
         buffer = self._graphed.static_input(normalized_shape(G), dtype, G.device)
         X = normalized_input(G, eps=self._eps, dtype=dtype, out=buffer)
         return restored_output(self._graphed(X, out_dtype=G.dtype), G)
+
+    def prepare(
+        self, shapes: Iterable[Sequence[int]], device: torch.device | str | None = None
+    ) -> None:
+        """Tune and compile now what the iteration needs for inputs of these shapes ((m, n) or
+        (B, m, n), either orientation, as ``ns(G)`` or a fused step would pass them), on
+        ``device`` (default: the current CUDA device, else the CPU).
+
+        The first call of each shape does this anyway (per-shape SYRK autotune, CuTe kernel
+        compilation, both kept on disk under DMUON_CACHE_DIR for later processes); calling
+        ``prepare`` with the shapes a model has moves that cost to one announced place: rank 0
+        prints one line per shape (which, how many left) and the total time, so a long first
+        step never looks like a hang. Results never change.
+        """
+        device = default_device() if device is None else torch.device(device)
+        dtype = self.iteration_dtype(device)
+        wanted = list(dict.fromkeys(_normalized_shape_of(tuple(shape)) for shape in shapes))
+        announce = is_rank_zero()
+        start = time.perf_counter()
+        for index, shape in enumerate(wanted, 1):
+            if announce:
+                log_rank_tagged(
+                    f"Newton-Schulz prepare {index}/{len(wanted)}: shape={shape} "
+                    f"dtype={dtype_name(dtype)} ({len(wanted) - index} left after this one; "
+                    "SYRK autotune and kernel compilation on first use)"
+                )
+            X = torch.zeros(shape, dtype=dtype, device=device)
+            self._graphed(X)  # the eager first run: autotune and compilation happen here
+        if announce and wanted:
+            log_rank_tagged(
+                f"Newton-Schulz prepare done: {len(wanted)} shapes in "
+                f"{time.perf_counter() - start:.1f} s"
+            )
 
     def normalized_buffer(self, shape: tuple[int, int, int], device: torch.device) -> Tensor:
         """Where a caller that normalises its own input (a fused optimizer step) writes it:

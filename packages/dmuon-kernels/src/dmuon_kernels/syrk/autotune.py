@@ -30,6 +30,7 @@ from __future__ import annotations
 import datetime
 import math
 import os
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -143,8 +144,7 @@ def library_versions(*backend_modules: object) -> dict[str, str]:
     """The versions a verdict depends on: ours, torch, CUDA, and those the compared backends
     (candidate and baseline) report through their optional ``versions()``."""
     versions = {
-        # read from the installed metadata: importing the package from here would be a cycle
-        "dmuon-kernels": distribution_version("dmuon-kernels"),
+        "dmuon-kernels": _own_version(),
         "torch": torch.__version__,
         "cuda": str(torch.version.cuda),
     }
@@ -153,6 +153,17 @@ def library_versions(*backend_modules: object) -> dict[str, str]:
         if callable(versions_fn):
             versions.update({str(k): str(v) for k, v in versions_fn().items()})
     return versions
+
+
+def _own_version() -> str:
+    """dmuon-kernels' version: from the installed metadata, else (a source tree on PYTHONPATH,
+    as on the GPU machine) from the package already imported; never importing it from here,
+    which would be a cycle."""
+    version = distribution_version("dmuon-kernels")
+    if version == "unknown":
+        package = sys.modules.get("dmuon_kernels")
+        version = str(getattr(package, "__version__", version))
+    return version
 
 
 def verdict_key(problem: SyrkProblem, candidate: str, versions: dict[str, str]) -> str:

@@ -193,7 +193,12 @@ def versions() -> dict[str, str]:
     api = _cute_api()
     if isinstance(api, str):
         return {}
-    return {"nvidia-cutlass-dsl": api.cutlass_version, "dmuon-cute-kernel": KERNEL_REVISION}
+    return {
+        "nvidia-cutlass-dsl": api.cutlass_version,
+        "dmuon-cute-kernel": KERNEL_REVISION,
+        # any edit of the kernel code re-measures, even when nobody bumped KERNEL_REVISION
+        "dmuon-cute-sources": _kernel_sources_digest()[:16],
+    }
 
 
 def shape_class(M: int, batch: int, device: torch.device) -> str:
