@@ -11,15 +11,18 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import warnings
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 import dmuon
+import dmuon.checkpoint as dckpt
 from dmuon.hooks import get_dedicated_state
 from dmuon_kernels.newton_schulz import NewtonSchulz, newton_schulz
 from tests.distributed.models import batches, loss_fn, rank_rows
@@ -185,3 +188,108 @@ def _stack_seen_in_forward(model, runner) -> dict:
         runner(batches(1, dist.get_world_size())[0][:1])
     handle.remove()
     return seen
+
+
+# ---- checkpoints --------------------------------------------------------------------------
+
+GLOBAL_ROWS = 12  # divisible by every world size the checkpoint tests use (1, 2, 4)
+CHECKPOINT_STEPS = 8
+FULL_ON_FIRST_RANK = StateDictOptions(full_state_dict=True, cpu_offload=True)
+
+
+def _checkpoint_build(replicas: int):
+    """The MoE model on ``replicas`` (0: one process, ``mesh=None``), fully sharded."""
+    if dist.is_initialized():
+        model, _, optimizer, _ = build(MoEConfig(replicas=replicas))
+        return model, optimizer
+    model = make_model(MoEConfig())
+    dmuon.dedicate_params(model, None, moe_predicate)
+    optimizer = dmuon.Muon(
+        model,
+        lr=LR,
+        weight_decay=WEIGHT_DECAY,
+        ns_backend=NewtonSchulz(dtype=torch.float32, kernel="cublas"),
+    )
+    return model, optimizer
+
+
+def _checkpoint_train(model, optimizer, steps: range) -> None:
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    every = batches(CHECKPOINT_STEPS, 1, per_rank=GLOBAL_ROWS)
+    for step in steps:
+        loss_fn(model, rank_rows(every[step], rank, world)).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+def _full_state(model, optimizer) -> dict:
+    """The full model and optimizer state on the first rank ({} elsewhere)."""
+    model_sd, optim_sd = dckpt.get_state_dict(model, optimizer, options=FULL_ON_FIRST_RANK)
+    return {"model": model_sd, "optim": optim_sd.get("state", {})}
+
+
+def save_midway_and_finish(path: str, replicas: int = 1, save_at: int = 4) -> dict:
+    """Train, save a sharded checkpoint at ``save_at``, train on: the uninterrupted run."""
+    model, optimizer = _checkpoint_build(replicas)
+    _checkpoint_train(model, optimizer, range(save_at))
+    model_sd, optim_sd = dckpt.get_state_dict(model, optimizer)
+    dckpt.save({"model": model_sd, "optim": optim_sd}, path)
+    _checkpoint_train(model, optimizer, range(save_at, CHECKPOINT_STEPS))
+    return _full_state(model, optimizer)
+
+
+def resume_and_finish(path: str, replicas: int = 1, save_at: int = 4) -> dict:
+    """A fresh model and optimizer loaded from ``path`` (any layout), trained to the end."""
+    model, optimizer = _checkpoint_build(replicas)
+    model_sd, optim_sd = dckpt.get_state_dict(model, optimizer)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # every entry loads: no optimizer state starts fresh
+        dckpt.load({"model": model_sd, "optim": optim_sd}, path)
+        dckpt.set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
+    _checkpoint_train(model, optimizer, range(save_at, CHECKPOINT_STEPS))
+    return _full_state(model, optimizer)
+
+
+def state_dict_layout(replicas: int = 1) -> dict:
+    """What each kind of state dict holds for the expert stacks after two steps."""
+    model, optimizer = _checkpoint_build(replicas)
+    _checkpoint_train(model, optimizer, range(2))
+    full = _full_state(model, optimizer)
+    sharded_model, sharded_optim = dckpt.get_state_dict(model, optimizer)
+    stacks = list(get_dedicated_state(model).stacks)
+    return {
+        "full_model": {key: tuple(value.shape) for key, value in full["model"].items()},
+        "full_momentum": {
+            name: tuple(full["optim"][name]["momentum_buffer"].shape)
+            for name in stacks
+            if name in full["optim"]
+        },
+        "sharded_model": {
+            name: (
+                type(sharded_model[name]).__name__,
+                tuple(sharded_model[name].shape),
+                _local_expert_ranges(sharded_model[name]),
+            )
+            for name in stacks
+            if name in sharded_model
+        },
+        "sharded_momentum": {
+            name: _local_expert_ranges(sharded_optim["state"][name]["momentum_buffer"])
+            for name in stacks
+            if name in sharded_optim["state"]
+        },
+        "owned": sorted(p.fqn for p in get_dedicated_state(model).iter_owned_masters()),
+        "groups": [sorted(group["params"]) for group in sharded_optim["param_groups"]],
+    }
+
+
+def _local_expert_ranges(value) -> list[tuple[int, int]]:
+    """The expert ranges a sharded value holds on this rank (its local shards' offsets)."""
+    local = getattr(value, "_local_tensor", None)
+    if hasattr(local, "local_shards"):
+        return sorted(
+            (offsets[0], offsets[0] + len(shard))
+            for shard, offsets in zip(local.local_shards(), local.local_offsets())
+        )
+    return [(0, value.shape[0])]

@@ -9,9 +9,10 @@ no_sync accumulation and DDP.
 from __future__ import annotations
 
 import pytest
+import torch
 
 from tests.distributed import scenarios_moe as scenarios
-from tests.distributed.models_moe import DIM, HIDDEN, NUM_EXPERTS
+from tests.distributed.models_moe import DIM, HIDDEN, NUM_EXPERTS, MoEDecoder
 
 # fp32 Newton-Schulz: dmuon and the reference differ only by the order of float additions.
 FP32_TOLERANCE = 1e-5
@@ -75,3 +76,83 @@ def test_expert_stacks_in_hsdp_2x2_train_like_the_reference(pool4):
 )
 def test_expert_stacks_train_like_the_reference_on_every_path(pool2, options):
     assert_matches_reference(pool2.run(scenarios.train_against_reference, steps=4, **options))
+
+
+# ---- checkpoints ----------------------------------------------------------------------------
+
+# (world size, replicas); replicas 0 is one process without torch.distributed.
+CHECKPOINT_LAYOUTS = {"1d-4": (4, 1), "1d-2": (2, 1), "hsdp-2x2": (4, 2), "one-process": (1, 0)}
+
+
+def run_layout(gloo_pool, layout: str, scenario, **kwargs):
+    world, replicas = CHECKPOINT_LAYOUTS[layout]
+    if replicas == 0:
+        return scenario(replicas=0, **kwargs)
+    return gloo_pool(world).run(scenario, replicas=replicas, **kwargs)[0]
+
+
+def max_relative_difference(actual: dict, expected: dict) -> float:
+    assert actual.keys() == expected.keys()
+    return max(
+        ((actual[k] - expected[k]).norm() / expected[k].norm().clamp_min(1e-30)).item()
+        for k in expected
+    )
+
+
+@pytest.fixture(scope="module")
+def moe_checkpoints(gloo_pool, tmp_path_factory):
+    """Per saving layout: the checkpoint midway and the uninterrupted run's final state."""
+    made = {}
+
+    def checkpoint_of(layout: str):
+        if layout not in made:
+            path = str(tmp_path_factory.mktemp("moe-checkpoints") / layout)
+            made[layout] = (
+                path,
+                run_layout(gloo_pool, layout, scenarios.save_midway_and_finish, path=path),
+            )
+        return made[layout]
+
+    return checkpoint_of
+
+
+def test_expert_stacks_resume_on_the_same_layout_bit_identically(gloo_pool, moe_checkpoints):
+    path, uninterrupted = moe_checkpoints("1d-4")
+    resumed = run_layout(gloo_pool, "1d-4", scenarios.resume_and_finish, path=path)
+    for part in ("model", "optim"):
+        assert resumed[part].keys() == uninterrupted[part].keys()
+    for key, value in uninterrupted["model"].items():
+        assert torch.equal(resumed["model"][key], value), key
+
+
+@pytest.mark.parametrize(
+    ("saved_on", "resumed_on"),
+    [("1d-4", "1d-2"), ("1d-4", "one-process"), ("1d-2", "hsdp-2x2"), ("one-process", "1d-4")],
+)
+def test_expert_stacks_resume_on_another_layout_like_the_uninterrupted_run(
+    gloo_pool, moe_checkpoints, saved_on, resumed_on
+):
+    path, uninterrupted = moe_checkpoints(saved_on)
+    resumed = run_layout(gloo_pool, resumed_on, scenarios.resume_and_finish, path=path)
+    assert max_relative_difference(resumed["model"], uninterrupted["model"]) < FP32_TOLERANCE
+    for stack in STACKS:
+        momentum = resumed["optim"][stack]["momentum_buffer"]
+        expected = uninterrupted["optim"][stack]["momentum_buffer"]
+        assert ((momentum - expected).norm() / expected.norm()).item() < FP32_TOLERANCE
+
+
+def test_a_stack_keeps_the_plain_models_key_and_shape_in_every_state_dict(pool4):
+    results = pool4.run(scenarios.state_dict_layout)
+    plain = {name: tuple(p.shape) for name, p in MoEDecoder().named_parameters()}
+    assert results[0]["full_model"] == plain
+    assert results[0]["full_momentum"] == {stack: plain[stack] for stack in STACKS}
+    for rank, result in enumerate(results):
+        # Sharded: each rank holds its own two experts of every stack, in a DTensor of the
+        # stack's full shape.
+        expected = {
+            stack: ("DTensor", plain[stack], [(2 * rank, 2 * rank + 2)]) for stack in STACKS
+        }
+        assert result["sharded_model"] == expected
+        assert result["sharded_momentum"] == {stack: [(2 * rank, 2 * rank + 2)] for stack in STACKS}
+        assert all(stack in result["groups"][0] for stack in STACKS)
+        assert not any("[" in name for group in result["groups"] for name in group)

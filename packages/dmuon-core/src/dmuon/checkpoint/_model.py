@@ -20,6 +20,8 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.nn.modules.module import _IncompatibleKeys
 
 from dmuon.checkpoint._context import CheckpointContext, checkpoint_context
+from dmuon.checkpoint._experts import load_stack_values, stack_model_entry, stack_value_error
+from dmuon.experts import ExpertStack
 from dmuon.module_state import DedicatedEntry, dedicated_entries_applied, entries_as_markers
 
 
@@ -46,6 +48,8 @@ def get_model_state_dict(
 
 
 def _entry(ctx: CheckpointContext, value: object) -> object | None:
+    if isinstance(value, DedicatedEntry) and isinstance(value.param, ExpertStack):
+        return stack_model_entry(ctx, value.param)  # one (E, m, n) entry, see ``_experts``
     if isinstance(value, DedicatedEntry):
         p = value.param
         if ctx.full:
@@ -81,8 +85,22 @@ def set_model_state_dict(
     to_load: dict[str, object] = {}
     masters: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
     missing, unexpected, errors = [], [], []
+    stacks: list[tuple[ExpertStack, torch.Tensor]] = []
     for key, target in current.items():
         value = model_state_dict.get(key)
+        if isinstance(target, DedicatedEntry) and isinstance(target.param, ExpertStack):
+            stack = target.param
+            to_load[key] = stack.placeholder  # keeps load_state_dict's strict check quiet
+            if not stack.owned_pieces():
+                continue  # the owners of its pieces load it
+            if value is None:
+                if key not in frozen:
+                    missing.append(key)
+            elif (error := stack_value_error(key, stack, value)) is not None:
+                errors.append(error)
+            else:
+                stacks.append((stack, value))
+            continue
         if isinstance(target, DedicatedEntry):
             p = target.param
             to_load[key] = p.placeholder  # keeps load_state_dict's strict check quiet
@@ -112,6 +130,7 @@ def set_model_state_dict(
     with torch.no_grad():
         for master, value in masters:
             master.copy_(value)
+    load_stack_values(stacks)
     with dedicated_entries_applied(ctx.state):
         model.load_state_dict(to_load, strict=False)
     ctx.state.publish_masters()

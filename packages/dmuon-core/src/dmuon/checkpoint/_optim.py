@@ -30,6 +30,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from dmuon._text import preview_names
 from dmuon.checkpoint._context import CheckpointContext, checkpoint_context
+from dmuon.checkpoint._experts import load_piece_state, stack_optimizer_entries
 from dmuon.optim import Muon
 
 _STATE = "state"
@@ -89,6 +90,9 @@ def set_optimizer_state_dict(
             if not set(target) <= set(entries):
                 fresh.append(fqn)
                 continue
+            if fqn in params.stacks:  # an expert piece: its experts of each saved entry
+                load_piece_state(params.pieces[id(param)], target, entries)
+                continue
             for name, tensor in target.items():
                 tensor.copy_(_local_value(param, tensor, entries[name]))
     _load_hyperparameters(optimizer, params.global_groups, saved[_GROUPS])
@@ -114,10 +118,17 @@ class _ParamIndex:
         self.ctx = ctx
         self.optimizer = optimizer
         self.dedicated = {p.fqn: p for p in ctx.state.params.values()}
+        # Expert stacks: one FQN for the masters of their owned pieces (see ``_experts``).
+        self.stacks = ctx.state.stacks
+        self.pieces = {id(p.master): p for p in self.dedicated.values() if p.stack is not None}
         self.fqn_of: dict[int, str] = {}
         self.canonical_order: list[str] = []
         for name, param in model.named_parameters():
             self.canonical_order.append(name)
+            if name in self.stacks:
+                for piece in self.stacks[name].owned_pieces():
+                    self.fqn_of[id(piece.master)] = name
+                continue
             if name in self.dedicated:
                 p = self.dedicated[name]
                 if p.master is not None:
@@ -157,6 +168,8 @@ class _ParamIndex:
     def entries(self, fqn: str) -> dict[str, object] | None:
         """This rank's entries for ``fqn`` in the state dict being built (None: no entry)."""
         ctx = self.ctx
+        if fqn in self.stacks:
+            return stack_optimizer_entries(ctx, self.stacks[fqn], self.optimizer.state, self.schema)
         p = self.dedicated.get(fqn)
         if p is not None and ctx.full:
             return self._gathered_from_owner(fqn, p)

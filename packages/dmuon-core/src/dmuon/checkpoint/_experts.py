@@ -1,0 +1,196 @@
+"""Expert stacks in ``dmuon.checkpoint``: one entry of the stack's FQN and (E, m, n) shape.
+
+A stack is dedicated as expert pieces with different owners ([Note: expert stacks are pieces] in
+``dmuon.experts``); a checkpoint keeps the plain model's key and shape for it, in the model state
+dict and for each tensor of its optimizer state (Muon's momentum, AdamW's moments):
+
+- sharded: a value of the stack's full shape whose local shards are the pieces' tensors this
+  rank owns, ``[start, stop)`` along the expert dim (see [Note: sharded stacks]). Every owner
+  writes its experts once, and ``torch.distributed.checkpoint.load`` reads the experts of any
+  saved layout (other slices, one process) straight into them. A stack of one piece (one owner
+  slot) is its plain tensor. A 0-dim entry (AdamW's ``step``, the same for every piece) is the
+  first owned piece's.
+- full: each piece gathered from its owner (one piece in flight at a time), concatenated on the
+  ranks that keep full tensors.
+
+It must not know the layout of the state dicts around the entries (``_model`` and ``_optim``).
+
+[Note: sharded stacks]
+The pieces of a stack are contiguous expert ranges placed by the partition, not the even chunks
+of a ``Shard(0)`` placement, so a plain DTensor cannot describe them, and ``ShardedTensor`` is
+deprecated (every torch function on it warns). A sharded stack is a ``DTensor`` over the
+ownership grid's ranks whose local tensor is torch's ``LocalShardsWrapper`` (the checkpoint
+protocol's holder of arbitrary local chunks): DCP takes its chunks, offsets included, from the
+wrapper, writes and reads them in place, and sees the DTensor's global shape. Nothing but DCP
+and ``piece_value`` should compute with it.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor._shards_wrapper import LocalShardsWrapper
+
+from dmuon.checkpoint._context import CheckpointContext
+from dmuon.experts import ExpertStack
+from dmuon.param import DedicatedParam
+
+# ---- the model's weights --------------------------------------------------------------------
+
+
+def stack_model_entry(ctx: CheckpointContext, stack: ExpertStack) -> object | None:
+    """The stack's entry in a model state dict on this rank (None: no entry here)."""
+    dtype = stack.placeholder.dtype
+    if ctx.full:
+        return _gathered(
+            ctx,
+            stack,
+            {piece: piece.master.detach().to(dtype) for piece in stack.owned_pieces()},
+            shape_of=lambda piece: tuple(piece.shape),
+            dtype=dtype,
+        )
+    return _sharded(ctx, stack, {piece: piece.master.detach() for piece in stack.owned_pieces()})
+
+
+def stack_value_error(key: str, stack: ExpertStack, value: object) -> str | None:
+    shape = tuple(value.shape) if isinstance(value, torch.Tensor) else None
+    if shape != tuple(stack.shape):
+        return (
+            f"size mismatch for {key}: the state dict has shape {shape}, the model "
+            f"{tuple(stack.shape)}"
+        )
+    return None
+
+
+def load_stack_values(values: list[tuple[ExpertStack, torch.Tensor]]) -> None:
+    """Copy each stack's value into the masters of the pieces this rank owns."""
+    with torch.no_grad():
+        for stack, value in values:
+            for piece in stack.owned_pieces():
+                piece.master.copy_(piece_value(piece, value))
+
+
+# ---- the optimizer's state ------------------------------------------------------------------
+
+
+def stack_optimizer_entries(
+    ctx: CheckpointContext,
+    stack: ExpertStack,
+    optimizer_state: dict,
+    schema: dict[str, list[tuple[str, tuple[int, ...], torch.dtype, bool]]],
+) -> dict[str, object] | None:
+    """The stack's entries in an optimizer state dict on this rank (None: no entry here).
+
+    ``schema`` is every owner's ``(name, shape, dtype, on_cpu)`` of each piece's state, by piece
+    name (full state dicts only: the ranks that own nothing learn the shapes from it).
+    """
+    owned = {
+        piece: optimizer_state[piece.master]
+        for piece in stack.owned_pieces()
+        if piece.master in optimizer_state
+    }
+    entries: dict[str, object] = {}
+    if ctx.full:
+        first = schema.get(stack.pieces[0].fqn, [])
+        for name, _, dtype, on_cpu in first:
+            shapes = {
+                piece.fqn: dict((n, s) for n, s, _, _ in schema.get(piece.fqn, []))[name]
+                for piece in stack.pieces
+            }
+            full = _gathered(
+                ctx,
+                stack,
+                {piece: state[name] for piece, state in owned.items()},
+                shape_of=lambda piece, shapes=shapes: shapes[piece.fqn],
+                dtype=dtype,
+            )
+            if full is not None:
+                entries[name] = full.cpu() if on_cpu else full
+        return entries or None
+    if not owned:
+        return None
+    for name, tensor in next(iter(owned.values())).items():
+        if tensor.ndim == 0:
+            entries[name] = ctx.offloaded(tensor)
+        else:
+            entries[name] = _sharded(ctx, stack, {p: state[name] for p, state in owned.items()})
+    return entries
+
+
+def load_piece_state(piece: DedicatedParam, target: dict, entries: dict) -> None:
+    """Copy a piece's experts of each saved entry of its stack into its state ``target``."""
+    for name, tensor in target.items():
+        value = entries[name]
+        if not isinstance(value, torch.Tensor):
+            value = torch.as_tensor(value, dtype=tensor.dtype)
+        tensor.copy_(value if tensor.ndim == 0 else piece_value(piece, value))
+
+
+def piece_value(piece: DedicatedParam, value: torch.Tensor) -> torch.Tensor:
+    """Experts ``[start, stop)`` of a stack's value: a slice of a full tensor, or this rank's
+    shard of a sharded value ``dmuon.checkpoint`` built on this layout."""
+    start, stop = piece.experts
+    local = value._local_tensor if isinstance(value, DTensor) else None
+    if not isinstance(local, LocalShardsWrapper):
+        return value[start:stop]
+    for shard, offsets in zip(local.local_shards(), local.local_offsets()):
+        if offsets[0] == start and len(shard) == stop - start:
+            return shard
+    raise ValueError(
+        f"dmuon.checkpoint: the sharded value given for {piece.stack.fqn} holds no shard of "
+        f"experts [{start}, {stop}) on this rank; load sharded checkpoints into the state dict "
+        "dmuon.checkpoint.get_state_dict returns on this layout, or pass a full tensor."
+    )
+
+
+# ---- building the values --------------------------------------------------------------------
+
+
+def _gathered(
+    ctx: CheckpointContext,
+    stack: ExpertStack,
+    owned: dict[DedicatedParam, torch.Tensor],
+    *,
+    shape_of,
+    dtype: torch.dtype,
+) -> torch.Tensor | None:
+    """The full (E, ...) tensor from each piece's owner, on the ranks that keep full tensors."""
+    parts = []
+    for piece in stack.pieces:
+        part = ctx.full_from_owner(ctx.owner_rank(piece), owned.get(piece), shape_of(piece), dtype)
+        if part is not None:
+            parts.append(part)
+    if not parts:
+        return None
+    if parts[0].ndim == 0:  # a per-piece scalar (AdamW's step): the same in every piece
+        return parts[0]
+    return torch.cat(parts)
+
+
+def _sharded(
+    ctx: CheckpointContext, stack: ExpertStack, owned: dict[DedicatedParam, torch.Tensor]
+) -> torch.Tensor | None:
+    """The (E, ...) value whose local shards are ``owned`` (piece -> its tensor); see [Note:
+    sharded stacks]."""
+    if not owned:
+        return None
+    if len(stack.pieces) == 1:
+        return ctx.offloaded(owned[stack.pieces[0]])
+    pieces = sorted(owned, key=lambda piece: piece.experts[0])
+    tensors = [ctx.offloaded(owned[piece]) for piece in pieces]
+    trailing = (0,) * (tensors[0].ndim - 1)
+    local = LocalShardsWrapper(tensors, [(piece.experts[0], *trailing) for piece in pieces])
+    mesh = DeviceMesh.from_group(ctx.group, tensors[0].device.type)
+    shape = torch.Size([stack.num_experts, *tensors[0].shape[1:]])
+    return DTensor.from_local(
+        local, mesh, [Shard(0)], run_check=False, shape=shape, stride=_contiguous_strides(shape)
+    )
+
+
+def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= size
+    return tuple(reversed(strides))
