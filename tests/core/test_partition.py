@@ -460,3 +460,25 @@ def test_spec_shape_sequences_are_normalised_to_tuples():
 def test_non_spec_entries_are_rejected():
     with pytest.raises(TypeError, match=r"specs\[0\] is tuple \('w', \(4, 4\)\), not a ParamSpec"):
         plan_ownership([("w", (4, 4))], 2)
+
+
+def test_tensor_parallel_slots_spread_the_newton_schulz_work_over_dp_x_tp():
+    # 2 shards x 2 TP ranks: 4 slots; Llama-shaped matrices spread over all four, each TP
+    # coordinate takes half the work, and slot i is (i % 2, 0, i // 2).
+    specs = make_param_specs(llama_named_shapes(8, 1024, 256, 2816, norms=False))
+    plan = plan_ownership(specs, 2, num_tp=2, small_param_numel=0)
+    assert plan.num_slots == 4 and len(plan.loads) == 4
+    assert [plan.owner_of_slot(i) for i in range(4)] == [
+        OwnerCoord(0, 0, 0), OwnerCoord(1, 0, 0), OwnerCoord(0, 0, 1), OwnerCoord(1, 0, 1)
+    ]  # fmt: skip
+    assert all(plan.slot_of(plan.owner_of_slot(i)) == i for i in range(4))
+    assert {owner.tp for owner in plan.owners.values()} == {0, 1}
+    assert plan.imbalance < 1.1
+    assert "G=2 x R=1 x TP=2" in plan.describe()
+    # Without TP the coordinate reads as before.
+    assert repr(plan_ownership(specs, 2).owners[specs[0].name]).endswith("replicate=0)")
+
+
+def test_num_tp_is_checked_like_the_grid_sizes():
+    with pytest.raises(ValueError, match="num_tp must be >= 1, got 0; pass the size of the tensor"):
+        plan_ownership([], 2, num_tp=0)

@@ -13,6 +13,9 @@ import warnings
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor.parallel import parallelize_module
 
 import dmuon
 import dmuon.checkpoint as dckpt
@@ -20,6 +23,7 @@ from dmuon.hooks import get_dedicated_state
 from dmuon_kernels.newton_schulz import NewtonSchulz
 from tests.distributed.models import TinyDecoder, batches, loss_fn, proj_predicate, rank_rows
 from tests.distributed.scenarios_protocol import dedicate_and_shard
+from tests.distributed.scenarios_tensor_parallel import tensor_parallel_plan
 
 GLOBAL_ROWS = 24  # divisible by every world size the tests use (1, 2, 3, 4, 8)
 STEPS = 10
@@ -30,10 +34,14 @@ def _distributed() -> bool:
     return dist.is_initialized() and dist.get_world_size() > 1
 
 
-def build(replicas: int = 1, predicate=proj_predicate, model_kwargs: dict | None = None):
+def build(
+    replicas: int = 1, predicate=proj_predicate, model_kwargs: dict | None = None, tp: int = 1
+):
     torch.manual_seed(0)
     model = TinyDecoder(**(model_kwargs or {}))
-    if _distributed():
+    if tp > 1:
+        _tensor_parallel(model, tp, predicate)
+    elif _distributed():
         dedicate_and_shard(model, "cpu", replicas, reshard_after_forward=True, predicate=predicate)
     else:
         dmuon.dedicate_params(model, None, predicate)
@@ -46,9 +54,21 @@ def build(replicas: int = 1, predicate=proj_predicate, model_kwargs: dict | None
     return model, optimizer
 
 
+def _tensor_parallel(model, tp: int, predicate) -> None:
+    """dp x tp: torch's colwise/rowwise plan on the "tp" dim, dmuon and FSDP2 on "dp"."""
+    mesh = init_device_mesh("cpu", (dist.get_world_size() // tp, tp), mesh_dim_names=("dp", "tp"))
+    parallelize_module(model, mesh["tp"], tensor_parallel_plan(sequence_parallel=False))
+    dmuon.dedicate_params(model, mesh["dp"], predicate)
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"])
+
+
 def train(model, optimizer, steps: range) -> list[float]:
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    world = dist.get_world_size() if dist.is_initialized() else 1
+    # The data is split over the ownership grid (TP peers see the same rows).
+    grid = sorted(r for row in get_dedicated_state(model).mesh.rank_grid for r in row)
+    rank = grid.index(dist.get_rank()) if dist.is_initialized() else 0
+    world = len(grid)
     every = batches(STEPS, 1, per_rank=GLOBAL_ROWS)
     losses = []
     for step in steps:
@@ -65,9 +85,9 @@ def full_weights(model) -> dict[str, torch.Tensor]:
     return dckpt.get_model_state_dict(model, options=FULL_ON_FIRST_RANK)
 
 
-def save_midway_and_finish(path: str, replicas: int = 1, save_at: int = 5) -> dict:
+def save_midway_and_finish(path: str, replicas: int = 1, save_at: int = 5, tp: int = 1) -> dict:
     """Train ``save_at`` steps, save, train to ``STEPS``: the uninterrupted run and its checkpoint."""
-    model, optimizer = build(replicas)
+    model, optimizer = build(replicas, tp=tp)
     train(model, optimizer, range(save_at))
     model_sd, optim_sd = dckpt.get_state_dict(model, optimizer)
     dckpt.save({"model": model_sd, "optim": optim_sd}, path)
@@ -75,9 +95,9 @@ def save_midway_and_finish(path: str, replicas: int = 1, save_at: int = 5) -> di
     return {"weights": full_weights(model)}
 
 
-def resume_and_finish(path: str, replicas: int = 1, save_at: int = 5) -> dict:
+def resume_and_finish(path: str, replicas: int = 1, save_at: int = 5, tp: int = 1) -> dict:
     """A fresh model and optimizer, loaded from ``path``, trained to ``STEPS``."""
-    model, optimizer = build(replicas)
+    model, optimizer = build(replicas, tp=tp)
     model_sd, optim_sd = dckpt.get_state_dict(model, optimizer)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # a resume on another layout loads every entry
@@ -88,9 +108,9 @@ def resume_and_finish(path: str, replicas: int = 1, save_at: int = 5) -> dict:
     return {"weights": full_weights(model), "lrs": lrs}
 
 
-def state_dict_shapes(replicas: int = 1) -> dict:
+def state_dict_shapes(replicas: int = 1, tp: int = 1) -> dict:
     """Keys and shapes of the full model state dict, and what plain paths do on this model."""
-    model, optimizer = build(replicas)
+    model, optimizer = build(replicas, tp=tp)
     train(model, optimizer, range(2))
     full = full_weights(model)
     _, optim_full = dckpt.get_state_dict(model, optimizer, options=FULL_ON_FIRST_RANK)

@@ -16,8 +16,16 @@ from tests.distributed.pool import WorkerCrash
 
 FP32_TOLERANCE = 1e-5
 
-# (world size, replicas): 1-D over 4 ranks, HSDP 2 x 2.
-LAYOUTS = {"1d-4": (4, 1), "hsdp-2x2": (4, 2), "1d-2": (2, 1), "1d-3": (3, 1), "1d-8": (8, 1)}
+# (world size, replicas, tensor-parallel size): 1-D over 4 ranks, HSDP 2 x 2, dp 2 x tp 2, ...
+LAYOUTS = {
+    "1d-4": (4, 1, 1),
+    "hsdp-2x2": (4, 2, 1),
+    "1d-2": (2, 1, 1),
+    "1d-3": (3, 1, 1),
+    "1d-8": (8, 1, 1),
+    "dp2-tp2": (4, 1, 2),
+    "dp1-tp2": (2, 1, 2),
+}
 
 
 def max_relative_difference(weights, expected) -> float:
@@ -29,8 +37,8 @@ def max_relative_difference(weights, expected) -> float:
 
 
 def run(gloo_pool, layout: str, scenario, **kwargs):
-    world, replicas = LAYOUTS[layout]
-    return gloo_pool(world).run(scenario, replicas=replicas, **kwargs)[0]
+    world, replicas, tp = LAYOUTS[layout]
+    return gloo_pool(world).run(scenario, replicas=replicas, tp=tp, **kwargs)[0]
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +68,15 @@ def test_resume_on_the_same_layout_is_bit_identical_to_the_uninterrupted_run(
 
 @pytest.mark.parametrize(
     ("saved_on", "resumed_on"),
-    [("1d-4", "1d-2"), ("1d-4", "hsdp-2x2"), ("hsdp-2x2", "1d-4"), ("1d-8", "1d-3")],
+    [
+        ("1d-4", "1d-2"),
+        ("1d-4", "hsdp-2x2"),
+        ("hsdp-2x2", "1d-4"),
+        ("1d-8", "1d-3"),
+        ("dp2-tp2", "1d-4"),
+        ("1d-4", "dp2-tp2"),
+        ("dp2-tp2", "dp1-tp2"),
+    ],
 )
 def test_resume_on_another_layout_continues_like_the_uninterrupted_run(
     gloo_pool, checkpoints, saved_on, resumed_on
@@ -77,7 +93,7 @@ def test_resume_in_one_process_continues_like_the_uninterrupted_run(checkpoints)
     assert resumed["lrs"][0] == 0.02 and set(resumed["lrs"][1:]) == {1e-3}
 
 
-@pytest.mark.parametrize("layout", ["1d-4", "hsdp-2x2"])
+@pytest.mark.parametrize("layout", ["1d-4", "hsdp-2x2", "dp2-tp2"])
 def test_full_state_dict_has_the_keys_and_shapes_of_the_plain_model(gloo_pool, layout):
     result = run(gloo_pool, layout, scenarios.state_dict_shapes)
     plain = TinyDecoder().state_dict()

@@ -16,6 +16,7 @@ from datetime import timedelta
 
 import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from dmuon import fsdp2
@@ -37,6 +38,7 @@ from dmuon.partition import OwnerCoord, ParamSpec, expert_piece_name, layer_id_o
 from dmuon.policy import resolve_param_policy
 from dmuon.profile import ForwardUnshardProfile, forward_profile_requested
 from dmuon.routing import MUON_ROUTE, ROUTES, SHARDED_ADAMW_ROUTE
+from dmuon.tp import TensorParallelLayout, find_tensor_parallel_layout, tp_mesh_ranks
 from dmuon_kernels._log import rank_tag
 
 logger = logging.getLogger("dmuon")
@@ -121,7 +123,9 @@ def dedicate_params(
         policy = resolve_param_policy(param_policy, compute_dtype)
         selected, overrides = _select(model, predicate, routes)
         stacked = expert_stack_names(selected, expert_stacks)
-        layout = resolve_ownership_layout(mesh, replicate_mesh, process_group_policy)
+        tp_layouts = _tensor_parallel_layouts(selected, mesh, replicate_mesh)
+        tp_mesh = _sharding_tp_mesh(tp_layouts)
+        layout = resolve_ownership_layout(mesh, replicate_mesh, process_group_policy, tp_mesh)
     if not selected:
         warnings.warn(NO_MATCH_WARNING, UserWarning, stacklevel=2)
     ownership_mesh = build_ownership_mesh(layout, timeout)
@@ -147,7 +151,12 @@ def dedicate_params(
         )
         for name, _, _, param in selected
     ]
-    plan = plan_ownership(specs, ownership_mesh.num_shards, ownership_mesh.num_replicas)
+    plan = plan_ownership(
+        specs,
+        ownership_mesh.num_shards,
+        ownership_mesh.num_replicas,
+        num_tp=ownership_mesh.tp_size,
+    )
     if plan.unlayered and len(plan.unlayered) > 1:
         warnings.warn(
             f"dedicate_params: no layer id found for {len(plan.unlayered)} parameters "
@@ -181,6 +190,7 @@ def dedicate_params(
             placeholder=make_placeholder(param),
             original=param,
             route_override=overrides.get(name),
+            tp=tp_layouts.get(name),
         )
     boundaries = group_by_boundary(
         model, params, hook_boundary_predicate, ownership_mesh, reshard_after_forward
@@ -314,7 +324,10 @@ def dedicate_params_ddp(
         optimizer = dmuon.Muon(model, lr=0.02, adamw_lr=1e-3)
 
     It is the same as ``dedicate_params(model, mesh, predicate)`` followed by
-    ``DistributedDataParallel(model, process_group=mesh.get_group())``.
+    ``DistributedDataParallel(model, process_group=mesh.get_group())``. A tensor-parallel model
+    (``parallelize_module`` on a "tp" dim, ``mesh`` its "dp" dim) works too: DDP cannot hold
+    DTensors, so the DTensor parameters dmuon leaves to DDP are handed to it as their local
+    tensors, as torch's own DDP + TP recipe does (``_pre_dp_module_transform``).
     """
     from torch.nn.parallel import DistributedDataParallel
 
@@ -326,6 +339,10 @@ def dedicate_params_ddp(
             "with fully_shard for HSDP."
         )
     dedicate_params(model, mesh, predicate, **kwargs)
+    if any(isinstance(param, DTensor) for param in model.parameters()):
+        from torch.distributed.tensor.parallel.ddp import _pre_dp_module_transform
+
+        _pre_dp_module_transform(model)
     ddp_kwargs = dict(ddp_kwargs or {})
     if mesh is not None:
         ddp_kwargs.setdefault("process_group", mesh.get_group())
@@ -363,8 +380,6 @@ def _select(model: nn.Module, predicate: Predicate, routes: Routes | None):
                 )
                 overrides.pop(name, None)
                 continue
-            if isinstance(param, DTensor):
-                _reject_dtensor(name, param)
             selected.append((name, module, attr, param))
     return selected, overrides
 
@@ -405,15 +420,26 @@ def _route_override(name: str, param: nn.Parameter, routes: Routes | None) -> st
     return route
 
 
-def _reject_dtensor(name: str, param: DTensor) -> None:
-    if param.device_mesh.mesh_dim_names is None:
-        raise ValueError(
-            "DMuon requires named DeviceMesh for TP detection: parameter "
-            f"{name} is a DTensor on an unnamed mesh. Build meshes with names, e.g. "
-            'init_device_mesh("cuda", (dp_size, tp_size), mesh_dim_names=("dp", "tp")).'
-        )
-    raise ValueError(
-        f"parameter {name} is a DTensor on mesh dims {param.device_mesh.mesh_dim_names}: "
-        "dmuon-core does not dedicate tensor-parallel parameters yet. Exclude it from the "
-        "predicate (it then stays with FSDP2 and the AdamW route)."
-    )
+def _tensor_parallel_layouts(selected, mesh, replicate_mesh) -> dict[str, TensorParallelLayout]:
+    """The TP layout of every selected DTensor; the TP dim is told apart from the data-parallel
+    dims (those of ``mesh`` and ``replicate_mesh``) by name."""
+    data_parallel_names: set[str] | None = set()
+    for dp_mesh in (mesh, replicate_mesh):
+        if isinstance(dp_mesh, DeviceMesh):
+            if dp_mesh.mesh_dim_names is None:
+                data_parallel_names = None
+                break
+            data_parallel_names.update(dp_mesh.mesh_dim_names)
+    layouts = {}
+    for name, _, _, param in selected:
+        layout = find_tensor_parallel_layout(name, param, data_parallel_names)
+        if layout is not None:
+            layouts[name] = layout
+    return layouts
+
+
+def _sharding_tp_mesh(layouts: dict[str, TensorParallelLayout]) -> DeviceMesh | None:
+    """The TP mesh of the TP-sharded parameters (None when none is sharded: no exchange)."""
+    sharded = [(name, layout) for name, layout in layouts.items() if layout.is_sharded]
+    tp_mesh_ranks(list(layouts.items()))
+    return sharded[0][1].mesh if sharded else None

@@ -153,10 +153,11 @@ class BoundaryGroup:
                     continue
                 for p in segment.params:
                     assert p.original is not None
-                    view = _slice(segment.buffer, p.segment_offset, p.shape)
-                    view.copy_(p.original.detach())
+                    view = _slice(segment.buffer, p.segment_offset, p.local_shape)
+                    original = p.local_value(p.original.detach())
+                    view.copy_(original)
                     if p.is_owner:
-                        p.master = _make_master(view, p.original)
+                        p.master = _make_master(view, original, p.requires_grad)
         for p in self.params:
             p.original = None
         self.publish()
@@ -171,16 +172,17 @@ class BoundaryGroup:
                 for p in segment.params:
                     if p.master is None:
                         continue
-                    view = _slice(segment.buffer, p.segment_offset, p.shape)
+                    view = _slice(segment.buffer, p.segment_offset, p.local_shape)
                     if view.data_ptr() != p.master.data_ptr():
                         view.copy_(p.master)
 
     def load_full_value(self, p: DedicatedParam, value: torch.Tensor) -> None:
         """Write a full value of ``p`` into its master (owner) and its local segment, if any."""
+        value = p.local_value(value)
         with torch.no_grad():
             for segment in self.segments:
                 if segment.is_local and p in segment.params:
-                    _slice(segment.buffer, p.segment_offset, p.shape).copy_(value)
+                    _slice(segment.buffer, p.segment_offset, p.local_shape).copy_(value)
             if p.master is not None:
                 p.master.copy_(value)
 
@@ -296,7 +298,7 @@ def _pack_gradients(params: list[DedicatedParam]) -> torch.Tensor:
     """[grad_0 (flattened), flag_0, grad_1, flag_1, ...] in the reduce dtype; clears the grads."""
     pieces = []
     for p in params:
-        grad = p.unsharded.grad if p.unsharded is not None else None
+        grad = p.local_grad()
         dtype = p.reduce_dtype or (grad.dtype if grad is not None else p.param_dtype)
         device = p.unsharded.device
         if grad is None:
@@ -334,7 +336,7 @@ def accumulate_into_masters(received: list[tuple[Segment, torch.Tensor]], diviso
     for (p, values), count in zip(owned, produced):
         if count == 0:
             continue
-        grad = values.view(p.shape).to(torch.float32) / divisor
+        grad = values.view(p.local_shape).to(torch.float32) / divisor
         if p.master.grad is None:
             p.master.grad = grad
         else:
@@ -349,13 +351,11 @@ def _slice(buffer: torch.Tensor, offset: int, shape: torch.Size) -> torch.Tensor
     return buffer[offset : offset + math.prod(shape)].view(shape)
 
 
-def _make_master(view: torch.Tensor, original: torch.Tensor) -> nn.Parameter:
+def _make_master(view: torch.Tensor, original: torch.Tensor, requires_grad: bool) -> nn.Parameter:
     if view.dtype == torch.float32:
         # The compute dtype is fp32: the master is the local segment itself, no second copy.
-        return nn.Parameter(view, requires_grad=original.requires_grad)
-    return nn.Parameter(
-        original.detach().to(torch.float32).clone(), requires_grad=original.requires_grad
-    )
+        return nn.Parameter(view, requires_grad=requires_grad)
+    return nn.Parameter(original.to(torch.float32).clone(), requires_grad=requires_grad)
 
 
 def _allocate(buffer: torch.Tensor) -> None:

@@ -73,6 +73,12 @@ class OwnershipLayout:
     # None: torch.distributed is not in use (or has one rank) and everything is owned locally.
     mesh: DeviceMesh | None
     replicate_mesh: DeviceMesh | None
+    # The TP mesh of the dedicated tensor-parallel parameters (see ``dmuon.tp``), if any.
+    tp_mesh: DeviceMesh | None = None
+
+    @property
+    def tp_ranks(self) -> tuple[int, ...]:
+        return tuple(self.tp_mesh.mesh.tolist()) if self.tp_mesh is not None else ()
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -82,7 +88,9 @@ class OwnershipMesh:
     ``shard_group`` holds the G ranks of this rank's replica (forward broadcasts and the first
     gradient reduce run on it); ``replicate_group`` holds the R ranks that share this rank's shard
     index (the second gradient reduce and the post-step publish run on it). Either is None when
-    its axis has size 1, so single-process use issues no collective at all.
+    its axis has size 1, so single-process use issues no collective at all. Under tensor
+    parallelism ``tp_group`` holds this rank's TP ranks (global ranks ``tp_ranks``, by TP
+    coordinate): the owner step's gather and scatter of TP-sharded matrices run on it.
     """
 
     num_shards: int
@@ -94,6 +102,8 @@ class OwnershipMesh:
     replicate_group: dist.ProcessGroup | None
     # every rank of the grid; used for the one-time consistency checks
     world_group: dist.ProcessGroup | None
+    tp_ranks: tuple[int, ...] = ()
+    tp_group: dist.ProcessGroup | None = None
 
     @property
     def num_slots(self) -> int:
@@ -102,8 +112,18 @@ class OwnershipMesh:
     def global_rank(self, coord: OwnerCoord) -> int:
         return self.rank_grid[coord.replicate][coord.shard]
 
+    @property
+    def tp_size(self) -> int:
+        return max(len(self.tp_ranks), 1)
+
+    @property
+    def tp_rank(self) -> int:
+        """This rank's TP coordinate (0 without tensor parallelism)."""
+        return self.tp_ranks.index(dist.get_rank()) if self.tp_ranks else 0
+
     def is_me(self, coord: OwnerCoord) -> bool:
-        return coord == self.coord
+        """This rank holds the owner's master (of its own TP chunk under TP), any ``coord.tp``."""
+        return (coord.shard, coord.replicate) == (self.coord.shard, self.coord.replicate)
 
     @classmethod
     def local(cls) -> OwnershipMesh:
@@ -123,6 +143,7 @@ def resolve_ownership_layout(
     mesh: DeviceMesh | None,
     replicate_mesh: DeviceMesh | None,
     process_group_policy: str,
+    tp_mesh: DeviceMesh | None = None,
 ) -> OwnershipLayout:
     """Validate the user's meshes and read this rank's grid of owner slots; no collective."""
     if process_group_policy not in PROCESS_GROUP_POLICIES:
@@ -148,6 +169,7 @@ def resolve_ownership_layout(
             process_group_policy=process_group_policy,
             mesh=None,
             replicate_mesh=None,
+            tp_mesh=_multi_rank(tp_mesh),
         )
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(
@@ -174,7 +196,12 @@ def resolve_ownership_layout(
         process_group_policy=process_group_policy,
         mesh=mesh,
         replicate_mesh=replicate_mesh,
+        tp_mesh=_multi_rank(tp_mesh),
     )
+
+
+def _multi_rank(mesh: DeviceMesh | None) -> DeviceMesh | None:
+    return mesh if mesh is not None and mesh.size() > 1 else None
 
 
 def _hsdp_rank_grid(mesh: DeviceMesh, replicate_mesh: DeviceMesh) -> RankGrid:
@@ -238,7 +265,7 @@ def build_ownership_mesh(
     rank = dist.get_rank()
     replicate, shard = next((r, row.index(rank)) for r, row in enumerate(rank_grid) if rank in row)
     num_replicas, num_shards = len(rank_grid), len(rank_grid[0])
-    grids = _gather_rank_grids(layout)
+    grids, tp_meshes = _gather_rank_grids(layout)
     if timeout is None:
         timeout = process_group_timeout(dist.distributed_c10d._get_default_group())
     if layout.process_group_policy == "isolated":
@@ -253,6 +280,10 @@ def build_ownership_mesh(
         world_group = (
             shard_group if num_replicas == 1 else _create_grid_groups(grids, rank_grid, timeout)
         )
+    if layout.process_group_policy == "isolated":
+        tp_group = _create_tp_groups(tp_meshes, layout.tp_ranks, timeout)
+    else:
+        tp_group = layout.tp_mesh.get_group() if layout.tp_mesh is not None else None
     return OwnershipMesh(
         num_shards=num_shards,
         num_replicas=num_replicas,
@@ -261,6 +292,8 @@ def build_ownership_mesh(
         shard_group=shard_group if num_shards > 1 else None,
         replicate_group=replicate_group if num_replicas > 1 else None,
         world_group=world_group if num_shards * num_replicas > 1 else None,
+        tp_ranks=layout.tp_ranks,
+        tp_group=tp_group,
     )
 
 
@@ -283,15 +316,18 @@ def process_group_timeout(group: dist.ProcessGroup) -> timedelta | None:
     return None
 
 
-def _gather_rank_grids(layout: OwnershipLayout) -> list[RankGrid]:
-    """Every rank's grid, indexed by global rank; raise on every rank if the meshes disagree."""
+def _gather_rank_grids(layout: OwnershipLayout) -> tuple[list[RankGrid], list[tuple[int, ...]]]:
+    """Every rank's grid and TP ranks, indexed by global rank; raise on every rank if the meshes
+    disagree."""
     world_size = dist.get_world_size()
     if world_size == 1:
-        return [layout.rank_grid]
-    everyone: list[tuple[RankGrid, str] | None] = [None] * world_size
-    dist.all_gather_object(everyone, (layout.rank_grid, layout.process_group_policy))
+        return [layout.rank_grid], [layout.tp_ranks]
+    everyone: list[tuple[RankGrid, str, tuple[int, ...]] | None] = [None] * world_size
+    dist.all_gather_object(
+        everyone, (layout.rank_grid, layout.process_group_policy, layout.tp_ranks)
+    )
     policies: dict[str, list[int]] = {}
-    for rank, (_, policy) in enumerate(everyone):
+    for rank, (_, policy, _) in enumerate(everyone):
         policies.setdefault(policy, []).append(rank)
     if len(policies) > 1:
         seen = "; ".join(f"{policy!r} on ranks {ranks}" for policy, ranks in policies.items())
@@ -300,7 +336,17 @@ def _gather_rank_grids(layout: OwnershipLayout) -> list[RankGrid]:
             "Pass the same process_group_policy on every rank: the groups it creates are "
             "created by all ranks together."
         )
-    grids = [grid for grid, _ in everyone]
+    grids = [grid for grid, _, _ in everyone]
+    tp_meshes = [tp_ranks for _, _, tp_ranks in everyone]
+    for rank, tp_ranks in enumerate(tp_meshes):
+        for member in tp_ranks:
+            if member >= world_size or tp_meshes[member] != tp_ranks:
+                raise ValueError(
+                    f"dedicate_params got tensor-parallel meshes that disagree across ranks: rank "
+                    f"{rank}'s TP parameters live on ranks {list(tp_ranks)}, but rank {member}'s "
+                    f"on {list(tp_meshes[member]) if member < world_size else 'none'}. "
+                    + SAME_MESH_FIX
+                )
     for rank, grid in enumerate(grids):
         for member in _ranks_of(grid):
             if member >= world_size or grids[member] != grid:
@@ -311,7 +357,7 @@ def _gather_rank_grids(layout: OwnershipLayout) -> list[RankGrid]:
                     f"which holds rank {member}, but rank {member}'s spans "
                     f"{_as_lists(theirs)}. {SAME_MESH_FIX}"
                 )
-    return grids
+    return grids, tp_meshes
 
 
 def _create_isolated_groups(
@@ -337,6 +383,18 @@ def _create_isolated_groups(
         if grid == mine:
             world_group = group
     return shard_group, replicate_group, world_group
+
+
+def _create_tp_groups(
+    tp_meshes: list[tuple[int, ...]], mine: tuple[int, ...], timeout: timedelta | None
+) -> dist.ProcessGroup | None:
+    """The group of this rank's TP ranks, after creating every rank's (collective, sorted)."""
+    tp_group = None
+    for ranks in sorted({tuple(sorted(r)) for r in tp_meshes if len(r) > 1}):
+        group = _new_group(ranks, timeout, "dmuon_tp")
+        if ranks == tuple(sorted(mine)):
+            tp_group = group
+    return tp_group
 
 
 def _create_grid_groups(

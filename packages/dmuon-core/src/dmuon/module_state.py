@@ -38,8 +38,8 @@ if TYPE_CHECKING:
 
 STATE_DICT_NEEDS_CHECKPOINT = (
     "model.state_dict() cannot return {fqn}: dmuon keeps that dedicated parameter's full value on "
-    "its owner rank ({owner}) and this model spans {slots} owner slots, so a plain state_dict "
-    "would hold a 0-element tensor. Use dmuon.checkpoint.get_model_state_dict(model) (sharded, "
+    "its owner rank ({owner}) (in tensor-parallel chunks under TP) and this model spans {slots} "
+    "owner slots, so a plain state_dict would hold a 0-element tensor or one chunk. Use dmuon.checkpoint.get_model_state_dict(model) (sharded, "
     "for torch.distributed.checkpoint.save) or dmuon.checkpoint.get_model_state_dict(model, "
     "options=StateDictOptions(full_state_dict=True, cpu_offload=True)) for one full dict on the "
     "first rank."
@@ -123,7 +123,7 @@ def _state_dict_post_hook(
             continue
         if state.checkpoint_reading:
             state_dict[key] = DedicatedEntry(p)
-        elif state.mesh.num_slots == 1:
+        elif state.mesh.num_slots == 1 and not getattr(p, "is_tp_sharded", False):
             state_dict[key] = _full_value_here(p).to(p.placeholder.dtype)
         else:
             raise RuntimeError(

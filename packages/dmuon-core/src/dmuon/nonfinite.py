@@ -1,7 +1,7 @@
 """Non-finite gradients: the check ``dmuon.Muon(nonfinite=...)`` runs before a step.
 
 Owns finding which gradients hold a NaN or an infinity, agreed over every rank of the ownership
-grid, so that all ranks take the same decision. It must not change gradients or weights.
+grid (and of its TP ranks), so that all ranks take the same decision. It must not change gradients or weights.
 
 The check is one ``torch._foreach_norm(..., inf)`` per gradient dtype and device (the max-abs
 norm is NaN or inf exactly when the tensor holds one; it cannot overflow) and one all-reduce of a
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -33,10 +33,12 @@ def check_policy(nonfinite: object) -> str:
 
 def nonfinite_gradients(
     named_grads: Iterable[tuple[str, torch.Tensor]],
-    group: dist.ProcessGroup | None,
+    groups: Sequence[dist.ProcessGroup | None],
     device: torch.device,
 ) -> list[str]:
-    """Names of the gradients holding NaN or inf on any rank of ``group`` (sorted; [] if none)."""
+    """Names of the gradients holding NaN or inf on any rank (sorted; [] if none). The ranks
+    agree through ``groups`` in turn (the grid, then the TP ranks), which together span them."""
+    groups = [group for group in groups if group is not None]
     by_kind: dict[tuple, list[tuple[str, torch.Tensor]]] = defaultdict(list)
     for name, grad in named_grads:
         by_kind[(grad.dtype, grad.device)].append((name, grad))
@@ -51,13 +53,15 @@ def nonfinite_gradients(
     flag = torch.ones((), dtype=torch.int32, device=device)
     for _, finite in checked:
         flag = flag.minimum(finite.all().to(device=device, dtype=torch.int32))
-    if group is not None:
+    for group in groups:
         dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
     if flag.item():
         return []
-    mine = [name for names, finite in checked for name, ok in zip(names, finite.tolist()) if not ok]
-    if group is None:
-        return sorted(mine)
-    everyone: list[list[str] | None] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(everyone, mine, group=group)
-    return sorted({name for found in everyone for name in found})
+    found = {
+        name for names, finite in checked for name, ok in zip(names, finite.tolist()) if not ok
+    }
+    for group in groups:
+        everyone: list[set[str] | None] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(everyone, found, group=group)
+        found = set().union(*everyone)
+    return sorted(found)

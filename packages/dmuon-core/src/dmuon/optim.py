@@ -35,7 +35,7 @@ from dmuon.dedicate import route_overrides
 from dmuon.experts import ExpertStack, is_expert_piece
 from dmuon.hooks import get_dedicated_state
 from dmuon.nonfinite import check_policy, nonfinite_gradients
-from dmuon.param import MUON_ROUTE, is_dedicated
+from dmuon.param import MUON_ROUTE, DedicatedParam, is_dedicated
 from dmuon.routing import (
     ADJUST_LR,
     HF_NO_DECAY,
@@ -52,8 +52,14 @@ from dmuon.routing import (
     route_summaries,
     routing_rows,
 )
+from dmuon.tp import ChunkExchange
 from dmuon_kernels.coefficients import KELLER_COEFFICIENTS
-from dmuon_kernels.fused import muon_apply_update_, muon_momentum_normalize_
+from dmuon_kernels.fused import (
+    muon_apply_update_,
+    muon_momentum_,
+    muon_momentum_normalize_,
+    muon_normalize,
+)
 from dmuon_kernels.newton_schulz import NewtonSchulz
 
 # Muon's update is scaled by 0.2 * sqrt(max(m, n)) so its RMS matches AdamW's.
@@ -277,8 +283,9 @@ class Muon(torch.optim.Optimizer):
             if param.grad is not None
         ]
         device = self._dedicated.boundaries[0].device if self._dedicated.boundaries else None
+        mesh = self._dedicated.mesh
         bad = nonfinite_gradients(
-            named_grads, self._dedicated.mesh.world_group, device or torch.device("cpu")
+            named_grads, [mesh.world_group, mesh.tp_group], device or torch.device("cpu")
         )
         if not bad:
             return False
@@ -335,12 +342,16 @@ class Muon(torch.optim.Optimizer):
         newton_schulz = self._newton_schulz
         # Newton-Schulz runs on rows <= cols, so an (m, n) and an (n, m) matrix share one
         # batched call (Llama's gate/up and down projections, say).
+        tp_sharded = self._tp_sharded_params()
+        self._tensor_parallel_muon_step(
+            group, [tp_sharded[id(m)] for m in group["params"] if id(m) in tp_sharded]
+        )
         # (master, expert): expert None for a matrix, i for expert i of an expert piece.
         masters_by_ns_shape: dict[tuple[int, int], list[tuple[nn.Parameter, int | None]]] = (
             defaultdict(list)
         )
         for master in group["params"]:
-            if master.grad is not None and master.numel() > 0:
+            if master.grad is not None and master.numel() > 0 and id(master) not in tp_sharded:
                 rows, cols = _matrix_shape(master)
                 masters_by_ns_shape[(min(rows, cols), max(rows, cols))] += _matrices_of(master)
         # Momentum, Nesterov and the normalisation write the Newton-Schulz input directly (in
@@ -363,6 +374,79 @@ class Muon(torch.optim.Optimizer):
                 muon_apply_update_(
                     _matrix(master, expert), _oriented(ortho, rows > cols), lr, wd, scale
                 )
+
+    def _tp_sharded_params(self) -> dict[int, DedicatedParam]:
+        """id(master) -> the TP-sharded dedicated parameters this rank holds a master chunk of."""
+        return {id(p.master): p for p in self._dedicated.iter_owned_masters() if p.is_tp_sharded}
+
+    def _tensor_parallel_muon_step(self, group: dict, params: list[DedicatedParam]) -> None:
+        """The Muon route of TP-sharded matrices; see [Note: tensor-parallel matrices] in
+        ``dmuon.tp``. Every TP rank of the owner runs it with the same matrices, in one order.
+
+        Momentum and Nesterov are element-wise, so each TP rank applies them to its chunk; the
+        chunks of the Muon input meet on the matrix's runner, which normalises and
+        orthogonalises the whole matrix; each TP rank applies its chunk of the result.
+        """
+        params = [p for p in params if p.master.grad is not None]
+        if not params:
+            return
+        mu = group["momentum"]
+        inputs = []
+        for p in params:
+            state = self.state[p.master]
+            first_step = "momentum_buffer" not in state
+            if first_step:
+                state["momentum_buffer"] = torch.empty(
+                    _matrix_shape(p.master), dtype=torch.float32, device=p.master.device
+                )
+            update, _ = muon_momentum_(
+                p.master.grad.view(_matrix_shape(p.master)), state["momentum_buffer"], mu,
+                nesterov=group["nesterov"], first_step=first_step,
+            )  # fmt: skip
+            inputs.append(update.view(p.local_shape))
+        mesh = self._dedicated.mesh
+        exchange = ChunkExchange(
+            layouts=[p.tp for p in params],
+            runners=[p.owner.tp for p in params],
+            tp_ranks=mesh.tp_ranks,
+            group=mesh.tp_group,
+        )
+        full_inputs = exchange.gather(inputs)
+        results = self._orthogonalized({i: (u, params[i].tp.shape) for i, u in full_inputs.items()})
+        device = params[0].master.device
+        chunks = exchange.scatter(results, self._newton_schulz.dtype, device)
+        for p, chunk in zip(params, chunks):
+            rows, cols = _matrix_shape_of(p.shape)
+            scale = _lr_scale(group["adjust_lr"], rows, cols)
+            muon_apply_update_(p.master, chunk, group["lr"], group["weight_decay"], scale)
+
+    def _orthogonalized(
+        self, updates: dict[int, tuple[torch.Tensor, tuple[int, ...]]]
+    ) -> dict[int, torch.Tensor]:
+        """Newton-Schulz of whole (unnormalised) Muon inputs, batched by shape; each result in
+        its parameter's shape and the NS dtype."""
+        newton_schulz = self._newton_schulz
+        by_ns_shape: dict[tuple[int, int], list[int]] = defaultdict(list)
+        for i, (_, shape) in updates.items():
+            rows, cols = _matrix_shape_of(shape)
+            by_ns_shape[(min(rows, cols), max(rows, cols))].append(i)
+        results = {}
+        for (short, long), indices in by_ns_shape.items():
+            first = updates[indices[0]][0]
+            inputs = newton_schulz.normalized_buffer((len(indices), short, long), first.device)
+            for i, ns_input in zip(indices, inputs):
+                update, shape = updates[i]
+                rows, cols = _matrix_shape_of(shape)
+                matrix = update.reshape(rows, cols)
+                muon_normalize(
+                    matrix, matrix.square().sum(), newton_schulz.dtype,
+                    out=_oriented(ns_input, rows > cols),
+                )  # fmt: skip
+            orthogonal = newton_schulz.iterate_normalized(inputs)
+            for i, ortho in zip(indices, orthogonal):
+                rows, cols = _matrix_shape_of(updates[i][1])
+                results[i] = _oriented(ortho, rows > cols).reshape(updates[i][1])
+        return results
 
     # ---- the AdamW route ------------------------------------------------------------------------
 
@@ -540,7 +624,11 @@ def _matrix_shape(param: torch.Tensor) -> tuple[int, int]:
     """(m, n) of a weight, trailing dims flattened into n; of each expert of an expert piece."""
     if is_expert_piece(param):
         return param.shape[1], param.shape[2]
-    return param.shape[0], param[0].numel()
+    return _matrix_shape_of(param.shape)
+
+
+def _matrix_shape_of(shape: tuple[int, ...]) -> tuple[int, int]:
+    return shape[0], math.prod(shape[1:])
 
 
 def _matrices_of(master: torch.Tensor) -> list[tuple[torch.Tensor, int | None]]:

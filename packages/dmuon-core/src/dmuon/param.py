@@ -22,9 +22,11 @@ from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from dmuon.partition import OwnerCoord
 from dmuon.routing import ADAMW_ROUTE, MUON_ROUTE
+from dmuon.tp import TensorParallelLayout
 
 if TYPE_CHECKING:
     from dmuon.experts import ExpertStack
@@ -142,10 +144,23 @@ class DedicatedParam:
     # stack's, ``shape`` is (stop - start, m, n), ``original`` its experts of the stack's weight.
     stack: ExpertStack | None = field(default=None, repr=False)
     experts: tuple[int, int] | None = None
+    # A DTensor of ``parallelize_module``: this rank stores, reduces and updates its TP chunk
+    # (``local_shape``); ``shape`` stays the global shape (see ``dmuon.tp``).
+    tp: TensorParallelLayout | None = None
+
+    @property
+    def local_shape(self) -> tuple[int, ...]:
+        """The shape this rank stores: its TP chunk, or the whole parameter."""
+        return self.tp.local_shape() if self.tp is not None else tuple(self.shape)
 
     @property
     def numel(self) -> int:
-        return math.prod(self.shape)
+        """Elements this rank stores (its TP chunk under tensor parallelism)."""
+        return math.prod(self.local_shape)
+
+    @property
+    def is_tp_sharded(self) -> bool:
+        return self.tp is not None and self.tp.is_sharded
 
     @property
     def route(self) -> str:
@@ -167,7 +182,26 @@ class DedicatedParam:
         self.module._parameters[self.attr] = self.placeholder
 
     def bind_unsharded(self, segment: torch.Tensor) -> None:
-        """Create the unsharded parameter over ``segment[offset : offset + numel]``."""
+        """Create the unsharded parameter over ``segment[offset : offset + numel]`` (a DTensor
+        of its TP layout under tensor parallelism, as ``parallelize_module`` made it)."""
         data = torch.empty(0, dtype=segment.dtype, device=segment.device)
-        data.set_(segment.untyped_storage(), self.segment_offset, self.shape)
+        data.set_(segment.untyped_storage(), self.segment_offset, self.local_shape)
+        if self.tp is not None:
+            data = self.tp.as_dtensor(data)
         self.unsharded = nn.Parameter(data, requires_grad=self.requires_grad)
+
+    def local_value(self, value: torch.Tensor) -> torch.Tensor:
+        """This rank's part of a parameter value: a DTensor's local chunk, or the TP chunk of a
+        full tensor."""
+        if isinstance(value, DTensor):
+            if self.tp is not None and tuple(value.placements) != (self.tp.placement,):
+                value = value.redistribute(self.tp.mesh, [self.tp.placement])
+            return value.to_local() if self.tp is not None else value.full_tensor()
+        return self.tp.local_part(value) if self.tp is not None else value
+
+    def local_grad(self) -> torch.Tensor | None:
+        """This rank's part of the unsharded parameter's gradient."""
+        grad = self.unsharded.grad if self.unsharded is not None else None
+        if grad is None or self.tp is None:
+            return grad
+        return self.tp.local_grad(grad)

@@ -10,10 +10,12 @@ import torch). It runs anywhere for any world size (the planner in dmuon-tools u
 arguments, never on hash or set iteration order.
 
 [Note: slot order]
-The owner grid has ``num_shards * num_replicas`` slots. Slot ``i`` is the owner
-``OwnerCoord(shard=i % num_shards, replicate=i // num_shards)``: replicate-major, so that ties
-(which go to the lowest slot) spread consecutive units over different shard indices first.
-``OwnershipPlan.loads[i]`` is the load of slot ``i``.
+The owner grid has ``num_shards * num_replicas * num_tp`` slots. Slot ``i`` is the owner
+``OwnerCoord(shard=i % num_shards, replicate=i // num_shards % num_replicas, tp=i // (num_shards
+* num_replicas))``: shard index fastest, so that ties (which go to the lowest slot) spread
+consecutive units over different shard indices first. ``OwnershipPlan.loads[i]`` is the load of
+slot ``i``. Under tensor parallelism (``num_tp`` > 1) a slot's ``tp`` is the TP rank that runs the
+Newton-Schulz of a TP-sharded matrix (see ``dmuon.tp``).
 
 [Note: spreading a layer versus balance]
 Two passes keep the two goals apart. First, plain LPT decides balance: units, heaviest first
@@ -64,10 +66,16 @@ _LIST_LOADS_UP_TO_SLOTS = 8  # describe() lists every owner's load up to this ma
 
 @dataclass(frozen=True, slots=True)
 class OwnerCoord:
-    """Owner coordinate in the (shard, replicate) grid."""
+    """Owner coordinate in the (shard, replicate) grid, and the TP rank that runs the
+    Newton-Schulz of a tensor-parallel matrix (0 without TP)."""
 
     shard: int
     replicate: int = 0
+    tp: int = 0
+
+    def __repr__(self) -> str:
+        tp = f", tp={self.tp}" if self.tp else ""
+        return f"OwnerCoord(shard={self.shard}, replicate={self.replicate}{tp})"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -145,10 +153,11 @@ class OwnershipPlan:
     unlayered: tuple[str, ...]  # names whose layer_id is None (callers warn about them)
     # expert stack name -> its slices [start, stop), in expert order (see [Note: expert stacks])
     expert_slices: dict[str, tuple[tuple[int, int], ...]] = field(default_factory=dict)
+    num_tp: int = 1
 
     @property
     def num_slots(self) -> int:
-        return self.num_shards * self.num_replicas
+        return self.num_shards * self.num_replicas * self.num_tp
 
     @property
     def imbalance(self) -> float:
@@ -173,10 +182,10 @@ class OwnershipPlan:
         return tuple(crowded)
 
     def owner_of_slot(self, slot: int) -> OwnerCoord:
-        return OwnerCoord(shard=slot % self.num_shards, replicate=slot // self.num_shards)
+        return _owner_of_slot(slot, self.num_shards, self.num_replicas)
 
     def slot_of(self, owner: OwnerCoord) -> int:
-        return owner.replicate * self.num_shards + owner.shard
+        return (owner.tp * self.num_replicas + owner.replicate) * self.num_shards + owner.shard
 
     def describe(self) -> str:
         """One log line: counts, per-owner load summary, imbalance, spreading, unlayered."""
@@ -188,11 +197,13 @@ class OwnershipPlan:
         layers = {unit.layer_id for unit in self.units if unit.layer_id is not None}
         parts = [
             f"dmuon partition: {len(self.owners)} params in {len(self.units)} units over "
-            f"{num_slots} owners (G={self.num_shards} x R={self.num_replicas})",
+            f"{num_slots} owners (G={self.num_shards} x R={self.num_replicas}"
+            + (f" x TP={self.num_tp})" if self.num_tp > 1 else ")"),
             f"load min/mean/max = {min(loads_gflop):,.1f}/{mean:,.1f}/{max(loads_gflop):,.1f} "
             f"GFLOP",
             f"imbalance {self.imbalance:.3f}",
-            f"heaviest owner (shard={heaviest.shard}, replicate={heaviest.replicate})",
+            f"heaviest owner (shard={heaviest.shard}, replicate={heaviest.replicate}"
+            + (f", tp={heaviest.tp})" if self.num_tp > 1 else ")"),
         ]
         if num_slots <= _LIST_LOADS_UP_TO_SLOTS:
             parts.append("per owner GFLOP " + " ".join(f"{x:,.1f}" for x in loads_gflop))
@@ -304,8 +315,9 @@ def plan_ownership(
     num_replicas: int = 1,
     *,
     small_param_numel: int = DEFAULT_SMALL_PARAM_NUMEL,
+    num_tp: int = 1,
 ) -> OwnershipPlan:
-    """Give every parameter one owner among the ``num_shards * num_replicas`` slots.
+    """Give every parameter one owner among the ``num_shards * num_replicas * num_tp`` slots.
 
     Units: a parameter with ``numel >= small_param_numel`` is a unit alone; a layer's smaller
     parameters form one unit (one owner); a small parameter without a layer id is a unit alone (so
@@ -323,6 +335,7 @@ def plan_ownership(
     _check_grid_size(
         "num_replicas", num_replicas, "the size of the replicate mesh dim (1 = no HSDP)"
     )
+    _check_grid_size("num_tp", num_tp, "the size of the tensor-parallel mesh dim (1 = no TP)")
     if isinstance(small_param_numel, bool) or not isinstance(small_param_numel, int):
         raise TypeError(
             f"plan_ownership: small_param_numel must be an int, got {small_param_numel!r}; "
@@ -336,7 +349,7 @@ def plan_ownership(
     specs = tuple(specs)
     _check_specs(specs)
 
-    num_slots = num_shards * num_replicas
+    num_slots = num_shards * num_replicas * num_tp
     slices_of = {
         spec.name: expert_slices(spec.shape[0], num_slots) for spec in specs if spec.expert_stack
     }
@@ -347,7 +360,7 @@ def plan_ownership(
     _spread_layers(units, loads, num_slots)
 
     def owner(slot: int) -> OwnerCoord:
-        return OwnerCoord(shard=slot % num_shards, replicate=slot // num_shards)
+        return _owner_of_slot(slot, num_shards, num_replicas)
 
     owner_by_name: dict[str, OwnerCoord] = {}
     for unit in units:
@@ -374,10 +387,20 @@ def plan_ownership(
         num_replicas=num_replicas,
         unlayered=tuple(spec.name for spec in specs if spec.layer_id is None),
         expert_slices=slices_of,
+        num_tp=num_tp,
     )
 
 
 # --- internals ------------------------------------------------------------------------------
+
+
+def _owner_of_slot(slot: int, num_shards: int, num_replicas: int) -> OwnerCoord:
+    """See [Note: slot order]."""
+    return OwnerCoord(
+        shard=slot % num_shards,
+        replicate=slot // num_shards % num_replicas,
+        tp=slot // (num_shards * num_replicas),
+    )
 
 
 @dataclass(slots=True)
