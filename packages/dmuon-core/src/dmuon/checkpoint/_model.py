@@ -52,17 +52,29 @@ def _entry(ctx: CheckpointContext, value: object) -> object | None:
         return stack_model_entry(ctx, value.param)  # one (E, m, n) entry, see ``_experts``
     if isinstance(value, DedicatedEntry):
         p = value.param
+        owned = _owned_value(p)
         if ctx.full:
-            owned = p.master.detach().to(p.placeholder.dtype) if p.master is not None else None
+            if owned is not None:
+                owned = owned.to(p.placeholder.dtype)
+                owned = owned.full_tensor() if isinstance(owned, DTensor) else owned
             return ctx.full_from_owner(
                 ctx.owner_rank(p), owned, tuple(p.shape), p.placeholder.dtype
             )
-        return ctx.offloaded(p.master.detach()) if p.master is not None else None
+        return ctx.offloaded(owned) if owned is not None else None
     if isinstance(value, DTensor):
         return ctx.full_from_shards(value) if ctx.full else ctx.offloaded(value)
     if ctx.full and not ctx.keeps_full:
         return None
     return ctx.offloaded(value)
+
+
+def _owned_value(p) -> torch.Tensor | None:
+    """The owner's master (a DTensor of its TP chunks under tensor parallelism: the TP ranks of
+    the owner write one chunk each); None where this rank owns no part of it."""
+    if p.master is None:
+        return None
+    master = p.master.detach()
+    return p.tp.as_dtensor(master) if getattr(p, "is_tp_sharded", False) else master
 
 
 def set_model_state_dict(
@@ -83,7 +95,7 @@ def set_model_state_dict(
         current = model.state_dict()
     frozen = _frozen_names(model) if ctx.options.ignore_frozen_params else set()
     to_load: dict[str, object] = {}
-    masters: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
+    masters: list[tuple[object, torch.Tensor]] = []
     missing, unexpected, errors = [], [], []
     stacks: list[tuple[ExpertStack, torch.Tensor]] = []
     for key, target in current.items():
@@ -113,7 +125,7 @@ def set_model_state_dict(
             if _global_shape(value) != tuple(p.shape):
                 errors.append(_shape_error(key, value, p.shape))
                 continue
-            masters.append((p.master, value))
+            masters.append((p, value))
         elif value is None:
             if key not in frozen:
                 missing.append(key)
@@ -128,8 +140,8 @@ def set_model_state_dict(
     ctx.raise_if_any_rank_failed(errors, "the model state dict does not fit the model")
 
     with torch.no_grad():
-        for master, value in masters:
-            master.copy_(value)
+        for p, value in masters:
+            p.master.copy_(p.local_value(value) if getattr(p, "tp", None) is not None else value)
     load_stack_values(stacks)
     with dedicated_entries_applied(ctx.state):
         model.load_state_dict(to_load, strict=False)

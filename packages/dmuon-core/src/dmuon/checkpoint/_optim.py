@@ -32,6 +32,7 @@ from dmuon._text import preview_names
 from dmuon.checkpoint._context import CheckpointContext, checkpoint_context
 from dmuon.checkpoint._experts import load_piece_state, stack_optimizer_entries
 from dmuon.optim import Muon
+from dmuon.tp import TensorParallelLayout
 
 _STATE = "state"
 _GROUPS = "param_groups"
@@ -93,8 +94,9 @@ def set_optimizer_state_dict(
             if fqn in params.stacks:  # an expert piece: its experts of each saved entry
                 load_piece_state(params.pieces[id(param)], target, entries)
                 continue
+            layout = params.tp_layout(param)
             for name, tensor in target.items():
-                tensor.copy_(_local_value(param, tensor, entries[name]))
+                tensor.copy_(_local_value(param, tensor, entries[name], layout))
     _load_hyperparameters(optimizer, params.global_groups, saved[_GROUPS])
     fresh_everywhere = sorted({fqn for found in ctx.all_gather(fresh) for fqn in found})
     if fresh_everywhere and ctx.rank == ctx.receiver:
@@ -136,6 +138,11 @@ class _ParamIndex:
             else:
                 self.fqn_of[id(param)] = name
         self.param_of = {self.fqn_of[id(p)]: p for p in self._optimized()}
+        self.tp_layouts = {
+            id(p.master): p.tp
+            for p in self.dedicated.values()
+            if p.master is not None and getattr(p, "is_tp_sharded", False)
+        }
         local_groups = [[self.fqn_of[id(p)] for p in g[_PARAMS]] for g in optimizer.param_groups]
         # One collective: every rank learns each group's FQNs and every owner's entry shapes.
         everyone = ctx.all_gather((local_groups, self._owned_schema() if ctx.full else {}))
@@ -145,6 +152,13 @@ class _ParamIndex:
             for i in range(len(optimizer.param_groups))
         ]
         self.schema = {fqn: entries for _, schema in everyone for fqn, entries in schema.items()}
+
+    def tp_layout(self, param: torch.Tensor) -> TensorParallelLayout | None:
+        """The TP layout of a master that holds one chunk of a tensor-parallel matrix."""
+        return self.tp_layouts.get(id(param))
+
+    def public(self, param: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
+        return _public(param, tensor, self.tp_layout(param))
 
     def _optimized(self) -> Iterable[torch.Tensor]:
         for group in self.optimizer.param_groups:
@@ -160,7 +174,7 @@ class _ParamIndex:
             if p.master is not None and p.master in self.optimizer.state:
                 state = self.optimizer.state[p.master]
                 schema[fqn] = [
-                    (name, tuple(_public(p.master, t).shape), t.dtype, t.device.type == "cpu")
+                    (name, tuple(self.public(p.master, t).shape), t.dtype, t.device.type == "cpu")
                     for name, t in state.items()
                 ]
         return schema
@@ -178,7 +192,7 @@ class _ParamIndex:
             return None
         entries = {}
         for name, tensor in self.optimizer.state[param].items():
-            value = _public(param, tensor)
+            value = self.public(param, tensor)
             if ctx.full:
                 value = ctx.full_from_shards(value) if isinstance(value, DTensor) else value
                 if value is None or not ctx.keeps_full:
@@ -193,7 +207,9 @@ class _ParamIndex:
         owned_state = self.optimizer.state.get(p.master, {}) if p.master is not None else {}
         entries = {}
         for name, shape, dtype, on_cpu in self.schema.get(fqn, []):
-            owned = _public(p.master, owned_state[name]) if name in owned_state else None
+            owned = self.public(p.master, owned_state[name]) if name in owned_state else None
+            if isinstance(owned, DTensor):  # a TP chunk: the owner's TP ranks gather it
+                owned = owned.full_tensor()
             full = self.ctx.full_from_owner(self.ctx.owner_rank(p), owned, shape, dtype)
             if full is not None:
                 entries[name] = full.cpu() if on_cpu else full
@@ -206,12 +222,17 @@ class _ParamIndex:
         ]
 
 
-def _public(param: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
+def _public(
+    param: torch.Tensor, tensor: torch.Tensor, layout: TensorParallelLayout | None = None
+) -> torch.Tensor:
     """A state tensor as it appears in a state dict: the parameter's shape and layout.
 
     Muon keeps its momentum as the (m, n) matrix it orthogonalises; AdamW keeps a DTensor
-    parameter's state as the plain local shard.
+    parameter's state as the plain local shard; the master of a tensor-parallel matrix's chunk
+    keeps the chunk's state (``layout``: a DTensor of the TP chunks).
     """
+    if layout is not None and tensor.ndim > 0:
+        return layout.as_dtensor(tensor.view(layout.local_shape()))
     if isinstance(param, DTensor) and not isinstance(tensor, DTensor) and tensor.ndim > 0:
         return DTensor.from_local(
             tensor, param.device_mesh, param.placements, shape=param.shape, stride=param.stride()
@@ -221,11 +242,23 @@ def _public(param: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-def _local_value(param: torch.Tensor, target: torch.Tensor, value: object) -> torch.Tensor:
+def _local_value(
+    param: torch.Tensor,
+    target: torch.Tensor,
+    value: object,
+    layout: TensorParallelLayout | None = None,
+) -> torch.Tensor:
     """``value`` (full, or a DTensor of any layout) as the local tensor ``target`` holds."""
     if not isinstance(value, torch.Tensor):
         return torch.as_tensor(value, dtype=target.dtype)
-    if isinstance(param, DTensor) and target.ndim > 0:
+    if layout is not None and target.ndim > 0:
+        if isinstance(value, DTensor):
+            if tuple(value.placements) != (layout.placement,):
+                value = value.redistribute(layout.mesh, [layout.placement])
+            value = value.to_local()
+        else:
+            value = layout.local_part(value.reshape(layout.shape).to(target.device))
+    elif isinstance(param, DTensor) and target.ndim > 0:
         if isinstance(value, DTensor):
             if value.placements != param.placements:
                 value = value.redistribute(param.device_mesh, param.placements)
