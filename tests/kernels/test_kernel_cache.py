@@ -184,3 +184,17 @@ def test_concurrent_processes_compile_each_kernel_once_and_the_others_load_it(tm
 
 def test_the_module_knows_no_kernel_library():
     assert "cutlass" not in kernel_cache.__dict__ and "torch" not in kernel_cache.__dict__
+
+
+def test_cutlass_dsl_caches_next_to_dmuon_unless_the_user_chose(tmp_path, monkeypatch):
+    monkeypatch.setenv("DMUON_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("CUTE_DSL_CACHE_DIR", raising=False)
+    kernel_cache.share_cutlass_dsl_cache()
+    assert os.environ["CUTE_DSL_CACHE_DIR"] == str(tmp_path / "cutlass-dsl")
+    monkeypatch.setenv("CUTE_DSL_CACHE_DIR", "/elsewhere")
+    kernel_cache.share_cutlass_dsl_cache()
+    assert os.environ["CUTE_DSL_CACHE_DIR"] == "/elsewhere"
+    monkeypatch.delenv("CUTE_DSL_CACHE_DIR")
+    monkeypatch.setenv("DMUON_KERNEL_CACHE", "0")
+    kernel_cache.share_cutlass_dsl_cache()
+    assert "CUTE_DSL_CACHE_DIR" not in os.environ

@@ -65,7 +65,7 @@ from dmuon_kernels.syrk._requirements import (
     distribution_version,
     gpu_problem,
 )
-from dmuon_kernels.syrk.kernel_cache import default_kernel_cache
+from dmuon_kernels.syrk.kernel_cache import default_kernel_cache, share_cutlass_dsl_cache
 
 NAME = "cute"
 CUTE_MIN_COMPUTE_CAPABILITY = (8, 0)
@@ -139,6 +139,7 @@ def _probe_cutlass() -> _CuteApi | str:
     """Import the kernel module (and cutlass); a string is the reason it cannot be used."""
     if importlib.util.find_spec("cutlass") is None:
         return f"nvidia-cutlass-dsl is not installed ({CUTE_INSTALL_HINT})"
+    share_cutlass_dsl_cache()
     try:
         import cutlass  # noqa: F401  (first, so a broken cutlass is what the reason names)
 

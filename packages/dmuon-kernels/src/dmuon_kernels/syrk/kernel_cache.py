@@ -175,6 +175,21 @@ def _compile_with_progress(
     return kernel
 
 
+# nvidia-cutlass-dsl's own cache of compiled modules (what quack's kernels compile through),
+# by default in /tmp, which many machines wipe at reboot; dmuon points it next to its own.
+CUTLASS_DSL_CACHE_ENV = "CUTE_DSL_CACHE_DIR"
+CUTLASS_DSL_FOLDER = "cutlass-dsl"
+
+
+def share_cutlass_dsl_cache() -> None:
+    """Point nvidia-cutlass-dsl's file cache at ``<DMUON_CACHE_DIR>/cutlass-dsl`` unless the
+    user chose a folder (``CUTE_DSL_CACHE_DIR``) or turned dmuon's kernel cache off. Called
+    before the backends import cutlass; the library reads the variable when it compiles."""
+    if os.environ.get(CUTLASS_DSL_CACHE_ENV) or not env_flag(KERNEL_CACHE_ENV, default=True):
+        return
+    os.environ[CUTLASS_DSL_CACHE_ENV] = str(default_cache_dir() / CUTLASS_DSL_FOLDER)
+
+
 _default_cache: CompiledKernelCache | None = None
 
 

@@ -35,6 +35,7 @@ from dmuon_kernels.syrk._requirements import (
     distribution_version,
     gpu_problem,
 )
+from dmuon_kernels.syrk.kernel_cache import share_cutlass_dsl_cache
 
 QUACK_MIN_COMPUTE_CAPABILITY = (9, 0)
 QUACK_INSTALL_HINT = "pip install dmuon-kernels[quack]"
@@ -67,6 +68,7 @@ def _probe_quack() -> _QuackApi | str:
     """Import quack and check its symmetric GEMM; a string is the reason it cannot be used."""
     if importlib.util.find_spec("quack") is None:
         return "quack-kernels is not installed"
+    share_cutlass_dsl_cache()  # quack compiles through nvidia-cutlass-dsl
     try:
         import quack
         from quack import gemm_interface
