@@ -13,7 +13,12 @@ from typing import Any
 
 import torch
 
-from dmuon_kernels._env import NS_CUDA_GRAPH_ENV, NS_KERNEL_ENV, SYRK_AUTOTUNE_LOG_ENV
+from dmuon_kernels._env import (
+    KERNEL_CACHE_ENV,
+    NS_CUDA_GRAPH_ENV,
+    NS_KERNEL_ENV,
+    SYRK_AUTOTUNE_LOG_ENV,
+)
 from dmuon_kernels.newton_schulz import NewtonSchulz
 from dmuon_kernels.syrk._requirements import KERNEL_DTYPES, installed_version
 from dmuon_kernels.syrk.cache import CACHE_DIR_ENV
@@ -29,7 +34,13 @@ from dmuon_kernels.syrk.dispatch import (
 from dmuon_kernels.syrk.registry import CUBLAS, backend_availability, backend_names
 
 # The variables that steer the kernels, shown by the status report.
-ENV_VARS = (NS_KERNEL_ENV, NS_CUDA_GRAPH_ENV, SYRK_AUTOTUNE_LOG_ENV, CACHE_DIR_ENV)
+ENV_VARS = (
+    NS_KERNEL_ENV,
+    NS_CUDA_GRAPH_ENV,
+    SYRK_AUTOTUNE_LOG_ENV,
+    CACHE_DIR_ENV,
+    KERNEL_CACHE_ENV,
+)
 
 # Optional libraries whose versions the status report shows, by distribution name.
 _REPORTED_DISTRIBUTIONS = ("dmuon-kernels", "quack-kernels", "nvidia-cutlass-dsl", "triton")
