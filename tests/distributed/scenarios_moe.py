@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
@@ -293,3 +294,35 @@ def _local_expert_ranges(value) -> list[tuple[int, int]]:
             for shard, offsets in zip(local.local_shards(), local.local_offsets())
         )
     return [(0, value.shape[0])]
+
+
+# ---- errors ---------------------------------------------------------------------------------
+
+
+def error_messages() -> dict[str, str]:
+    """What dmuon says for a DTensor expert stack and for a sharded stack value of another
+    layout (rank 0 asks its own sharded value for rank 1's experts)."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from dmuon.checkpoint._experts import piece_value
+    from dmuon.experts import expert_stack_names as stacks_among
+
+    messages = {}
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("tp",))
+    stack = nn.Parameter(distribute_tensor(torch.randn(4, 6, 5), mesh, [Shard(1)]))
+    try:
+        stacks_among([("moe.w", nn.Module(), "w", stack)], None)
+        messages["dtensor"] = "no error"
+    except ValueError as error:
+        messages["dtensor"] = str(error)
+
+    model, _, _, _ = build(MoEConfig())
+    sharded = dckpt.get_model_state_dict(model)["layers.0.w_in"]
+    state = get_dedicated_state(model)
+    other = next(p for p in state.stacks["layers.0.w_in"].pieces if p.master is None)
+    try:
+        piece_value(other, sharded)
+        messages["other_layout"] = "no error"
+    except ValueError as error:
+        messages["other_layout"] = str(error)
+    return messages

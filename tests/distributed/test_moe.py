@@ -156,3 +156,37 @@ def test_a_stack_keeps_the_plain_models_key_and_shape_in_every_state_dict(pool4)
         assert result["sharded_momentum"] == {stack: [(2 * rank, 2 * rank + 2)] for stack in STACKS}
         assert all(stack in result["groups"][0] for stack in STACKS)
         assert not any("[" in name for group in result["groups"] for name in group)
+
+
+# ---- the routing table and errors -----------------------------------------------------------
+
+
+def test_the_routing_table_of_an_moe_model_shows_each_stack_with_its_slices_owners(pool4):
+    from dmuon_tools import format_routing_table
+
+    rows = pool4.run(scenarios.train_against_reference, steps=1)[0]["routing"]
+    by_name = {row.fqn: row for row in rows}
+    for stack in STACKS:
+        row = by_name[stack]
+        assert row.route == "muon" and row.why == "predicate"
+        assert [(s.start, s.stop) for s in row.owner_rank] == [(0, 2), (2, 4), (4, 6), (6, 8)]
+        assert sorted(s.rank for s in row.owner_rank) == [0, 1, 2, 3]
+    owners = " ".join(str(s) for s in by_name["layers.0.w_in"].owner_rank)
+    text = " ".join(format_routing_table(rows).split())
+    assert f"layers.0.w_in 8x36x20 muon {owners} 0.02 0.01 predicate" in text
+    assert by_name["layers.0.router.weight"].route == "sharded_adamw"
+
+
+def test_a_dtensor_stack_and_a_sharded_value_of_another_layout_raise_with_the_fix(pool2):
+    messages = pool2.run(scenarios.error_messages)[0]
+    assert messages["dtensor"] == (
+        "dedicate_params: moe.w of shape (4, 6, 5) is an expert stack and a DTensor on mesh dims "
+        "('tp',): dmuon does not dedicate tensor- or expert-parallel expert stacks yet. Leave it "
+        "out of the predicate (FSDP2 and AdamW keep it), or make expert_stacks= return False for "
+        "it (one matrix, trailing dims flattened into columns)."
+    )
+    assert messages["other_layout"] == (
+        "dmuon.checkpoint: the sharded value given for layers.0.w_in holds no shard of experts "
+        "[4, 8) on this rank; load sharded checkpoints into the state dict "
+        "dmuon.checkpoint.get_state_dict returns on this layout, or pass a full tensor."
+    )

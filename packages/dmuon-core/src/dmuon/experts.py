@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from dmuon.param import DedicatedParam
 
@@ -135,6 +136,14 @@ def expert_stack_names(
                 )
         else:
             decided = not isinstance(module, _CONVOLUTIONS)
+        if decided and isinstance(param, DTensor):
+            raise ValueError(
+                f"dedicate_params: {name} of shape {tuple(param.shape)} is an expert stack and a "
+                f"DTensor on mesh dims {param.device_mesh.mesh_dim_names}: dmuon does not dedicate "
+                "tensor- or expert-parallel expert stacks yet. Leave it out of the predicate "
+                "(FSDP2 and AdamW keep it), or make expert_stacks= return False for it (one "
+                "matrix, trailing dims flattened into columns)."
+            )
         if decided:
             names.append(name)
     return names

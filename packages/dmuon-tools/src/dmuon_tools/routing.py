@@ -11,16 +11,18 @@ from collections.abc import Iterable, Sequence
 from typing import TextIO
 
 _HEADER = ("parameter", "shape", "route", "owner", "lr", "weight decay", "why")
+_SLICES_SHOWN = 4  # an expert stack's owner cell lists this many slices, then counts the rest
 
 
 def format_routing_table(rows: Iterable[Sequence]) -> str:
-    """``optimizer.routing()``'s rows as an aligned text table (owner ``-`` when not dedicated)."""
+    """``optimizer.routing()``'s rows as an aligned text table (owner ``-`` when not dedicated;
+    for an expert stack, ``[start:stop]@rank`` for each slice of its experts)."""
     cells = [_HEADER] + [
         (
             fqn,
             "x".join(str(d) for d in shape) or "scalar",
             route,
-            "-" if owner is None else str(owner),
+            _owner_cell(owner),
             f"{lr:g}",
             f"{weight_decay:g}",
             why,
@@ -32,6 +34,16 @@ def format_routing_table(rows: Iterable[Sequence]) -> str:
              for row in cells]  # fmt: skip
     lines.insert(1, "  ".join("-" * width for width in widths))
     return "\n".join(lines)
+
+
+def _owner_cell(owner) -> str:
+    if owner is None:
+        return "-"
+    if isinstance(owner, tuple):  # an expert stack: the owner of each slice of its experts
+        cell = " ".join(f"[{s.start}:{s.stop}]@{s.rank}" for s in owner[:_SLICES_SHOWN])
+        more = len(owner) - _SLICES_SHOWN
+        return cell + (f" +{more} slices" if more > 0 else "")
+    return str(owner)
 
 
 def print_routing(optimizer, file: TextIO | None = None) -> None:
