@@ -11,6 +11,7 @@ import torch
 from dmuon_kernels import NewtonSchulz, newton_schulz
 from dmuon_kernels.syrk import (
     _call_cache,
+    auto_candidate,
     backend_availability,
     get_backend,
     matmul,
@@ -74,6 +75,7 @@ def test_remembered_symmetric_and_plain_products_match_the_full_resolution(dtype
 
 def test_a_call_made_during_a_capture_is_not_remembered():
     A, _ = operands(None, 320, 960, torch.float16, seed=14)  # a shape no other test tunes
+    auto_candidate(A.device)  # the backends' availability probes (imports) run before capture
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
