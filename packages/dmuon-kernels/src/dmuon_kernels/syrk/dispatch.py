@@ -153,11 +153,6 @@ def ns_kernel_request(requested: str, deterministic: bool) -> tuple[str, str]:
     return AUTO, ORIGIN_AUTO
 
 
-def ns_syrk_kernel(requested: str, *, deterministic: bool) -> str:
-    """The kernel name Newton-Schulz passes to ``syrk`` (see ``ns_kernel_request``)."""
-    return ns_kernel_request(requested, deterministic)[0]
-
-
 def require_ns_kernel(kernel: str, origin: str) -> None:
     """Fail fast (rule 5, at construction) when an explicitly chosen kernel cannot run here."""
     if kernel == AUTO:
