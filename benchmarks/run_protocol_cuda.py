@@ -1,10 +1,10 @@
 """The ownership protocol on CUDA tensors, checked against a single-process reference.
 
-Trains the tiny decoder of ``_protocol_model.py`` (the CPU protocol tests' model) with
+Trains the tiny decoder of ``dmuon.testing`` (the CPU protocol tests' model) with
 ``dedicate_params`` -> ``fully_shard`` per layer and root -> ``dmuon.Muon`` (fp32
 Newton-Schulz: ``kernel="cublas"``, ``dtype=torch.float32``) for ``--steps`` steps, and on every
-rank the same model in one process on the full batch with the plain reference optimizer
-(``_reference_optim.py``). After each step it compares every parameter a rank can see (its owned
+rank the same model in one process on the full batch with the tests' plain reference optimizer
+(``dmuon.testing.ReferenceMuonAdamW``). After each step it compares every parameter a rank can see (its owned
 fp32 masters and the full FSDP2 parameters) with the reference and keeps the worst relative error
 over all ranks.
 
@@ -45,7 +45,11 @@ _common.add_package_sources_if_missing()
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from _protocol_model import (  # noqa: E402
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset  # noqa: E402
+
+import dmuon  # noqa: E402
+from dmuon.testing import (  # noqa: E402
+    ReferenceMuonAdamW,
     TinyDecoder,
     batches,
     dedicate_and_shard,
@@ -53,13 +57,9 @@ from _protocol_model import (  # noqa: E402
     proj_predicate,
     rank_rows,
 )
-from _reference_optim import ReferenceMuonAdamW  # noqa: E402
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset  # noqa: E402
-
-import dmuon  # noqa: E402
 from dmuon_kernels.newton_schulz import NewtonSchulz, newton_schulz  # noqa: E402
 
-REFERENCE = "benchmarks/_reference_optim.py ReferenceMuonAdamW"
+REFERENCE = "dmuon.testing.ReferenceMuonAdamW"
 
 LR = 0.02
 WEIGHT_DECAY = 0.01

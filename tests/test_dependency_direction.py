@@ -2,7 +2,9 @@
 
 Above core, only its public surface: dmuon-tools, dmuon-hf and the benchmarks use ``dmuon``'s
 public modules and the names in their ``__all__``, never an internal module (``dmuon.hooks``,
-``dmuon.group``, ...). Benchmarks never import the test suite.
+``dmuon.group``, ...). Benchmarks never import the test suite. ``dmuon.testing`` (the oracle the
+tests and benchmarks share) stays apart from what it checks: no module of dmuon imports it, and
+it reaches dmuon only through the public surface.
 """
 
 import ast
@@ -28,6 +30,8 @@ PUBLIC_MODULES = {
     "dmuon": CORE / "__init__.py",
     "dmuon.inspect": CORE / "inspect.py",
     "dmuon.checkpoint": CORE / "checkpoint/__init__.py",
+    # The reference optimizer and tiny decoder that tests and benchmarks share.
+    "dmuon.testing": CORE / "testing.py",
 }
 
 # Folders that may use only dmuon's public surface.
@@ -177,3 +181,29 @@ def test_benchmarks_never_import_the_test_suite():
         if "tests" in _imported_top_level_names(path)
     }
     assert offenders == {}
+
+
+def test_no_dmuon_module_imports_the_testing_oracle():
+    testing = CORE / "testing.py"
+    offenders = [
+        str(path.relative_to(CORE))
+        for path in sorted(CORE.rglob("*.py"))
+        if path != testing and "dmuon.testing" in _imported_modules(path)
+    ]
+    assert offenders == []
+
+
+def test_the_testing_oracle_uses_only_dmuon_public_surface():
+    assert private_dmuon_uses((CORE / "testing.py").read_text()) == []
+
+
+def _imported_modules(path: Path) -> set[str]:
+    """Every module ``path`` imports, with ``from a import b`` read as both ``a`` and ``a.b``."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.add(node.module)
+            names.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return names

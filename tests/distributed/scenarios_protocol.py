@@ -18,6 +18,7 @@ from torch.distributed.fsdp import fully_shard
 
 import dmuon
 from dmuon.hooks import get_dedicated_state
+from dmuon.testing import dedicate_and_shard
 from dmuon_kernels.newton_schulz import NewtonSchulz, newton_schulz
 from tests.distributed.models import TinyDecoder, batches, loss_fn, proj_predicate, rank_rows
 from tests.reference_optim import ReferenceMuonAdamW
@@ -47,33 +48,6 @@ def make_model(config: TrainConfig) -> TinyDecoder:
         if name in config.frozen:
             param.requires_grad_(False)
     return model
-
-
-def dedicate_and_shard(
-    model, device_type: str, replicas: int, reshard_after_forward: bool, predicate=proj_predicate
-):
-    """What a user writes: a 1-D or ("replicate", "shard") mesh, ``dedicate_params`` on the
-    projections, then ``fully_shard`` per layer and on the root. Returns the owner map."""
-    world = dist.get_world_size()
-    if replicas > 1:
-        mesh = init_device_mesh(
-            device_type, (replicas, world // replicas), mesh_dim_names=("replicate", "shard")
-        )
-        shard_mesh, replicate_mesh, fsdp_mesh = mesh["shard"], mesh["replicate"], mesh
-    else:
-        shard_mesh = init_device_mesh(device_type, (world,), mesh_dim_names=("shard",))
-        replicate_mesh, fsdp_mesh = None, shard_mesh
-    owners = dmuon.dedicate_params(
-        model,
-        shard_mesh,
-        predicate,
-        replicate_mesh=replicate_mesh,
-        reshard_after_forward=reshard_after_forward,
-    )
-    for layer in model.layers:
-        fully_shard(layer, mesh=fsdp_mesh, reshard_after_forward=reshard_after_forward)
-    fully_shard(model, mesh=fsdp_mesh, reshard_after_forward=reshard_after_forward)
-    return owners
 
 
 def build(config: TrainConfig):
