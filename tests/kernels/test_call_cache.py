@@ -178,3 +178,13 @@ def test_the_function_cache_is_bounded(monkeypatch):
     for eps in (1e-7, 1e-6, 1e-5, 1e-4):
         newton_schulz(a_matrix(), eps=eps)
     assert len(ns_module._instances) <= 2
+
+
+def test_the_function_follows_dmuon_ns_cuda_graph_between_calls(monkeypatch):
+    ns_module._instances.clear()
+    monkeypatch.setenv("DMUON_NS_CUDA_GRAPH", "0")
+    newton_schulz(a_matrix())
+    monkeypatch.setenv("DMUON_NS_CUDA_GRAPH", "1")
+    newton_schulz(a_matrix())
+    enabled = sorted(ns.graphs.enabled for ns in ns_module._instances.values())
+    assert enabled == [False, True]

@@ -45,7 +45,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from dmuon_kernels._env import NS_KERNEL_ENV
+from dmuon_kernels._env import NS_CUDA_GRAPH_ENV, NS_KERNEL_ENV
 from dmuon_kernels._log import is_rank_zero, log_rank_tagged
 from dmuon_kernels.coefficients import CoefficientTable, validate_coefficients
 from dmuon_kernels.fused import DEFAULT_NS_EPS as DEFAULT_EPS
@@ -275,14 +275,14 @@ def newton_schulz(
         A tensor of G's shape and dtype. A zero matrix gives zeros.
 
     Each call runs through a ``NewtonSchulz`` kept per configuration (the arguments and the
-    current DMUON_NS_KERNEL), so repeated calls cost what calls of one instance cost, CUDA-graph
-    replay included.
+    current DMUON_NS_KERNEL and DMUON_NS_CUDA_GRAPH), so repeated calls cost what calls of one
+    instance cost, CUDA-graph replay included.
     """
     return _instance_for(backend, coefficients, restart_iterations, eps, dtype, kernel)(G)
 
 
-# (backend, coefficients, restarts, eps, dtype, kernel, DMUON_NS_KERNEL) -> the instance that
-# serves newton_schulz() calls with those arguments.
+# (backend, coefficients, restarts, eps, dtype, kernel, (DMUON_NS_KERNEL, DMUON_NS_CUDA_GRAPH))
+# -> the instance that serves newton_schulz() calls with those arguments.
 _instances: dict[tuple, NewtonSchulz] = {}
 # A bound for callers that vary the arguments without end (each instance keeps CUDA graphs).
 MAX_CACHED_INSTANCES = 64
@@ -297,8 +297,10 @@ def _instance_for(
     kernel: object,
 ) -> NewtonSchulz:
     """The cached ``NewtonSchulz`` for these ``newton_schulz()`` arguments, built (and so
-    validated) on first use. DMUON_NS_KERNEL is part of the key: one dict lookup per call keeps a
+    validated) on first use. The variables a NewtonSchulz reads when it is built
+    (DMUON_NS_KERNEL, DMUON_NS_CUDA_GRAPH) are part of the key: two dict lookups per call keep a
     changed value effective, as it is for a newly built NewtonSchulz."""
+    environment = (os.environ.get(NS_KERNEL_ENV), os.environ.get(NS_CUDA_GRAPH_ENV))
     key = (
         backend,
         coefficients,
@@ -306,14 +308,14 @@ def _instance_for(
         eps,
         dtype,
         kernel,
-        os.environ.get(NS_KERNEL_ENV),
+        environment,
     )
     try:
         instance = _instances.get(key)
     except TypeError:  # lists as coefficients or restarts: key on their validated form
         table = validate_coefficients(coefficients)  # type: ignore[arg-type]
         restarts = validate_restart_iterations(restart_iterations, len(table))  # type: ignore[arg-type]
-        key = (backend, table, restarts, eps, dtype, kernel, key[-1])
+        key = (backend, table, restarts, eps, dtype, kernel, environment)
         instance = _instances.get(key)
     if instance is None:
         instance = NewtonSchulz(
