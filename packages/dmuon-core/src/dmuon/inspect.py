@@ -10,6 +10,8 @@ segments here, never in dmuon's internal modules::
     for boundary in view.boundaries:          # in module registration order
         for segment in boundary.segments:     # one coalesced broadcast and gradient reduce each
             segment.shard, segment.root_rank, segment.value_bytes, segment.slices
+    stack = view.expert_stacks["layers.0.moe.w1"]   # an (E, m, n) stack dedicated as E matrices
+    [view.params[piece].owner_rank for piece in stack.pieces]   # its expert ranges' owners
 
 Owns: building the views, each a frozen dataclass made on request from the live state (a
 snapshot: it does not follow later changes). Every fact in a view is read from the code that acts
@@ -167,6 +169,9 @@ class ParamView:
     # The owner's fp32 master, the tensor that sits in ``optimizer.param_groups`` (to find the
     # group holding it); None off the owner and before adoption. Read it, do not modify it.
     master: torch.Tensor | None = field(default=None, repr=False, compare=False)
+    # The region of the full value this rank's copy covers: the whole parameter, or its
+    # tensor-parallel chunk (``full[master_region]`` is what ``master`` holds).
+    master_region: tuple[slice, ...] = (slice(None),)
 
     @property
     def numel(self) -> int:
@@ -246,6 +251,25 @@ class ModelView:
     is_adopted: bool
     params: Mapping[str, ParamView]  # read-only; in dedication order
     boundaries: tuple[BoundaryView, ...]  # in module registration order
+    # Mixture-of-experts stacks by FQN; ``params`` holds their pieces (``<fqn>[start:stop]``).
+    expert_stacks: Mapping[str, ExpertStackView] = field(
+        default_factory=lambda: MappingProxyType({})
+    )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ExpertStackView:
+    """One (E, m, n) module parameter dedicated as E matrices: its expert pieces, each a
+    contiguous range of experts with one owner (a ``ParamView`` in ``ModelView.params``)."""
+
+    name: str  # the module parameter's FQN
+    shape: tuple[int, ...]  # (E, m, n)
+    pieces: tuple[str, ...]  # the pieces' names in ``ModelView.params``, in expert order
+    experts: tuple[tuple[int, int], ...]  # each piece's experts [start, stop)
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -290,6 +314,17 @@ def view(model: nn.Module) -> ModelView:
         is_adopted=state.is_adopted,
         params=MappingProxyType(params),
         boundaries=tuple(_boundary_view(group, grid) for group in state.boundaries),
+        expert_stacks=MappingProxyType(
+            {
+                name: ExpertStackView(
+                    name=name,
+                    shape=tuple(stack.shape),
+                    pieces=tuple(piece.fqn for piece in stack.pieces),
+                    experts=tuple(piece.experts for piece in stack.pieces),
+                )
+                for name, stack in state.stacks.items()
+            }
+        ),
     )
 
 
@@ -345,7 +380,15 @@ def _param_view(p: DedicatedParam, grid: OwnerGrid, boundary: str) -> ParamView:
         reduce_dtype=_gradient_dtype(p),
         master_dtype=_master_dtype(p),
         master=p.master,
+        master_region=_tp_region(p),
     )
+
+
+def _tp_region(p: DedicatedParam) -> tuple[slice, ...]:
+    if p.tp is None or p.tp.shard_dim is None:
+        return (slice(None),)
+    start, stop = p.tp.bounds(p.tp.rank)
+    return (slice(None),) * p.tp.shard_dim + (slice(start, stop),)
 
 
 def _boundary_view(group: BoundaryGroup, grid: OwnerGrid) -> BoundaryView:
@@ -432,6 +475,7 @@ __all__ = [
     "MUON_ROUTE",
     "WHAT_IF_RANK_FORMULA",
     "BoundaryView",
+    "ExpertStackView",
     "ForwardWaitsView",
     "ModelView",
     "OwnerCoord",
