@@ -24,6 +24,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 import dmuon
 import dmuon.checkpoint as dckpt
+import dmuon.inspect
 from dmuon.hooks import get_dedicated_state
 from dmuon_kernels.newton_schulz import NewtonSchulz, newton_schulz
 from tests.distributed.models import batches, loss_fn, rank_rows
@@ -157,6 +158,8 @@ def train_against_reference(**kwargs) -> dict:
         "expert_slices": dict(state.plan.expert_slices),
         "orthogonalised": first_step_matrices,
         "routing": optimizer.routing(),
+        "summary": dmuon.summarize_param_groups(model, optimizer)["params"]["layers.0.w_in"],
+        "stack_view": dmuon.inspect.view(model).expert_stacks["layers.0.w_in"],
         "stack_is_leaf_in_forward": _stack_seen_in_forward(model, runner),
     }
 

@@ -190,3 +190,22 @@ def test_a_dtensor_stack_and_a_sharded_value_of_another_layout_raise_with_the_fi
         "[4, 8) on this rank; load sharded checkpoints into the state dict "
         "dmuon.checkpoint.get_state_dict returns on this layout, or pass a full tensor."
     )
+
+
+def test_inspect_and_the_parameter_summary_show_a_stack_with_the_owner_of_each_slice(pool4):
+    results = pool4.run(scenarios.train_against_reference, steps=1)
+    for rank, result in enumerate(results):
+        view = result["stack_view"]
+        assert view.shape == (NUM_EXPERTS, HIDDEN, DIM)
+        assert view.experts == ((0, 2), (2, 4), (4, 6), (6, 8))
+        assert view.pieces == tuple(f"layers.0.w_in[{s}:{e}]" for s, e in view.experts)
+        summary = result["summary"]
+        assert (summary["route"], summary["dedicated"], summary["shape"]) == (
+            "muon",
+            True,
+            [NUM_EXPERTS, HIDDEN, DIM],
+        )
+        slices = summary["expert_slices"]
+        assert [entry["experts"] for entry in slices] == [[0, 2], [2, 4], [4, 6], [6, 8]]
+        assert [entry["owner_rank"] for entry in slices if entry["is_owner"]] == [rank]
+        assert summary["group"] == 0 and summary["master_dtype"] == "float32"

@@ -14,7 +14,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 import dmuon.inspect
-from dmuon.inspect import ADAMW_ROUTE, ModelView, ParamView
+from dmuon.inspect import ADAMW_ROUTE, ExpertStackView, ModelView, ParamView
 from dmuon_tools._json import dtype_name, jsonable, owner_dict, this_rank
 
 FROZEN_ROUTE = "frozen"
@@ -35,9 +35,13 @@ def summarize_param_groups(model: nn.Module, optimizer: torch.optim.Optimizer) -
         ``param_dtype`` (forward compute dtype), ``master_dtype`` (dtype of what the optimizer
         updates on this rank; None where this rank updates nothing), ``fsdp2``, ``group``
         (index of the optimizer group holding it on this rank, or None)) and ``totals`` per route.
+        An expert stack (E, m, n) has ``owner`` and ``owner_rank`` None and ``expert_slices``:
+        per contiguous range of its experts, ``experts`` [start, stop), ``owner``,
+        ``owner_rank`` and ``is_owner``.
     """
     view = dmuon.inspect.view(model) if dmuon.inspect.is_prepared(model) else None
     dedicated = view.params if view is not None else {}
+    stacks = view.expert_stacks if view is not None else {}
     group_of = _group_index_by_tensor(optimizer)
     compute_dtypes = _fsdp2_compute_dtypes(model)
 
@@ -46,6 +50,8 @@ def summarize_param_groups(model: nn.Module, optimizer: torch.optim.Optimizer) -
     for name, param in model.named_parameters(remove_duplicate=False):
         if name in dedicated:
             entry = _dedicated_entry(dedicated[name], group_of)
+        elif name in stacks:
+            entry = _expert_stack_entry(stacks[name], dedicated, group_of)
         else:
             entry = _regular_entry(param, group_of, compute_dtypes)
         if id(param) in first_name and name not in dedicated:
@@ -80,6 +86,34 @@ def _dedicated_entry(p: ParamView, group_of: dict[int, int]) -> dict[str, Any]:
         "fsdp2": False,
         "requires_grad": p.requires_grad,
         "group": group_of.get(id(p.master)) if p.master is not None else None,
+    }
+
+
+def _expert_stack_entry(
+    stack: ExpertStackView, pieces: dict[str, ParamView], group_of: dict[int, int]
+) -> dict[str, Any]:
+    """A stack as one parameter of its full shape; its pieces' owners in ``expert_slices``."""
+    views = [pieces[name] for name in stack.pieces]
+    owned = [p for p in views if p.master is not None]
+    master_dtypes = [p.master_dtype for p in views if p.master_dtype is not None]
+    return {
+        **_dedicated_entry(views[0], group_of),
+        "owner": None,
+        "owner_rank": None,
+        "is_owner": any(p.is_owner for p in views),
+        "shape": list(stack.shape),
+        "numel": stack.numel,
+        "master_dtype": dtype_name(master_dtypes[0]) if master_dtypes else None,
+        "group": group_of.get(id(owned[0].master)) if owned else None,
+        "expert_slices": [
+            {
+                "experts": list(experts),
+                "owner": owner_dict(p.owner),
+                "owner_rank": p.owner_rank,
+                "is_owner": p.is_owner,
+            }
+            for p, experts in zip(views, stack.experts)
+        ],
     }
 
 
