@@ -354,3 +354,42 @@ def test_an_invalid_config_is_refused_before_any_plan(offline_hopper):
     with pytest.raises(ValueError, match=r"config 'sm90_64x64' belongs to path 'sm90', not"):
         cute_backend._check_choice("sm90_64x64", "sm80")
     assert cute_backend._plans == {}
+
+
+# A fresh interpreter compiles one kernel into a kernel cache folder; a second one loads it.
+_SAVE_AND_LOAD_SCRIPT = """
+import sys
+from pathlib import Path
+from dmuon_kernels.syrk import _cute_runtime as runtime, _cute_sm90_kernel as kernel
+from dmuon_kernels.syrk._cute_tiles import TILE_CONFIGS
+from dmuon_kernels.syrk.kernel_cache import CompiledKernelCache
+compiles = []
+def compile_kernel():
+    compiles.append(1)
+    return kernel.compile_syrk("float16", True, TILE_CONFIGS["sm90_64x64"])
+loaded = CompiledKernelCache(Path(sys.argv[1])).get_or_compile(
+    "offline test kernel", {"config": "sm90_64x64"}, compile_kernel,
+    runtime.load_compiled, runtime.dump_compiled)
+print("compiled" if compiles else "loaded", loaded.execution_args.signature)
+"""
+
+
+@needs_cutlass
+def test_a_compiled_kernel_saved_offline_loads_back_with_its_signature(tmp_path):
+    source = Path(cute_backend.__file__).resolve().parents[2]
+    env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", CUTE_DSL_CACHE_DIR=str(tmp_path / "dsl"))
+    env["PYTHONPATH"] = os.pathsep.join([str(source), env.get("PYTHONPATH", "")])
+    runs = [
+        subprocess.run(
+            [sys.executable, "-c", _SAVE_AND_LOAD_SCRIPT, str(tmp_path / "kernels")],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        for _ in range(2)
+    ]
+    assert [run.returncode for run in runs] == [0, 0], runs[-1].stderr[-4000:]
+    first, second = (run.stdout.split(" ", 1) for run in runs)
+    assert (first[0], second[0]) == ("compiled", "loaded")
+    assert first[1] == second[1] and "alpha: cutlass.base_dsl.typing.Float32" in first[1]
