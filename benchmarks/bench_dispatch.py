@@ -204,6 +204,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     date = _common.utc_now()
     label = _common.device_name(device)
     rows = []
+    started = time.perf_counter()
     for M, K in shapes:
         print(f"bench_dispatch: {M}x{K} ...", flush=True)
         rows.append(measure_shape(M, K, device, dtype, args))
@@ -235,6 +236,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         },
         "targets": {"host_us": HOST_TARGET_US, "function_over_instance": FUNCTION_TARGET_RATIO},
         "rows": rows,
+        "wall_s": time.perf_counter() - started,
     }
     out = args.out or _common.result_path("dispatch", label, date)
     _common.write_json(out, record)
