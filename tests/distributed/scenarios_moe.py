@@ -329,3 +329,26 @@ def error_messages() -> dict[str, str]:
     except ValueError as error:
         messages["other_layout"] = str(error)
     return messages
+
+
+# ---- communication --------------------------------------------------------------------------
+
+
+def count_step_communication(**kwargs) -> dict:
+    """Bytes dmuon's collectives moved in one training step (after a warm-up step), and the
+    numel of every dedicated piece or matrix."""
+    from tests.distributed.comm_counter import count_collectives
+
+    config = MoEConfig(**kwargs)
+    model, runner, optimizer, _ = build(config)
+    first, second = batches(2, dist.get_world_size())
+    train_step(model, runner, optimizer, first, config)
+    with count_collectives() as log:
+        train_step(model, runner, optimizer, second, config)
+        dmuon.wait_all_replicate_broadcasts(model)
+    return {
+        "broadcast_received": log.broadcast_bytes_received(),
+        "reduce_sent": log.reduce_bytes_sent(),
+        "numels": [p.numel for p in get_dedicated_state(model).params.values()],
+        "element_size": 4,
+    }

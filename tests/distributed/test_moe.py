@@ -209,3 +209,29 @@ def test_inspect_and_the_parameter_summary_show_a_stack_with_the_owner_of_each_s
         assert [entry["experts"] for entry in slices] == [[0, 2], [2, 4], [4, 6], [6, 8]]
         assert [entry["owner_rank"] for entry in slices if entry["is_owner"]] == [rank]
         assert summary["group"] == 0 and summary["master_dtype"] == "float32"
+
+
+@pytest.mark.parametrize(
+    ("replicas", "reshard_after_forward", "broadcasts_per_step"),
+    [(1, True, 2), (1, False, 1), (2, True, 2)],
+    ids=["z3-1d", "z2-1d", "z3-hsdp-2x2"],
+)
+def test_a_stack_moves_exactly_the_bytes_of_its_expert_pieces(
+    pool4, replicas, reshard_after_forward, broadcasts_per_step
+):
+    """Each expert range travels once per broadcast and once per reduce (plus its flag), as any
+    dedicated matrix does: assembling the stack and splitting its gradient cost no traffic."""
+    results = pool4.run(
+        scenarios.count_step_communication,
+        replicas=replicas,
+        reshard_after_forward=reshard_after_forward,
+    )
+    shards = 4 // replicas
+    numels = results[0]["numels"]
+    assert sum(numels) == len(STACKS) * NUM_EXPERTS * HIDDEN * DIM + PROJECTIONS * DIM * DIM
+    weights = sum(numels) * 4
+    messages = sum(n + 1 for n in numels) * 4  # one flag element per piece
+    broadcast = broadcasts_per_step * replicas * (shards - 1) * weights + (replicas - 1) * weights
+    reduce = replicas * (shards - 1) * messages + (replicas - 1) * messages
+    assert sum(r["broadcast_received"] for r in results) == broadcast
+    assert sum(r["reduce_sent"] for r in results) == reduce

@@ -4,7 +4,8 @@ Owns the update math of the owner step and the two routes; it must not move data
 asking each boundary to refresh and publish its weights after the step.
 
 Routes (``dmuon.routing`` decides each parameter's route, group and hyperparameters):
-- ``"muon"``: the fp32 masters of the dedicated matrices this rank owns;
+- ``"muon"``: the fp32 masters of the dedicated matrices this rank owns (the master of an
+  expert piece, (k, m, n), holds k matrices, each with its own Newton-Schulz and momentum);
 - ``"adamw"``: the fp32 masters of owned dedicated non-matrix parameters (and of matrices
   ``routes=`` sent there);
 - ``"sharded_adamw"``: every other trainable parameter of the model (FSDP2's sharded DTensors:
@@ -240,8 +241,9 @@ class Muon(torch.optim.Optimizer):
 
         ``route`` is ``"muon"``, ``"adamw"`` (owner-side, on the fp32 master) or
         ``"sharded_adamw"`` (left to FSDP2); ``owner_rank`` is the owner's global rank (None
-        when not dedicated); ``lr`` and ``weight_decay`` are its group's current values (a
-        scheduler's changes included); ``why`` says what decided it: ``"predicate"``,
+        when not dedicated; for an (E, m, n) expert stack, one ``ExpertSliceOwner(start, stop,
+        rank)`` per range of its experts); ``lr`` and ``weight_decay`` are its group's current
+        values (a scheduler's changes included); ``why`` says what decided it: ``"predicate"``,
         ``"routes override"`` or ``"not dedicated"``, then ``"no_decay rule"`` and
         ``"param_groups[i]"`` where they apply. The same list on every rank; no collective.
         """
