@@ -42,6 +42,8 @@ class MoEConfig:
     micro_batches: int = 1  # > 1: accumulation under dmuon.no_sync
     checkpoint_layers: bool = False
     ddp: bool = False  # DistributedDataParallel instead of fully_shard
+    compile_backend: str | None = None  # torch.compile each block after fully_shard
+    clip_max_norm: float | None = None  # dmuon.clip_grad_norm_ before each step
 
 
 def make_model(config: MoEConfig) -> MoEDecoder:
@@ -79,6 +81,9 @@ def build(config: MoEConfig):
             fully_shard(layer, mesh=fsdp_mesh, reshard_after_forward=config.reshard_after_forward)
         fully_shard(model, mesh=fsdp_mesh, reshard_after_forward=config.reshard_after_forward)
         runner = model
+    if config.compile_backend is not None:
+        for layer in model.layers:
+            layer.compile(backend=config.compile_backend)
     optimizer = dmuon.Muon(
         model,
         lr=LR,
@@ -108,6 +113,8 @@ def train_step(model, runner, optimizer, batch: torch.Tensor, config: MoEConfig)
         last = index == len(micro) - 1
         with dmuon.no_sync(model) if not last else contextlib.nullcontext():
             (loss_fn(runner, chunk) / len(micro)).backward()
+    if config.clip_max_norm is not None:
+        dmuon.clip_grad_norm_(model, optimizer, config.clip_max_norm)
     optimizer.step()
     optimizer.zero_grad()
 
@@ -148,6 +155,8 @@ def train_against_reference(**kwargs) -> dict:
         if step == 0:
             first_step_matrices = list(orthogonalised)
         loss_fn(reference, batch).backward()
+        if config.clip_max_norm is not None:
+            torch.nn.utils.clip_grad_norm_(reference.parameters(), config.clip_max_norm)
         reference_optimizer.step()
         reference_optimizer.zero_grad()
         max_errors.append(max(owned_errors(model, reference).values()))

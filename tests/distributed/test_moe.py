@@ -71,8 +71,10 @@ def test_expert_stacks_in_hsdp_2x2_train_like_the_reference(pool4):
         {"checkpoint_layers": True},
         {"micro_batches": 2},
         {"ddp": True},
+        {"clip_max_norm": 0.05},
+        {"compile_backend": "aot_eager"},
     ],
-    ids=["z2", "activation-checkpointing", "no_sync-accumulation", "ddp"],
+    ids=["z2", "activation-checkpointing", "no_sync-accumulation", "ddp", "clip", "compiled"],
 )
 def test_expert_stacks_train_like_the_reference_on_every_path(pool2, options):
     assert_matches_reference(pool2.run(scenarios.train_against_reference, steps=4, **options))
