@@ -5,7 +5,8 @@ from its path (``tests/distributed/test_pool.py`` -> ``tests.distributed.test_po
 touching ``sys.path``. Support modules (the worker pool, the reference optimizer, scenario
 modules) are imported by that same scheme: ``from tests.reference_optim import ...``,
 ``from tests.distributed.pool import ...``. Putting the repository root on ``sys.path`` makes those
-names resolve here and in the "spawn" worker processes, which inherit the parent's ``sys.path``.
+names resolve here and in the gloo worker processes, whose fork server starts with this process's
+``sys.path``.
 ``tests`` has no ``__init__.py``: it is a namespace package rooted in this directory.
 
 It also holds the session-wide gloo worker pools (one per world size, started on first use):

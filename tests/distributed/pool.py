@@ -5,13 +5,15 @@ function on all of them, collecting per-rank return values, and turning a failur
 (an exception, a hang, a crash) into one exception in pytest with every failing rank's report.
 It must not know anything about dmuon: scenarios are plain functions in importable modules.
 
-Spawning a gloo group costs seconds (each process imports torch), so one pool serves many
-scenarios. The cost of that reuse is shared state, handled like this:
+Starting a gloo group costs seconds (each process needs torch), so one pool serves many
+scenarios, and workers are forked from one server process that imported torch once (see
+``[Note: forked workers]``). The cost of that reuse is shared state, handled like this:
 
 - Every scenario starts with ``torch.manual_seed(seed)`` / ``random.seed(seed)`` on every rank,
   fp32 as the default dtype and grad mode on.
-- Scenarios create their own subgroups (``dist.new_group``, ``init_device_mesh``). Groups
-  accumulate over the pool's life; that is harmless, and never reusing one keeps scenarios apart.
+- Scenarios create their own subgroups (``dist.new_group``, ``init_device_mesh``); every rank
+  destroys them once all ranks have finished the scenario (``[Note: groups end with their
+  scenario]``), so no later scenario meets one, and idle workers do not pile up gloo threads.
 - After any failure (a rank raised, the deadline passed, a process died) the workers are killed
   and the next scenario gets fresh ones: a failed scenario can leave collectives half-issued,
   and a gloo group out of step would corrupt whatever runs next. A scenario that *expects* an
@@ -52,13 +54,33 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed import distributed_c10d
 
 PG_TIMEOUT_ENV = "DMUON_TEST_PG_TIMEOUT"
 SCENARIO_DEADLINE_ENV = "DMUON_TEST_SCENARIO_DEADLINE"
 DEFAULT_PG_TIMEOUT_S = 60.0
 DEFAULT_SCENARIO_DEADLINE_S = 180.0
-# Spawning imports torch in every process; 8 processes on 2 busy cores can take a while.
+# Starting 8 processes on 2 busy cores can take a while. Also how long the workers wait for each
+# other at start-up: the process group's timeout may be much shorter (a test of timeouts).
 STARTUP_DEADLINE_S = 120.0
+# [Note: forked workers]
+# Workers come from a "forkserver": one clean process, started on the first pool's start, that
+# imports these modules once and forks every worker of every pool (respawns included). A fork
+# costs milliseconds where a "spawn" re-imports torch (about 1 s of CPU a process, 2 cores
+# shared by 8). It is safe: the server only imports, it never computes, so it holds no thread
+# pool or lock a fork could copy in a bad state. A worker inherits the server's environment and
+# sys.path (the parent's when the server started), then sets its own thread count and rendezvous
+# variables; a scenario that needs an environment variable sets it itself. Scenario modules and
+# dmuon itself are imported in each worker.
+WORKER_PRELOAD = (
+    "torch",
+    "torch.distributed",
+    "torch.distributed.device_mesh",
+    "torch.distributed.fsdp",
+    "torch.distributed.tensor",
+    "torch.distributed.checkpoint",
+    __name__,  # this module: what each worker runs
+)
 # Once one rank has failed, how long the others get to report before they are killed: long enough
 # for ranks failing the same check to say so, short enough not to wait for a PG timeout.
 STRAGGLER_GRACE_S = 2.0
@@ -68,6 +90,9 @@ LOG_TAIL_CHARS = 4000
 EXIT_CODE_WAIT_S = 5.0
 
 Scenario = Callable[..., Any] | str
+
+# What the parent sends every worker once all ranks have finished a scenario (never a pickle).
+_SCENARIO_DONE_ON_EVERY_RANK = b"scenario done on every rank"
 
 
 class ScenarioError(Exception):
@@ -120,6 +145,14 @@ def scenario_address(scenario: Scenario) -> tuple[str, str]:
     return module, qualname
 
 
+def worker_context() -> multiprocessing.context.BaseContext:
+    """The multiprocessing context of the workers: the fork server of ``[Note: forked workers]``.
+    Also for tests that need processes of their own with torch already imported."""
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(list(WORKER_PRELOAD))  # no effect once the server runs
+    return context
+
+
 def _resolve_scenario(module_name: str, qualname: str) -> Callable[..., Any]:
     try:
         target: Any = importlib.import_module(module_name)
@@ -134,7 +167,7 @@ def _resolve_scenario(module_name: str, qualname: str) -> Callable[..., Any]:
 
 
 # ----------------------------------------------------------------------------------------------
-# Worker side: everything below up to WorkerPool runs in the spawned processes.
+# Worker side: everything below up to WorkerPool runs in the worker processes.
 
 
 def _redirect_output(log_path: str) -> None:
@@ -172,26 +205,65 @@ def _worker_main(
         # Gloo otherwise picks the interface the host name resolves to, which some containers
         # and CI machines cannot route to themselves; all ranks live on this host.
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    # Wait for every worker under the start-up deadline, then join the group under its own
+    # (possibly short) timeout: a slow start must not look like a collective timing out.
+    store = dist.TCPStore(
+        "127.0.0.1",
+        store_port,
+        world_size,
+        is_master=False,
+        timeout=datetime.timedelta(seconds=STARTUP_DEADLINE_S),
+    )
+    store.set(f"started/{rank}", "1")
+    store.wait([f"started/{other}" for other in range(world_size)])
     timeout = datetime.timedelta(seconds=pg_timeout_s)
-    store = dist.TCPStore("127.0.0.1", store_port, world_size, is_master=False, timeout=timeout)
+    store.set_timeout(timeout)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
     connection.send_bytes(pickle.dumps(("ready", None)))
+    groups_of_last_scenario: list[dist.ProcessGroup] = []
     while True:
         try:
             request = connection.recv_bytes()
         except EOFError:
             # The pool went away. Skip the interpreter's slow teardown of torch: nothing to save.
             os._exit(0)
+        if request == _SCENARIO_DONE_ON_EVERY_RANK:
+            _destroy(groups_of_last_scenario)
+            groups_of_last_scenario = []
+            continue
         module_name, qualname, kwargs, seed = pickle.loads(request)
+        groups_before = set(_process_groups())
         try:
             _reset_global_state(seed)
             result = _resolve_scenario(module_name, qualname)(**kwargs)
             reply = pickle.dumps(("ok", result))
         except BaseException:
             reply = pickle.dumps(("error", traceback.format_exc()))
+        groups_of_last_scenario = [g for g in _process_groups() if g not in groups_before]
         sys.stdout.flush()
         sys.stderr.flush()
         connection.send_bytes(reply)
+
+
+def _process_groups() -> list[dist.ProcessGroup]:
+    """Every process group of this process (the default one too); a private table of torch's,
+    read by the test harness only."""
+    return list(distributed_c10d._world.pg_map)
+
+
+def _destroy(groups: list[dist.ProcessGroup]) -> None:
+    # [Note: groups end with their scenario]
+    # Each gloo group keeps threads (a TCP loop and its work threads) that wake up now and then
+    # even when idle; left alive, the groups that scenarios create add up over a session until
+    # idle workers take a good part of a 2-core machine (measured: 80 idle groups cost a worker
+    # 6% of a core, and a session's pools hold about 20 workers). Every rank destroys them once every rank
+    # has finished the scenario (the parent says so), never before: a rank that finished early
+    # would close connections another rank still waits on (a stalled peer must time out).
+    for group in groups:
+        try:
+            dist.destroy_process_group(group)
+        except Exception:
+            print(f"[pool] could not destroy a process group:\n{traceback.format_exc()}")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -264,7 +336,7 @@ class WorkerPool:
         )
         self._log_dir = tempfile.mkdtemp(prefix=f"gloo-pool-{self.world_size}-")
         self.generation += 1
-        context = multiprocessing.get_context("spawn")
+        context = worker_context()
         for rank in range(self.world_size):
             parent_end, child_end = context.Pipe(duplex=True)
             log_path = Path(self._log_dir) / f"rank{rank}.log"
@@ -358,6 +430,8 @@ class WorkerPool:
             report = self._failure_report(replies, f"scenario {module_name}:{qualname}")
             self._stop()
             raise replies.exception_type(report, replies.reports)
+        for worker in self._workers:  # see [Note: groups end with their scenario]
+            worker.connection.send_bytes(_SCENARIO_DONE_ON_EVERY_RANK)
         self._echo_output()
         return [replies.results[rank] for rank in range(self.world_size)]
 

@@ -85,3 +85,12 @@ def broadcast_along_each_mesh_dim() -> dict[str, float]:
         dist.broadcast(value, src=dist.get_global_rank(group, 0), group=group)
         received[dim_name] = value.item()
     return received
+
+
+def new_groups_then_count(count: int) -> int:
+    """Create ``count`` groups over every rank (each used once); return how many groups this
+    rank now has, the default group included."""
+    for _ in range(count):
+        group = dist.new_group(list(range(dist.get_world_size())))
+        dist.all_reduce(torch.ones(1), group=group)
+    return len(dist.distributed_c10d._world.pg_map)

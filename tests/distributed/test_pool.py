@@ -105,6 +105,13 @@ def test_a_2x2_device_mesh_broadcasts_within_each_subgroup(pool4):
     assert [r["replicate"] for r in received] == [0.0, 1.0, 0.0, 1.0]
 
 
+def test_the_groups_a_scenario_creates_are_destroyed_once_every_rank_finished_it(pool2):
+    # The default group, plus the scenario's own until the scenario is done on every rank.
+    assert pool2.run(scenarios_pool.new_groups_then_count, count=3) == [4, 4]
+    assert pool2.run(scenarios_pool.new_groups_then_count, count=0) == [1, 1]
+    assert pool2.run(scenarios_pool.new_groups_then_count, count=3) == [4, 4]
+
+
 def test_scenarios_that_workers_cannot_import_are_refused_with_the_fix():
     def nested():
         return None

@@ -1,10 +1,12 @@
 """A training job in which one rank dies (``os._exit``) at a chosen point; the survivors report.
 
-Run by ``test_rank_death.py`` as plain processes (not the worker pool, which would stop the
-survivors as soon as one worker dies, and not torchrun, which does the same): each process joins
-a gloo group with a short timeout, builds the tiny decoder with dmuon on FSDP2, and trains. The
-dying rank exits at ``where`` ("forward": inside layer 1's forward; "after-backward": between
-backward and step). Every survivor writes what it raised, and after how long, as JSON.
+Run by ``test_rank_death.py`` as processes of their own, forked like the pool's workers (not the
+worker pool, which would stop the survivors as soon as one worker dies, and not torchrun, which
+does the same); ``python rank_death.py RANK WORLD PORT WHERE TIMEOUT_S OUT`` runs one by hand.
+Each process joins a gloo group with a short timeout, builds the tiny decoder with dmuon on FSDP2,
+and trains. The dying rank exits at ``where`` ("forward": inside layer 1's forward;
+"after-backward": between backward and step). Every survivor writes what it raised, and after how
+long, as JSON.
 """
 
 from __future__ import annotations
@@ -20,7 +22,14 @@ import torch
 import torch.distributed as dist
 
 
-def main(rank: int, world: int, port: int, where: str, timeout_s: float, out: str) -> None:
+def main(
+    rank: int, world: int, port: int, where: str, timeout_s: float, out: str, log: str | None = None
+) -> None:
+    if log is not None:  # file descriptors 1 and 2, so gloo's own messages land there too
+        log_fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        os.dup2(log_fd, 1)
+        os.dup2(log_fd, 2)
+        os.close(log_fd)
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     torch.set_num_threads(1)
