@@ -1,0 +1,27 @@
+"""HuggingFace mixture-of-experts models: transformers 5 keeps Qwen3-MoE's experts as fused
+(E, m, n) tensors (``mlp.experts.gate_up_proj``, ``mlp.experts.down_proj``); dmuon dedicates
+them as E matrices each and trains like the per-expert reference, in one process and on 2 gloo
+ranks with FSDP2."""
+
+from __future__ import annotations
+
+from tests.hf import scenarios_moe_hf as scenarios
+
+# fp32 Newton-Schulz: what is left is the order of float additions.
+FP32_TOLERANCE = 1e-5
+
+
+def assert_matches_reference(result):
+    assert result["stacks"] == result["expected_stacks"]
+    assert len(result["stacks"]) == 4  # two fused stacks in each of the two layers
+    worst = max(result["max_errors"])
+    assert worst < FP32_TOLERANCE, f"max relative error {worst:.3e}"
+
+
+def test_qwen3_moe_expert_stacks_train_like_the_per_expert_reference_in_one_process():
+    assert_matches_reference(scenarios.train_against_reference())
+
+
+def test_qwen3_moe_expert_stacks_train_like_the_per_expert_reference_on_two_ranks(pool2):
+    for result in pool2.run(scenarios.train_against_reference):
+        assert_matches_reference(result)
