@@ -361,3 +361,18 @@ def count_step_communication(**kwargs) -> dict:
         "numels": [p.numel for p in get_dedicated_state(model).params.values()],
         "element_size": 4,
     }
+
+
+def rank_dependent_expert_stacks() -> str:
+    """Rank 1 flattens ``layers.0.w_in`` instead of cutting it into experts: every rank must get
+    the agreement error before any partition is made."""
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("shard",))
+
+    def expert_stacks(name, param):
+        return not (dist.get_rank() == 1 and name == "layers.0.w_in")
+
+    try:
+        dmuon.dedicate_params(MoEDecoder(), mesh, moe_predicate, expert_stacks=expert_stacks)
+    except ValueError as error:
+        return str(error)
+    return "no error"

@@ -237,3 +237,9 @@ def test_a_stack_moves_exactly_the_bytes_of_its_expert_pieces(
     reduce = replicas * (shards - 1) * messages + (replicas - 1) * messages
     assert sum(r["broadcast_received"] for r in results) == broadcast
     assert sum(r["reduce_sent"] for r in results) == reduce
+
+
+def test_expert_stacks_that_differ_between_ranks_raise_on_every_rank(pool2):
+    for message in pool2.run(scenarios.rank_dependent_expert_stacks):
+        assert message.startswith("dmuon: ranks [1] use different expert stacks (expert_stacks=)")
+        assert "layers.0.w_in" in message
