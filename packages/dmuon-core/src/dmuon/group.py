@@ -60,6 +60,18 @@ class _PendingReduce:
     segment: Segment
     message: torch.Tensor  # packed gradients and their flags, in the reduce dtype
     handle: Handle
+    # Whether this rank produced each gradient, known on the host: the reduced flags when the
+    # reduce moves nothing (one owner slot), so reading them needs no device synchronisation.
+    produced: list[bool] | None = None
+
+
+@dataclass(eq=False, slots=True)
+class ReducedMessage:
+    """A local segment's reduced gradient message, for ``accumulate_into_masters``."""
+
+    segment: Segment
+    message: torch.Tensor
+    produced: list[bool] | None  # the flags, where the host knows them
 
 
 class BoundaryGroup:
@@ -246,15 +258,18 @@ class BoundaryGroup:
         """Pack this rank's gradients per segment and start reducing them to the segment roots."""
         for stack in self.stacks:  # an expert stack's gradient goes to its pieces' owners
             stack.split_gradient()
+        alone = self.mesh.num_slots == 1
         for segment in self.segments:
-            message = _pack_gradients(segment.params)
+            message, produced = _pack_gradients(segment.params)
             handle = collectives.reduce_sum(
                 message, self._root_rank(segment), self.mesh.shard_group
             )
-            self._pending_reduce.append(_PendingReduce(segment, message, handle))
+            self._pending_reduce.append(
+                _PendingReduce(segment, message, handle, produced if alone else None)
+            )
         self.reduced_this_backward = True
 
-    def finish_reduce(self) -> list[tuple[Segment, torch.Tensor]]:
+    def finish_reduce(self) -> list[ReducedMessage]:
         """Wait for this boundary's reduces and run the replicate stage; returns the reduced
         messages of the local segments for ``accumulate_into_masters``."""
         pending, self._pending_reduce = self._pending_reduce, []
@@ -271,7 +286,11 @@ class BoundaryGroup:
                     )
                 )
         collectives.wait_all(second_stage)
-        return [(item.segment, item.message) for item in pending if item.segment.is_local]
+        return [
+            ReducedMessage(item.segment, item.message, item.produced)
+            for item in pending
+            if item.segment.is_local
+        ]
 
     # ---- after the step: publish across replicas ---------------------------------------------
 
@@ -294,13 +313,15 @@ class BoundaryGroup:
         self._pending_publish.clear()
 
 
-def _pack_gradients(params: list[DedicatedParam]) -> torch.Tensor:
-    """[grad_0 (flattened), flag_0, grad_1, flag_1, ...] in the reduce dtype; clears the grads."""
-    pieces = []
+def _pack_gradients(params: list[DedicatedParam]) -> tuple[torch.Tensor, list[bool]]:
+    """[grad_0 (flattened), flag_0, grad_1, flag_1, ...] in the reduce dtype, and which
+    gradients this rank produced; clears the grads."""
+    pieces, produced = [], []
     for p in params:
         grad = p.local_grad()
         dtype = p.reduce_dtype or (grad.dtype if grad is not None else p.param_dtype)
         device = p.unsharded.device
+        produced.append(grad is not None)
         if grad is None:
             pieces += [torch.zeros(p.numel, dtype=dtype, device=device), _flag(0, dtype, device)]
         else:
@@ -310,41 +331,57 @@ def _pack_gradients(params: list[DedicatedParam]) -> torch.Tensor:
     if len(dtypes) > 1:  # mixed gradient dtypes within one segment: reduce in the widest
         widest = max(dtypes, key=lambda d: torch.finfo(d).bits)
         pieces = [piece.to(widest) for piece in pieces]
-    return torch.cat(pieces)
+    return torch.cat(pieces), produced
 
 
-def accumulate_into_masters(received: list[tuple[Segment, torch.Tensor]], divisor: int) -> None:
+def accumulate_into_masters(received: list[ReducedMessage], divisor: int) -> None:
     """Add the owners' averaged gradients to their masters' ``.grad``.
 
     A gradient that no rank produced leaves ``.grad`` untouched (None stays None). Whether one
-    was produced is read in one device-to-host copy for the whole backward.
+    was produced is read in one device-to-host copy for the whole backward (none with one owner
+    slot, where the host knows). A new gradient is a view of its message, made fp32 and divided
+    in place: no copy; an existing one takes the sum, in one multi-tensor add.
     """
-    if not received:
-        return
-    flag_views, owned = [], []
-    for segment, message in received:
+    owned, flags, host_flags = [], [], []
+    for item in received:
         offset = 0
-        for p in segment.params:
+        for index, p in enumerate(item.segment.params):
             offset += p.numel
             if p.is_owner and p.master is not None:
-                flag_views.append(message[offset : offset + 1])
-                owned.append((p, message[offset - p.numel : offset]))
+                owned.append((p, item, offset - p.numel))
+                flags.append(item.message[offset : offset + 1])
+                host_flags.append(item.produced[index] if item.produced is not None else None)
             offset += 1
     if not owned:
         return
-    produced = torch.cat(flag_views).tolist()
-    for (p, values), count in zip(owned, produced):
-        if count == 0:
-            continue
-        grad = values.view(p.local_shape).to(torch.float32) / divisor
-        if p.master.grad is None:
-            p.master.grad = grad
-        else:
-            p.master.grad.add_(grad)
+    if None in host_flags:
+        host_flags = torch.cat(flags).tolist()
+    averaged = {}  # id(message) -> its fp32, averaged values
+    for item in received:
+        values = item.message.to(torch.float32)  # the message itself when it is fp32
+        if divisor != 1:
+            values.div_(divisor)
+        averaged[id(item.message)] = values
+    new, existing = [], []
+    for (p, item, start), produced in zip(owned, host_flags):
+        if produced:
+            grad = averaged[id(item.message)][start : start + p.numel].view(p.local_shape)
+            (existing if p.master.grad is not None else new).append((p, grad))
+    for p, grad in new:
+        p.master.grad = grad
+    if existing:
+        torch._foreach_add_([p.master.grad for p, _ in existing], [g for _, g in existing])
+
+
+_FLAGS: dict[tuple[int, torch.dtype, torch.device], torch.Tensor] = {}
 
 
 def _flag(value: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    return torch.full((1,), value, dtype=dtype, device=device)
+    """A one-element flag; one tensor per kind, reused (``torch.cat`` only reads it)."""
+    key = (value, dtype, device)
+    if key not in _FLAGS:
+        _FLAGS[key] = torch.full((1,), value, dtype=dtype, device=device)
+    return _FLAGS[key]
 
 
 def _slice(buffer: torch.Tensor, offset: int, shape: torch.Size) -> torch.Tensor:

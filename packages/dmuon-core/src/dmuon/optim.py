@@ -21,7 +21,7 @@ import math
 import sys
 import warnings
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -35,6 +35,7 @@ from dmuon.ddp import check_gradients_are_averaged
 from dmuon.dedicate import route_overrides
 from dmuon.experts import ExpertStack, is_expert_piece
 from dmuon.hooks import get_dedicated_state
+from dmuon.muon_update import BATCH_BYTES, apply_updates_, normalized_inputs_
 from dmuon.nonfinite import check_policy, nonfinite_gradients
 from dmuon.param import MUON_ROUTE, DedicatedParam, is_dedicated
 from dmuon.routing import (
@@ -58,7 +59,6 @@ from dmuon_kernels.coefficients import KELLER_COEFFICIENTS
 from dmuon_kernels.fused import (
     muon_apply_update_,
     muon_momentum_,
-    muon_momentum_normalize_,
     muon_normalize,
 )
 from dmuon_kernels.newton_schulz import NewtonSchulz
@@ -356,26 +356,32 @@ class Muon(torch.optim.Optimizer):
             if master.grad is not None and master.numel() > 0 and id(master) not in tp_sharded:
                 rows, cols = _matrix_shape(master)
                 masters_by_ns_shape[(min(rows, cols), max(rows, cols))] += _matrices_of(master)
-        # Momentum, Nesterov and the normalisation write the Newton-Schulz input directly (in
-        # the NS dtype); decay and the scaled update go into the fp32 master in one pass.
+        # Per Newton-Schulz shape: momentum, Nesterov and the normalisation write the NS input
+        # directly (in the NS dtype), a batch of same-shape matrices at a time; decay and the
+        # scaled update go into the fp32 masters likewise (see ``muon_update``).
         for (short, long), masters in masters_by_ns_shape.items():
+            masters.sort(key=lambda entry: _matrix_shape(entry[0]))  # same (rows, cols) adjacent
             device = masters[0][0].device
             inputs = newton_schulz.normalized_buffer((len(masters), short, long), device)
-            for (master, expert), ns_input in zip(masters, inputs):
-                rows, cols = _matrix_shape(master)
-                first_step, momentum = _momentum_of(self.state[master], master, expert)
-                muon_momentum_normalize_(
-                    _matrix(master.grad, expert), momentum, mu,
-                    nesterov=group["nesterov"], first_step=first_step,
-                    dtype=newton_schulz.dtype, out=_oriented(ns_input, rows > cols),
-                )  # fmt: skip
-            orthogonal = newton_schulz.iterate_normalized(inputs)
-            for (master, expert), ortho in zip(masters, orthogonal):
-                rows, cols = _matrix_shape(master)
-                scale = _lr_scale(group["adjust_lr"], rows, cols)
-                muon_apply_update_(
-                    _matrix(master, expert), _oriented(ortho, rows > cols), lr, wd, scale
+            batches = list(_batches(masters))
+            for start, stop in batches:
+                grads, momenta, first_steps = [], [], []
+                for master, expert in masters[start:stop]:
+                    first_step, momentum = _momentum_of(self.state[master], master, expert)
+                    grads.append(_matrix(master.grad, expert))
+                    momenta.append(momentum)
+                    first_steps.append(first_step)
+                normalized_inputs_(
+                    grads, momenta, first_steps, mu, group["nesterov"], out=inputs[start:stop]
                 )
+            orthogonal = newton_schulz.iterate_normalized(inputs)
+            for start, stop in batches:
+                rows, cols = _matrix_shape(masters[start][0])
+                apply_updates_(
+                    [_matrix(master, expert) for master, expert in masters[start:stop]],
+                    [_oriented(ortho, rows > cols) for ortho in orthogonal[start:stop]],
+                    lr, wd, _lr_scale(group["adjust_lr"], rows, cols),
+                )  # fmt: skip
 
     def _tp_sharded_params(self) -> dict[int, DedicatedParam]:
         """id(master) -> the TP-sharded dedicated parameters this rank holds a master chunk of."""
@@ -416,7 +422,7 @@ class Muon(torch.optim.Optimizer):
         full_inputs = exchange.gather(inputs)
         results = self._orthogonalized({i: (u, params[i].tp.shape) for i, u in full_inputs.items()})
         device = params[0].master.device
-        chunks = exchange.scatter(results, self._newton_schulz.dtype, device)
+        chunks = exchange.scatter(results, self._newton_schulz.iteration_dtype(device), device)
         for p, chunk in zip(params, chunks):
             rows, cols = _matrix_shape_of(p.shape)
             scale = _lr_scale(group["adjust_lr"], rows, cols)
@@ -441,7 +447,7 @@ class Muon(torch.optim.Optimizer):
                 rows, cols = _matrix_shape_of(shape)
                 matrix = update.reshape(rows, cols)
                 muon_normalize(
-                    matrix, matrix.square().sum(), newton_schulz.dtype,
+                    matrix, matrix.square().sum(), ns_input.dtype,
                     out=_oriented(ns_input, rows > cols),
                 )  # fmt: skip
             orthogonal = newton_schulz.iterate_normalized(inputs)
@@ -639,6 +645,24 @@ def _matrices_of(master: torch.Tensor) -> list[tuple[torch.Tensor, int | None]]:
     if is_expert_piece(master):
         return [(master, expert) for expert in range(master.shape[0])]
     return [(master, None)]
+
+
+def _batches(masters: list[tuple[torch.Tensor, int | None]]) -> Iterator[tuple[int, int]]:
+    """[start, stop) runs of matrices of one (rows, cols), each under ``BATCH_BYTES`` of fp32
+    Muon inputs (a larger matrix alone)."""
+    start = 0
+    while start < len(masters):
+        shape = _matrix_shape(masters[start][0])
+        per_batch = max(1, BATCH_BYTES // (4 * shape[0] * shape[1]))
+        stop = start + 1
+        while (
+            stop < len(masters)
+            and stop - start < per_batch
+            and _matrix_shape(masters[stop][0]) == shape
+        ):
+            stop += 1
+        yield start, stop
+        start = stop
 
 
 def _matrix(tensor: torch.Tensor, expert: int | None) -> torch.Tensor:

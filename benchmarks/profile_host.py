@@ -1,0 +1,178 @@
+"""Where the host time of a training iteration goes: dmuon against FSDP2 + fused AdamW.
+
+One process (world size 1, NCCL on CUDA), ``bench_e2e``'s Llama-style decoder in a GPT-2-small
+shape by default (12 layers, d_model 768, ffn 2112, seq 256, micro-batch 2, bf16 compute,
+no activation checkpointing). Per variant, medians over ``--steps`` iterations after
+``--warmup``:
+
+- host: wall time from the first call of the phase to its return, without synchronising (how long
+  the CPU is busy issuing work); forward+backward and ``step()`` separately;
+- device: CUDA events around the same phases (the iteration, once synchronised);
+- peak memory (``max_memory_allocated``).
+
+Then ``cProfile`` over ``--profile-steps`` dmuon iterations, with the functions that take the
+most host time in forward+backward and in ``step()`` (own time, and the dmuon functions by
+cumulative time), so that each hook's share is visible.
+
+Usage (GPU machine, repository root)::
+
+    python -m torch.distributed.run --nproc-per-node 1 benchmarks/profile_host.py
+    python -m torch.distributed.run --nproc-per-node 1 benchmarks/profile_host.py --device cpu --quick
+
+Rank 0 prints the tables and writes JSON (``--out``; default
+``benchmarks/results/host-profile-<device>-<date>.json``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import pstats
+import statistics
+import sys
+import time
+
+import _common
+
+_common.add_package_sources_if_missing()
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from bench_e2e import QUICK_CONFIG, ModelConfig, build, loss_of  # noqa: E402
+from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
+
+import dmuon  # noqa: E402
+
+VARIANTS = ("fsdp2-adamw", "dmuon-z3")
+GPT2_SMALL = ModelConfig(vocab=50257, dim=768, layers=12, heads=12, kv_heads=12, ffn=2112)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_iterations(model, optimizer, tokens, device, warmup: int, steps: int) -> dict:
+    """Host and device milliseconds of forward+backward and of the step, per iteration."""
+    host_fb, host_step, device_fb, device_step = [], [], [], []
+    cuda = device.type == "cuda"
+    for index in range(warmup + steps):
+        if cuda:
+            events = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
+            events[0].record()
+        started = time.perf_counter()
+        optimizer.zero_grad(set_to_none=True)
+        loss_of(model, tokens).backward()
+        forward_backward = time.perf_counter()
+        if cuda:
+            events[1].record()
+        optimizer.step()
+        stepped = time.perf_counter()
+        if cuda:
+            events[2].record()
+        sync(device)
+        if index >= warmup:
+            host_fb.append((forward_backward - started) * 1e3)
+            host_step.append((stepped - forward_backward) * 1e3)
+            if cuda:
+                device_fb.append(events[0].elapsed_time(events[1]))
+                device_step.append(events[1].elapsed_time(events[2]))
+    median = lambda values: statistics.median(values) if values else None  # noqa: E731
+    return {
+        "host_forward_backward_ms": median(host_fb),
+        "host_step_ms": median(host_step),
+        "device_forward_backward_ms": median(device_fb),
+        "device_step_ms": median(device_step),
+    }
+
+
+def profile_phases(model, optimizer, tokens, device, steps: int, top: int) -> dict[str, str]:
+    """cProfile tables of forward+backward and of step() over ``steps`` iterations."""
+    profiles = {"forward_backward": cProfile.Profile(), "step": cProfile.Profile()}
+    for _ in range(steps):
+        optimizer.zero_grad(set_to_none=True)
+        profiles["forward_backward"].enable()
+        loss_of(model, tokens).backward()
+        profiles["forward_backward"].disable()
+        profiles["step"].enable()
+        optimizer.step()
+        profiles["step"].disable()
+        sync(device)
+    tables = {}
+    for phase, profile in profiles.items():
+        for order, restriction in (("tottime", top), ("cumulative", "dmuon")):
+            stream = io.StringIO()
+            stats = pstats.Stats(profile, stream=stream).sort_stats(order)
+            stats.print_stats(restriction, top) if order == "cumulative" else stats.print_stats(top)
+            tables[f"{phase}/{order}"] = stream.getvalue()
+    return tables
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--seq", type=int, default=256)
+    parser.add_argument("--micro-batch", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--profile-steps", type=int, default=10)
+    parser.add_argument("--top", type=int, default=25)
+    _common.add_record_options(parser)
+    args = parser.parse_args(argv)
+    backend = "nccl" if args.device == "cuda" else "gloo"
+    device = _common.start_process_group("profile_host", args.device, backend, "--device cpu")
+    # bench_e2e.build reads these from its own argument namespace.
+    args.model = QUICK_CONFIG if args.quick else GPT2_SMALL
+    args.seq = 32 if args.quick else args.seq
+    args.checkpoint = False
+    args.param_dtype = torch.bfloat16
+    mesh = init_device_mesh(device.type, (1,), mesh_dim_names=("shard",))
+    tokens = torch.randint(0, args.model.vocab, (args.micro_batch, args.seq + 1)).to(device)
+    results, tables = {}, {}
+    for variant in VARIANTS:
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        model, optimizer, _ = build(variant, args, mesh, device)
+        results[variant] = time_iterations(
+            model, optimizer, tokens, device, args.warmup, args.steps
+        )
+        if device.type == "cuda":
+            results[variant]["peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+        if variant.startswith("dmuon"):
+            tables = profile_phases(model, optimizer, tokens, device, args.profile_steps, args.top)
+            dmuon.wait_all_replicate_broadcasts(model)
+        del model, optimizer
+    label = _common.device_name(device)
+    print(f"profile_host: {label}, torch {torch.__version__}, model {args.model}, seq {args.seq}")
+    print(
+        f"{'variant':<12} {'host f+b':>9} {'host step':>9} {'dev f+b':>9} {'dev step':>9} {'peak GiB':>9}"
+    )
+    for variant, r in results.items():
+        cells = [r["host_forward_backward_ms"], r["host_step_ms"], r["device_forward_backward_ms"]]
+        cells += [r["device_step_ms"], r.get("peak_gib")]
+        print(
+            f"{variant:<12} "
+            + " ".join(f"{c:>9.2f}" if c is not None else f"{'-':>9}" for c in cells)
+        )
+    for name, table in tables.items():
+        print(f"\n==== dmuon {name} ====\n{table}")
+    date = _common.utc_now()
+    record = {
+        "benchmark": "profile_host",
+        "device": label,
+        **_common.versions(dmuon=dmuon.__version__),
+        "git_sha": _common.git_sha(args.git_sha),
+        "date": _common.iso_seconds(date),
+        "inputs": {"model": str(args.model), "seq": args.seq, "micro_batch": args.micro_batch},
+        "results": results,
+        "profiles": tables,
+    }
+    _common.write_json(args.out or _common.result_path("host-profile", label, date), record)
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
