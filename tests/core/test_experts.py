@@ -194,3 +194,19 @@ def test_state_dict_and_load_state_dict_in_one_process_hold_the_whole_stack():
     model(batches(1, 1)[0])
     handle.remove()
     assert torch.equal(seen["w_in"], new_value)  # forward sees the loaded stack
+
+
+def test_a_frozen_stack_stays_frozen_while_the_rest_trains_like_the_reference():
+    torch.manual_seed(0)
+    model = MoEDecoder()
+    model.layers[0].w_in.requires_grad_(False)
+    start = model.layers[0].w_in.detach().clone()
+    dmuon.dedicate_params(model, None, moe_predicate)
+    torch.manual_seed(0)
+    reference = MoEDecoder()
+    reference.layers[0].w_in.requires_grad_(False)
+    optimizer = fp32_muon(model)
+    assert "layers.0.w_in" not in {row.fqn for row in optimizer.routing()}
+    error = train_both(model, optimizer, reference, reference_of(reference))
+    assert error < FP32_TOLERANCE
+    assert torch.equal(model.state_dict()["layers.0.w_in"], start)
