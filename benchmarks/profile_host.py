@@ -87,6 +87,64 @@ def time_iterations(model, optimizer, tokens, device, warmup: int, steps: int) -
     }
 
 
+def tensor_bytes(tensors) -> int:
+    """Bytes of distinct storages among ``tensors`` (views of one storage count once)."""
+    seen = {}
+    for tensor in tensors:
+        if tensor is None:
+            continue
+        local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+        storage = local.untyped_storage()
+        seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())
+
+
+def memory_table(model, optimizer, variant: str) -> dict[str, float]:
+    """GiB held after a step, by kind of buffer."""
+    gib = 2**30
+    table = {}
+    if variant.startswith("dmuon"):
+        view = dmuon.inspect.view(model)
+        masters = [p.master for p in view.params.values() if p.master is not None]
+        table["dmuon fp32 masters"] = tensor_bytes(masters) / gib
+        segments = [s for b in view.boundaries for s in b.segments if s.is_local]
+        table["dmuon resident segments (compute dtype)"] = (
+            sum(s.value_bytes for s in segments if s.dtype != torch.float32) / gib
+        )
+        table["dmuon master grads"] = tensor_bytes(m.grad for m in masters) / gib
+        owned = {id(m) for m in masters}
+        state = [t for p, s in optimizer.state.items() if id(p) in owned for t in s.values()]
+        table["dmuon optimizer state (momentum)"] = tensor_bytes(state) / gib
+    others = [
+        p for p in model.parameters() if p.numel() > 0 and not getattr(p, "_dmuon_dedicated", False)
+    ]
+    table["FSDP2 sharded params"] = tensor_bytes(others) / gib
+    table["FSDP2 grads"] = tensor_bytes(p.grad for p in others) / gib
+    other_ids = {id(p) for p in others}
+    state = [t for p, s in optimizer.state.items() if id(p) in other_ids for t in s.values()]
+    table["AdamW state"] = tensor_bytes(t for t in state if t.dim() > 0) / gib
+    return table
+
+
+def memory_phases(model, optimizer, tokens, device) -> dict[str, float]:
+    """Allocated GiB before, and peaks during, forward+backward and the step."""
+    gib = 2**30
+    optimizer.zero_grad(set_to_none=True)
+    sync(device)
+    phases = {"allocated before forward": torch.cuda.memory_allocated(device) / gib}
+    torch.cuda.reset_peak_memory_stats(device)
+    loss_of(model, tokens).backward()
+    sync(device)
+    phases["peak in forward+backward"] = torch.cuda.max_memory_allocated(device) / gib
+    phases["allocated after backward"] = torch.cuda.memory_allocated(device) / gib
+    torch.cuda.reset_peak_memory_stats(device)
+    optimizer.step()
+    sync(device)
+    phases["peak in step"] = torch.cuda.max_memory_allocated(device) / gib
+    phases["allocated after step"] = torch.cuda.memory_allocated(device) / gib
+    return phases
+
+
 def profile_phases(model, optimizer, tokens, device, steps: int, top: int) -> dict[str, str]:
     """cProfile tables of forward+backward and of step() over ``steps`` iterations."""
     profiles = {"forward_backward": cProfile.Profile(), "step": cProfile.Profile()}
@@ -113,6 +171,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument(
+        "--llama-1b",
+        action="store_true",
+        help="bench_e2e's default 1.0 B Llama (seq 2048, micro-batch 4, checkpointing) instead",
+    )
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--micro-batch", type=int, default=2)
     parser.add_argument("--steps", type=int, default=20)
@@ -124,9 +187,10 @@ def main(argv: list[str] | None = None) -> int:
     backend = "nccl" if args.device == "cuda" else "gloo"
     device = _common.start_process_group("profile_host", args.device, backend, "--device cpu")
     # bench_e2e.build reads these from its own argument namespace.
-    args.model = QUICK_CONFIG if args.quick else GPT2_SMALL
-    args.seq = 32 if args.quick else args.seq
-    args.checkpoint = False
+    args.model = QUICK_CONFIG if args.quick else ModelConfig() if args.llama_1b else GPT2_SMALL
+    args.seq = 32 if args.quick else 2048 if args.llama_1b else args.seq
+    args.micro_batch = 4 if args.llama_1b else args.micro_batch
+    args.checkpoint = args.llama_1b
     args.param_dtype = torch.bfloat16
     mesh = init_device_mesh(device.type, (1,), mesh_dim_names=("shard",))
     tokens = torch.randint(0, args.model.vocab, (args.micro_batch, args.seq + 1)).to(device)
@@ -140,10 +204,14 @@ def main(argv: list[str] | None = None) -> int:
         )
         if device.type == "cuda":
             results[variant]["peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+            results[variant]["memory_phases_gib"] = memory_phases(model, optimizer, tokens, device)
+            results[variant]["memory_after_step_gib"] = memory_table(model, optimizer, variant)
         if variant.startswith("dmuon"):
             tables = profile_phases(model, optimizer, tokens, device, args.profile_steps, args.top)
             dmuon.wait_all_replicate_broadcasts(model)
         del model, optimizer
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
     label = _common.device_name(device)
     print(f"profile_host: {label}, torch {torch.__version__}, model {args.model}, seq {args.seq}")
     print(
@@ -156,6 +224,10 @@ def main(argv: list[str] | None = None) -> int:
             f"{variant:<12} "
             + " ".join(f"{c:>9.2f}" if c is not None else f"{'-':>9}" for c in cells)
         )
+    for variant, r in results.items():
+        for title in ("memory_phases_gib", "memory_after_step_gib"):
+            for name, value in r.get(title, {}).items():
+                print(f"{variant:<12} {name:<42} {value:8.3f} GiB")
     for name, table in tables.items():
         print(f"\n==== dmuon {name} ====\n{table}")
     date = _common.utc_now()

@@ -7,8 +7,10 @@ one norm, one normalise-and-cast pass) instead of two or three per matrix: a mod
 matrices spends a step's host time launching them (GPT-2-small-shaped: 84 matrices, 252 Triton
 launches). It must not choose which matrices form a batch (``optim`` does) nor run the iteration.
 
-Memory: the fp32 Muon inputs of one batch exist at once; ``optim`` keeps a batch under
-``BATCH_BYTES`` (a single larger matrix is a batch alone).
+A matrix of more than ``BATCHED_NUMEL`` elements is a batch alone and takes the fused
+per-matrix kernels instead (``dmuon_kernels.fused``): its step is bound by memory traffic, which
+they keep to the minimum, not by launches. Memory: the fp32 Muon inputs of one batch exist at
+once; ``optim`` keeps a batch under ``BATCH_BYTES``.
 """
 
 from __future__ import annotations
@@ -16,10 +18,17 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from dmuon_kernels.fused import DEFAULT_NS_EPS, normalize_cast
+from dmuon_kernels.fused import (
+    DEFAULT_NS_EPS,
+    muon_apply_update_,
+    muon_momentum_normalize_,
+    normalize_cast,
+)
 
 BATCH_BYTES = 256 * 2**20
-"""fp32 Muon inputs held at once by one batch (at least one matrix)."""
+"""fp32 Muon inputs held at once by one batch."""
+BATCHED_NUMEL = 2**22
+"""Matrices up to this size are batched; a larger one is a batch alone (fused kernels)."""
 
 
 def normalized_inputs_(
@@ -36,6 +45,13 @@ def normalized_inputs_(
     (+ ``eps``) and written into ``out``: (B, rows, cols), or its ``.mT`` for tall matrices, in
     the Newton-Schulz dtype. ``grads`` and ``momenta`` are B fp32 (rows, cols) matrices."""
     rows, cols = grads[0].shape
+    if len(grads) == 1:
+        oriented = out[0] if out.shape[-2:] == (rows, cols) else out[0].mT
+        muon_momentum_normalize_(
+            grads[0], momenta[0], momentum, nesterov=nesterov, first_step=first_steps[0],
+            dtype=out.dtype, eps=eps, out=oriented,
+        )  # fmt: skip
+        return
     continuing = [i for i, first in enumerate(first_steps) if not first]
     starting = [i for i, first in enumerate(first_steps) if first]
     if continuing:
@@ -62,6 +78,9 @@ def apply_updates_(
 ) -> None:
     """``master = master·(1 − lr·weight_decay) − lr·scale·ortho`` for every pair (fp32 masters,
     Newton-Schulz outputs in any float dtype and strides)."""
+    if len(masters) == 1:
+        muon_apply_update_(masters[0], orthogonal[0], lr, weight_decay, scale)
+        return
     decay = 1.0 - lr * weight_decay
     if decay != 1.0:
         torch._foreach_mul_(masters, decay)

@@ -35,7 +35,7 @@ from dmuon.ddp import check_gradients_are_averaged
 from dmuon.dedicate import route_overrides
 from dmuon.experts import ExpertStack, is_expert_piece
 from dmuon.hooks import get_dedicated_state
-from dmuon.muon_update import BATCH_BYTES, apply_updates_, normalized_inputs_
+from dmuon.muon_update import BATCH_BYTES, BATCHED_NUMEL, apply_updates_, normalized_inputs_
 from dmuon.nonfinite import check_policy, nonfinite_gradients
 from dmuon.param import MUON_ROUTE, DedicatedParam, is_dedicated
 from dmuon.routing import (
@@ -649,11 +649,12 @@ def _matrices_of(master: torch.Tensor) -> list[tuple[torch.Tensor, int | None]]:
 
 def _batches(masters: list[tuple[torch.Tensor, int | None]]) -> Iterator[tuple[int, int]]:
     """[start, stop) runs of matrices of one (rows, cols), each under ``BATCH_BYTES`` of fp32
-    Muon inputs (a larger matrix alone)."""
+    Muon inputs; a matrix over ``BATCHED_NUMEL`` elements alone."""
     start = 0
     while start < len(masters):
         shape = _matrix_shape(masters[start][0])
-        per_batch = max(1, BATCH_BYTES // (4 * shape[0] * shape[1]))
+        numel = shape[0] * shape[1]
+        per_batch = 1 if numel > BATCHED_NUMEL else max(1, BATCH_BYTES // (4 * numel))
         stop = start + 1
         while (
             stop < len(masters)
