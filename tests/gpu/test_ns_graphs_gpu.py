@@ -127,3 +127,17 @@ def test_batched_newton_schulz_replays_as_one_graph():
     for _ in range(3):
         assert torch.equal(ns(stack), eager(stack))
     assert ns.graphs.graph_count == 1
+
+
+def test_an_input_over_the_graph_size_limit_stays_eager_and_keeps_no_memory():
+    from dmuon_kernels.graphs import GRAPH_MAX_NUMEL
+
+    graphed = GraphedFunction(lambda x: x * 2)
+    x = torch.ones(GRAPH_MAX_NUMEL + 1, device="cuda", dtype=torch.float16)
+    for _ in range(3):  # warm-up, then what would be capture and replay
+        assert torch.equal(graphed(x), x * 2)
+    assert graphed.mode(x) == "eager" and graphed.graph_count == 0
+    small = torch.ones(64, 64, device="cuda")
+    for _ in range(3):
+        graphed(small)
+    assert graphed.mode(small) == "graph"

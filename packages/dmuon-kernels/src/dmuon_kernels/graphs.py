@@ -10,8 +10,12 @@ small matrices). It must not know what the function computes, and must never cha
   once, and keeps the graph only if the replay is bit-identical to that eager run;
 - a capture that fails (or a replay that differs) warns once for that signature and leaves it
   eager for good; the failed graph object is dropped, so it can never be replayed;
-- inputs on the CPU, inputs that need grad, calls made while another capture is in progress, and
-  everything when ``DMUON_NS_CUDA_GRAPH=0`` run eagerly.
+- inputs on the CPU, inputs that need grad, inputs over ``GRAPH_MAX_NUMEL`` elements, calls made
+  while another capture is in progress, and everything when ``DMUON_NS_CUDA_GRAPH=0`` run eagerly.
+
+A graph keeps its input, output and intermediates allocated for good. For a large input that
+costs gigabytes (a batch of 48 projections of a 1 B model: about 3 GiB) and saves nothing, since
+its kernels are long and launching them is not what limits it; so large inputs stay eager.
 
 The function must be a pure function of its one tensor argument (same input, same output), and
 must not keep references to its intermediates. Each call returns a fresh tensor.
@@ -31,6 +35,9 @@ from dmuon_kernels._env import env_flag
 from dmuon_kernels._log import log_rank_tagged
 
 Signature = tuple[tuple[int, ...], tuple[int, ...], torch.dtype, torch.device]
+
+GRAPH_MAX_NUMEL = 2**26
+"""Inputs up to this many elements (a batch of 64 matrices of 1024 x 1024) replay a graph."""
 
 
 def cuda_graphs_enabled() -> bool:
@@ -123,6 +130,7 @@ class GraphedFunction:
         return (
             self.enabled
             and x.is_cuda
+            and x.numel() <= GRAPH_MAX_NUMEL
             and not (x.requires_grad and torch.is_grad_enabled())
             and signature not in self._eager_only
             and not torch.cuda.is_current_stream_capturing()
