@@ -11,9 +11,9 @@ scenarios, and workers are forked from one server process that imported torch on
 
 - Every scenario starts with ``torch.manual_seed(seed)`` / ``random.seed(seed)`` on every rank,
   fp32 as the default dtype and grad mode on.
-- Scenarios create their own subgroups (``dist.new_group``, ``init_device_mesh``); every rank
-  destroys them once all ranks have finished the scenario (``[Note: groups end with their
-  scenario]``), so no later scenario meets one, and idle workers do not pile up gloo threads.
+- Scenarios create their own subgroups (``dist.new_group``, ``init_device_mesh``); they stay
+  until the workers are replaced, every ``SCENARIOS_PER_WORKER_LIFE`` scenarios (see
+  ``[Note: groups end with their workers]``). Never reusing one keeps scenarios apart.
 - After any failure (a rank raised, the deadline passed, a process died) the workers are killed
   and the next scenario gets fresh ones: a failed scenario can leave collectives half-issued,
   and a gloo group out of step would corrupt whatever runs next. A scenario that *expects* an
@@ -54,7 +54,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed import distributed_c10d
 
 PG_TIMEOUT_ENV = "DMUON_TEST_PG_TIMEOUT"
 SCENARIO_DEADLINE_ENV = "DMUON_TEST_SCENARIO_DEADLINE"
@@ -81,6 +80,14 @@ WORKER_PRELOAD = (
     "torch.distributed.checkpoint",
     __name__,  # this module: what each worker runs
 )
+# [Note: groups end with their workers]
+# Each gloo group keeps threads (a TCP loop and its work threads) that wake up every few
+# milliseconds even when idle: 80 idle groups cost a worker 6% of a core. Left alive, the groups
+# that scenarios create add up over a session until idle workers take most of a 2-core machine.
+# Destroying a scenario's groups afterwards is not enough: DTensor's caches keep meshes (and
+# their group names) of earlier scenarios that compare equal to a new one's. So the workers are
+# replaced (a fork each, see [Note: forked workers]) before a scenario that would exceed this.
+SCENARIOS_PER_WORKER_LIFE = 12
 # Once one rank has failed, how long the others get to report before they are killed: long enough
 # for ranks failing the same check to say so, short enough not to wait for a PG timeout.
 STRAGGLER_GRACE_S = 2.0
@@ -90,9 +97,6 @@ LOG_TAIL_CHARS = 4000
 EXIT_CODE_WAIT_S = 5.0
 
 Scenario = Callable[..., Any] | str
-
-# What the parent sends every worker once all ranks have finished a scenario (never a pickle).
-_SCENARIO_DONE_ON_EVERY_RANK = b"scenario done on every rank"
 
 
 class ScenarioError(Exception):
@@ -220,50 +224,22 @@ def _worker_main(
     store.set_timeout(timeout)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
     connection.send_bytes(pickle.dumps(("ready", None)))
-    groups_of_last_scenario: list[dist.ProcessGroup] = []
     while True:
         try:
             request = connection.recv_bytes()
         except EOFError:
             # The pool went away. Skip the interpreter's slow teardown of torch: nothing to save.
             os._exit(0)
-        if request == _SCENARIO_DONE_ON_EVERY_RANK:
-            _destroy(groups_of_last_scenario)
-            groups_of_last_scenario = []
-            continue
         module_name, qualname, kwargs, seed = pickle.loads(request)
-        groups_before = set(_process_groups())
         try:
             _reset_global_state(seed)
             result = _resolve_scenario(module_name, qualname)(**kwargs)
             reply = pickle.dumps(("ok", result))
         except BaseException:
             reply = pickle.dumps(("error", traceback.format_exc()))
-        groups_of_last_scenario = [g for g in _process_groups() if g not in groups_before]
         sys.stdout.flush()
         sys.stderr.flush()
         connection.send_bytes(reply)
-
-
-def _process_groups() -> list[dist.ProcessGroup]:
-    """Every process group of this process (the default one too); a private table of torch's,
-    read by the test harness only."""
-    return list(distributed_c10d._world.pg_map)
-
-
-def _destroy(groups: list[dist.ProcessGroup]) -> None:
-    # [Note: groups end with their scenario]
-    # Each gloo group keeps threads (a TCP loop and its work threads) that wake up now and then
-    # even when idle; left alive, the groups that scenarios create add up over a session until
-    # idle workers take a good part of a 2-core machine (measured: 80 idle groups cost a worker
-    # 6% of a core, and a session's pools hold about 20 workers). Every rank destroys them once every rank
-    # has finished the scenario (the parent says so), never before: a rank that finished early
-    # would close connections another rank still waits on (a stalled peer must time out).
-    for group in groups:
-        try:
-            dist.destroy_process_group(group)
-        except Exception:
-            print(f"[pool] could not destroy a process group:\n{traceback.format_exc()}")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -313,6 +289,7 @@ class WorkerPool:
         )
         # How many times workers were (re)started; lets tests see a respawn happen.
         self.generation = 0
+        self._scenarios_on_these_workers = 0
         self._workers: list[_Worker] = []
         self._store: dist.TCPStore | None = None
         self._log_dir: str | None = None
@@ -375,6 +352,7 @@ class WorkerPool:
             worker.process.join()
             worker.process.close()
         self._workers = []
+        self._scenarios_on_these_workers = 0
         self._store = None
         if self._log_dir is not None:
             shutil.rmtree(self._log_dir, ignore_errors=True)
@@ -415,6 +393,8 @@ class WorkerPool:
                 f"arguments of scenario {module_name}:{qualname} cannot be pickled for the "
                 f"workers ({error}); pass plain values and tensors"
             ) from error
+        if self._scenarios_on_these_workers >= SCENARIOS_PER_WORKER_LIFE:
+            self._stop()  # see [Note: groups end with their workers]
         if not self._workers:
             self._start()
         try:
@@ -430,8 +410,7 @@ class WorkerPool:
             report = self._failure_report(replies, f"scenario {module_name}:{qualname}")
             self._stop()
             raise replies.exception_type(report, replies.reports)
-        for worker in self._workers:  # see [Note: groups end with their scenario]
-            worker.connection.send_bytes(_SCENARIO_DONE_ON_EVERY_RANK)
+        self._scenarios_on_these_workers += 1
         self._echo_output()
         return [replies.results[rank] for rank in range(self.world_size)]
 

@@ -5,6 +5,7 @@ import torch
 
 from tests.distributed import scenarios_pool
 from tests.distributed.pool import (
+    SCENARIOS_PER_WORKER_LIFE,
     ScenarioError,
     ScenarioTimeout,
     WorkerCrash,
@@ -65,14 +66,16 @@ def test_worker_output_of_a_passing_scenario_goes_to_the_test_stdout(pool2, caps
     assert "hello from rank 1" in captured
 
 
-def test_a_collective_issued_by_one_rank_fails_at_the_deadline_and_the_pool_recovers(pool2):
-    pool2.run(scenarios_pool.sum_of_ranks)  # make sure workers are up before counting respawns
-    generation = pool2.generation
-    with pytest.raises(ScenarioTimeout, match="still running at the deadline on ranks") as failure:
-        pool2.run(scenarios_pool.only_rank_zero_all_reduces, deadline_s=3)
-    assert 0 in failure.value.rank_reports
-    assert pool2.run(scenarios_pool.sum_of_ranks) == [1.0, 1.0]
-    assert pool2.generation == generation + 1
+def test_a_collective_issued_by_one_rank_fails_at_the_deadline_and_the_pool_recovers():
+    with WorkerPool(2) as pool:  # its own, so that only the failure can replace its workers
+        pool.run(scenarios_pool.sum_of_ranks)
+        with pytest.raises(
+            ScenarioTimeout, match="still running at the deadline on ranks"
+        ) as failure:
+            pool.run(scenarios_pool.only_rank_zero_all_reduces, deadline_s=3)
+        assert 0 in failure.value.rank_reports
+        assert pool.run(scenarios_pool.sum_of_ranks) == [1.0, 1.0]
+        assert pool.generation == 2
 
 
 def test_a_collective_issued_by_one_rank_raises_once_the_group_timeout_passes(pool2):
@@ -105,11 +108,15 @@ def test_a_2x2_device_mesh_broadcasts_within_each_subgroup(pool4):
     assert [r["replicate"] for r in received] == [0.0, 1.0, 0.0, 1.0]
 
 
-def test_the_groups_a_scenario_creates_are_destroyed_once_every_rank_finished_it(pool2):
-    # The default group, plus the scenario's own until the scenario is done on every rank.
-    assert pool2.run(scenarios_pool.new_groups_then_count, count=3) == [4, 4]
-    assert pool2.run(scenarios_pool.new_groups_then_count, count=0) == [1, 1]
-    assert pool2.run(scenarios_pool.new_groups_then_count, count=3) == [4, 4]
+def test_workers_are_replaced_before_their_process_groups_pile_up():
+    with WorkerPool(2) as pool:
+        counts = [
+            pool.run(scenarios_pool.new_groups_then_count, count=1)[0]
+            for _ in range(SCENARIOS_PER_WORKER_LIFE + 1)
+        ]
+        assert pool.generation == 2
+    # The default group and one more a scenario, until the next life starts with the default.
+    assert counts == [*range(2, SCENARIOS_PER_WORKER_LIFE + 2), 2]
 
 
 def test_scenarios_that_workers_cannot_import_are_refused_with_the_fix():
