@@ -68,6 +68,9 @@ MUON_RMS_MATCH = 0.2
 # How the learning rate of an (m, n) matrix is scaled (ADJUST_LR): see ``_lr_scale``.
 logger = logging.getLogger("dmuon")
 _FUSED_ADAMW_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+# Newton-Schulz input of one batched call, at 2 bytes an element: the iteration's transient
+# workspace (a few times its input) stays near a GiB however many matrices share a shape.
+NS_CALL_BYTES = 256 * 2**20
 
 
 class Muon(torch.optim.Optimizer):
@@ -340,8 +343,6 @@ class Muon(torch.optim.Optimizer):
     # ---- the Muon route -------------------------------------------------------------------------
 
     def _muon_step(self, group: dict) -> None:
-        lr, mu, wd = group["lr"], group["momentum"], group["weight_decay"]
-        newton_schulz = self._newton_schulz
         # Newton-Schulz runs on rows <= cols, so an (m, n) and an (n, m) matrix share one
         # batched call (Llama's gate/up and down projections, say).
         tp_sharded = self._tp_sharded_params()
@@ -359,29 +360,39 @@ class Muon(torch.optim.Optimizer):
         # Per Newton-Schulz shape: momentum, Nesterov and the normalisation write the NS input
         # directly (in the NS dtype), a batch of same-shape matrices at a time; decay and the
         # scaled update go into the fp32 masters likewise (see ``muon_update``).
-        for (short, long), masters in masters_by_ns_shape.items():
-            masters.sort(key=lambda entry: _matrix_shape(entry[0]))  # same (rows, cols) adjacent
-            device = masters[0][0].device
-            inputs = newton_schulz.normalized_buffer((len(masters), short, long), device)
-            batches = list(_batches(masters))
-            for start, stop in batches:
-                grads, momenta, first_steps = [], [], []
-                for master, expert in masters[start:stop]:
-                    first_step, momentum = _momentum_of(self.state[master], master, expert)
-                    grads.append(_matrix(master.grad, expert))
-                    momenta.append(momentum)
-                    first_steps.append(first_step)
-                normalized_inputs_(
-                    grads, momenta, first_steps, mu, group["nesterov"], out=inputs[start:stop]
-                )
-            orthogonal = newton_schulz.iterate_normalized(inputs)
-            for start, stop in batches:
-                rows, cols = _matrix_shape(masters[start][0])
-                apply_updates_(
-                    [_matrix(master, expert) for master, expert in masters[start:stop]],
-                    [_oriented(ortho, rows > cols) for ortho in orthogonal[start:stop]],
-                    lr, wd, _lr_scale(group["adjust_lr"], rows, cols),
-                )  # fmt: skip
+        for (short, long), same_shape in masters_by_ns_shape.items():
+            same_shape.sort(key=lambda entry: _matrix_shape(entry[0]))  # (rows, cols) adjacent
+            for masters in _ns_calls(same_shape, short * long):
+                self._muon_update(group, masters, short, long)
+
+    def _muon_update(
+        self, group: dict, masters: list[tuple[nn.Parameter, int | None]], short: int, long: int
+    ) -> None:
+        """Momentum, one batched Newton-Schulz and the update of ``masters``: matrices (or
+        experts of expert pieces) of one Newton-Schulz shape (short, long)."""
+        lr, mu, wd = group["lr"], group["momentum"], group["weight_decay"]
+        newton_schulz = self._newton_schulz
+        device = masters[0][0].device
+        inputs = newton_schulz.normalized_buffer((len(masters), short, long), device)
+        batches = list(_batches(masters))
+        for start, stop in batches:
+            grads, momenta, first_steps = [], [], []
+            for master, expert in masters[start:stop]:
+                first_step, momentum = _momentum_of(self.state[master], master, expert)
+                grads.append(_matrix(master.grad, expert))
+                momenta.append(momentum)
+                first_steps.append(first_step)
+            normalized_inputs_(
+                grads, momenta, first_steps, mu, group["nesterov"], out=inputs[start:stop]
+            )
+        orthogonal = newton_schulz.iterate_normalized(inputs)
+        for start, stop in batches:
+            rows, cols = _matrix_shape(masters[start][0])
+            apply_updates_(
+                [_matrix(master, expert) for master, expert in masters[start:stop]],
+                [_oriented(ortho, rows > cols) for ortho in orthogonal[start:stop]],
+                lr, wd, _lr_scale(group["adjust_lr"], rows, cols),
+            )  # fmt: skip
 
     def _tp_sharded_params(self) -> dict[int, DedicatedParam]:
         """id(master) -> the TP-sharded dedicated parameters this rank holds a master chunk of."""
@@ -645,6 +656,18 @@ def _matrices_of(master: torch.Tensor) -> list[tuple[torch.Tensor, int | None]]:
     if is_expert_piece(master):
         return [(master, expert) for expert in range(master.shape[0])]
     return [(master, None)]
+
+
+def _ns_calls(
+    masters: list[tuple[torch.Tensor, int | None]], numel: int
+) -> Iterator[list[tuple[torch.Tensor, int | None]]]:
+    """``masters`` in equal runs of at most ``NS_CALL_BYTES`` of fp16 Newton-Schulz input (the
+    iteration's workspace is a few times its input, and lives only during the call)."""
+    per_call = max(1, NS_CALL_BYTES // (2 * numel))
+    calls = -(-len(masters) // per_call)
+    size = -(-len(masters) // calls)
+    for start in range(0, len(masters), size):
+        yield masters[start : start + size]
 
 
 def _batches(masters: list[tuple[torch.Tensor, int | None]]) -> Iterator[tuple[int, int]]:
