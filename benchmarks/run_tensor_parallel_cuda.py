@@ -1,6 +1,6 @@
 """Tensor-parallel dmuon on CUDA tensors, checked against a single-process reference.
 
-The tiny decoder of ``_protocol_model.py`` is parallelized with torch's plans on the "tp" dim of a
+The tiny decoder of ``dmuon.testing`` is parallelized with torch's plans on the "tp" dim of a
 ("dp", "tp") mesh (ColwiseParallel q/gate/up projections, RowwiseParallel o/down projections),
 its projections are dedicated over "dp" and the rest goes to FSDP2 (2-D with TP); it trains
 ``--steps`` steps with fp32 Newton-Schulz, and after each step every weight a rank holds (its
@@ -35,13 +35,6 @@ _common.add_package_sources_if_missing()
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from _protocol_model import (  # noqa: E402
-    TinyDecoder,
-    batches,
-    loss_fn,
-    proj_predicate,
-    rank_rows,
-)
 from run_protocol_cuda import (  # noqa: E402
     DEFAULT_TOLERANCE,
     REFERENCE,
@@ -62,6 +55,7 @@ from torch.distributed.tensor.parallel import (  # noqa: E402
 )
 
 import dmuon  # noqa: E402
+from dmuon.testing import TinyDecoder, batches, loss_fn, proj_predicate, rank_rows  # noqa: E402
 
 LR = 0.02
 WEIGHT_DECAY = 0.01
