@@ -14,12 +14,12 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor.parallel import parallelize_module
 
 import dmuon
 import dmuon.checkpoint as dckpt
 from dmuon.hooks import get_dedicated_state
+from dmuon.testing import dedicate_and_shard_on
 from dmuon_kernels.newton_schulz import NewtonSchulz
 from tests.distributed.models import TinyDecoder, batches, loss_fn, proj_predicate, rank_rows
 from tests.distributed.scenarios_protocol import dedicate_and_shard
@@ -58,10 +58,7 @@ def _tensor_parallel(model, tp: int, predicate) -> None:
     """dp x tp: torch's colwise/rowwise plan on the "tp" dim, dmuon and FSDP2 on "dp"."""
     mesh = init_device_mesh("cpu", (dist.get_world_size() // tp, tp), mesh_dim_names=("dp", "tp"))
     parallelize_module(model, mesh["tp"], tensor_parallel_plan(sequence_parallel=False))
-    dmuon.dedicate_params(model, mesh["dp"], predicate)
-    for layer in model.layers:
-        fully_shard(layer, mesh=mesh["dp"])
-    fully_shard(model, mesh=mesh["dp"])
+    dedicate_and_shard_on(model, mesh["dp"], predicate=predicate)
 
 
 def train(model, optimizer, steps: range) -> list[float]:

@@ -15,7 +15,6 @@ import math
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
@@ -27,6 +26,7 @@ from torch.distributed.tensor.parallel._data_parallel_utils import _unflatten_te
 
 import dmuon
 from dmuon.hooks import get_dedicated_state
+from dmuon.testing import dedicate_and_shard_on
 from dmuon_kernels.newton_schulz import NewtonSchulz
 from tests.distributed.models import batches, loss_fn, proj_predicate, rank_rows
 from tests.distributed.scenarios_protocol import (
@@ -110,16 +110,13 @@ def train_tensor_parallel(
     config = TrainConfig(steps=steps, two_steps_without_forward=two_steps_without_forward)
     model = make_model(config)
     parallelize_module(model, mesh["tp"], tensor_parallel_plan(sequence_parallel))
-    owners = dmuon.dedicate_params(
+    owners = dedicate_and_shard_on(
         model,
         dp_mesh,
-        proj_predicate,
         replicate_mesh=replicate_mesh,
+        fsdp_mesh=fsdp_mesh,
         reshard_after_forward=reshard_after_forward,
     )
-    for layer in model.layers:
-        fully_shard(layer, mesh=fsdp_mesh, reshard_after_forward=reshard_after_forward)
-    fully_shard(model, mesh=fsdp_mesh, reshard_after_forward=reshard_after_forward)
     optimizer = dmuon.Muon(
         model,
         lr=0.02,
@@ -203,10 +200,7 @@ def count_tensor_parallel_step(*, dp: int, tp: int) -> dict:
     mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
     model = make_model(TrainConfig())
     parallelize_module(model, mesh["tp"], tensor_parallel_plan(sequence_parallel=False))
-    dmuon.dedicate_params(model, mesh["dp"], proj_predicate)
-    for layer in model.layers:
-        fully_shard(layer, mesh=mesh["dp"])
-    fully_shard(model, mesh=mesh["dp"])
+    dedicate_and_shard_on(model, mesh["dp"])
     optimizer = dmuon.Muon(
         model, lr=0.02, ns_backend=NewtonSchulz(dtype=torch.float32, kernel="cublas")
     )

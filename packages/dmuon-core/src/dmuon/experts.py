@@ -36,6 +36,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from dmuon.param import DedicatedParam
+from dmuon.storage import allocate_storage, free_storage
 
 ExpertStackPredicate = Callable[[str, nn.Parameter], bool]
 
@@ -80,11 +81,11 @@ class ExpertStack:
         data = torch.empty(0, dtype=self.param_dtype, device=device)
         data.set_(self.buffer.untyped_storage(), 0, self.shape)
         self.unsharded = nn.Parameter(data, requires_grad=self.requires_grad)
-        _free(self.buffer)
+        free_storage(self.buffer)
 
     def fill_from_pieces(self) -> None:
         """Copy every piece's weights (their segments, broadcast) into the stack buffer."""
-        _allocate(self.buffer)
+        allocate_storage(self.buffer)
         with torch.no_grad():
             experts = self.buffer.view(self.shape)
             for piece in self.pieces:
@@ -93,7 +94,7 @@ class ExpertStack:
 
     def free(self) -> None:
         if self.buffer is not None:
-            _free(self.buffer)
+            free_storage(self.buffer)
 
     def split_gradient(self) -> None:
         """Hand each piece its experts' part of the stack's gradient (before the reduce)."""
@@ -196,14 +197,3 @@ def mark_expert_piece(master: torch.Tensor) -> None:
 def is_expert_piece(tensor: torch.Tensor) -> bool:
     """True for the fp32 master of an expert piece: (k, m, n) holds k matrices (m, n)."""
     return getattr(tensor, EXPERT_PIECE_TAG, False)
-
-
-def _allocate(buffer: torch.Tensor) -> None:
-    nbytes = buffer.numel() * buffer.element_size()
-    if buffer.untyped_storage().size() != nbytes:
-        buffer.untyped_storage().resize_(nbytes)
-
-
-def _free(buffer: torch.Tensor) -> None:
-    if buffer.untyped_storage().size() != 0:
-        buffer.untyped_storage().resize_(0)

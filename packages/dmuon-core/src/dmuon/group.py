@@ -37,6 +37,7 @@ from dmuon.experts import stacks_of
 from dmuon.mesh import OwnershipMesh
 from dmuon.param import DedicatedParam
 from dmuon.partition import OwnerCoord
+from dmuon.storage import allocate_storage, free_storage
 
 
 @dataclass(eq=False, slots=True, kw_only=True)
@@ -145,7 +146,7 @@ class BoundaryGroup:
         for p in members:
             p.bind_unsharded(segment.buffer)
         if not is_local:
-            _free(segment.buffer)
+            free_storage(segment.buffer)
         return segment
 
     def _root_rank(self, segment: Segment) -> int:
@@ -208,7 +209,7 @@ class BoundaryGroup:
         self.wait_for_publish()
         for segment in self.segments:
             if not segment.is_local:
-                _allocate(segment.buffer)
+                allocate_storage(segment.buffer)
             self._pending_unshard.append(
                 collectives.broadcast(
                     segment.buffer, self._root_rank(segment), self.mesh.shard_group
@@ -239,7 +240,7 @@ class BoundaryGroup:
             self.wait_for_unshard()
         for segment in self.segments:
             if not segment.is_local:
-                _free(segment.buffer)
+                free_storage(segment.buffer)
         for stack in self.stacks:
             stack.free()
         self.is_unsharded = False
@@ -393,14 +394,3 @@ def _make_master(view: torch.Tensor, original: torch.Tensor, requires_grad: bool
         # The compute dtype is fp32: the master is the local segment itself, no second copy.
         return nn.Parameter(view, requires_grad=requires_grad)
     return nn.Parameter(original.to(torch.float32).clone(), requires_grad=requires_grad)
-
-
-def _allocate(buffer: torch.Tensor) -> None:
-    nbytes = buffer.numel() * buffer.element_size()
-    if buffer.untyped_storage().size() != nbytes:
-        buffer.untyped_storage().resize_(nbytes)
-
-
-def _free(buffer: torch.Tensor) -> None:
-    if buffer.untyped_storage().size() != 0:
-        buffer.untyped_storage().resize_(0)

@@ -316,6 +316,27 @@ def dedicate_and_shard(
     else:
         shard_mesh = init_device_mesh(device_type, (world,), mesh_dim_names=("shard",))
         replicate_mesh, fsdp_mesh = None, shard_mesh
+    return dedicate_and_shard_on(
+        model,
+        shard_mesh,
+        replicate_mesh=replicate_mesh,
+        fsdp_mesh=fsdp_mesh,
+        reshard_after_forward=reshard_after_forward,
+        predicate=predicate,
+    )
+
+
+def dedicate_and_shard_on(
+    model: nn.Module,
+    shard_mesh,
+    *,
+    replicate_mesh=None,
+    fsdp_mesh=None,
+    reshard_after_forward: bool = True,
+    predicate: Callable[[str, nn.Parameter], bool] = proj_predicate,
+) -> dict:
+    """``dedicate_params`` over the given meshes, then ``fully_shard`` per layer and on the root
+    over ``fsdp_mesh`` (default: ``shard_mesh``). Returns the owner map."""
     owners = dmuon.dedicate_params(
         model,
         shard_mesh,
@@ -323,6 +344,7 @@ def dedicate_and_shard(
         replicate_mesh=replicate_mesh,
         reshard_after_forward=reshard_after_forward,
     )
+    fsdp_mesh = shard_mesh if fsdp_mesh is None else fsdp_mesh
     for layer in model.layers:
         fully_shard(layer, mesh=fsdp_mesh, reshard_after_forward=reshard_after_forward)
     fully_shard(model, mesh=fsdp_mesh, reshard_after_forward=reshard_after_forward)
