@@ -38,7 +38,7 @@ from dmuon.partition import OwnerCoord, ParamSpec, expert_piece_name, layer_id_o
 from dmuon.policy import resolve_param_policy
 from dmuon.profile import ForwardUnshardProfile, forward_profile_requested
 from dmuon.routing import MUON_ROUTE, ROUTES, SHARDED_ADAMW_ROUTE
-from dmuon.tp import TensorParallelLayout, find_tensor_parallel_layout, tp_mesh_ranks
+from dmuon.tp import TensorParallelLayout, exchange_mesh, find_tensor_parallel_layout
 from dmuon_kernels._log import rank_tag
 
 logger = logging.getLogger("dmuon")
@@ -75,15 +75,16 @@ def dedicate_params(
 ) -> dict[str, OwnerCoord]:
     """Give every parameter selected by ``predicate`` one owner rank; returns FQN -> owner.
 
-    Call once on the whole model, after TP ``parallelize_module`` and before ``fully_shard``
-    (which then skips the dedicated parameters by itself) or ``DistributedDataParallel(model)``
-    (which likewise averages only the other gradients, without ``find_unused_parameters``).
-    ``mesh`` is the 1-D data-parallel DeviceMesh (the ``"shard"`` dim under HSDP, with
-    ``replicate_mesh`` its ``"replicate"`` dim), or None when torch.distributed is not
-    initialised (everything is owned locally). It may be a dim of a larger named mesh (``mesh["dp"]`` of a ("dp", "tp") or ("pp", "dp")
-    mesh): every rank of the world calls ``dedicate_params`` (pipeline stages with their own
-    models included), since the process groups are created collectively; each rank's ownership
-    spans its own slice.
+    Call once on the whole model, after TP ``parallelize_module`` (its DTensor matrices are
+    dedicated too: see [Note: tensor-parallel matrices] in ``dmuon.tp``) and before
+    ``fully_shard`` (which then skips the dedicated parameters by itself) or
+    ``DistributedDataParallel(model)`` (which likewise averages only the other gradients,
+    without ``find_unused_parameters``). ``mesh`` is the 1-D data-parallel DeviceMesh (the
+    ``"shard"`` dim under HSDP, with ``replicate_mesh`` its ``"replicate"`` dim), or None when
+    torch.distributed is not initialised (everything is owned locally). It may be a dim of a
+    larger named mesh (``mesh["dp"]`` of a ("dp", "tp") or ("pp", "dp") mesh): every rank of
+    the world calls ``dedicate_params`` (pipeline stages with their own models included), since
+    the process groups are created collectively; each rank's ownership spans its own slice.
 
     Args:
         predicate: ``(name, param) -> bool`` choosing the dedicated parameters.
@@ -124,7 +125,7 @@ def dedicate_params(
         selected, overrides = _select(model, predicate, routes)
         stacked = expert_stack_names(selected, expert_stacks)
         tp_layouts = _tensor_parallel_layouts(selected, mesh, replicate_mesh)
-        tp_mesh = _sharding_tp_mesh(tp_layouts)
+        tp_mesh = exchange_mesh(tp_layouts)
         layout = resolve_ownership_layout(mesh, replicate_mesh, process_group_policy, tp_mesh)
     if not selected:
         warnings.warn(NO_MATCH_WARNING, UserWarning, stacklevel=2)
@@ -436,10 +437,3 @@ def _tensor_parallel_layouts(selected, mesh, replicate_mesh) -> dict[str, Tensor
         if layout is not None:
             layouts[name] = layout
     return layouts
-
-
-def _sharding_tp_mesh(layouts: dict[str, TensorParallelLayout]) -> DeviceMesh | None:
-    """The TP mesh of the TP-sharded parameters (None when none is sharded: no exchange)."""
-    sharded = [(name, layout) for name, layout in layouts.items() if layout.is_sharded]
-    tp_mesh_ranks(list(layouts.items()))
-    return sharded[0][1].mesh if sharded else None

@@ -116,11 +116,6 @@ class OwnershipMesh:
     def tp_size(self) -> int:
         return max(len(self.tp_ranks), 1)
 
-    @property
-    def tp_rank(self) -> int:
-        """This rank's TP coordinate (0 without tensor parallelism)."""
-        return self.tp_ranks.index(dist.get_rank()) if self.tp_ranks else 0
-
     def is_me(self, coord: OwnerCoord) -> bool:
         """This rank holds the owner's master (of its own TP chunk under TP), any ``coord.tp``."""
         return (coord.shard, coord.replicate) == (self.coord.shard, self.coord.replicate)

@@ -170,10 +170,11 @@ def find_tensor_parallel_layout(
     )
 
 
-def tp_mesh_ranks(layouts: list[tuple[str, TensorParallelLayout]]) -> tuple[int, ...]:
-    """The ranks of the one TP mesh every TP-parallel dedicated parameter shares (() if none)."""
+def exchange_mesh(layouts: dict[str, TensorParallelLayout]) -> DeviceMesh | None:
+    """The one TP mesh the dedicated DTensors share, where some are TP-sharded (their chunks
+    are exchanged at step); None when none is. Raises if they live on different TP meshes."""
     found: dict[tuple[int, ...], str] = {}
-    for name, layout in layouts:
+    for name, layout in layouts.items():
         found.setdefault(layout.ranks, name)
     if len(found) > 1:
         shown = "; ".join(f"{name} on ranks {list(ranks)}" for ranks, name in found.items())
@@ -181,7 +182,8 @@ def tp_mesh_ranks(layouts: list[tuple[str, TensorParallelLayout]]) -> tuple[int,
             f"dedicate_params: the tensor-parallel parameters live on different TP meshes "
             f"({shown}). Parallelize the whole model over one mesh['tp']."
         )
-    return next(iter(found), ())
+    sharded = [layout for layout in layouts.values() if layout.is_sharded]
+    return sharded[0].mesh if sharded else None
 
 
 # ---- the owner step's exchanges ----------------------------------------------------------------
