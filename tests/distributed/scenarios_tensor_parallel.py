@@ -94,6 +94,7 @@ def train_tensor_parallel(
     replicate_async: bool = True,
     reshard_after_forward: bool = True,
     two_steps_without_forward: bool = False,
+    clip_max_norm: float | None = None,
 ) -> dict:
     """dp x tp (or replicate x shard x tp with ``replicas`` > 1) against the reference."""
     if replicas > 1:
@@ -107,7 +108,11 @@ def train_tensor_parallel(
         mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
         dp_mesh, replicate_mesh, fsdp_mesh = mesh["dp"], None, mesh["dp"]
         dp_rank = dp_mesh.get_local_rank()
-    config = TrainConfig(steps=steps, two_steps_without_forward=two_steps_without_forward)
+    config = TrainConfig(
+        steps=steps,
+        two_steps_without_forward=two_steps_without_forward,
+        clip_max_norm=clip_max_norm,
+    )
     model = make_model(config)
     parallelize_module(model, mesh["tp"], tensor_parallel_plan(sequence_parallel))
     owners = dedicate_and_shard_on(
@@ -130,6 +135,8 @@ def train_tensor_parallel(
     for batch in batches(config.steps, dp):
         loss = loss_fn(model, rank_rows(batch, dp_rank, dp))
         loss.backward()
+        if clip_max_norm is not None:
+            dmuon.clip_grad_norm_(model, optimizer, clip_max_norm)
         optimizer.step()
         if two_steps_without_forward:
             optimizer.step()

@@ -101,3 +101,10 @@ def test_tp_parameters_dmuon_cannot_take_raise_naming_the_parameter_and_the_fix(
         assert "on the 2-D mesh ('tp', 'cp'); dmuon supports one tensor-parallel dim" in two_dims
         assert "placed Partial(sum)" in partial
         assert "Shard(dim) (ColwiseParallel, RowwiseParallel) or Replicate()" in partial
+
+
+def test_clip_grad_norm_counts_each_tp_chunk_once_and_clips_like_the_reference(pool4):
+    # max_norm well below the gradient norm: every step is clipped, so a chunk counted on one TP
+    # rank only (or a plain matrix counted twice) changes the parameters.
+    results = pool4.run(train_tensor_parallel, dp=2, tp=2, clip_max_norm=0.05, steps=4)
+    assert_matches_reference(results, FP32_TOLERANCE)

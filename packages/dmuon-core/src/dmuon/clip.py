@@ -7,7 +7,9 @@ ranks: it reads the gradients where they already are and scales them in place.
 The gradients of a dmuon model live in three kinds of places, each counted exactly once:
 
 - the owners' fp32 masters of the dedicated parameters: plain tensors, each on exactly one rank
-  of dmuon's world group, so their squared norms are summed over that group;
+  of dmuon's world group, so their squared norms are summed over that group; the master of a
+  tensor-parallel matrix holds one chunk on each TP rank of its owner, so those are summed over
+  the TP ranks too (a plain matrix's master is the same on every TP rank: counted once);
 - FSDP2's sharded gradients: DTensors, whose norm each mesh reduces by itself;
 - plain tensors of parameters neither dedicated nor sharded: the same on every rank, counted
   once.
@@ -45,16 +47,20 @@ def clip_grad_norm_(
     """
     state = get_dedicated_state(model)
     owned_master_ids = {id(p.master) for p in state.iter_owned_masters()}
+    chunk_master_ids = {id(p.master) for p in state.iter_owned_masters() if p.is_tp_sharded}
     with_grad = [
         p for group in optimizer.param_groups for p in group["params"] if p.grad is not None
     ]
     device = _device_of(optimizer)
 
     owned: list[torch.Tensor] = []
+    chunks: list[torch.Tensor] = []  # masters of TP chunks
     sharded: dict[object, list[torch.Tensor]] = defaultdict(list)  # DTensor mesh -> params
     replicated: list[torch.Tensor] = []
     for param in with_grad:
-        if id(param) in owned_master_ids:
+        if id(param) in chunk_master_ids:
+            chunks.append(param)
+        elif id(param) in owned_master_ids:
             owned.append(param)
         elif isinstance(param.grad, DTensor):
             sharded[param.grad.device_mesh].append(param)
@@ -62,10 +68,14 @@ def clip_grad_norm_(
             replicated.append(param)
 
     owned_squared = _squared_norm(owned, device)
+    chunks_squared = _squared_norm(chunks, device)
+    # Issued on every rank, also where this rank owns nothing with a gradient.
     if state.mesh.world_group is not None:
-        # Issued on every rank, also where this rank owns nothing with a gradient.
         dist.all_reduce(owned_squared, group=state.mesh.world_group)
-    squared = [owned_squared, _squared_norm(replicated, device)]
+        dist.all_reduce(chunks_squared, group=state.mesh.world_group)
+    if state.mesh.tp_group is not None:
+        dist.all_reduce(chunks_squared, group=state.mesh.tp_group)
+    squared = [owned_squared, chunks_squared, _squared_norm(replicated, device)]
     for params in sharded.values():
         norm = get_total_norm([p.grad for p in params])
         norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
@@ -80,7 +90,7 @@ def clip_grad_norm_(
 
     if max_norm != float("inf"):
         # One call per kind of gradient: plain tensors and each mesh's DTensors do not mix.
-        for params in (owned, replicated, *sharded.values()):
+        for params in (owned, chunks, replicated, *sharded.values()):
             if params:
                 clip_grads_with_norm_(params, max_norm, total_norm)
     return total_norm
