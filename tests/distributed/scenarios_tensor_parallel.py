@@ -252,3 +252,33 @@ def misplaced_tp_parameter_errors() -> dict[str, str]:
         except ValueError as error:
             messages[case] = str(error)
     return messages
+
+
+def nan_in_one_tp_chunk_is_skipped_everywhere() -> dict:
+    """dp 2 x tp 2, nonfinite="skip": rank 1 alone finds a NaN in one of its TP chunks; every
+    rank must skip the step (its TP peers included), leaving every weight as it was."""
+    import warnings
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    model = make_model(TrainConfig())
+    parallelize_module(model, mesh["tp"], tensor_parallel_plan(sequence_parallel=False))
+    dedicate_and_shard_on(model, mesh["dp"])
+    optimizer = dmuon.Muon(
+        model,
+        ns_backend=NewtonSchulz(dtype=torch.float32, kernel="cublas"),
+        nonfinite="skip",
+    )
+    batch = batches(1, 2)[0]
+    loss_fn(model, rank_rows(batch, mesh["dp"].get_local_rank(), 2)).backward()
+    if dist.get_rank() == 1:
+        chunk = next(p for p in get_dedicated_state(model).iter_owned_masters() if p.is_tp_sharded)
+        chunk.master.grad.view(-1)[0] = float("nan")
+    before = full_weights(model)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        optimizer.step()
+    after = full_weights(model)
+    return {
+        "unchanged": all(torch.equal(before[name], after[name]) for name in before),
+        "warned": any("skipped on every rank" in str(w.message) for w in caught),
+    }

@@ -14,6 +14,7 @@ import pytest
 from tests.distributed.scenarios_tensor_parallel import (
     count_tensor_parallel_step,
     misplaced_tp_parameter_errors,
+    nan_in_one_tp_chunk_is_skipped_everywhere,
     train_ddp_tensor_parallel,
     train_tensor_parallel,
     unnamed_tp_mesh_error,
@@ -108,3 +109,8 @@ def test_clip_grad_norm_counts_each_tp_chunk_once_and_clips_like_the_reference(p
     # rank only (or a plain matrix counted twice) changes the parameters.
     results = pool4.run(train_tensor_parallel, dp=2, tp=2, clip_max_norm=0.05, steps=4)
     assert_matches_reference(results, FP32_TOLERANCE)
+
+
+def test_a_nan_in_one_tp_chunk_skips_the_step_on_every_rank(pool4):
+    for result in pool4.run(nan_in_one_tp_chunk_is_skipped_everywhere):
+        assert result == {"unchanged": True, "warned": True}

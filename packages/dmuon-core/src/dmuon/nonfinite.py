@@ -41,7 +41,8 @@ def nonfinite_gradients(
     groups = [group for group in groups if group is not None]
     by_kind: dict[tuple, list[tuple[str, torch.Tensor]]] = defaultdict(list)
     for name, grad in named_grads:
-        by_kind[(grad.dtype, grad.device)].append((name, grad))
+        if grad.numel():  # an empty TP chunk holds nothing (and has no max-abs norm)
+            by_kind[(grad.dtype, grad.device)].append((name, grad))
     # Per kind: the names, and which of them are finite (one fused max-abs norm).
     checked = [
         (
