@@ -165,6 +165,8 @@ def find_tensor_parallel_layout(
             "RowwiseParallel) or Replicate(). Leave this one out of the predicate (it stays "
             "with the AdamW route)."
         )
+    if isinstance(placement, Shard) and placement.dim < 0:
+        placement = Shard(placement.dim + param.ndim)
     return TensorParallelLayout(
         mesh=param.device_mesh, placement=placement, shape=tuple(param.shape)
     )
