@@ -36,7 +36,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from dmuon.param import DedicatedParam
-from dmuon.storage import allocate_storage, free_storage
+from dmuon.storage import allocate_storage, free_storage, tensor_over
 
 ExpertStackPredicate = Callable[[str, nn.Parameter], bool]
 
@@ -78,8 +78,7 @@ class ExpertStack:
     def bind(self, device: torch.device) -> None:
         """Create the buffer (freed) and the unsharded parameter over it."""
         self.buffer = torch.empty(self.shape.numel(), dtype=self.param_dtype, device=device)
-        data = torch.empty(0, dtype=self.param_dtype, device=device)
-        data.set_(self.buffer.untyped_storage(), 0, self.shape)
+        data = tensor_over(self.buffer, 0, self.shape)
         self.unsharded = nn.Parameter(data, requires_grad=self.requires_grad)
         free_storage(self.buffer)
 

@@ -57,22 +57,15 @@ class Segment:
 
 
 @dataclass(eq=False, slots=True)
-class _PendingReduce:
+class GradientMessage:
+    """One segment's gradients on their way to its owners (see ``accumulate_into_masters``)."""
+
     segment: Segment
     message: torch.Tensor  # packed gradients and their flags, in the reduce dtype
     handle: Handle
     # Whether this rank produced each gradient, known on the host: the reduced flags when the
     # reduce moves nothing (one owner slot), so reading them needs no device synchronisation.
     produced: list[bool] | None = None
-
-
-@dataclass(eq=False, slots=True)
-class ReducedMessage:
-    """A local segment's reduced gradient message, for ``accumulate_into_masters``."""
-
-    segment: Segment
-    message: torch.Tensor
-    produced: list[bool] | None  # the flags, where the host knows them
 
 
 class BoundaryGroup:
@@ -97,7 +90,7 @@ class BoundaryGroup:
         self.is_unsharded = False
         self._pending_unshard: list[Handle] = []
         self._pending_publish: list[Handle] = []
-        self._pending_reduce: list[_PendingReduce] = []
+        self._pending_reduce: list[GradientMessage] = []
         # Backward bookkeeping, driven by ``hooks``: grad-enabled forwards since the last
         # backward, post-backwards seen, and whether this backward already reduced.
         self.in_backward = False
@@ -266,11 +259,11 @@ class BoundaryGroup:
                 message, self._root_rank(segment), self.mesh.shard_group
             )
             self._pending_reduce.append(
-                _PendingReduce(segment, message, handle, produced if alone else None)
+                GradientMessage(segment, message, handle, produced if alone else None)
             )
         self.reduced_this_backward = True
 
-    def finish_reduce(self) -> list[ReducedMessage]:
+    def finish_reduce(self) -> list[GradientMessage]:
         """Wait for this boundary's reduces and run the replicate stage; returns the reduced
         messages of the local segments for ``accumulate_into_masters``."""
         pending, self._pending_reduce = self._pending_reduce, []
@@ -287,11 +280,7 @@ class BoundaryGroup:
                     )
                 )
         collectives.wait_all(second_stage)
-        return [
-            ReducedMessage(item.segment, item.message, item.produced)
-            for item in pending
-            if item.segment.is_local
-        ]
+        return [item for item in pending if item.segment.is_local]
 
     # ---- after the step: publish across replicas ---------------------------------------------
 
@@ -335,7 +324,7 @@ def _pack_gradients(params: list[DedicatedParam]) -> tuple[torch.Tensor, list[bo
     return torch.cat(pieces), produced
 
 
-def accumulate_into_masters(received: list[ReducedMessage], divisor: int) -> None:
+def accumulate_into_masters(received: list[GradientMessage], divisor: int) -> None:
     """Add the owners' averaged gradients to their masters' ``.grad``.
 
     A gradient that no rank produced leaves ``.grad`` untouched (None stays None). Whether one
@@ -343,30 +332,27 @@ def accumulate_into_masters(received: list[ReducedMessage], divisor: int) -> Non
     slot, where the host knows). A new gradient is a view of its message, made fp32 and divided
     in place: no copy; an existing one takes the sum, in one multi-tensor add.
     """
-    owned, flags, host_flags = [], [], []
-    for item in received:
+    owned, flags, host_flags = [], [], []  # owned: (p, index of its message, offset)
+    for index, item in enumerate(received):
         offset = 0
-        for index, p in enumerate(item.segment.params):
+        for position, p in enumerate(item.segment.params):
             offset += p.numel
             if p.is_owner and p.master is not None:
-                owned.append((p, item, offset - p.numel))
+                owned.append((p, index, offset - p.numel))
                 flags.append(item.message[offset : offset + 1])
-                host_flags.append(item.produced[index] if item.produced is not None else None)
+                host_flags.append(item.produced[position] if item.produced is not None else None)
             offset += 1
     if not owned:
         return
     if None in host_flags:
-        host_flags = torch.cat(flags).tolist()
-    averaged = {}  # id(message) -> its fp32, averaged values
-    for item in received:
-        values = item.message.to(torch.float32)  # the message itself when it is fp32
-        if divisor != 1:
-            values.div_(divisor)
-        averaged[id(item.message)] = values
+        host_flags = torch.cat(flags).tolist()  # before the division below changes the flags
+    averaged = [item.message.to(torch.float32) for item in received]  # no copy when fp32
+    if divisor != 1:
+        torch._foreach_div_(averaged, divisor)
     new, existing = [], []
-    for (p, item, start), produced in zip(owned, host_flags):
+    for (p, index, start), produced in zip(owned, host_flags):
         if produced:
-            grad = averaged[id(item.message)][start : start + p.numel].view(p.local_shape)
+            grad = averaged[index][start : start + p.numel].view(p.local_shape)
             (existing if p.master.grad is not None else new).append((p, grad))
     for p, grad in new:
         p.master.grad = grad

@@ -39,7 +39,8 @@ if TYPE_CHECKING:
 STATE_DICT_NEEDS_CHECKPOINT = (
     "model.state_dict() cannot return {fqn}: dmuon keeps that dedicated parameter's full value on "
     "its owner rank ({owner}) (in tensor-parallel chunks under TP) and this model spans {slots} "
-    "owner slots, so a plain state_dict would hold a 0-element tensor or one chunk. Use dmuon.checkpoint.get_model_state_dict(model) (sharded, "
+    "owner slots, so a plain state_dict would hold a 0-element tensor or one chunk. Use "
+    "dmuon.checkpoint.get_model_state_dict(model) (sharded, "
     "for torch.distributed.checkpoint.save) or dmuon.checkpoint.get_model_state_dict(model, "
     "options=StateDictOptions(full_state_dict=True, cpu_offload=True)) for one full dict on the "
     "first rank."

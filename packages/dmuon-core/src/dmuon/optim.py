@@ -179,6 +179,10 @@ class Muon(torch.optim.Optimizer):
         self.replicate_async = replicate_async
         self.nonfinite = check_policy(nonfinite)
         self._steps_taken = 0
+        # id(master) -> the TP-sharded parameter whose chunk it holds (masters never change).
+        self._tp_chunks = {
+            id(p.master): p for p in self._dedicated.iter_owned_masters() if p.is_tp_sharded
+        }
 
         self._facts, local_tensors = _param_facts(model, self._dedicated)
         self._routing_plan = plan_groups(
@@ -345,7 +349,7 @@ class Muon(torch.optim.Optimizer):
     def _muon_step(self, group: dict) -> None:
         # Newton-Schulz runs on rows <= cols, so an (m, n) and an (n, m) matrix share one
         # batched call (Llama's gate/up and down projections, say).
-        tp_sharded = self._tp_sharded_params()
+        tp_sharded = self._tp_chunks
         self._tensor_parallel_muon_step(
             group, [tp_sharded[id(m)] for m in group["params"] if id(m) in tp_sharded]
         )
@@ -394,10 +398,6 @@ class Muon(torch.optim.Optimizer):
                 lr, wd, _lr_scale(group["adjust_lr"], rows, cols),
             )  # fmt: skip
 
-    def _tp_sharded_params(self) -> dict[int, DedicatedParam]:
-        """id(master) -> the TP-sharded dedicated parameters this rank holds a master chunk of."""
-        return {id(p.master): p for p in self._dedicated.iter_owned_masters() if p.is_tp_sharded}
-
     def _tensor_parallel_muon_step(self, group: dict, params: list[DedicatedParam]) -> None:
         """The Muon route of TP-sharded matrices; see [Note: tensor-parallel matrices] in
         ``dmuon.tp``. Every TP rank of the owner runs it with the same matrices, in one order.
@@ -412,14 +412,9 @@ class Muon(torch.optim.Optimizer):
         mu = group["momentum"]
         inputs = []
         for p in params:
-            state = self.state[p.master]
-            first_step = "momentum_buffer" not in state
-            if first_step:
-                state["momentum_buffer"] = torch.empty(
-                    _matrix_shape(p.master), dtype=torch.float32, device=p.master.device
-                )
+            first_step, momentum = _momentum_of(self.state[p.master], p.master, None)
             update, _ = muon_momentum_(
-                p.master.grad.view(_matrix_shape(p.master)), state["momentum_buffer"], mu,
+                _matrix(p.master.grad, None), momentum, mu,
                 nesterov=group["nesterov"], first_step=first_step,
             )  # fmt: skip
             inputs.append(update.view(p.local_shape))

@@ -26,6 +26,7 @@ from torch.distributed.tensor import DTensor
 
 from dmuon.partition import OwnerCoord
 from dmuon.routing import ADAMW_ROUTE, MUON_ROUTE
+from dmuon.storage import tensor_over
 from dmuon.tp import TensorParallelLayout
 
 if TYPE_CHECKING:
@@ -147,16 +148,14 @@ class DedicatedParam:
     # A DTensor of ``parallelize_module``: this rank stores, reduces and updates its TP chunk
     # (``local_shape``); ``shape`` stays the global shape (see ``dmuon.tp``).
     tp: TensorParallelLayout | None = None
+    # The shape this rank stores (its TP chunk, or the whole parameter) and its element count:
+    # fixed at construction, read on every pack and accumulate.
+    local_shape: tuple[int, ...] = field(init=False)
+    numel: int = field(init=False)
 
-    @property
-    def local_shape(self) -> tuple[int, ...]:
-        """The shape this rank stores: its TP chunk, or the whole parameter."""
-        return self.tp.local_shape() if self.tp is not None else tuple(self.shape)
-
-    @property
-    def numel(self) -> int:
-        """Elements this rank stores (its TP chunk under tensor parallelism)."""
-        return math.prod(self.local_shape)
+    def __post_init__(self) -> None:
+        self.local_shape = self.tp.local_shape() if self.tp is not None else tuple(self.shape)
+        self.numel = math.prod(self.local_shape)
 
     @property
     def is_tp_sharded(self) -> bool:
@@ -184,20 +183,21 @@ class DedicatedParam:
     def bind_unsharded(self, segment: torch.Tensor) -> None:
         """Create the unsharded parameter over ``segment[offset : offset + numel]`` (a DTensor
         of its TP layout under tensor parallelism, as ``parallelize_module`` made it)."""
-        data = torch.empty(0, dtype=segment.dtype, device=segment.device)
-        data.set_(segment.untyped_storage(), self.segment_offset, self.local_shape)
+        data = tensor_over(segment, self.segment_offset, self.local_shape)
         if self.tp is not None:
             data = self.tp.as_dtensor(data)
         self.unsharded = nn.Parameter(data, requires_grad=self.requires_grad)
 
     def local_value(self, value: torch.Tensor) -> torch.Tensor:
-        """This rank's part of a parameter value: a DTensor's local chunk, or the TP chunk of a
-        full tensor."""
+        """This rank's part of a value of the parameter: the value itself, or under tensor
+        parallelism its TP chunk (of a full tensor, or of a DTensor in any placement)."""
+        if self.tp is None:
+            return value
         if isinstance(value, DTensor):
-            if self.tp is not None and tuple(value.placements) != (self.tp.placement,):
+            if tuple(value.placements) != (self.tp.placement,):
                 value = value.redistribute(self.tp.mesh, [self.tp.placement])
-            return value.to_local() if self.tp is not None else value.full_tensor()
-        return self.tp.local_part(value) if self.tp is not None else value
+            return value.to_local()
+        return self.tp.local_part(value)
 
     def local_grad(self) -> torch.Tensor | None:
         """This rank's part of the unsharded parameter's gradient."""

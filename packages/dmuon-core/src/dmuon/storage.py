@@ -11,6 +11,15 @@ from __future__ import annotations
 import torch
 
 
+def tensor_over(buffer: torch.Tensor, offset: int, shape: tuple[int, ...]) -> torch.Tensor:
+    """A tensor of ``shape`` over ``buffer``'s storage from element ``offset``, built with
+    ``set_`` rather than as a view so that it has its own version counter: refilling the buffer
+    (Z3's second broadcast) must not trip autograd's check on tensors saved in forward."""
+    tensor = torch.empty(0, dtype=buffer.dtype, device=buffer.device)
+    tensor.set_(buffer.untyped_storage(), offset, shape)
+    return tensor
+
+
 def allocate_storage(buffer: torch.Tensor) -> None:
     nbytes = buffer.numel() * buffer.element_size()
     if buffer.untyped_storage().size() != nbytes:

@@ -23,6 +23,7 @@ from dmuon.checkpoint._context import CheckpointContext, checkpoint_context
 from dmuon.checkpoint._experts import load_stack_values, stack_model_entry, stack_value_error
 from dmuon.experts import ExpertStack
 from dmuon.module_state import DedicatedEntry, dedicated_entries_applied, entries_as_markers
+from dmuon.param import DedicatedParam
 
 
 def get_model_state_dict(
@@ -68,13 +69,13 @@ def _entry(ctx: CheckpointContext, value: object) -> object | None:
     return ctx.offloaded(value)
 
 
-def _owned_value(p) -> torch.Tensor | None:
+def _owned_value(p: DedicatedParam) -> torch.Tensor | None:
     """The owner's master (a DTensor of its TP chunks under tensor parallelism: the TP ranks of
     the owner write one chunk each); None where this rank owns no part of it."""
     if p.master is None:
         return None
     master = p.master.detach()
-    return p.tp.as_dtensor(master) if getattr(p, "is_tp_sharded", False) else master
+    return p.tp.as_dtensor(master) if p.is_tp_sharded else master
 
 
 def set_model_state_dict(
@@ -95,7 +96,7 @@ def set_model_state_dict(
         current = model.state_dict()
     frozen = _frozen_names(model) if ctx.options.ignore_frozen_params else set()
     to_load: dict[str, object] = {}
-    masters: list[tuple[object, torch.Tensor]] = []
+    masters: list[tuple[DedicatedParam, torch.Tensor]] = []
     missing, unexpected, errors = [], [], []
     stacks: list[tuple[ExpertStack, torch.Tensor]] = []
     for key, target in current.items():
@@ -141,7 +142,7 @@ def set_model_state_dict(
 
     with torch.no_grad():
         for p, value in masters:
-            p.master.copy_(p.local_value(value) if getattr(p, "tp", None) is not None else value)
+            p.master.copy_(p.local_value(value))
     load_stack_values(stacks)
     with dedicated_entries_applied(ctx.state):
         model.load_state_dict(to_load, strict=False)

@@ -141,7 +141,7 @@ class _ParamIndex:
         self.tp_layouts = {
             id(p.master): p.tp
             for p in self.dedicated.values()
-            if p.master is not None and getattr(p, "is_tp_sharded", False)
+            if p.master is not None and p.is_tp_sharded
         }
         local_groups = [[self.fqn_of[id(p)] for p in g[_PARAMS]] for g in optimizer.param_groups]
         # One collective: every rank learns each group's FQNs and every owner's entry shapes.
