@@ -122,29 +122,9 @@ def train_tensor_parallel(
         fsdp_mesh=fsdp_mesh,
         reshard_after_forward=reshard_after_forward,
     )
-    optimizer = dmuon.Muon(
-        model,
-        lr=0.02,
-        weight_decay=config.weight_decay,
-        ns_backend=NewtonSchulz(backend="gram", dtype=torch.float32, kernel="cublas"),
-        replicate_async=replicate_async,
+    max_errors, losses = _train_against_reference(
+        model, model, config, dp_rank, dp, replicate_async=replicate_async
     )
-    reference, reference_optimizer = build_reference(config)
-
-    max_errors, losses = [], []
-    for batch in batches(config.steps, dp):
-        loss = loss_fn(model, rank_rows(batch, dp_rank, dp))
-        loss.backward()
-        if clip_max_norm is not None:
-            dmuon.clip_grad_norm_(model, optimizer, clip_max_norm)
-        optimizer.step()
-        if two_steps_without_forward:
-            optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
-        reference_step(reference, reference_optimizer, batch, config)
-        max_errors.append(max(relative_errors(full_weights(model), reference).values()))
-
     state = get_dedicated_state(model)
     return {
         "max_errors": max_errors,
@@ -181,22 +161,38 @@ def train_ddp_tensor_parallel(*, dp: int, tp: int, steps: int = 10) -> dict:
     model = make_model(config)
     parallelize_module(model, mesh["tp"], tensor_parallel_plan(sequence_parallel=False))
     ddp_model = dmuon.dedicate_params_ddp(model, dp_mesh, proj_predicate)
+    max_errors, _ = _train_against_reference(ddp_model, model, config, dp_rank, dp)
+    return {"max_errors": max_errors, "rank": dist.get_rank()}
+
+
+def _train_against_reference(
+    forward, model, config: TrainConfig, dp_rank: int, dp: int, **muon_options
+) -> tuple[list[float], list[float]]:
+    """``config.steps`` steps of ``dmuon.Muon`` on ``model`` (through ``forward``, its wrapper
+    if any) beside the single-process reference: the worst relative weight error after each
+    step, and this rank's losses."""
     optimizer = dmuon.Muon(
         model,
         lr=0.02,
         weight_decay=config.weight_decay,
         ns_backend=NewtonSchulz(backend="gram", dtype=torch.float32, kernel="cublas"),
+        **muon_options,
     )
     reference, reference_optimizer = build_reference(config)
-    max_errors = []
+    max_errors, losses = [], []
     for batch in batches(config.steps, dp):
-        loss = loss_fn(ddp_model, rank_rows(batch, dp_rank, dp))
+        loss = loss_fn(forward, rank_rows(batch, dp_rank, dp))
         loss.backward()
+        if config.clip_max_norm is not None:
+            dmuon.clip_grad_norm_(model, optimizer, config.clip_max_norm)
         optimizer.step()
+        if config.two_steps_without_forward:
+            optimizer.step()
         optimizer.zero_grad()
+        losses.append(loss.item())
         reference_step(reference, reference_optimizer, batch, config)
         max_errors.append(max(relative_errors(full_weights(model), reference).values()))
-    return {"max_errors": max_errors, "rank": dist.get_rank()}
+    return max_errors, losses
 
 
 def count_tensor_parallel_step(*, dp: int, tp: int) -> dict:
