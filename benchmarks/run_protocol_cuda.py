@@ -295,35 +295,58 @@ def main(argv: list[str] | None = None) -> int:
         print(f"tolerance {args.tolerance:.1e}: {verdict}")
 
         date = _common.utc_now()
-        record = {
-            "benchmark": "run_protocol_cuda",
-            "device": device_label,
-            "device_type": device.type,
-            "backend": args.backend,
-            "world_size": world,
-            **_common.versions(dmuon=dmuon.__version__),
-            "git_sha": _common.git_sha(args.git_sha),
-            "date": _common.iso_seconds(date),
-            "steps": args.steps,
-            "newton_schulz": repr(new_newton_schulz()),
-            "tf32": False if device.type == "cuda" else None,
-            "reference": REFERENCE,
-            "tolerance": args.tolerance,
-            "configs": {
-                name: {key: value for key, value in run.items() if not key.startswith("_")}
-                for name, run in runs.items()
-            },
-            "bit_identical": equalities,
-            "failures": failures,
-        }
+        record = run_record(
+            "run_protocol_cuda", device, args, runs, equalities, failures, date,
+            backend=args.backend, tf32=False if device.type == "cuda" else None,
+        )  # fmt: skip
         out = args.out or _common.result_path(
             "protocol", device_label, date, args.backend, f"w{world}"
         )
         _common.write_json(out, record)
+    exit_without_teardown(failures)
+
+
+def run_record(
+    benchmark: str,
+    device: torch.device,
+    args: argparse.Namespace,
+    runs: dict[str, dict],
+    equalities: dict[str, bool],
+    failures: list[str],
+    date,
+    **fields,
+) -> dict:
+    """The JSON record of a run against the reference (``fields``: what the script adds)."""
+    return {
+        "benchmark": benchmark,
+        "device": _common.device_name(device),
+        "device_type": device.type,
+        **fields,
+        "world_size": dist.get_world_size(),
+        **_common.versions(dmuon=dmuon.__version__),
+        "git_sha": _common.git_sha(args.git_sha),
+        "date": _common.iso_seconds(date),
+        "steps": args.steps,
+        "newton_schulz": repr(new_newton_schulz()),
+        "reference": REFERENCE,
+        "tolerance": args.tolerance,
+        "configs": {
+            name: {key: value for key, value in run.items() if not key.startswith("_")}
+            for name, run in runs.items()
+        },
+        "bit_identical": equalities,
+        "failures": failures,
+    }
+
+
+def exit_without_teardown(failures: list[str]) -> None:
+    """Exit 1 on failures, else 0, skipping the interpreter's shutdown.
+
+    With torch 2.13 on gloo a process sometimes aborts during interpreter shutdown, after
+    destroy_process_group() ("terminate called without an active exception"), plain FSDP2
+    included. Everything is written and flushed by now: skip that teardown.
+    """
     dist.destroy_process_group()
-    # With torch 2.13 on gloo a process sometimes aborts during interpreter shutdown, after
-    # destroy_process_group() ("terminate called without an active exception"), plain FSDP2
-    # included. Everything is written and flushed by now: skip that teardown.
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(1 if failures else 0)

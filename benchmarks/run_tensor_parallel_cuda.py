@@ -25,7 +25,6 @@ when a configuration exceeds ``--tolerance`` or the bit-for-bit check fails.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 
@@ -41,8 +40,10 @@ from run_protocol_cuda import (  # noqa: E402
     all_ranks,
     bit_identical,
     build_reference,
+    exit_without_teardown,
     max_relative_error,
     new_newton_schulz,
+    run_record,
     visible_weights,
 )
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
@@ -179,33 +180,14 @@ def main(argv: list[str] | None = None) -> int:
             f"tolerance {args.tolerance:.1e}: {'FAIL: ' + ', '.join(failures) if failures else 'ok'}"
         )
         date = _common.utc_now()
-        record = {
-            "benchmark": "run_tensor_parallel_cuda",
-            "device": label,
-            "device_type": device.type,
-            "backend": "gloo",
-            "world_size": world,
-            **_common.versions(dmuon=dmuon.__version__),
-            "git_sha": _common.git_sha(args.git_sha),
-            "date": _common.iso_seconds(date),
-            "steps": args.steps,
-            "newton_schulz": repr(new_newton_schulz()),
-            "plan": {pattern: type(style).__name__ for pattern, style in PLAN.items()},
-            "reference": REFERENCE,
-            "tolerance": args.tolerance,
-            "configs": {
-                name: {key: value for key, value in run.items() if not key.startswith("_")}
-                for name, run in runs.items()
-            },
-            "bit_identical": equalities,
-            "failures": failures,
-        }
+        record = run_record(
+            "run_tensor_parallel_cuda", device, args, runs, equalities, failures, date,
+            backend="gloo",
+            plan={pattern: type(style).__name__ for pattern, style in PLAN.items()},
+        )  # fmt: skip
         out = args.out or _common.result_path("tensor-parallel", label, date, "gloo", f"w{world}")
         _common.write_json(out, record)
-    dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(1 if failures else 0)  # see run_protocol_cuda: skip gloo's shutdown abort
+    exit_without_teardown(failures)
 
 
 if __name__ == "__main__":
