@@ -117,8 +117,13 @@ def test_sharded_state_dict_holds_each_dedicated_matrix_on_its_owner_only(pool4)
     )
 
 
-def test_plain_saving_paths_raise_naming_dmuon_checkpoint_instead_of_saving_empty_tensors(pool2):
-    result = pool2.run(scenarios.state_dict_shapes, replicas=1)[0]
+@pytest.mark.parametrize("layout", ["1d-2", "dp1-tp2"])
+def test_plain_saving_paths_raise_naming_dmuon_checkpoint_instead_of_saving_empty_tensors(
+    gloo_pool, layout
+):
+    # dp1-tp2: one owner slot, yet each rank holds only its TP chunk of a matrix, so a plain
+    # state_dict must raise rather than return a chunk.
+    result = run(gloo_pool, layout, scenarios.state_dict_shapes)
     for path in ("state_dict", "torch_get_model_state_dict"):
         assert "dmuon.checkpoint.get_model_state_dict" in result[path], path
         assert "RuntimeError" in result[path]
