@@ -136,7 +136,9 @@ def bench_torch_optimizer(make_optimizer, shapes, device, warmup: int, iters: in
     return result
 
 
-def bench_dmuon(ns_backend, layer_shapes, num_layers, device, warmup: int, iters: int) -> dict:
+def bench_dmuon(
+    ns_backend, layer_shapes, num_layers, device, warmup: int, iters: int, profile: bool = False
+) -> dict:
     import dmuon
 
     model = ProjectionStack(layer_shapes, num_layers, device)
@@ -148,12 +150,35 @@ def bench_dmuon(ns_backend, layer_shapes, num_layers, device, warmup: int, iters
     for master, grad in zip(masters, random_gradients(shapes, device)):
         master.grad = grad
     result = time_steps(optimizer.step, device, warmup, iters)
+    if profile:
+        result["device_kernels"] = kernel_table(optimizer.step, device)
     newton_schulz = optimizer.newton_schulz
     result["newton_schulz"] = repr(newton_schulz)
     result["kernel"] = newton_schulz.kernel
     result["kernel_reason"] = newton_schulz.kernel_reason
     del optimizer, model, masters
     return result
+
+
+def kernel_table(step: Callable[[], object], device: torch.device, top: int = 30) -> list[dict]:
+    """Device time per kernel name over one profiled ``step()``, the largest first; printed."""
+    from torch.profiler import ProfilerActivity, profile
+
+    synchronize(device)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        step()
+        synchronize(device)
+    rows = [
+        {"kernel": event.key, "calls": event.count, "device_ms": event.device_time_total / 1e3}
+        for event in prof.key_averages()
+        if event.device_time_total > 0 and event.device_type.name == "CUDA"
+    ]
+    rows.sort(key=lambda row: -row["device_ms"])
+    total = sum(row["device_ms"] for row in rows)
+    print(f"  device kernels of one step: {total:.2f} ms in {sum(r['calls'] for r in rows)} calls")
+    for row in rows[:top]:
+        print(f"    {row['device_ms']:8.3f} ms {row['calls']:5d}x  {row['kernel'][:110]}")
+    return rows[:top]
 
 
 def free_memory(device: torch.device) -> None:
@@ -170,6 +195,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="tiny shapes on CPU (smoke test)")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument(
+        "--profile", action="store_true", help="device time per kernel of one dmuon (auto) step"
+    )
     _common.add_record_options(
         parser, "JSON path (default benchmarks/results/step-<gpu>-<date>.json; none with --quick)"
     )
@@ -227,7 +255,9 @@ def main(argv: list[str] | None = None) -> int:
         ),
         (
             "dmuon.Muon (gram, kernel auto)",
-            lambda: bench_dmuon("gram", layer_shapes, NUM_LAYERS, device, args.warmup, args.iters),
+            lambda: bench_dmuon(
+                "gram", layer_shapes, NUM_LAYERS, device, args.warmup, args.iters, args.profile
+            ),
         ),
         (
             "dmuon.Muon (gram, kernel cublas)",

@@ -20,7 +20,9 @@ so an upgrade re-tunes. Progress lines go through the rank-tagged logger
 
 Tuning runs on private random inputs drawn from a private generator: it never reads or writes
 the caller's tensors and never advances the global RNG, so it changes no result beyond which
-kernel's rounding the caller gets. It must not run while a CUDA graph is being captured (Newton-
+kernel's rounding the caller gets. It runs inside a training step, beside everything the step
+holds, so its memory is kept to the inputs in the problem's dtype, one output at a time and an
+fp32 reference of the first and last matrices of a batch only (the cross-check's sample). It must not run while a CUDA graph is being captured (Newton-
 Schulz runs each shape eagerly before capturing it); if asked to, it answers cuBLAS for that call
 and records nothing.
 """
@@ -339,21 +341,44 @@ class _TuningInputs:
         return getattr(backend, op)(self.A, self.B, self.C, self.alpha, self.beta)
 
     def fp32_reference(self) -> Tensor:
-        """alpha·A·B + beta·C (B = Aᵀ for syrk) in true fp32, TF32 off for this product only."""
+        """alpha·A·B + beta·C (B = Aᵀ for syrk) in true fp32, TF32 off for this product only,
+        for the first and last matrices of a batch (``_sample``)."""
         previous = torch.get_float32_matmul_precision()
         torch.set_float32_matmul_precision("highest")
         try:
-            A32 = self.A.float()
-            B32 = A32.mT if self.B is None else self.B.float()
+            A32 = _sample(self.A).float()
+            B32 = A32.mT if self.B is None else _sample(self.B).float()
             product = torch.matmul(A32, B32).mul_(self.alpha)
-            return product if self.C is None else product.add_(self.C.float(), alpha=self.beta)
+            if self.C is None:
+                return product
+            return product.add_(_sample(self.C).float(), alpha=self.beta)
         finally:
             torch.set_float32_matmul_precision(previous)
 
+    def error_of(self, backend: Any, op: str, reference: Tensor) -> float:
+        """The relative error of ``backend``'s result against ``reference``, the output freed
+        before returning."""
+        return _relative_error(_sample(self.run(backend, op)), reference)
 
-def _symmetric(shape: tuple[int, ...], generator: torch.Generator, device: torch.device) -> Tensor:
-    S = torch.randn(shape, generator=generator, device=device, dtype=torch.float32)
-    return (S + S.mT) / 2
+
+def _sample(t: Tensor) -> Tensor:
+    """What is cross-checked: the first and last matrices of a batch (a kernel that mis-steps
+    through the batch gets the last one wrong), the matrix itself when unbatched."""
+    return t[[0, -1]] if t.dim() == 3 else t
+
+
+def _random(
+    shape: tuple[int, ...], generator: torch.Generator, device: torch.device, dtype: torch.dtype
+) -> Tensor:
+    """Standard normal entries drawn straight in ``dtype`` (no fp32 copy of a large input)."""
+    return torch.randn(shape, generator=generator, device=device, dtype=dtype)
+
+
+def _symmetric(
+    shape: tuple[int, ...], generator: torch.Generator, device: torch.device, dtype: torch.dtype
+) -> Tensor:
+    S = _random(shape, generator, device, dtype)
+    return S.add_(S.mT.clone()).mul_(0.5)
 
 
 def _tuning_inputs(problem: SyrkProblem, device: torch.device) -> _TuningInputs:
@@ -362,28 +387,25 @@ def _tuning_inputs(problem: SyrkProblem, device: torch.device) -> _TuningInputs:
     lead = (problem.batch,) if problem.batch else ()
     square = (*lead, problem.M, problem.M)
     alpha, beta = (TUNING_ALPHA_WITH_C, TUNING_BETA_WITH_C) if problem.has_c else (1.0, 0.0)
+    dtype = problem.dtype
     if problem.op == MATMUL:
         shapes = ((problem.M, problem.K), (problem.K, problem.N), (problem.M, problem.N))
-        A32, B32, C32 = (
-            torch.randn((*lead, *shape), generator=generator, device=device).mul_(problem.K**-0.25)
+        A, B, C = (
+            _random((*lead, *shape), generator, device, dtype).mul_(problem.K**-0.25)
             for shape in shapes
         )
-        C = C32.to(problem.dtype) if problem.has_c else None
-        return _TuningInputs(A32.to(problem.dtype), B32.to(problem.dtype), C, alpha, beta)
-    C = _symmetric(square, generator, device).to(problem.dtype) if problem.has_c else None
+        return _TuningInputs(A, B, C if problem.has_c else None, alpha, beta)
+    C = _symmetric(square, generator, device, dtype) if problem.has_c else None
     if problem.op == SYMMETRIC_PRODUCT:
         # Symmetric with a zero diagonal, so B = A + I is exact in any dtype and commutes with A.
-        A32 = _symmetric(square, generator, device).mul_(problem.M**-0.25)
-        A32.diagonal(dim1=-2, dim2=-1).zero_()
-        A = A32.to(problem.dtype)
+        A = _symmetric(square, generator, device, dtype).mul_(problem.M**-0.25)
+        A.diagonal(dim1=-2, dim2=-1).zero_()
         B = A.clone()
         B.diagonal(dim1=-2, dim2=-1).fill_(1.0)
         return _TuningInputs(A, B, C, alpha, beta)
     # Scale so A·Aᵀ has entries of order 1 off the diagonal and sqrt(K) on it: well inside fp16.
-    A32 = torch.randn(
-        (*lead, problem.M, problem.K), generator=generator, device=device, dtype=torch.float32
-    ).mul_(problem.K**-0.25)
-    return _TuningInputs(A32.to(problem.dtype), None, C, alpha, beta)
+    A = _random((*lead, problem.M, problem.K), generator, device, dtype).mul_(problem.K**-0.25)
+    return _TuningInputs(A, None, C, alpha, beta)
 
 
 def _relative_error(out: Tensor, reference: Tensor) -> float:
@@ -402,11 +424,9 @@ def _measure(
         return problem.verdict(candidate, BASELINE, f"{candidate} has no {problem.op}")
     inputs = _tuning_inputs(problem, device)
     reference = inputs.fp32_reference()
-    candidate_out = inputs.run(candidate_module, problem.op)
-    baseline_out = inputs.run(baseline_module, problem.op)
-    candidate_error = _relative_error(candidate_out, reference)
-    baseline_error = _relative_error(baseline_out, reference)
-    del reference, candidate_out, baseline_out
+    candidate_error = inputs.error_of(candidate_module, problem.op, reference)
+    baseline_error = inputs.error_of(baseline_module, problem.op, reference)
+    del reference
     bound = ERROR_RATIO_LIMIT * baseline_error + ERROR_FLOOR_ULPS * _unit_roundoff(problem.dtype)
     errors = {"candidate_error": candidate_error, "cublas_error": baseline_error}
     if not candidate_error <= bound:  # also catches NaN
