@@ -137,12 +137,12 @@ def run_variant(variant: str, args: argparse.Namespace, caches: Path) -> dict:
     process_s = time.perf_counter() - start
     if completed.returncode != 0:
         raise SystemExit(f"{variant} failed:\n{completed.stderr[-6000:]}")
-    line = next(l for l in completed.stdout.splitlines() if l.startswith(RESULT_PREFIX))
+    line = next(s for s in completed.stdout.splitlines() if s.startswith(RESULT_PREFIX))
     result = json.loads(line.removeprefix(RESULT_PREFIX))
     result["process_s"] = process_s
     log = completed.stderr
     result.update({name: log.count(marker) for name, marker in WORK_MARKERS.items()})
-    result["log_tail"] = [l for l in log.splitlines() if "[DMuon]" in l][-40:]
+    result["log_tail"] = [s for s in log.splitlines() if "[DMuon]" in s][-40:]
     return result
 
 
