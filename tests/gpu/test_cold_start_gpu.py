@@ -26,7 +26,8 @@ PROCESS_SCRIPT = textwrap.dedent(
     from dmuon_kernels.syrk import resolve_kernel, syrk
     kernel, out_path = sys.argv[1], sys.argv[2]
     generator = torch.Generator(device="cuda").manual_seed(21)
-    A = torch.randn(448, 1344, device="cuda", generator=generator).mul_(1344**-0.25).half()
+    # 2·2048²·8192 FLOP = MIN_TUNED_FLOP: the smallest problem "auto" tunes.
+    A = torch.randn(2048, 8192, device="cuda", generator=generator).mul_(8192**-0.25).half()
     out = syrk(A, kernel=kernel)
     torch.cuda.synchronize()
     torch.save(out.cpu(), out_path)

@@ -85,7 +85,7 @@ def test_a_call_made_during_a_capture_is_not_remembered():
         syrk(A)  # auto under capture: a provisional cuBLAS answer, never tuned
     torch.cuda.current_stream().wait_stream(stream)
     assert _call_cache.lookup(_call_cache.signature("syrk", "auto", A)) is None
-    syrk(A)  # outside the capture: resolved for good (tuned) and remembered
+    syrk(A)  # outside the capture: resolved for good and remembered
     assert _call_cache.lookup(_call_cache.signature("syrk", "auto", A)) is not None
 
 

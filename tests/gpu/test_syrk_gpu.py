@@ -103,19 +103,30 @@ def test_auto_gives_exactly_the_chosen_backends_result(dtype):
 
 
 def test_auto_verdicts_are_written_to_the_cache_folder_per_gpu_model(needs_quack):
-    A, _ = operands(None, 384, 1536, torch.float16, seed=4)
+    A, _ = operands(None, 2048, 8192, torch.float16, seed=4)  # MIN_TUNED_FLOP exactly: tuned
     syrk(A, kernel="auto")
     path = Path(os.environ["DMUON_CACHE_DIR"]) / cache_file_name(autotune.gpu_model(A.device))
     verdicts = json.loads(path.read_text())["verdicts"]
     mine = {
         v["candidate"]: v
         for v in verdicts.values()
-        if v["shape"] == [384, 1536] and v["dtype"] == "float16"
+        if v["shape"] == [2048, 8192] and v["dtype"] == "float16"
     }
     assert "quack" in mine  # one verdict per contender (cute too, when it is installed)
     for candidate, verdict in mine.items():
         assert verdict["backend"] in (candidate, "cublas")
         assert verdict["candidate_error"] <= 2 * verdict["cublas_error"] + 1e-4
+
+
+def test_a_problem_under_min_tuned_flop_runs_cublas_under_auto_without_a_verdict(needs_quack):
+    A, _ = operands(None, 256, 768, torch.float16, seed=5)
+    assert autotune.SyrkProblem.of(A, None).flop < autotune.MIN_TUNED_FLOP
+    out = syrk(A, kernel="auto")
+    assert resolve_kernel("auto", A) == "cublas"
+    assert torch.equal(out, get_backend("cublas").syrk(A, None, 1.0, 0.0))
+    path = Path(os.environ["DMUON_CACHE_DIR"]) / cache_file_name(autotune.gpu_model(A.device))
+    verdicts = json.loads(path.read_text())["verdicts"] if path.exists() else {}
+    assert not [v for v in verdicts.values() if v["shape"] == [256, 768]]
 
 
 def test_kernel_quack_constructs_and_is_reported(needs_quack):

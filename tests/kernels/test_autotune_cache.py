@@ -101,10 +101,15 @@ class SyrkOnlyBackend:
         return self.exact.syrk(A, C, alpha, beta)
 
 
-def tuner_with(tmp_path: Path, candidate: ExactBackend, **challengers: object) -> SyrkAutotuner:
+def tuner_with(
+    tmp_path: Path, candidate: ExactBackend, min_flop: int = 0, **challengers: object
+) -> SyrkAutotuner:
     backends = {"cublas": cublas, "exact": candidate, **challengers}
     return SyrkAutotuner(
-        cache_dir=tmp_path, get_backend=backends.__getitem__, challengers=tuple(challengers)
+        cache_dir=tmp_path,
+        get_backend=backends.__getitem__,
+        challengers=tuple(challengers),
+        min_flop=min_flop,
     )
 
 
@@ -447,6 +452,31 @@ def test_each_problem_gets_its_own_verdict(tmp_path):
     assert len(keys) == 6
     (matmul_verdict,) = [v for v in keys.values() if v["op"] == "matmul"]
     assert matmul_verdict["shape"] == [16, 16, 32]
+
+
+def test_a_problem_under_min_flop_runs_cublas_without_tuning_or_a_verdict(tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="dmuon_kernels")
+    A = a_matrix(24, 40)
+    flop = autotune.SyrkProblem.of(A, None).flop
+    candidate = ExactBackend()
+    assert tuner_with(tmp_path, candidate, min_flop=flop + 1).choose("exact", A) == "cublas"
+    assert candidate.calls == 0
+    assert autotune_lines(caplog) == []
+    assert not (tmp_path / "syrk-autotune-cpu.json").exists()
+    tuner_with(tmp_path, candidate, min_flop=flop).choose("exact", A)  # at the bound: tuned
+    assert candidate.calls > 0
+
+
+def test_problem_flop_counts_the_full_product_as_cublas_computes_it():
+    A, S = a_matrix(24, 40), a_matrix(24, 24)
+    assert autotune.SyrkProblem.of(A, None).flop == 2 * 24 * 24 * 40
+    assert autotune.SyrkProblem.of(A.expand(3, 24, 40), None).flop == 3 * 2 * 24 * 24 * 40
+    assert autotune.SyrkProblem.of(S, S, autotune.SYMMETRIC_PRODUCT, S).flop == 2 * 24**3
+    assert autotune.SyrkProblem.of(S, None, autotune.MATMUL, A).flop == 2 * 24 * 24 * 40
+
+
+def test_the_process_wide_tuner_leaves_problems_under_about_a_tenth_of_a_millisecond_to_cublas():
+    assert autotune.default_autotuner().min_flop == autotune.MIN_TUNED_FLOP == 2**36
 
 
 def test_tuning_never_advances_the_global_random_generator(tmp_path):

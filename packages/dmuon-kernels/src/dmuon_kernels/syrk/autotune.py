@@ -10,7 +10,10 @@ installed, quack and cute both compete), is
    that product, plus a small floor (``ERROR_FLOOR_ULPS`` units of the dtype's rounding);
 2. timed against cuBLAS on the GPU alone (``timing.median_ms``), interleaved, after warm-up;
 
-and wins its verdict only when it passes the check and is at least ``WIN_MARGIN`` faster. Of
+and wins its verdict only when it passes the check and is at least ``WIN_MARGIN`` faster. A
+problem smaller than ``MIN_TUNED_FLOP`` (cuBLAS-counted) is not tuned at all and runs cuBLAS:
+it takes microseconds, so a faster kernel would save microseconds per call while compiling the
+contenders costs seconds on a machine's first run (a small model's first step was 40 s of them). Of
 the winners the one with the largest speed-up over cuBLAS runs the problem; with none, cuBLAS
 does, so "auto" is never slower than cuBLAS by more than timing noise. One verdict per
 (problem, backend) keeps each comparison against cuBLAS measured in the same interleaved run.
@@ -69,6 +72,9 @@ WIN_MARGIN = 0.01
 # epilogue, which is what Newton-Schulz's b·R + c·R² uses).
 TUNING_ALPHA_WITH_C, TUNING_BETA_WITH_C = 0.75, -1.25
 TUNING_SEED = 0x5EED
+# Problems below this many FLOPs (2·M·N·K·batch, as cuBLAS computes it; about 0.1 ms on an H200)
+# run cuBLAS untuned under "auto".
+MIN_TUNED_FLOP = 2**36
 
 
 def autotune_log_enabled() -> bool:
@@ -103,6 +109,12 @@ class SyrkProblem:
         batch = 0 if A.dim() == 2 else math.prod(A.shape[:-2])
         N = int(B.shape[-1]) if op == MATMUL and B is not None else 0
         return cls(int(A.shape[-2]), int(A.shape[-1]), batch, A.dtype, C is not None, op, N)
+
+    @property
+    def flop(self) -> int:
+        """Multiply-adds x 2 of the whole product as cuBLAS computes it (both triangles)."""
+        N = {SYRK: self.M, SYMMETRIC_PRODUCT: self.M}.get(self.op, self.N)
+        return 2 * self.M * N * self.K * max(self.batch, 1)
 
     @property
     def dtype_name(self) -> str:
@@ -194,7 +206,8 @@ class SyrkAutotuner:
     """Verdicts per GPU model, in memory and in the JSON cache under ``cache_dir``.
 
     ``cache_dir=None`` reads ``DMUON_CACHE_DIR`` (default ``~/.cache/dmuon``) when a file is
-    first needed. Each instance keeps its own memory, so tests use fresh ones.
+    first needed. Problems under ``min_flop`` FLOPs run cuBLAS untuned (the process-wide tuner
+    uses ``MIN_TUNED_FLOP``). Each instance keeps its own memory, so tests use fresh ones.
     """
 
     def __init__(
@@ -203,8 +216,10 @@ class SyrkAutotuner:
         *,
         get_backend: Callable[[str], object] | None = None,
         challengers: Sequence[str] | None = None,
+        min_flop: int = 0,
     ) -> None:
         self.cache_dir = cache_dir
+        self.min_flop = min_flop
         # Name -> backend module; defaults to the dispatcher's registry.
         self._get_backend = get_backend
         # Backends tuned besides the ladder's candidate; None: every available fast backend.
@@ -244,6 +259,9 @@ class SyrkAutotuner:
         chosen = self._chosen.get(chosen_key)
         if chosen is not None:
             return chosen
+        if problem.flop < self.min_flop:
+            self._chosen[chosen_key] = BASELINE
+            return BASELINE
         capturing = A.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
         verdicts = []
         for contender in self.contenders(candidate, op):
@@ -466,7 +484,7 @@ def default_autotuner() -> SyrkAutotuner:
     """The process-wide tuner the dispatcher uses (cache folder from ``DMUON_CACHE_DIR``)."""
     global _default_tuner
     if _default_tuner is None:
-        _default_tuner = SyrkAutotuner()
+        _default_tuner = SyrkAutotuner(min_flop=MIN_TUNED_FLOP)
     return _default_tuner
 
 
@@ -488,6 +506,7 @@ def chosen_backends() -> dict[str, int]:
 __all__ = [
     "AUTOTUNE_LOG_ENV",
     "ERROR_RATIO_LIMIT",
+    "MIN_TUNED_FLOP",
     "SyrkAutotuner",
     "SyrkProblem",
     "Verdict",
