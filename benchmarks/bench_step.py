@@ -137,8 +137,9 @@ def bench_torch_optimizer(make_optimizer, shapes, device, warmup: int, iters: in
 
 
 def bench_dmuon(
-    ns_backend, layer_shapes, num_layers, device, warmup: int, iters: int, profile: bool = False
+    ns_backend, layer_shapes, num_layers, device, warmup: int, iters: int, profile=None
 ) -> dict:
+    """``profile``: None, or the Chrome-trace path ("" for none) of a profiled extra step."""
     import dmuon
 
     model = ProjectionStack(layer_shapes, num_layers, device)
@@ -150,8 +151,8 @@ def bench_dmuon(
     for master, grad in zip(masters, random_gradients(shapes, device)):
         master.grad = grad
     result = time_steps(optimizer.step, device, warmup, iters)
-    if profile:
-        result["device_kernels"] = kernel_table(optimizer.step, device)
+    if profile is not None:
+        result["device_kernels"] = kernel_table(optimizer.step, device, profile or None)
     newton_schulz = optimizer.newton_schulz
     result["newton_schulz"] = repr(newton_schulz)
     result["kernel"] = newton_schulz.kernel
@@ -160,8 +161,11 @@ def bench_dmuon(
     return result
 
 
-def kernel_table(step: Callable[[], object], device: torch.device, top: int = 30) -> list[dict]:
-    """Device time per kernel name over one profiled ``step()``, the largest first; printed."""
+def kernel_table(
+    step: Callable[[], object], device: torch.device, trace: str | None = None, top: int = 30
+) -> list[dict]:
+    """Device time per kernel name over one profiled ``step()``, the largest first; printed.
+    ``trace``: also write the Chrome trace there (the device's idle gaps show in it)."""
     from torch.profiler import ProfilerActivity, profile
 
     synchronize(device)
@@ -173,6 +177,8 @@ def kernel_table(step: Callable[[], object], device: torch.device, top: int = 30
         for event in prof.key_averages()
         if event.device_time_total > 0 and event.device_type.name == "CUDA"
     ]
+    if trace:
+        prof.export_chrome_trace(trace)
     rows.sort(key=lambda row: -row["device_ms"])
     total = sum(row["device_ms"] for row in rows)
     print(f"  device kernels of one step: {total:.2f} ms in {sum(r['calls'] for r in rows)} calls")
@@ -196,7 +202,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument(
-        "--profile", action="store_true", help="device time per kernel of one dmuon (auto) step"
+        "--profile",
+        nargs="?",
+        const="",
+        default=None,
+        metavar="TRACE",
+        help="device time per kernel of one dmuon (auto) step; TRACE: write its Chrome trace",
     )
     _common.add_record_options(
         parser, "JSON path (default benchmarks/results/step-<gpu>-<date>.json; none with --quick)"

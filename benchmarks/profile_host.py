@@ -199,11 +199,15 @@ def main(argv: list[str] | None = None) -> int:
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         model, optimizer, _ = build(variant, args, mesh, device)
+        first = memory_phases(model, optimizer, tokens, device) if device.type == "cuda" else {}
         results[variant] = time_iterations(
             model, optimizer, tokens, device, args.warmup, args.steps
         )
         if device.type == "cuda":
-            results[variant]["peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+            results[variant]["peak_gib"] = max(
+                torch.cuda.max_memory_allocated(device) / 2**30, *first.values()
+            )
+            results[variant]["first_iteration_memory_gib"] = first
             results[variant]["memory_phases_gib"] = memory_phases(model, optimizer, tokens, device)
             results[variant]["memory_after_step_gib"] = memory_table(model, optimizer, variant)
         if variant.startswith("dmuon"):
@@ -225,9 +229,9 @@ def main(argv: list[str] | None = None) -> int:
             + " ".join(f"{c:>9.2f}" if c is not None else f"{'-':>9}" for c in cells)
         )
     for variant, r in results.items():
-        for title in ("memory_phases_gib", "memory_after_step_gib"):
+        for title in ("first_iteration_memory_gib", "memory_phases_gib", "memory_after_step_gib"):
             for name, value in r.get(title, {}).items():
-                print(f"{variant:<12} {name:<42} {value:8.3f} GiB")
+                print(f"{variant:<12} {title[:5]:<5} {name:<42} {value:8.3f} GiB")
     for name, table in tables.items():
         print(f"\n==== dmuon {name} ====\n{table}")
     date = _common.utc_now()
