@@ -11,7 +11,8 @@ For each shape A (M, K) every contender runs on the same input; three figures pe
   hides the host, CUDA events, contenders interleaved).
 
 Contenders: ``a @ a.mT`` (cuBLAS, the baseline), ``syrk`` (kernel auto) and ``syrk cublas``
-(dispatch around the same torch product); ``torch.mm(S, B)`` and ``symmetric_product`` (auto) on
+(dispatch around the same torch product), ``syrk quack`` and ``syrk cute`` where they can run;
+``torch.mm(S, B)`` and ``symmetric_product`` (auto) on
 the M x M Gram-sized square; Newton-Schulz on an fp32 G (M, K): the ``newton_schulz()``
 function, a reused ``NewtonSchulz()`` instance, and torch.optim.Muon's own iteration (Keller's
 coefficients, bf16). The first call of each contender (autotune, compilation, CUDA-graph capture
@@ -43,7 +44,7 @@ import torch
 from torch.optim import _muon as torch_muon
 
 from dmuon_kernels import NewtonSchulz, __version__, get_backend_status, newton_schulz
-from dmuon_kernels.syrk import resolve_kernel, symmetric_product, syrk
+from dmuon_kernels.syrk import backend_availability, resolve_kernel, symmetric_product, syrk
 from dmuon_kernels.syrk.timing import median_ms
 
 CUDA_SHAPES = [(256, 256), (512, 512), (1024, 1024), (2048, 2048), (4096, 4096), (1024, 4096)]
@@ -67,10 +68,17 @@ def contenders(
     G = torch.randn(M, K, device=device, generator=generator)
     instance = NewtonSchulz()
     keller = (torch_muon.DEFAULT_A, torch_muon.DEFAULT_B, torch_muon.DEFAULT_C)
+    # Each fast backend on its own (where it can run), whatever "auto" resolves to.
+    fast = {
+        f"syrk {name}": (lambda name=name: syrk(A, kernel=name))
+        for name in ("quack", "cute")
+        if device.type == "cuda" and backend_availability(name)[0]
+    }
     return {
         SYRK_BASELINE: lambda: A @ A.mT,
         SYRK_AUTO: lambda: syrk(A),
         SYRK_CUBLAS: lambda: syrk(A, kernel="cublas"),
+        **fast,
         PRODUCT_BASELINE: lambda: torch.mm(S, B),
         PRODUCT_AUTO: lambda: symmetric_product(S, B),
         NS_FUNCTION: lambda: newton_schulz(G),

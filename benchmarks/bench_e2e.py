@@ -25,6 +25,7 @@ Usage (repository root; on the GPU machine put the package sources on PYTHONPATH
     python -m torch.distributed.run --nproc-per-node 1 benchmarks/bench_e2e.py
     python -m torch.distributed.run --nproc-per-node 8 benchmarks/bench_e2e.py --variants fsdp2-adamw,dmuon-z3
     python -m torch.distributed.run --nproc-per-node 2 benchmarks/bench_e2e.py --device cpu --quick
+    python -m torch.distributed.run --nproc-per-node 4 benchmarks/bench_e2e.py --backend gloo  # one GPU
 
 Rank 0 prints a table and writes JSON (``--out``; default
 ``benchmarks/results/e2e-<gpu>-w<world>-<date>.json``, none with ``--quick`` unless given).
@@ -437,6 +438,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="non-reentrant activation checkpointing per layer (default on)",
     )
     parser.add_argument("--param-dtype", choices=("bf16", "fp32"), default="bf16")
+    parser.add_argument(
+        "--backend",
+        choices=("nccl", "gloo"),
+        default=None,
+        help="default nccl on CUDA; gloo runs several ranks on CUDA tensors of one GPU",
+    )
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     quick = args.quick
@@ -464,7 +471,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    backend = "nccl" if args.device == "cuda" else "gloo"
+    backend = args.backend or ("nccl" if args.device == "cuda" else "gloo")
     device = _common.start_process_group("bench_e2e", args.device, backend, "--device cpu --quick")
     rank, world = dist.get_rank(), dist.get_world_size()
     mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("shard",))

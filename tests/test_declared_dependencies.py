@@ -32,6 +32,7 @@ DISTRIBUTION_OF = {
     "quack": "quack-kernels",
     "cutlass": "nvidia-cutlass-dsl",
     "cuda": "cuda-python",
+    "tvm_ffi": "apache-tvm-ffi",
     "dmuon": "dmuon-core",
     "dmuon_kernels": "dmuon-kernels",
 }

@@ -27,12 +27,7 @@ import cutlass.utils
 from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import cpasync, warp
 
-from dmuon_kernels.syrk._cute_runtime import (
-    ELEMENT_TYPES,
-    compile_with_placeholders,
-    pointer,
-    stream_handle,
-)
+from dmuon_kernels.syrk._cute_runtime import ELEMENT_TYPES, compile_with_placeholders
 from dmuon_kernels.syrk._cute_tiles import Sm80TileConfig
 
 _BYTES_PER_COPY = 16  # cp.async moves 16 bytes per thread per instruction
@@ -229,4 +224,4 @@ def compile_syrk(dtype_name: str, has_c: bool, config: Sm80TileConfig):
 
 
 # The adapter (syrk.cute) calls these on whichever kernel module runs.
-__all__ = ["ELEMENT_TYPES", "compile_syrk", "pointer", "stream_handle"]
+__all__ = ["ELEMENT_TYPES", "compile_syrk"]

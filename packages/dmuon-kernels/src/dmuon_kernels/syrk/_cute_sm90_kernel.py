@@ -70,12 +70,7 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 
-from dmuon_kernels.syrk._cute_runtime import (
-    ELEMENT_TYPES,
-    compile_with_placeholders,
-    pointer,
-    stream_handle,
-)
+from dmuon_kernels.syrk._cute_runtime import ELEMENT_TYPES, compile_with_placeholders
 from dmuon_kernels.syrk._cute_tiles import (
     DIRECT,
     STAGED_FLAT,
@@ -597,4 +592,4 @@ def compile_syrk(dtype_name: str, has_c: bool, config: Sm90TileConfig):
 
 
 # The adapter (syrk.cute) calls these on whichever kernel module runs.
-__all__ = ["ELEMENT_TYPES", "compile_syrk", "pointer", "stream_handle"]
+__all__ = ["ELEMENT_TYPES", "compile_syrk"]

@@ -114,9 +114,7 @@ class _LaunchPlan:
     no device-capability query and chooses no configuration again."""
 
     kernel: Callable[..., Any]
-    module: Any  # the kernel module of the path (pointer and stream helpers)
     path: str
-    dtype_name: str
     batch: int
     M: int
     K: int
@@ -248,16 +246,20 @@ def syrk(
         return out.add_(C, alpha=beta) if C is not None else out
 
     plan = _launch_plan(A, C is not None, config, path)
-    batch, module, dtype_name = plan.batch, plan.module, plan.dtype_name
+    batch = plan.batch
     A_padded = _padded(A.reshape(batch, M, plan.K), *plan.padded_shape)
     C3 = None if C is None else _contiguous_aligned(C.reshape(batch, M, M))
     out = torch.empty((batch, M, M), dtype=A.dtype, device=A.device)
-    stream = module.stream_handle(torch.cuda.current_stream(A.device).cuda_stream)
+    # The kernels take raw addresses and the raw stream (TVM-FFI calls, see _cute_runtime).
+    stream = torch.cuda.current_stream(A.device).cuda_stream
+    size = A.element_size()
+    a_base, a_step = A_padded.data_ptr(), A_padded.stride(0) * size
+    d_base, d_step = out.data_ptr(), M * M * size
+    c_base, c_step = (d_base, d_step) if C3 is None else (C3.data_ptr(), C3.stride(0) * size)
     with torch.cuda.device(A.device):
         for start, stop in plan.chunks:
-            a_ptr = module.pointer(dtype_name, A_padded[start].data_ptr())
-            d_ptr = module.pointer(dtype_name, out[start].data_ptr())
-            c_ptr = d_ptr if C3 is None else module.pointer(dtype_name, C3[start].data_ptr())
+            a_ptr, d_ptr = a_base + start * a_step, d_base + start * d_step
+            c_ptr = c_base + start * c_step
             if plan.path == SM90:
                 # persistent: at most one CTA per SM, each walking its share of the triangle
                 k_pad, tiles_per_matrix = plan.grid
@@ -333,9 +335,7 @@ def _new_launch_plan(A: Tensor, has_c: bool, config: str | None, path: str | Non
         grid = (m_tiles, k_tiles)
     return _LaunchPlan(
         kernel=_kernel(api, name, A.dtype, has_c, A.device),
-        module=api.kernel_modules[tiles.path],
         path=tiles.path,
-        dtype_name=str(A.dtype).removeprefix("torch."),
         batch=batch,
         M=M,
         K=K,
