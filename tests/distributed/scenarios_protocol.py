@@ -313,3 +313,38 @@ def fully_shard_skips_dedicated_parameters() -> dict:
         name: (isinstance(param, DTensor), tuple(param.shape))
         for name, param in model.named_parameters()
     }
+
+
+def sent_messages_alive_during_backward(num_layers: int) -> dict:
+    """How many gradient messages this rank had sent to other owners and still held, at most,
+    each time it issued a reduce (a spy around ``collectives.reduce_sum``, still reducing)."""
+    import weakref
+
+    from dmuon import collectives
+
+    config = TrainConfig(model={"num_layers": num_layers})
+    model, optimizer, _ = build(config)
+    rank = dist.get_rank()
+    sent: list[weakref.ref] = []
+    most_alive = 0
+    reduce_sum = collectives.reduce_sum
+
+    def spy(tensor, dst_rank, group):
+        nonlocal most_alive
+        most_alive = max(most_alive, sum(ref() is not None for ref in sent))
+        if dst_rank != rank:
+            sent.append(weakref.ref(tensor))
+        return reduce_sum(tensor, dst_rank, group)
+
+    collectives.reduce_sum = spy
+    try:
+        for batch in batches(2, dist.get_world_size()):
+            train_step(model, optimizer, batch, config)
+    finally:
+        collectives.reduce_sum = reduce_sum
+    boundaries = get_dedicated_state(model).boundaries
+    return {
+        "most_alive": most_alive,
+        "sent": len(sent),
+        "segments_per_boundary": max(len(b.segments) for b in boundaries),
+    }

@@ -14,6 +14,7 @@ from tests.distributed.scenarios_protocol import (
     error_messages,
     fully_shard_skips_dedicated_parameters,
     ns_request_mismatch,
+    sent_messages_alive_during_backward,
     three_line_integration,
     train_against_reference,
 )
@@ -174,6 +175,14 @@ def test_bytes_moved_per_step_equal_the_protocol(
     )
     assert sum(r["broadcast_received"] for r in results) == broadcast
     assert sum(r["reduce_sent"] for r in results) == reduce
+
+
+def test_gradients_sent_to_other_owners_are_freed_during_backward_not_at_its_end(pool4):
+    results = pool4.run(sent_messages_alive_during_backward, num_layers=8)
+    for result in results:
+        assert result["sent"] >= 2 * 5  # two steps, each sending most of 8 layers' messages
+        # Two boundaries' reduces in flight at most (dmuon.hooks.REDUCES_IN_FLIGHT), not all 8.
+        assert result["most_alive"] <= 2 * result["segments_per_boundary"], result
 
 
 # ---- rank consistency: fail loudly on every rank, never hang --------------------------------

@@ -263,6 +263,20 @@ class BoundaryGroup:
             )
         self.reduced_this_backward = True
 
+    def retire_sent_reduces(self) -> None:
+        """Wait for the reduces of the segments this rank does not own and drop their messages.
+
+        Nothing reads such a message once it is sent, so its memory returns now instead of at
+        the end of backward (on 8 ranks, 7/8 of the model's gradients in fp32 would otherwise
+        pile up). No collective is issued: the protocol's order stays as it is."""
+        kept = []
+        for item in self._pending_reduce:
+            if item.segment.is_local:
+                kept.append(item)
+            else:
+                item.handle.wait()
+        self._pending_reduce = kept
+
     def finish_reduce(self) -> list[GradientMessage]:
         """Wait for this boundary's reduces and run the replicate stage; returns the reduced
         messages of the local segments for ``accumulate_into_masters``."""

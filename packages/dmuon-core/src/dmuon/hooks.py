@@ -10,7 +10,8 @@ One training step, as the hooks see it::
                      prefetch the next boundary, wrap b's inputs to detect b's post-backward
     post-forward(b)  placeholders back; Z3: free; hook b's outputs for pre-backward
     pre-backward(b)  unshard b again (Z3), register params, prefetch the previous boundary
-    post-backward(b) placeholders back, free, reduce b's gradients to their owners
+    post-backward(b) placeholders back, free, reduce b's gradients to their owners; the sent
+                     messages of boundaries REDUCES_IN_FLIGHT back are waited for and freed
     end of backward  reduce boundaries whose inputs needed no grad; wait; gradients to masters
 
 [Note: activation checkpointing]
@@ -38,6 +39,11 @@ from dmuon.mesh import OwnershipMesh
 from dmuon.param import DedicatedParam
 from dmuon.partition import OwnershipPlan
 from dmuon.profile import ForwardUnshardProfile
+
+# Boundaries whose gradient reduces may be in flight at once, this rank's messages of segments it
+# does not own kept alive for them; older ones are waited for and freed (as FSDP2 bounds its
+# reduce-scatters), so backward holds O(1) boundaries of sent gradients, not all of them.
+REDUCES_IN_FLIGHT = 2
 
 
 def _in_backward() -> bool:
@@ -75,6 +81,8 @@ class DedicatedState:
         self._forward_position: dict[BoundaryGroup, int] | None = None
         # Boundaries that ran a grad-enabled forward since the last backward, in order.
         self._forwarded: list[BoundaryGroup] = []
+        # Boundaries that reduced in this backward, in order (see REDUCES_IN_FLIGHT).
+        self._reduced: list[BoundaryGroup] = []
         self._end_of_backward_queued = False
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
 
@@ -187,6 +195,7 @@ class DedicatedState:
                 received += group.finish_reduce()
             group.in_backward = group.reduced_this_backward = False
             group.forward_count = group.backward_count = 0
+        self._reduced.clear()
         accumulate_into_masters(received, divisor=self.mesh.num_slots)
 
     # ---- loading weights ------------------------------------------------------------------------
@@ -310,6 +319,9 @@ def _finish_backward(state: DedicatedState, group: BoundaryGroup) -> None:
     group.reshard()
     if state.requires_gradient_sync:
         group.reduce_gradients()
+        state._reduced.append(group)
+        if len(state._reduced) > REDUCES_IN_FLIGHT:
+            state._reduced[-1 - REDUCES_IN_FLIGHT].retire_sent_reduces()
     else:
         group.reduced_this_backward = True
 
