@@ -10,12 +10,12 @@ installed, quack and cute both compete), is
    that product, plus a small floor (``ERROR_FLOOR_ULPS`` units of the dtype's rounding);
 2. timed against cuBLAS on the GPU alone (``timing.median_ms``), interleaved, after warm-up;
 
-and wins its verdict only when it passes the check and is at least ``WIN_MARGIN`` faster. A
-problem smaller than ``MIN_TUNED_FLOP`` (cuBLAS-counted) is not tuned at all and runs cuBLAS:
-it takes microseconds, so a faster kernel would save microseconds per call while compiling the
-contenders costs seconds on a machine's first run (a small model's first step was 40 s of them). Of
+and wins its verdict only when it passes the check and is at least ``WIN_MARGIN`` faster. Of
 the winners the one with the largest speed-up over cuBLAS runs the problem; with none, cuBLAS
-does, so "auto" is never slower than cuBLAS by more than timing noise. One verdict per
+does, so "auto" is never slower than cuBLAS by more than timing noise. A problem under
+``MIN_TUNED_FLOP`` (counted as cuBLAS computes it) is not tuned at all and runs cuBLAS: it takes
+microseconds, so a faster kernel would save microseconds per call, while compiling the
+contenders costs seconds on a machine's first run (a small model's first step spent 37 s so). One verdict per
 (problem, backend) keeps each comparison against cuBLAS measured in the same interleaved run.
 Verdicts live in memory and in ``syrk.cache``'s JSON file; the key holds the library versions,
 so an upgrade re-tunes. Progress lines go through the rank-tagged logger
@@ -25,9 +25,9 @@ Tuning runs on private random inputs drawn from a private generator: it never re
 the caller's tensors and never advances the global RNG, so it changes no result beyond which
 kernel's rounding the caller gets. It runs inside a training step, beside everything the step
 holds, so its memory is kept to the inputs in the problem's dtype, one output at a time and an
-fp32 reference of the first and last matrices of a batch only (the cross-check's sample). It must not run while a CUDA graph is being captured (Newton-
-Schulz runs each shape eagerly before capturing it); if asked to, it answers cuBLAS for that call
-and records nothing.
+fp32 reference of the first and last matrices of a batch only (the cross-check's sample). It
+must not run while a CUDA graph is being captured (Newton-Schulz runs each shape eagerly before
+capturing it); if asked to, it answers cuBLAS for that call and records nothing.
 """
 
 from __future__ import annotations
