@@ -23,6 +23,7 @@ a plain tensor) holds the whole matrix on every TP rank and needs no exchange.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -210,10 +211,7 @@ class ChunkExchange:
         by index. Collective over the TP group: one gather per runner, all in flight at once."""
         me = self.tp_ranks.index(dist.get_rank())
         pending = []
-        for runner in range(len(self.tp_ranks)):
-            indices = self._run_by(runner)
-            if not indices:
-                continue
+        for runner, indices in self._runs():
             message = torch.cat([self._padded(chunks[i], i).reshape(-1) for i in indices])
             message = message.to(self._wire_device(message.device))
             parts = [torch.empty_like(message) for _ in self.tp_ranks] if runner == me else None
@@ -236,10 +234,7 @@ class ChunkExchange:
         matrix, in ``dtype`` (the results' dtype on every rank). Collective over the TP group."""
         me = self.tp_ranks.index(dist.get_rank())
         pending = []
-        for runner in range(len(self.tp_ranks)):
-            indices = self._run_by(runner)
-            if not indices:
-                continue
+        for runner, indices in self._runs():
             numel = sum(math.prod(self.layouts[i].padded_shape()) for i in indices)
             message = torch.empty(numel, dtype=dtype, device=self._wire_device(device))
             parts = None
@@ -304,8 +299,12 @@ class ChunkExchange:
             return torch.device("cpu")
         return device
 
-    def _run_by(self, runner: int) -> list[int]:
-        return [i for i, r in enumerate(self.runners) if r == runner]
+    def _runs(self) -> Iterator[tuple[int, list[int]]]:
+        """``(runner, the matrices it runs)`` for each TP coordinate that runs any."""
+        for runner in range(len(self.tp_ranks)):
+            indices = [i for i, r in enumerate(self.runners) if r == runner]
+            if indices:
+                yield runner, indices
 
     # gather and scatter lists are indexed by group rank (ranks sorted); chunks by TP coordinate.
     def _by_coordinate(self, by_group_rank: list[torch.Tensor]) -> list[torch.Tensor]:
