@@ -17,7 +17,13 @@ import math
 import pytest
 import torch
 
-from dmuon_kernels.syrk import autotune, backend_availability, get_backend, syrk
+from dmuon_kernels.syrk import (
+    autotune,
+    backend_availability,
+    get_backend,
+    symmetric_product,
+    syrk,
+)
 from dmuon_kernels.syrk import cute as cute_backend
 from tests.gpu.cute_cases import SHAPES, VARIANT_IDS, VARIANTS, variant_config
 from tests.numerics import assert_within_twice_cublas, fp32_product
@@ -59,6 +65,24 @@ def run_cute(A, C, alpha, beta, variant):
     return cute_backend.syrk(A, C, alpha, beta, config=config)
 
 
+def run_cute_product(S, B, C, alpha, beta, variant):
+    """``run_cute`` for ``symmetric_product``."""
+    if variant[0] == cute_backend.SM80:
+        return cute_backend.symmetric_product(S, B, C, alpha, beta, path=cute_backend.SM80)
+    config = variant_config(S.shape[-2], math.prod(S.shape[:-2]), S.device, variant)
+    return cute_backend.symmetric_product(S, B, C, alpha, beta, config=config)
+
+
+def commuting_pair(batch, M, dtype, seed):
+    """S symmetric and B = 0.5·S + 0.1·S², symmetrised after rounding (the kernels read B's
+    transpose), so S·B is symmetric; and a symmetric C."""
+    S, C = operands(batch, M, M, dtype, seed=seed)
+    S = S.float()
+    S = (S + S.mT) / 2
+    B = 0.5 * S + 0.1 * (S @ S)
+    return S.to(dtype), ((B + B.mT) / 2).to(dtype), C
+
+
 def poison_allocator(numel, dtype):
     """Leave NaN in the caching allocator's next block of this size, so an output element the
     kernel never writes shows up as NaN instead of a lucky zero."""
@@ -85,6 +109,51 @@ def test_cute_syrk_is_within_twice_cublas_error_of_fp32(
     assert bool(out.isfinite().all()), "an output element was never written"
     assert torch.equal(out, out.mT), "cute writes each element once and mirrors it"
     assert_within_twice_cublas(out, cublas_out, reference, dtype)
+
+
+# (batch, M): aligned; M off 8 (the direct epilogue, K padded to 8); a batch; a 4-D batch;
+# 128-wide tiles several per persistent CTA; Hopper's cooperative 256x128 tiling.
+PRODUCT_SHAPES = ((None, 512), (None, 200), (3, 256), ((2, 2), 72), (None, 2056), (None, 8192))
+
+
+@pytest.mark.parametrize("shape", PRODUCT_SHAPES, ids=str)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("alpha_beta", [(1.0, 0.0), (0.75, -1.25)], ids=["plain", "with_c"])
+@pytest.mark.parametrize("variant", VARIANTS, ids=VARIANT_IDS)
+def test_cute_symmetric_product_is_within_twice_cublas_error_of_fp32(
+    needs_cute, variant, shape, dtype, alpha_beta
+):
+    skip_unless_path_runs(variant[0])
+    alpha, beta = alpha_beta
+    S, B, C = commuting_pair(*shape, dtype, seed=3)
+    C = C if beta else None
+    reference = fp32_product(S, B, C, alpha, beta)
+    cublas_out = symmetric_product(S, B, C=C, alpha=alpha, beta=beta, kernel="cublas")
+    poison_allocator(cublas_out.numel(), dtype)
+    out = run_cute_product(S, B, C, alpha, beta, variant)
+    assert out.shape == cublas_out.shape and out.dtype == dtype
+    assert bool(out.isfinite().all()), "an output element was never written"
+    assert torch.equal(out, out.mT), "cute writes each element once and mirrors it"
+    assert_within_twice_cublas(out, cublas_out, reference, dtype)
+
+
+def test_cute_symmetric_product_reads_b_not_a_twice(needs_cute):
+    # S·I = S: a kernel that multiplied S by itself would return S² instead
+    S, _, _ = commuting_pair(2, 384, torch.float16, seed=4)
+    identity = torch.eye(384, device="cuda", dtype=torch.float16).expand(2, 384, 384)
+    assert torch.equal(cute_backend.symmetric_product(S, identity), S)
+    assert torch.equal(cute_backend.symmetric_product(identity.contiguous(), S), S)
+
+
+def test_auto_tunes_cute_for_symmetric_products(needs_cute, tmp_path):
+    tuner = autotune.SyrkAutotuner(tmp_path)
+    S, B, C = commuting_pair(None, 4096, torch.float16, seed=6)
+    problem = autotune.SyrkProblem.of(S, C, "symmetric_product", B)
+    assert "cute" in tuner.contenders("quack", "symmetric_product")
+    verdict = tuner.tune("cute", problem, S.device)
+    assert verdict.backend in ("cute", "cublas")
+    assert verdict.candidate_error is not None, verdict.reason
+    assert verdict.candidate_error <= 2 * verdict.cublas_error + 1e-4
 
 
 @pytest.mark.parametrize("config", sorted(cute_backend.TILE_CONFIGS))

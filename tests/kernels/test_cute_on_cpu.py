@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from dmuon_kernels.syrk import SYMMETRIC_PRODUCT, autotune
 from dmuon_kernels.syrk import cute as cute_backend
 from tests.gpu.cute_cases import SHAPES, VARIANT_IDS, VARIANTS, shape_config
 
@@ -73,6 +74,21 @@ def test_fp32_input_is_refused_with_the_fix():
 def test_cpu_input_is_refused_with_the_fix():
     with pytest.raises(ValueError, match=r"runs on CUDA tensors, got A on cpu; move A to the GPU"):
         cute_backend.syrk(torch.ones(8, 8, dtype=torch.float16))
+
+
+def test_symmetric_product_refuses_operands_of_different_shapes():
+    A = torch.ones(8, 8, dtype=torch.float16)
+    with pytest.raises(
+        ValueError, match=r"square A and B of one shape, got A \(8, 8\) and B \(8, 4\)"
+    ):
+        cute_backend.symmetric_product(A, torch.ones(8, 4, dtype=torch.float16))
+    with pytest.raises(ValueError, match=r"runs on CUDA tensors, got A on cpu"):
+        cute_backend.symmetric_product(A, A)
+
+
+def test_auto_tunes_cute_for_symmetric_products_as_well(tmp_path):
+    tuner = autotune.SyrkAutotuner(tmp_path, challengers=("quack", "cute"))
+    assert tuner.contenders("quack", SYMMETRIC_PRODUCT) == ["quack", "cute"]
 
 
 def test_an_unknown_tile_configuration_names_the_choices():

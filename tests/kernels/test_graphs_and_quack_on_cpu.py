@@ -82,10 +82,19 @@ def fake_quack(tmp_path, monkeypatch):
     def install(gemm_interface_source: str, version: str = "9.9.0") -> None:
         package = tmp_path / "quack"
         package.mkdir()
-        (package / "__init__.py").write_text(f"__version__ = {version!r}\n")
+        (package / "__init__.py").write_text(
+            f"__version__ = {version!r}\n"
+            # as quack 0.5's quack.cache, which ``import quack`` imports, reads its folder
+            "import os\nCACHE_DIR = os.getenv('QUACK_CACHE_DIR')\n"
+        )
         (package / "gemm_interface.py").write_text(textwrap.dedent(gemm_interface_source))
         monkeypatch.syspath_prepend(str(tmp_path))
 
+    # The probe points the libraries' caches at DMUON_CACHE_DIR: keep that inside the test.
+    monkeypatch.setenv("DMUON_CACHE_DIR", str(tmp_path / "dmuon-cache"))
+    for variable in ("CUTE_DSL_CACHE_DIR", "QUACK_CACHE_DIR"):
+        monkeypatch.setenv(variable, "")  # so that undoing the test unsets what the probe set
+        monkeypatch.delenv(variable)
     saved = {name: module for name, module in sys.modules.items() if name.split(".")[0] == "quack"}
     for name in saved:
         del sys.modules[name]
@@ -132,3 +141,10 @@ def test_a_quack_that_fails_to_import_is_reported_with_the_cutlass_pairing(fake_
     assert isinstance(reason, str)
     assert "failed to import (ImportError: libcute_dsl.so" in reason
     assert "nvidia-cutlass-dsl 4.5.2" in reason
+
+
+def test_the_probe_points_quack_at_dmuons_cache_before_importing_it(fake_quack, tmp_path):
+    fake_quack("def gemm(A, B):\n    return A @ B\n")
+    quack_backend._quack_api()
+    folder_quack_read_at_import = sys.modules["quack"].CACHE_DIR
+    assert folder_quack_read_at_import == str(tmp_path / "dmuon-cache" / "quack")

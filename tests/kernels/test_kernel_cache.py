@@ -186,15 +186,37 @@ def test_the_module_knows_no_kernel_library():
     assert "cutlass" not in kernel_cache.__dict__ and "torch" not in kernel_cache.__dict__
 
 
-def test_cutlass_dsl_caches_next_to_dmuon_unless_the_user_chose(tmp_path, monkeypatch):
+@pytest.fixture
+def library_cache_variables_unset(tmp_path, monkeypatch):
+    """DMUON_CACHE_DIR in ``tmp_path``, the libraries' variables unset, and whatever the test
+    sets them to undone afterwards (``delenv`` alone records nothing for an unset variable)."""
     monkeypatch.setenv("DMUON_CACHE_DIR", str(tmp_path))
-    monkeypatch.delenv("CUTE_DSL_CACHE_DIR", raising=False)
-    kernel_cache.share_cutlass_dsl_cache()
-    assert os.environ["CUTE_DSL_CACHE_DIR"] == str(tmp_path / "cutlass-dsl")
-    monkeypatch.setenv("CUTE_DSL_CACHE_DIR", "/elsewhere")
-    kernel_cache.share_cutlass_dsl_cache()
-    assert os.environ["CUTE_DSL_CACHE_DIR"] == "/elsewhere"
-    monkeypatch.delenv("CUTE_DSL_CACHE_DIR")
+    for variable in ("CUTE_DSL_CACHE_DIR", "QUACK_CACHE_DIR"):
+        monkeypatch.setenv(variable, "")
+        monkeypatch.delenv(variable)
+
+
+@pytest.mark.parametrize(
+    ("variable", "folder"), [("CUTE_DSL_CACHE_DIR", "cutlass-dsl"), ("QUACK_CACHE_DIR", "quack")]
+)
+def test_library_compile_caches_live_next_to_dmuons_unless_the_user_chose(
+    variable, folder, tmp_path, monkeypatch, library_cache_variables_unset
+):
+    kernel_cache.share_compile_caches()
+    assert os.environ[variable] == str(tmp_path / folder)
+    monkeypatch.setenv(variable, "/elsewhere")
+    kernel_cache.share_compile_caches()
+    assert os.environ[variable] == "/elsewhere"
+    monkeypatch.delenv(variable)
     monkeypatch.setenv("DMUON_KERNEL_CACHE", "0")
-    kernel_cache.share_cutlass_dsl_cache()
-    assert "CUTE_DSL_CACHE_DIR" not in os.environ
+    kernel_cache.share_compile_caches()
+    assert variable not in os.environ
+
+
+def test_the_user_choosing_one_library_cache_still_shares_the_other(
+    tmp_path, monkeypatch, library_cache_variables_unset
+):
+    monkeypatch.setenv("CUTE_DSL_CACHE_DIR", "/elsewhere")
+    kernel_cache.share_compile_caches()
+    assert os.environ["CUTE_DSL_CACHE_DIR"] == "/elsewhere"
+    assert os.environ["QUACK_CACHE_DIR"] == str(tmp_path / "quack")

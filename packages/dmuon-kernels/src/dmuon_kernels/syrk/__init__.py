@@ -127,7 +127,7 @@ def symmetric_product(
 
     The caller guarantees the symmetry (A and B symmetric and commuting, e.g. polynomials in the
     same Gram matrix): symmetric kernels compute one triangle and mirror it, so a non-symmetric
-    product would come back symmetrised. Kernel resolution is ``syrk``'s; a backend without
+    product would come back symmetrised, and the CuTe kernel reads B's rows as its columns. Kernel resolution is ``syrk``'s; a backend without
     ``symmetric_product`` runs the torch path.
     """
     run = _call_cache.lookup(key := _call_cache.signature(SYMMETRIC_PRODUCT, kernel, A, B, C))

@@ -1,4 +1,7 @@
-"""The CuTe DSL SYRK kernel: ``D = alpha·A·Aᵀ + beta·C`` on the tiles of one triangle, mirrored.
+"""The CuTe DSL SYRK kernel: ``D = alpha·A·Bᵀ + beta·C`` on the tiles of one triangle, mirrored.
+
+B is A itself for ``syrk`` (A·Aᵀ), and a second operand for ``symmetric_product``, whose A·Bᵀ is
+symmetric by contract (B symmetric and commuting with A).
 
 Owns the device code and its compilation (one compiled function per dtype, with/without C and
 tile configuration). It imports nvidia-cutlass-dsl at module level, so only ``syrk.cute`` may
@@ -9,8 +12,8 @@ The kernel is the SM80 design (warp-level ``mma.sync`` m16n8k16 with fp32 accumu
 ``cp.async`` 16-byte loads into swizzled shared memory, ``ldmatrix`` to registers, a multi-stage
 pipeline); it runs unchanged on SM90 and newer. Contract with the caller:
 
-- A is (batch, M_pad, K_pad), K contiguous, with M_pad a multiple of the tile and K_pad a
-  multiple of the k-tile; the padding is zero (``syrk.cute`` pads), so no load needs a predicate;
+- A and B are (batch, M_pad, K_pad), K contiguous, with M_pad a multiple of the tile and K_pad
+  a multiple of the k-tile; the padding is zero (``syrk.cute`` pads), so no load needs a predicate;
 - D and C are (batch, M, M) contiguous, M the true size: stores and C loads are predicated on M;
 - CTA (x, y) of the (tiles, tiles, batch) grid computes output tile (row y, column x) only when
   x <= y, writes its elements on and below the diagonal and mirrors them, so D is exactly
@@ -47,6 +50,7 @@ class SyrkKernel:
     def __call__(
         self,
         a_ptr: cute.Pointer,
+        b_ptr: cute.Pointer,
         d_ptr: cute.Pointer,
         c_ptr: cute.Pointer,
         m: Int32,
@@ -65,9 +69,10 @@ class SyrkKernel:
         )
         out_layout = cute.make_layout((m, m, batch), stride=(m, 1, m * m))
         mA = cute.make_tensor(a_ptr, a_layout)
+        mB = cute.make_tensor(b_ptr, a_layout)
         mD = cute.make_tensor(d_ptr, out_layout)
         mC = cute.make_tensor(c_ptr, out_layout)
-        self.kernel(mA, mD, mC, m, k_tiles, alpha, beta).launch(
+        self.kernel(mA, mB, mD, mC, m, k_tiles, alpha, beta).launch(
             grid=(m_tiles, m_tiles, batch), block=(cfg.threads, 1, 1), stream=stream
         )
 
@@ -75,6 +80,7 @@ class SyrkKernel:
     def kernel(
         self,
         mA: cute.Tensor,
+        mB: cute.Tensor,
         mD: cute.Tensor,
         mC: cute.Tensor,
         m: Int32,
@@ -100,8 +106,9 @@ class SyrkKernel:
         # Lower triangle of tiles only: tile (row, col) with col <= row; the rest exit at once.
         if tile_col <= tile_row:
             mA_b = mA[None, None, batch_idx]  # (M_pad, K_pad)
+            mB_b = mB[None, None, batch_idx]
             gA = cute.local_tile(mA_b, (cfg.tile, cfg.tile_k), (tile_row, None))  # (T, TK, k)
-            gB = cute.local_tile(mA_b, (cfg.tile, cfg.tile_k), (tile_col, None))
+            gB = cute.local_tile(mB_b, (cfg.tile, cfg.tile_k), (tile_col, None))
 
             # Global -> shared: each thread moves 16 bytes (8 elements) per cp.async.
             per_copy = _BYTES_PER_COPY * 8 // dtype.width
@@ -216,7 +223,7 @@ class SyrkKernel:
 
 def compile_syrk(dtype_name: str, has_c: bool, config: Sm80TileConfig):
     """Compile the kernel for ``dtype_name`` ("float16"/"bfloat16"); the returned function takes
-    ``(a_ptr, d_ptr, c_ptr, m, m_tiles, k_tiles, batch, alpha, beta, stream)``."""
+    ``(a_ptr, b_ptr, d_ptr, c_ptr, m, m_tiles, k_tiles, batch, alpha, beta, stream)``."""
     kernel = SyrkKernel(ELEMENT_TYPES[dtype_name], has_c, config)
     return compile_with_placeholders(
         kernel, dtype_name, Int32(1), Int32(1), Int32(1), Int32(1), Float32(1.0), Float32(0.0)

@@ -58,9 +58,9 @@ def load_compiled(path: Path, symbol: str) -> Any:
 
 
 def compile_with_placeholders(kernel: Any, dtype_name: str, *scalars: Any):
-    """``cute.compile`` of a kernel taking ``(a_ptr, d_ptr, c_ptr, *scalars, stream)``: null
-    pointers and a fake stream stand in, since shapes and addresses are runtime arguments."""
-    pointers = [placeholder_pointer(dtype_name) for _ in range(3)]
+    """``cute.compile`` of a kernel taking ``(a_ptr, b_ptr, d_ptr, c_ptr, *scalars, stream)``:
+    null pointers and a fake stream stand in, since shapes and addresses are runtime arguments."""
+    pointers = [placeholder_pointer(dtype_name) for _ in range(4)]
     return cute.compile(
         kernel, *pointers, *scalars, cute.runtime.make_fake_stream(), options=COMPILE_OPTIONS
     )

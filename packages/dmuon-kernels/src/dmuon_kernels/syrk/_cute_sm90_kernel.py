@@ -1,4 +1,7 @@
-"""The Hopper (SM90) CuTe DSL SYRK kernel: ``D = alpha·A·Aᵀ + beta·C`` on one triangle, mirrored.
+"""The Hopper (SM90) CuTe DSL SYRK kernel: ``D = alpha·A·Bᵀ + beta·C`` on one triangle, mirrored.
+
+B is A itself for ``syrk`` (A·Aᵀ), and a second operand for ``symmetric_product``, whose A·Bᵀ is
+symmetric by contract (B symmetric and commuting with A, so A·Bᵀ = A·B = B·A).
 
 Owns the SM90 device code and its compilation (one compiled function per dtype, with/without C
 and tile configuration). It imports nvidia-cutlass-dsl at module level, so only ``syrk.cute`` may
@@ -9,7 +12,7 @@ architectures (wgmma exists only on 9.x) and selectable on Hopper.
 Design: a persistent, warp-specialised kernel. Each CTA has three warpgroups:
 
 - warpgroup 0 is the producer: its first warp walks the CTA's output tiles and, for each, loads
-  the k-tiles of the tile's row block and column block of A into a ring of shared-memory stages
+  the k-tiles of the tile's row block of A and column block of B into a ring of shared-memory stages
   with TMA bulk tensor copies that complete on the stage's mbarrier (``cutlass.pipeline``
   PipelineTmaAsync); it gives most of its registers to the consumers (``setmaxnreg``);
 - warpgroups 1 and 2 are consumers in ping-pong: they take the CTA's tiles alternately, each
@@ -49,8 +52,8 @@ computed.
 
 Contract with the caller:
 
-- A is (batch, M, K_pad), K contiguous, K_pad a multiple of 8 (TMA strides are multiples of 16
-  bytes) and the base 16-byte aligned; any M; TMA fills rows beyond M and columns beyond K_pad
+- A and B are (batch, M, K_pad), K contiguous, K_pad a multiple of 8 (TMA strides are
+  multiples of 16 bytes) and the bases 16-byte aligned; any M; TMA fills rows beyond M and columns beyond K_pad
   with zeros, so edge tiles need no padding in memory;
 - D and C are (batch, M, M) contiguous: stores and C loads are predicated on M (TMA stores
   clip at M); an element
@@ -100,6 +103,7 @@ class SyrkSm90Kernel:
     def __call__(
         self,
         a_ptr: cute.Pointer,
+        b_ptr: cute.Pointer,
         d_ptr: cute.Pointer,
         c_ptr: cute.Pointer,
         m: Int32,
@@ -118,17 +122,24 @@ class SyrkSm90Kernel:
         )
         out_layout = cute.make_layout((m, m, batch), stride=(m, 1, m * m))
         mA = cute.make_tensor(a_ptr, a_layout)
+        mB = cute.make_tensor(b_ptr, a_layout)
         mD = cute.make_tensor(d_ptr, out_layout)
         mC = cute.make_tensor(c_ptr, out_layout)
 
-        # Both MMA operands are tile x tile_k tiles of A (rows of the output block and of the
-        # column block), K-major, so one TMA descriptor serves both; the row operand has one
-        # slot per row half per stage.
+        # The MMA operands are tile x tile_k tiles of A (rows of the output block) and of B
+        # (rows of the column block), K-major, one TMA descriptor each (for syrk both describe
+        # A); the row operand has one slot per row half per stage.
         a_layout = self.operand_layout(cfg.stages * cfg.halves)
         b_layout = self.operand_layout(cfg.stages)
         tma_atom, tma_tensor = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileG2SOp(),
             mA,
+            cute.slice_(b_layout, (None, None, 0)),
+            (cfg.tile, cfg.tile_k),
+        )
+        tma_atom_b, tma_tensor_b = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileG2SOp(),
+            mB,
             cute.slice_(b_layout, (None, None, 0)),
             (cfg.tile, cfg.tile_k),
         )
@@ -157,6 +168,8 @@ class SyrkSm90Kernel:
         self.kernel(
             tma_atom,
             tma_tensor,
+            tma_atom_b,
+            tma_tensor_b,
             mD,
             mC,
             a_layout,
@@ -224,6 +237,8 @@ class SyrkSm90Kernel:
         self,
         tma_atom: cute.CopyAtom,
         mA_tma: cute.Tensor,
+        tma_atom_b: cute.CopyAtom,
+        mB_tma: cute.Tensor,
         mD: cute.Tensor,
         mC: cute.Tensor,
         a_layout: cute.ComposedLayout,
@@ -248,6 +263,7 @@ class SyrkSm90Kernel:
 
         if warp == 0:
             cpasync.prefetch_descriptor(tma_atom)
+            cpasync.prefetch_descriptor(tma_atom_b)
             if cutlass.const_expr(cfg.epilogue != DIRECT):
                 cpasync.prefetch_descriptor(store_atom)
 
@@ -289,7 +305,9 @@ class SyrkSm90Kernel:
                     mA_b = mA_tma[None, None, matrix]
                     # rows: 128-row block `row` (ping-pong) or blocks 2·row and 2·row + 1
                     gA = cute.local_tile(mA_b, (cfg.tile, cfg.tile_k), (row * cfg.halves, None))
-                    gB = cute.local_tile(mA_b, (cfg.tile, cfg.tile_k), (col, None))
+                    gB = cute.local_tile(
+                        mB_tma[None, None, matrix], (cfg.tile, cfg.tile_k), (col, None)
+                    )
                     tAsA, tAgA = cpasync.tma_partition(
                         tma_atom, 0, cute.make_layout(1), sA_flat, cute.group_modes(gA, 0, 2)
                     )
@@ -300,7 +318,7 @@ class SyrkSm90Kernel:
                             tma_atom, 0, cute.make_layout(1), sA_flat, cute.group_modes(gH, 0, 2)
                         )
                     tBsB, tBgB = cpasync.tma_partition(
-                        tma_atom, 0, cute.make_layout(1), sB_flat, cute.group_modes(gB, 0, 2)
+                        tma_atom_b, 0, cute.make_layout(1), sB_flat, cute.group_modes(gB, 0, 2)
                     )
                     state = self.ring_state(sequence * k_tiles, producer=True)
                     for k_tile in cutlass.range(k_tiles, unroll=1):
@@ -320,7 +338,7 @@ class SyrkSm90Kernel:
                                 tma_bar_ptr=full,
                             )
                         cute.copy(
-                            tma_atom,
+                            tma_atom_b,
                             tBgB[None, k_tile],
                             tBsB[None, state.index],
                             tma_bar_ptr=full,
@@ -584,7 +602,7 @@ class SyrkSm90Kernel:
 
 def compile_syrk(dtype_name: str, has_c: bool, config: Sm90TileConfig):
     """Compile the kernel for ``dtype_name`` ("float16"/"bfloat16"); the returned function takes
-    ``(a_ptr, d_ptr, c_ptr, m, k_pad, batch, ctas, alpha, beta, stream)``."""
+    ``(a_ptr, b_ptr, d_ptr, c_ptr, m, k_pad, batch, ctas, alpha, beta, stream)``."""
     kernel = SyrkSm90Kernel(ELEMENT_TYPES[dtype_name], has_c, config)
     return compile_with_placeholders(
         kernel, dtype_name, Int32(1), Int32(8), Int32(1), Int32(1), Float32(1.0), Float32(0.0)

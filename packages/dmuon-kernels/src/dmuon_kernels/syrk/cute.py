@@ -1,4 +1,5 @@
-"""The cute backend: alpha·A·Aᵀ + beta·C through this project's own CuTe DSL SYRK kernels.
+"""The cute backend: alpha·A·Aᵀ + beta·C (``syrk``) and alpha·A·B + beta·C for a symmetric
+product (``symmetric_product``) through this project's own CuTe DSL SYRK kernels.
 
 Owns the adapter over the device code of two paths: ``syrk._cute_sm90_kernel`` (Hopper: wgmma,
 TMA, persistent and warp-specialised; 128x128 ping-pong tiles, or cooperative 256x128 tiles
@@ -30,6 +31,8 @@ What the kernels require, and what the adapter does about it:
   not a multiple of 8 they run their direct twin ``<name>`` (``runnable_config``);
 - C (..., M, M) contiguous; only its lower triangle is read, so C must be symmetric (as it
   always is in Newton-Schulz); the result is exactly symmetric (each element computed once);
+- ``symmetric_product``: the kernels compute A·Bᵀ with B laid out like A, which is A·B because B
+  is symmetric (the operation's contract: A and B symmetric and commuting);
 - a batch (..., M, K) runs in one launch per chunk of at most 2³¹ elements.
 """
 
@@ -65,13 +68,13 @@ from dmuon_kernels.syrk._requirements import (
     distribution_version,
     gpu_problem,
 )
-from dmuon_kernels.syrk.kernel_cache import default_kernel_cache, share_cutlass_dsl_cache
+from dmuon_kernels.syrk.kernel_cache import default_kernel_cache, share_compile_caches
 
 NAME = "cute"
 CUTE_MIN_COMPUTE_CAPABILITY = (8, 0)
 CUTE_INSTALL_HINT = "pip install dmuon-kernels[cute]"
 # Bumped whenever the device code changes, so cached autotune verdicts are re-measured.
-KERNEL_REVISION = "3"
+KERNEL_REVISION = "4"
 
 # The modules whose source is the kernels' device and launch code (see _kernel_sources_digest).
 _KERNEL_SOURCE_MODULES = ("_cute_kernel", "_cute_sm90_kernel", "_cute_runtime", "_cute_tiles")
@@ -137,7 +140,7 @@ def _probe_cutlass() -> _CuteApi | str:
     """Import the kernel module (and cutlass); a string is the reason it cannot be used."""
     if importlib.util.find_spec("cutlass") is None:
         return f"nvidia-cutlass-dsl is not installed ({CUTE_INSTALL_HINT})"
-    share_cutlass_dsl_cache()
+    share_compile_caches()
     try:
         import cutlass  # noqa: F401  (first, so a broken cutlass is what the reason names)
 
@@ -230,6 +233,45 @@ def syrk(
     ``path`` or ``config`` (which implies its path) forces a kernel: "sm90" needs compute
     capability 9.x; "sm80" runs on any supported GPU (on Hopper too, which keeps it tested).
     """
+    return _lower_triangle_product(A, None, C, alpha, beta, config, path)
+
+
+def symmetric_product(
+    A: Tensor,  # (..., M, M)
+    B: Tensor,  # (..., M, M), symmetric, commuting with A
+    C: Tensor | None = None,  # (..., M, M), symmetric
+    alpha: float = 1.0,
+    beta: float = 0.0,
+    *,
+    config: str | None = None,
+    path: str | None = None,
+) -> Tensor:  # (..., M, M), exactly symmetric
+    """``alpha·A·B + beta·C`` where A·B is known to be symmetric (A, B commuting symmetric
+    matrices, e.g. polynomials in one Gram matrix): the kernel computes the lower triangle of
+    tiles of A·Bᵀ (= A·B, B being symmetric) and mirrors it, half the work of a full product.
+    ``config`` and ``path`` as for ``syrk``."""
+    if B.shape != A.shape or A.shape[-1] != A.shape[-2]:
+        raise ValueError(
+            f"symmetric_product takes square A and B of one shape, got A {tuple(A.shape)} and "
+            f"B {tuple(B.shape)}"
+        )
+    if B.device != A.device:
+        raise ValueError(
+            f"symmetric_product takes A and B on one device, got {A.device} and {B.device}"
+        )
+    return _lower_triangle_product(A, B.to(A.dtype), C, alpha, beta, config, path)
+
+
+def _lower_triangle_product(
+    A: Tensor,
+    B: Tensor | None,  # None: A itself (syrk)
+    C: Tensor | None,
+    alpha: float,
+    beta: float,
+    config: str | None,
+    path: str | None,
+) -> Tensor:
+    """``alpha·A·Bᵀ + beta·C``, one triangle of tiles computed and mirrored."""
     if config is not None or path is not None:
         _check_choice(config, path)
     _check_operand(A, C)
@@ -248,28 +290,33 @@ def syrk(
     plan = _launch_plan(A, C is not None, config, path)
     batch = plan.batch
     A_padded = _padded(A.reshape(batch, M, plan.K), *plan.padded_shape)
+    B_padded = A_padded if B is None else _padded(B.reshape(batch, M, plan.K), *plan.padded_shape)
     C3 = None if C is None else _contiguous_aligned(C.reshape(batch, M, M))
     out = torch.empty((batch, M, M), dtype=A.dtype, device=A.device)
     # The kernels take raw addresses and the raw stream (TVM-FFI calls, see _cute_runtime).
     stream = torch.cuda.current_stream(A.device).cuda_stream
     size = A.element_size()
     a_base, a_step = A_padded.data_ptr(), A_padded.stride(0) * size
+    b_base = B_padded.data_ptr()  # B_padded has A_padded's shape and strides
     d_base, d_step = out.data_ptr(), M * M * size
     c_base, c_step = (d_base, d_step) if C3 is None else (C3.data_ptr(), C3.stride(0) * size)
     with torch.cuda.device(A.device):
         for start, stop in plan.chunks:
             a_ptr, d_ptr = a_base + start * a_step, d_base + start * d_step
-            c_ptr = c_base + start * c_step
+            b_ptr, c_ptr = b_base + start * a_step, c_base + start * c_step
             if plan.path == SM90:
                 # persistent: at most one CTA per SM, each walking its share of the triangle
                 k_pad, tiles_per_matrix = plan.grid
                 ctas = min(plan.sm_count, tiles_per_matrix * (stop - start))
-                plan.kernel(a_ptr, d_ptr, c_ptr, M, k_pad, stop - start, ctas, alpha, beta, stream)
+                plan.kernel(
+                    a_ptr, b_ptr, d_ptr, c_ptr, M, k_pad, stop - start, ctas, alpha, beta, stream
+                )
             else:
                 m_tiles, k_tiles = plan.grid
                 plan.kernel(
-                    a_ptr, d_ptr, c_ptr, M, m_tiles, k_tiles, stop - start, alpha, beta, stream
-                )
+                    a_ptr, b_ptr, d_ptr, c_ptr, M, m_tiles, k_tiles, stop - start, alpha, beta,
+                    stream,
+                )  # fmt: skip
     return out.reshape(out_shape)
 
 
@@ -524,6 +571,7 @@ __all__ = [
     "kernel_path",
     "runnable_config",
     "shape_class",
+    "symmetric_product",
     "syrk",
     "versions",
     "with_epilogue",

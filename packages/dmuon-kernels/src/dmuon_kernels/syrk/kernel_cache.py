@@ -175,19 +175,34 @@ def _compile_with_progress(
     return kernel
 
 
-# nvidia-cutlass-dsl's own cache of compiled modules (what quack's kernels compile through),
-# by default in /tmp, which many machines wipe at reboot; dmuon points it next to its own.
+# The libraries' own caches of compiled kernels, by default in /tmp (which many machines wipe at
+# reboot); dmuon points them next to its own, each in its folder:
+# - nvidia-cutlass-dsl's cache of compiled modules (what quack's kernels and ours compile
+#   through); the library reads the variable when it compiles.
+# - quack-kernels' cache of its compiled kernels (0.5: default /tmp/<user>/quack_cache). quack
+#   reads the variable once, when ``quack.cache`` is first imported (``import quack`` does), so
+#   it must be set before the first ``import quack`` of the process. quack's autotuner (off
+#   unless QUACK_CACHE_AUTOTUNING=1) reads the same variable at each tuning.
 CUTLASS_DSL_CACHE_ENV = "CUTE_DSL_CACHE_DIR"
 CUTLASS_DSL_FOLDER = "cutlass-dsl"
+QUACK_CACHE_ENV = "QUACK_CACHE_DIR"
+QUACK_FOLDER = "quack"
+_SHARED_COMPILE_CACHES = (
+    (CUTLASS_DSL_CACHE_ENV, CUTLASS_DSL_FOLDER),
+    (QUACK_CACHE_ENV, QUACK_FOLDER),
+)
 
 
-def share_cutlass_dsl_cache() -> None:
-    """Point nvidia-cutlass-dsl's file cache at ``<DMUON_CACHE_DIR>/cutlass-dsl`` unless the
-    user chose a folder (``CUTE_DSL_CACHE_DIR``) or turned dmuon's kernel cache off. Called
-    before the backends import cutlass; the library reads the variable when it compiles."""
-    if os.environ.get(CUTLASS_DSL_CACHE_ENV) or not env_flag(KERNEL_CACHE_ENV, default=True):
+def share_compile_caches() -> None:
+    """Point nvidia-cutlass-dsl's file cache at ``<DMUON_CACHE_DIR>/cutlass-dsl`` and
+    quack-kernels' at ``<DMUON_CACHE_DIR>/quack``, each unless the user chose a folder
+    (``CUTE_DSL_CACHE_DIR``, ``QUACK_CACHE_DIR``); neither when dmuon's kernel cache is off
+    (``DMUON_KERNEL_CACHE=0``). The backends call it before they import cutlass or quack."""
+    if not env_flag(KERNEL_CACHE_ENV, default=True):
         return
-    os.environ[CUTLASS_DSL_CACHE_ENV] = str(default_cache_dir() / CUTLASS_DSL_FOLDER)
+    for variable, folder in _SHARED_COMPILE_CACHES:
+        if not os.environ.get(variable):
+            os.environ[variable] = str(default_cache_dir() / folder)
 
 
 _default_cache: CompiledKernelCache | None = None

@@ -35,7 +35,7 @@ from dmuon_kernels.syrk._requirements import (
     distribution_version,
     gpu_problem,
 )
-from dmuon_kernels.syrk.kernel_cache import share_cutlass_dsl_cache
+from dmuon_kernels.syrk.kernel_cache import share_compile_caches
 
 QUACK_MIN_COMPUTE_CAPABILITY = (9, 0)
 QUACK_INSTALL_HINT = "pip install dmuon-kernels[quack]"
@@ -68,7 +68,8 @@ def _probe_quack() -> _QuackApi | str:
     """Import quack and check its symmetric GEMM; a string is the reason it cannot be used."""
     if importlib.util.find_spec("quack") is None:
         return "quack-kernels is not installed"
-    share_cutlass_dsl_cache()  # quack compiles through nvidia-cutlass-dsl
+    # Before the first ``import quack``: quack reads QUACK_CACHE_DIR once, when it is imported.
+    share_compile_caches()
     try:
         import quack
         from quack import gemm_interface
