@@ -20,6 +20,11 @@ happen there) is recorded as ``first_call_s``. The summary prints, per shape, sy
 against ``a @ a.mT`` and the function against the instance (issue 15 targets: <= 30 us per call;
 the function within 1.1x of the instance).
 
+``--host-profile N`` then runs N more warmed calls of each contender under cProfile (the device
+idle before each, nothing synchronised while profiling) and records, as ``host_profile``, the 12
+functions with the most own time per call (``benchmarks/_host_profile.py``), printed per shape
+and contender after the summary.
+
 On a machine without CUDA the same runs on the CPU with smaller shapes (``host_us`` then
 includes the computation, ``device_ms`` is host time): a smoke test of the script.
 
@@ -28,6 +33,7 @@ Usage (repository root, packages importable)::
     python benchmarks/bench_dispatch.py                    # JSON: benchmarks/results/dispatch-<gpu>-<date>.json
     python benchmarks/bench_dispatch.py --out "$OUT/dispatch.json" --git-sha <sha>
     python benchmarks/bench_dispatch.py --shapes 256x256 1024x4096 --host-repeats 100
+    python benchmarks/bench_dispatch.py --shapes 2048x2048 --host-profile 50
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ import time
 from collections.abc import Callable, Sequence
 
 import _common
+import _host_profile
 import torch
 from torch.optim import _muon as torch_muon
 
@@ -54,6 +61,7 @@ PRODUCT_BASELINE, PRODUCT_AUTO = "torch.mm(S, B)", "symmetric_product"
 NS_FUNCTION, NS_INSTANCE, NS_TORCH = "newton_schulz()", "NewtonSchulz instance", "torch Muon NS"
 HOST_TARGET_US = 30.0
 FUNCTION_TARGET_RATIO = 1.1
+HOST_PROFILE_TOP = 12  # functions kept per contender, by own time
 
 
 def contenders(
@@ -132,6 +140,11 @@ def measure_shape(
         synchronize(device)
         host_us, call_us = host_and_call_us(fn, device, args.host_repeats)
         row["contenders"][name] = {"first_call_s": first, "host_us": host_us, "call_us": call_us}
+        if args.host_profile > 0:
+            stats, _ = _host_profile.profile_calls(fn, device, args.host_profile)
+            row["contenders"][name]["host_profile"] = _host_profile.top_functions(
+                stats, args.host_profile, _host_profile.OWN_TIME, HOST_PROFILE_TOP
+            )
     device_ms = median_ms(calls, device, repeats=args.device_repeats)
     for name, ms in device_ms.items():
         row["contenders"][name]["device_ms"] = ms
@@ -185,6 +198,19 @@ def summary(rows: Sequence[dict]) -> str:
     return "\n".join(lines)
 
 
+def host_profile_tables(rows: Sequence[dict], calls: int) -> str:
+    """Per shape and contender, the functions with the most own host time per call."""
+    return "\n".join(
+        _host_profile.format_rows(
+            found["host_profile"],
+            f"{'x'.join(map(str, row['shape']))} {name}: host profile, per call "
+            f"(cProfile over {calls} calls; unprofiled host {found['host_us']:.1f} us)",
+        )
+        for row in rows
+        for name, found in row["contenders"].items()
+    )
+
+
 def parse_shape(text: str) -> tuple[int, int]:
     rows, _, cols = text.partition("x")
     return int(rows), int(cols or rows)
@@ -197,10 +223,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--host-repeats", type=int, default=200, help="timed single calls")
     parser.add_argument("--device-repeats", type=int, default=15, help="GPU-only regions")
     parser.add_argument("--warmup", type=int, default=5, help="calls after the first, untimed")
+    parser.add_argument("--host-profile", type=int, default=0, metavar="N",
+                        help="also profile N warmed calls per contender with cProfile (0: off)")  # fmt: skip
     parser.add_argument("--device", choices=("cuda", "cpu"), default=None,
                         help="default: cuda when available")  # fmt: skip
     _common.add_record_options(parser, "default: benchmarks/results/dispatch-<gpu>-<date>.json")
     args = parser.parse_args(argv)
+    if args.host_profile < 0:
+        parser.error(f"--host-profile {args.host_profile}: give a number of calls, or 0 for none")
     use_cuda = torch.cuda.is_available() if args.device is None else args.device == "cuda"
     if use_cuda and not torch.cuda.is_available():
         print("bench_dispatch: --device cuda needs a CUDA device", file=sys.stderr)
@@ -221,6 +251,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(format_table(rows, names[:5]))
     print(format_table(rows, names[5:]))
     print(summary(rows))
+    if args.host_profile > 0:
+        print(host_profile_tables(rows, args.host_profile))
     record = {
         "benchmark": "dispatch",
         "date": _common.iso_seconds(date),
@@ -239,6 +271,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "host_repeats": args.host_repeats,
             "device_repeats": args.device_repeats,
             "warmup": args.warmup,
+            "host_profile_calls": args.host_profile,
             "torch_threads": torch.get_num_threads(),
             "pid": os.getpid(),
         },

@@ -13,13 +13,22 @@ k 1024x4096, v 1024x4096, o 4096x4096, gate 14336x4096, up 14336x4096, down 4096
 
 Each step is bounded by ``torch.cuda.synchronize()`` on both sides; the table reports the median
 wall time over the timed steps after the warm-up steps (the first warm-up step of dmuon with
-kernel auto includes the per-shape SYRK autotune). CUDA-event times are recorded in the JSON.
+kernel auto includes the per-shape SYRK autotune). CUDA-event times are recorded in the JSON,
+and so is each step's host time: from entering ``step()`` to its return, the device idle before
+(synchronised outside the timed region), nothing synchronised inside.
+
+``--host-profile`` then runs one more warmed ``step()`` of each optimizer under cProfile and
+records its host time (entry to return, profiled) and the 15 functions with the most own and
+the most cumulative time (``benchmarks/_host_profile.py``), printed after the summary. Python
+cannot see when the first kernel of a step is launched; the host time next to the synchronised
+step time says how much of the step the host spends issuing work.
 
 Usage (on the GPU machine, from the repository root, packages on PYTHONPATH)::
 
     python benchmarks/bench_step.py                       # JSON: benchmarks/results/step-<gpu>-<date>.json
     python benchmarks/bench_step.py --git-sha <sha> --out results.json
     python benchmarks/bench_step.py --quick               # tiny shapes on CPU: a smoke test
+    python benchmarks/bench_step.py --host-profile        # and where step()'s host time goes
 
 The FLOP floor is the Gram Newton-Schulz cost of the stack (6·n²·m + 14·n³ per n x m matrix,
 n <= m) at 740 TFLOP/s, the H200's measured dense fp16/bf16 GEMM rate (about 55 ms).
@@ -35,6 +44,7 @@ import time
 from collections.abc import Callable
 
 import _common
+import _host_profile
 import torch
 from torch import nn
 
@@ -51,6 +61,7 @@ QUICK_SHAPE_DIVISOR = 32  # --quick: every dimension / 32 (q 128x128, gate 448x1
 NUM_LAYERS = 4
 PEAK_TFLOPS = 740.0  # H200 dense fp16/bf16 GEMM, measured (shared/gpu/README.md)
 REFERENCE_FLOOR_MS = 55.0  # the Gram NS floor quoted for this stack
+HOST_PROFILE_TOP = 15  # functions kept per order (own, cumulative) by --host-profile
 
 
 class ProjectionStack(nn.Module):
@@ -87,11 +98,12 @@ def synchronize(device: torch.device) -> None:
 
 
 def time_steps(step: Callable[[], object], device: torch.device, warmup: int, iters: int) -> dict:
-    """Wall time of each ``step()``, bounded by device synchronisation; plus CUDA-event times."""
+    """Wall time of each ``step()``, bounded by device synchronisation; plus CUDA-event times and
+    the host time until ``step()`` returns."""
     for _ in range(warmup):
         step()
     synchronize(device)
-    wall_ms, event_ms = [], []
+    wall_ms, event_ms, host_ms = [], [], []
     for _ in range(iters):
         if device.type == "cuda":
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -100,10 +112,12 @@ def time_steps(step: Callable[[], object], device: torch.device, warmup: int, it
         if device.type == "cuda":
             start.record()
         step()
+        returned = time.perf_counter()
         if device.type == "cuda":
             end.record()
         synchronize(device)
         wall_ms.append((time.perf_counter() - started) * 1e3)
+        host_ms.append((returned - started) * 1e3)
         if device.type == "cuda":
             event_ms.append(start.elapsed_time(end))
     return {
@@ -111,8 +125,24 @@ def time_steps(step: Callable[[], object], device: torch.device, warmup: int, it
         "min_ms": min(wall_ms),
         "max_ms": max(wall_ms),
         "event_median_ms": statistics.median(event_ms) if event_ms else None,
+        "host_median_ms": statistics.median(host_ms),
         "wall_ms": wall_ms,
         "event_ms": event_ms,
+        "host_ms": host_ms,
+    }
+
+
+def host_profile(step: Callable[[], object], device: torch.device) -> dict:
+    """One more warmed ``step()`` under cProfile, the device idle before it: its host time (entry
+    to return, cProfile's overhead included) and the functions with the most own and the most
+    cumulative time in it."""
+    stats, host_ms = _host_profile.profile_calls(step, device, calls=1)
+    return {
+        "profiled_host_ms": host_ms[0],
+        "top_own": _host_profile.top_functions(stats, 1, _host_profile.OWN_TIME, HOST_PROFILE_TOP),
+        "top_cumulative": _host_profile.top_functions(
+            stats, 1, _host_profile.CUMULATIVE_TIME, HOST_PROFILE_TOP
+        ),
     }
 
 
@@ -126,20 +156,32 @@ def plain_parameters(shapes, device) -> list[nn.Parameter]:
     ]
 
 
-def bench_torch_optimizer(make_optimizer, shapes, device, warmup: int, iters: int) -> dict:
+def bench_torch_optimizer(
+    make_optimizer, shapes, device, warmup: int, iters: int, profile_host: bool = False
+) -> dict:
     params = plain_parameters(shapes, device)
     for param, grad in zip(params, random_gradients(shapes, device)):
         param.grad = grad
     optimizer = make_optimizer(params)
     result = time_steps(optimizer.step, device, warmup, iters)
+    if profile_host:
+        result["host_profile"] = host_profile(optimizer.step, device)
     del optimizer, params
     return result
 
 
 def bench_dmuon(
-    ns_backend, layer_shapes, num_layers, device, warmup: int, iters: int, profile=None
+    ns_backend,
+    layer_shapes,
+    num_layers,
+    device,
+    warmup: int,
+    iters: int,
+    profile=None,
+    profile_host: bool = False,
 ) -> dict:
-    """``profile``: None, or the Chrome-trace path ("" for none) of a profiled extra step."""
+    """``profile``: None, or the Chrome-trace path ("" for none) of a profiled extra step;
+    ``profile_host``: cProfile one extra step."""
     import dmuon
 
     model = ProjectionStack(layer_shapes, num_layers, device)
@@ -151,6 +193,8 @@ def bench_dmuon(
     for master, grad in zip(masters, random_gradients(shapes, device)):
         master.grad = grad
     result = time_steps(optimizer.step, device, warmup, iters)
+    if profile_host:
+        result["host_profile"] = host_profile(optimizer.step, device)
     if profile is not None:
         result["device_kernels"] = kernel_table(optimizer.step, device, profile or None)
     newton_schulz = optimizer.newton_schulz
@@ -187,6 +231,36 @@ def kernel_table(
     return rows[:top]
 
 
+def host_table(results: dict[str, dict]) -> str:
+    """Per optimizer: the synchronised step time against the host's share of it."""
+    lines = [
+        f"{'host time of step()':<34} {'synced ms':>10} {'host ms':>9} {'host/synced':>12} "
+        f"{'profiled ms':>12}"
+    ]
+    for label, result in results.items():
+        profiled = result.get("host_profile", {}).get("profiled_host_ms")
+        lines.append(
+            f"{label:<34} {result['median_ms']:>10.2f} {result['host_median_ms']:>9.2f} "
+            f"{result['host_median_ms'] / result['median_ms']:>12.2f} "
+            + (f"{profiled:>12.2f}" if profiled is not None else f"{'-':>12}")
+        )
+    return "\n".join(lines)
+
+
+def host_profile_tables(results: dict[str, dict]) -> str:
+    """Per optimizer, the functions of its profiled step by own and by cumulative time."""
+    return "\n".join(
+        _host_profile.format_rows(
+            result["host_profile"][key],
+            f"{label}: one step's host profile by {order} time (cProfile; "
+            f"{result['host_profile']['profiled_host_ms']:.2f} ms profiled, "
+            f"{result['host_median_ms']:.2f} ms unprofiled)",
+        )
+        for label, result in results.items()
+        for key, order in (("top_own", "own"), ("top_cumulative", "cumulative"))
+    )
+
+
 def free_memory(device: torch.device) -> None:
     gc.collect()
     if device.type == "cuda":
@@ -208,6 +282,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         metavar="TRACE",
         help="device time per kernel of one dmuon (auto) step; TRACE: write its Chrome trace",
+    )
+    parser.add_argument(
+        "--host-profile",
+        action="store_true",
+        help="cProfile one more warmed step of each optimizer: where its host time goes",
     )
     _common.add_record_options(
         parser, "JSON path (default benchmarks/results/step-<gpu>-<date>.json; none with --quick)"
@@ -252,6 +331,7 @@ def main(argv: list[str] | None = None) -> int:
                 device,
                 args.warmup,
                 args.iters,
+                profile_host=args.host_profile,
             ),
         ),
         (
@@ -262,12 +342,20 @@ def main(argv: list[str] | None = None) -> int:
                 device,
                 args.warmup,
                 args.iters,
+                profile_host=args.host_profile,
             ),
         ),
         (
             "dmuon.Muon (gram, kernel auto)",
             lambda: bench_dmuon(
-                "gram", layer_shapes, NUM_LAYERS, device, args.warmup, args.iters, args.profile
+                "gram",
+                layer_shapes,
+                NUM_LAYERS,
+                device,
+                args.warmup,
+                args.iters,
+                args.profile,
+                profile_host=args.host_profile,
             ),
         ),
         (
@@ -279,6 +367,7 @@ def main(argv: list[str] | None = None) -> int:
                 device,
                 args.warmup,
                 args.iters,
+                profile_host=args.host_profile,
             ),
         ),
     ]
@@ -315,6 +404,10 @@ def main(argv: list[str] | None = None) -> int:
             )
     if args.quick:
         print("(--quick: tiny shapes on CPU; the floor and ratios mean nothing here)")
+    print()
+    print(host_table(results))
+    if args.host_profile:
+        print(host_profile_tables(results))
 
     date = _common.utc_now()
     record = {
@@ -331,6 +424,8 @@ def main(argv: list[str] | None = None) -> int:
         "warmup": args.warmup,
         "iters": args.iters,
         "timing": "wall time per step() between torch.cuda.synchronize() calls; median",
+        "host_timing": "host_ms: entering step() to its return, the device idle before",
+        "host_profile": args.host_profile,
         "flop_floor_ms": floor_ms,
         "flop_floor_peak_tflops": PEAK_TFLOPS,
         "reference_floor_ms": REFERENCE_FLOOR_MS,
