@@ -3,12 +3,15 @@ to eager, failed captures left eager, and batched NS equal to one call per matri
 
 from __future__ import annotations
 
+import gc
+import itertools
+import sys
 import warnings
 
 import pytest
 import torch
 
-from dmuon_kernels import NewtonSchulz, reference
+from dmuon_kernels import NewtonSchulz, newton_schulz, reference
 from dmuon_kernels.coefficients import POLAR_EXPRESS_COEFFICIENTS
 from dmuon_kernels.graphs import GraphedFunction
 from tests.kernels.ns_matrices import (
@@ -105,6 +108,60 @@ def test_a_function_that_refuses_capture_stays_eager_and_correct():
     assert graphed.mode(x) == "eager"
 
 
+def a_captured_graph_holder():
+    """An object that holds a captured CUDA graph, as a NewtonSchulz holds its caches."""
+    holder = GraphedFunction(lambda x: x + 1, name="holder")
+    x = torch.randn(8, 8, device="cuda")
+    for _ in range(3):
+        holder(x)
+    assert holder.mode(x) == "graph"
+    return holder
+
+
+def test_cyclic_garbage_holding_a_graph_is_not_collected_while_another_graph_is_captured():
+    doomed = [a_captured_graph_holder()]
+
+    def drops_the_holder_into_a_cycle(x):
+        if torch.cuda.is_current_stream_capturing() and doomed:
+            cycle = {"holder": doomed.pop()}
+            cycle["self"] = cycle  # only the cyclic collector can free the holder now
+            del cycle
+            young = [[] for _ in range(10 * gc.get_threshold()[0])]  # would trigger collections
+            del young
+        return x * 2
+
+    graphed = GraphedFunction(drops_the_holder_into_a_cycle)
+    x = torch.randn(64, 64, device="cuda")
+    graphed(x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert torch.equal(graphed(x), x * 2)
+    assert graphed.mode(x) == "graph" and graphed.eager_reasons() == {}
+    assert gc.isenabled()
+
+
+def test_a_capture_invalidated_on_the_cuda_side_leaves_later_signatures_capturable():
+    doomed = [a_captured_graph_holder()]
+
+    def destroys_a_graph_while_capturing(x):
+        if torch.cuda.is_current_stream_capturing() and doomed:
+            doomed.clear()  # the last reference: a CUDA graph destroyed mid-capture
+        return x * 2
+
+    graphed = GraphedFunction(destroys_a_graph_while_capturing)
+    x = torch.randn(64, 64, device="cuda")
+    graphed(x)
+    with pytest.warns(RuntimeWarning, match="capture failed"):
+        assert torch.equal(graphed(x), x * 2)
+    y = torch.randn(32, 32, device="cuda")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(3):
+            assert torch.equal(graphed(y), y * 2)
+    assert graphed.mode(x) == "eager" and graphed.mode(y) == "graph"
+    assert torch.cuda.current_stream() == torch.cuda.default_stream()
+
+
 @pytest.mark.parametrize("backend", ["gram", "direct"])
 def test_batched_newton_schulz_equals_one_call_per_matrix(backend):
     stack = torch.stack([spectrum_matrix(256, 1024, seed=s) for s in range(4)]).cuda()
@@ -141,3 +198,86 @@ def test_an_input_over_the_graph_size_limit_stays_eager_and_keeps_no_memory():
     for _ in range(3):
         graphed(small)
     assert graphed.mode(small) == "graph"
+
+
+# --- the whole-call graph behind ns(G) ----------------------------------------------------------
+
+WHOLE_CALL_CASES = {**CASES, "batched": (4, 128, 512), "batched_tall": (4, 512, 128)}
+
+
+def eager_newton_schulz() -> NewtonSchulz:
+    """A NewtonSchulz with both of its CUDA-graph caches off: the eager reference."""
+    ns = NewtonSchulz()
+    ns.graphs.enabled = ns.iteration_graphs.enabled = False
+    return ns
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("case", WHOLE_CALL_CASES, ids=str)
+def test_a_warmed_call_replays_the_whole_call_graph_bit_identical_to_eager(case, dtype):
+    *batch, rows, cols = WHOLE_CALL_CASES[case]
+    G = torch.stack([spectrum_matrix(rows, cols, seed=s) for s in range(batch[0] if batch else 1)])
+    G = (G if batch else G[0]).to(device="cuda", dtype=dtype)
+    eager = eager_newton_schulz()
+    ns = NewtonSchulz()
+    expected = eager(G)
+    assert ns.graphs.mode(G) == "eager"
+    for _ in range(3):  # call 1 eager (autotune), call 2 captures, call 3 replays
+        out = ns(G)
+        assert torch.equal(out, expected)
+        assert out.dtype == dtype and out.shape == G.shape
+    assert ns.graphs.mode(G) == "graph" and ns.graphs.graph_count == 1
+    assert ns.graphs.eager_reasons() == {}
+    assert ns.iteration_graphs.graph_count == 0  # ns(G) never touches the iteration's cache
+    assert eager.graphs.graph_count == 0 and eager.iteration_graphs.graph_count == 0
+
+
+@pytest.mark.parametrize("case", ["wide", "tall", "batched"], ids=str)
+def test_replays_with_new_values_give_new_correct_outputs_that_later_replays_leave_alone(case):
+    *batch, rows, cols = WHOLE_CALL_CASES[case]
+    inputs = [
+        torch.stack([spectrum_matrix(rows, cols, seed=10 * s + b) for b in range(batch[0])])
+        if batch
+        else spectrum_matrix(rows, cols, seed=10 * s)
+        for s in range(5)
+    ]
+    inputs = [G.cuda() for G in inputs]
+    kept_inputs = [G.clone() for G in inputs]
+    eager = eager_newton_schulz()
+    ns = NewtonSchulz()
+    ns(inputs[0])
+    ns(inputs[0])  # captured
+    assert ns.graphs.mode(inputs[0]) == "graph"
+    outputs = [ns(G) for G in inputs]  # every one a replay into the same static buffers
+    for G, kept, out in zip(inputs, kept_inputs, outputs, strict=True):
+        assert torch.equal(G, kept)  # the input is copied in, never written
+        assert torch.equal(out, eager(G))  # still right after the later replays
+    for first, second in itertools.pairwise(outputs):
+        assert not torch.equal(first, second)
+        assert first.data_ptr() != second.data_ptr()
+
+
+@pytest.mark.parametrize("shape", [(256, 1024), (1024, 256), (4, 128, 512)], ids=str)
+def test_the_function_returns_what_a_reused_instance_returns_through_the_whole_call_graph(shape):
+    ns_module = sys.modules["dmuon_kernels.newton_schulz"]
+    generator = torch.Generator(device="cuda").manual_seed(21)
+    inputs = [torch.randn(shape, device="cuda", generator=generator) for _ in range(4)]
+    ns_module._instances.clear()
+    instance = NewtonSchulz()
+    for G in inputs:  # eager, capture, replay, replay
+        assert torch.equal(newton_schulz(G), instance(G))
+    (cached,) = ns_module._instances.values()
+    assert cached.graphs.mode(inputs[0]) == "graph" and cached.graphs.graph_count == 1
+
+
+def test_inputs_that_are_not_one_dense_block_replay_the_iteration_graph_alone():
+    wide = spectrum_matrix(256, 2048).cuda()
+    gapped = wide[:, ::2]  # (256, 1024) with gaps: a static copy would span all of `wide`
+    expanded = spectrum_matrix(1, 1024).cuda().expand(256, 1024)  # stride 0: no static copy
+    eager = eager_newton_schulz()
+    ns = NewtonSchulz()
+    for G in (gapped, expanded):
+        for _ in range(3):
+            assert torch.equal(ns(G), eager(G))
+    assert ns.graphs.graph_count == 0
+    assert ns.iteration_graphs.graph_count == 1  # both normalise to (256, 1024) fp16

@@ -9,7 +9,10 @@ small matrices). It must not know what the function computes, and must never cha
 - the second call captures on a private stream after one more eager run on that stream, replays
   once, and keeps the graph only if the replay is bit-identical to that eager run;
 - a capture that fails (or a replay that differs) warns once for that signature and leaves it
-  eager for good; the failed graph object is dropped, so it can never be replayed;
+  eager for good; the failed graph object is dropped, so it can never be replayed, and later
+  signatures capture on a fresh pool and stream (a failure on the CUDA side can leave the old
+  pool marked as still recording);
+- Python's cyclic garbage collector is off while a graph is captured (see ``_capture``);
 - inputs on the CPU, inputs that need grad, inputs over ``GRAPH_MAX_NUMEL`` elements, calls made
   while another capture is in progress, and everything when ``DMUON_NS_CUDA_GRAPH=0`` run eagerly.
 
@@ -23,6 +26,7 @@ must not keep references to its intermediates. Each call returns a fresh tensor.
 
 from __future__ import annotations
 
+import gc
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -155,10 +159,20 @@ class GraphedFunction:
                 # One eager run on the capture stream: lazy per-stream state (e.g. a cuBLAS
                 # workspace) is created outside the capture, and it is the replay's reference.
                 expected = self.fn(static_input)
-            with torch.cuda.graph(
-                graph, pool=pool, stream=stream, capture_error_mode="thread_local"
-            ):
-                static_output = self.fn(static_input)
+            # Cyclic garbage can hold CUDA graphs (a dropped NewtonSchulz refers to itself
+            # through its graph caches); destroying one in the middle of this capture is an
+            # illegal call that invalidates it. torch.cuda.graph no longer collects first, so
+            # collection waits until the capture is over.
+            collecting = gc.isenabled()
+            gc.disable()
+            try:
+                with torch.cuda.graph(
+                    graph, pool=pool, stream=stream, capture_error_mode="thread_local"
+                ):
+                    static_output = self.fn(static_input)
+            finally:
+                if collecting:
+                    gc.enable()
             torch.cuda.current_stream(device).wait_stream(stream)
             graph.replay()
             identical = torch.equal(static_output, expected)
@@ -167,6 +181,11 @@ class GraphedFunction:
             # torch.cuda.graph does not leave its stream when capture_end raises: go back first.
             torch.cuda.set_stream(caller_stream)
             caller_stream.wait_stream(stream)
+            # Later captures start on a new pool and stream: a capture invalidated on the CUDA
+            # side can leave its pool marked as recording ("beginAllocateToPool: already
+            # recording to mempool_id" for every later capture on it).
+            self._pools.pop(device, None)
+            self._streams.pop(device, None)
             reason = f"capture failed ({type(exc).__name__}: {exc})"
             recovery_problem = _end_generator_capture(device)
             if recovery_problem is not None:

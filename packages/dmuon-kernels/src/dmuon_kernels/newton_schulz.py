@@ -29,6 +29,12 @@ about 6·n²·m + 23·n³ SYRK-weighted FLOPs against 15·n²·m + 5·n³ for di
 side (``GRAM_MIN_ASPECT_RATIO``); below that the "gram" backend runs the direct iteration (same
 polynomial, fewer FLOPs, no accumulated Q).
 
+CUDA graphs (``dmuon_kernels.graphs``): ``ns(G)`` on a contiguous G (or one whose last two dims
+are transposed) replays one graph of the whole pipeline per (shape, strides, dtype, device), so a
+warmed call is a copy of G in, one replay and a copy out. Other layouts, and callers that
+normalise their own input (the fused optimizer step: ``normalized_buffer`` and
+``iterate_normalized``), replay a graph of the iteration alone.
+
 This module must not know about devices beyond what torch gives it, nor import torch.distributed.
 """
 
@@ -394,6 +400,15 @@ class NewtonSchulz:
         dtype: the requested iteration dtype; None (the default) means fp16 for CUDA inputs and
             fp32 for the rest, decided per call by the input's device (``iteration_dtype``).
         config: the request as an ``NSConfig``.
+        graphs: the CUDA-graph cache of ``ns(G)`` calls: one graph of the whole pipeline
+            (normalise, iterate, restore) per signature of G.
+        iteration_graphs: the CUDA-graph cache of the iteration alone, which
+            ``iterate_normalized``, ``normalized_buffer``, ``prepare`` and ``ns(G)`` on other
+            layouts use.
+
+    A whole-pipeline graph keeps a static input and output of G's shape and dtype (plus the
+    pipeline's fp32 intermediates) allocated for good, per signature;
+    ``dmuon_kernels.graphs.GRAPH_MAX_NUMEL`` bounds which inputs get one.
     """
 
     def __init__(
@@ -424,7 +439,13 @@ class NewtonSchulz:
         self.kernel, self.kernel_reason = effective_kernel(
             self._syrk_kernel, self.iteration_dtype(device), device
         )
+        # Two graph caches: ns(G) replays the whole pipeline (_orthogonalize), so a warmed call
+        # is a copy in, one replay and a copy out; the fused optimizer step normalises on its
+        # own and replays the iteration alone (_iterate), writing into that graph's input.
         self._graphed = GraphedFunction(self._iterate, name=f"NewtonSchulz({self.backend!r})")
+        self._graphed_call = GraphedFunction(
+            self._orthogonalize, name=f"NewtonSchulz({self.backend!r}) call"
+        )
 
     @property
     def config(self) -> NSConfig:
@@ -443,18 +464,22 @@ class NewtonSchulz:
         return iteration_dtype(self.dtype, device)
 
     def __call__(self, G: Tensor) -> Tensor:
-        """Orthogonalise G (m, n) or a batch (..., m, n); returns G's shape and dtype.
+        """Orthogonalise G (m, n) or a batch (..., m, n); returns a fresh tensor of G's shape and
+        dtype.
 
-        On CUDA each (shape, strides, dtype, device) replays as a CUDA graph from its second call
-        (bit-identical to eager; ``DMUON_NS_CUDA_GRAPH=0`` turns it off, see
-        ``dmuon_kernels.graphs``).
+        On CUDA each (shape, strides, dtype, device) of G replays the whole pipeline as one CUDA
+        graph from its second call (bit-identical to eager; ``DMUON_NS_CUDA_GRAPH=0`` turns it
+        off, see ``dmuon_kernels.graphs``).
         """
         G = validate_input(G)
         if G.numel() == 0:
             return torch.zeros_like(G)
-        # Normalising writes the graph's input (fp16, rows <= cols) straight into the captured
-        # graph's buffer; the output is cast back to G's dtype outside the graph, which is also
-        # the copy that frees the static output for the next replay.
+        if G.is_contiguous() or G.mT.is_contiguous():
+            return self._graphed_call(G)
+        # A graph's static input copies G's strides: for a slice with gaps that would allocate
+        # the whole span it strides over, and an expanded G (stride 0) cannot be copied into.
+        # Such inputs replay the iteration alone, normalised straight into its graph's input
+        # buffer; the cast back to G's dtype is the copy that frees the static output.
         dtype = self.iteration_dtype(G.device)
         buffer = self._graphed.static_input(normalized_shape(G), dtype, G.device)
         X = normalized_input(G, eps=self._eps, dtype=dtype, out=buffer)
@@ -515,11 +540,24 @@ class NewtonSchulz:
 
     @property
     def graphs(self) -> GraphedFunction:
-        """This instance's CUDA-graph cache (``graph_count``, ``eager_reasons()``), for reports."""
+        """The CUDA-graph cache ``ns(G)`` calls replay, one whole-pipeline graph per signature of
+        G (``graph_count``, ``mode(G)``, ``eager_reasons()``, ``enabled``), for reports."""
+        return self._graphed_call
+
+    @property
+    def iteration_graphs(self) -> GraphedFunction:
+        """The CUDA-graph cache of the iteration alone, one graph per signature of the normalised
+        input (B, n, m): what ``iterate_normalized`` (the fused optimizer step) replays."""
         return self._graphed
 
+    def _orthogonalize(self, G: Tensor) -> Tensor:
+        """What the whole-call graphs capture: normalise, iterate, restore; a pure function of G
+        (non-empty) that returns a tensor of G's shape and dtype."""
+        X = normalized_input(G, eps=self._eps, dtype=self.iteration_dtype(G.device))
+        return restored_output(self._iterate(X), G)
+
     def _iterate(self, X: Tensor) -> Tensor:
-        """The computation the CUDA graphs capture: the iteration on a normalised X."""
+        """What the iteration graphs capture: the iteration on a normalised X."""
         return iterate(
             X,
             backend=self.backend,
