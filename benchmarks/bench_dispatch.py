@@ -12,7 +12,7 @@ For each shape A (M, K) every contender runs on the same input; three figures pe
 
 Contenders: ``a @ a.mT`` (cuBLAS, the baseline), ``syrk`` (kernel auto) and ``syrk cublas``
 (dispatch around the same torch product), ``syrk quack`` and ``syrk cute`` where they can run;
-``torch.mm(S, B)`` and ``symmetric_product`` (auto) on
+``torch.mm(S, B)``, ``symmetric_product`` (auto) and ``symmetric_product quack``/``cute`` on
 the M x M Gram-sized square; Newton-Schulz on an fp32 G (M, K): the ``newton_schulz()``
 function, a reused ``NewtonSchulz()`` instance, and torch.optim.Muon's own iteration (Keller's
 coefficients, bf16). The first call of each contender (autotune, compilation, CUDA-graph capture
@@ -59,6 +59,7 @@ CPU_SHAPES = [(32, 32), (64, 64), (128, 128), (64, 256)]
 SYRK_BASELINE, SYRK_AUTO, SYRK_CUBLAS = "a @ a.mT", "syrk", "syrk cublas"
 PRODUCT_BASELINE, PRODUCT_AUTO = "torch.mm(S, B)", "symmetric_product"
 NS_FUNCTION, NS_INSTANCE, NS_TORCH = "newton_schulz()", "NewtonSchulz instance", "torch Muon NS"
+TABLE_COLUMNS = 5  # contenders per printed table
 HOST_TARGET_US = 30.0
 FUNCTION_TARGET_RATIO = 1.1
 HOST_PROFILE_TOP = 12  # functions kept per contender, by own time
@@ -71,16 +72,22 @@ def contenders(
     A = torch.randn(M, K, device=device, generator=generator).mul_(K**-0.25).to(dtype)
     S = torch.randn(M, M, device=device, generator=generator).mul_(M**-0.25)
     S = (S + S.mT) / 2
-    B = (0.5 * S + 0.1 * (S @ S)).to(dtype)  # a polynomial in S: S·B is symmetric
+    B = 0.5 * S + 0.1 * (S @ S)  # a polynomial in S: S·B is symmetric
+    B = ((B + B.mT) / 2).to(dtype)  # exactly symmetric: the CuTe kernel reads B's transpose
     S = S.to(dtype)
     G = torch.randn(M, K, device=device, generator=generator)
     instance = NewtonSchulz()
     keller = (torch_muon.DEFAULT_A, torch_muon.DEFAULT_B, torch_muon.DEFAULT_C)
     # Each fast backend on its own (where it can run), whatever "auto" resolves to.
-    fast = {
-        f"syrk {name}": (lambda name=name: syrk(A, kernel=name))
+    runnable = [
+        name
         for name in ("quack", "cute")
         if device.type == "cuda" and backend_availability(name)[0]
+    ]
+    fast = {f"syrk {name}": (lambda name=name: syrk(A, kernel=name)) for name in runnable}
+    fast_products = {
+        f"symmetric_product {name}": (lambda name=name: symmetric_product(S, B, kernel=name))
+        for name in runnable
     }
     return {
         SYRK_BASELINE: lambda: A @ A.mT,
@@ -89,6 +96,7 @@ def contenders(
         **fast,
         PRODUCT_BASELINE: lambda: torch.mm(S, B),
         PRODUCT_AUTO: lambda: symmetric_product(S, B),
+        **fast_products,
         NS_FUNCTION: lambda: newton_schulz(G),
         NS_INSTANCE: lambda: instance(G),
         NS_TORCH: lambda: torch_muon._zeropower_via_newtonschulz(
@@ -248,8 +256,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         rows.append(measure_shape(M, K, device, dtype, args))
     names = list(rows[0]["contenders"])
     print(f"Host cost of warmed calls on {label} ({str(dtype).removeprefix('torch.')} operands)")
-    print(format_table(rows, names[:5]))
-    print(format_table(rows, names[5:]))
+    for first in range(0, len(names), TABLE_COLUMNS):
+        print(format_table(rows, names[first : first + TABLE_COLUMNS]))
     print(summary(rows))
     if args.host_profile > 0:
         print(host_profile_tables(rows, args.host_profile))
