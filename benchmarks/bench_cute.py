@@ -18,7 +18,8 @@ with cuBLAS (exit 1 on a mismatch), so a broken kernel costs seconds, not the wh
 Usage (repository root, packages on PYTHONPATH)::
 
     python benchmarks/bench_cute.py [--out cute.json] [--dtypes float16 bfloat16] [--no-quack]
-        [--configs sm90_128x128 128x128_4warps] [--shapes 4096x4096 8192x8192] [--smoke]
+        [--configs sm90_128x128 128x128_4warps] [--shapes 4096x4096 8192x8192] [--batch 8]
+        [--smoke]
 """
 
 from __future__ import annotations
@@ -78,11 +79,13 @@ def smoke(configs: Sequence[str]) -> bool:
 
 
 def measure(
-    M: int, K: int, dtype: torch.dtype, *, quack: bool, repeats: int, configs: Sequence[str]
-) -> dict:
+    M: int, K: int, dtype: torch.dtype, *, quack: bool, repeats: int, configs: Sequence[str],
+    batch: int = 1,
+) -> dict:  # fmt: skip
     generator = torch.Generator(device="cuda").manual_seed(M + K)
-    A = torch.randn(M, K, device="cuda", generator=generator).mul_(K**-0.25).to(dtype)
-    columns = {"cublas": lambda: A @ A.T}
+    lead = (batch,) if batch > 1 else ()
+    A = torch.randn(*lead, M, K, device="cuda", generator=generator).mul_(K**-0.25).to(dtype)
+    columns = {"cublas": lambda: A @ A.mT}
     if quack and backend_availability("quack")[0]:
         quack_backend = get_backend("quack")
         columns["quack"] = lambda: quack_backend.syrk(A, None, 1.0, 0.0)
@@ -92,7 +95,7 @@ def measure(
 
     previous = torch.get_float32_matmul_precision()
     torch.set_float32_matmul_precision("highest")
-    reference = A.float() @ A.float().T
+    reference = A.float() @ A.float().mT
     torch.set_float32_matmul_precision(previous)
     errors, compile_s = {}, {}
     for name, fn in columns.items():
@@ -104,12 +107,13 @@ def measure(
         del out
     del reference
     timings = median_ms(columns, torch.device("cuda"), repeats=repeats)
-    flops = M * (M + 1) * K  # one triangle: M(M+1)/2 dot products of 2K flops
+    flops = batch * M * (M + 1) * K  # one triangle: M(M+1)/2 dot products of 2K flops
     return {
         "shape": [M, K],
+        "batch": batch,
         "dtype": str(dtype).removeprefix("torch."),
-        "shape_class": cute_backend.shape_class(M, 1, A.device),
-        "cute_config": cute_backend.choose_config(M, 1, A.device),
+        "shape_class": cute_backend.shape_class(M, batch, A.device),
+        "cute_config": cute_backend.choose_config(M, batch, A.device),
         "median_ms": timings,
         "speedup_vs_cublas": {n: timings["cublas"] / ms for n, ms in timings.items()},
         "triangle_tflops": {n: flops / ms / 1e9 for n, ms in timings.items()},
@@ -128,6 +132,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--shapes", nargs="+", type=parse_shape, help="MxK shapes (default: the standard set)"
     )
+    parser.add_argument("--batch", type=int, default=1, help="matrices per call (default 1)")
     parser.add_argument("--smoke", action="store_true")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -151,6 +156,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 quack=not args.no_quack,
                 repeats=args.repeats,
                 configs=configs,
+                batch=args.batch,
             )
             rows.append(row)
             cells = "  ".join(
@@ -158,7 +164,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"err {row['relative_error_vs_fp32'][n]:.1e})"
                 for n, ms in row["median_ms"].items()
             )
-            print(f"{dtype_name} {M}x{K} [{row['cute_config']}]: {cells}", flush=True)
+            label = f"{args.batch}x{M}x{K}" if args.batch > 1 else f"{M}x{K}"
+            print(f"{dtype_name} {label} [{row['cute_config']}]: {cells}", flush=True)
     gpu = _common.device_name(torch.device("cuda"))
     record = {
         "benchmark": "syrk-cute",

@@ -137,6 +137,23 @@ def test_cute_symmetric_product_is_within_twice_cublas_error_of_fp32(
     assert_within_twice_cublas(out, cublas_out, reference, dtype)
 
 
+@pytest.mark.parametrize("variant", VARIANTS, ids=VARIANT_IDS)
+def test_operands_in_other_layouts_and_dtypes_give_the_same_bits(needs_cute, variant):
+    # the launch reads contiguous, aligned operands in place and copies the others
+    skip_unless_path_runs(variant[0])
+    S, B, C = commuting_pair(2, 264, torch.float16, seed=8)
+    expected = run_cute_product(S, B, C, 0.5, 1.5, variant)
+    offset = torch.empty(2 * 264 * 264 + 1, dtype=torch.float16, device="cuda")[1:]
+    misaligned = offset.view(2, 264, 264).copy_(S)  # 2 bytes past a 16-byte boundary
+    assert torch.equal(run_cute_product(misaligned, B, C, 0.5, 1.5, variant), expected)
+    assert torch.equal(run_cute_product(S, B.mT, C.mT, 0.5, 1.5, variant), expected)
+    assert torch.equal(run_cute_product(S, B, C.float(), 0.5, 1.5, variant), expected)
+    assert torch.equal(run_cute_product(S, B, C[0], 0.5, 1.5, variant)[0], expected[0])
+    A, C = operands(2, 264, 100, torch.float16, seed=9)
+    expected = run_cute(A, C, 0.5, 1.5, variant)
+    assert torch.equal(run_cute(A.mT.contiguous().mT, C.mT, 0.5, 1.5, variant), expected)
+
+
 def test_cute_symmetric_product_reads_b_not_a_twice(needs_cute):
     # S·I = S: a kernel that multiplied S by itself would return S² instead
     S, _, _ = commuting_pair(2, 384, torch.float16, seed=4)

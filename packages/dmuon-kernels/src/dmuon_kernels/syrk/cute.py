@@ -125,6 +125,22 @@ class _LaunchPlan:
     grid: tuple[int, int]  # SM90: (k_pad, tiles per matrix); SM80: (m_tiles, k_tiles)
     chunks: tuple[tuple[int, int], ...]
     sm_count: int
+    device_index: int
+
+    @property
+    def padded_numel(self) -> int:
+        return self.padded_shape[0] * self.padded_shape[1]
+
+    @property
+    def unpadded(self) -> bool:
+        return self.padded_shape == (self.M, self.K)
+
+
+# The current stream's raw handle without building a torch.cuda.Stream (several µs a call);
+# torch's private accessor (Triton launches with it too), the public route where it is missing.
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) or (
+    lambda index: torch.cuda.current_stream(index).cuda_stream
+)
 
 
 _probe_result: _CuteApi | str | None = None  # the probe runs once per process
@@ -280,7 +296,7 @@ def _lower_triangle_product(
         C = None  # beta·C with beta = 0 must not propagate NaN/inf from C, as in torch.addmm
     M = A.shape[-2]
     out_shape = (*A.shape[:-1], M)
-    if C is not None:
+    if C is not None and (C.dtype != A.dtype or C.shape != out_shape):
         C = C.to(A.dtype).expand(out_shape)
     if A.numel() == 0:
         _api_and_path(A, config, path)  # nothing to compute, but the kernel must be runnable
@@ -288,22 +304,22 @@ def _lower_triangle_product(
         return out.add_(C, alpha=beta) if C is not None else out
 
     plan = _launch_plan(A, C is not None, config, path)
-    batch = plan.batch
-    A_padded = _padded(A.reshape(batch, M, plan.K), *plan.padded_shape)
-    B_padded = A_padded if B is None else _padded(B.reshape(batch, M, plan.K), *plan.padded_shape)
-    C3 = None if C is None else _contiguous_aligned(C.reshape(batch, M, M))
-    out = torch.empty((batch, M, M), dtype=A.dtype, device=A.device)
     # The kernels take raw addresses and the raw stream (TVM-FFI calls, see _cute_runtime).
-    stream = torch.cuda.current_stream(A.device).cuda_stream
+    # Copies made here (padding, alignment) may be freed once the launches are enqueued: the
+    # caching allocator hands their memory only to later work on the same stream.
+    A_read = _kernel_operand(A, plan)
+    B_read = A_read if B is None else _kernel_operand(B, plan)
+    C_read = None if C is None else _contiguous_aligned(C)
+    out = torch.empty(out_shape, dtype=A.dtype, device=A.device)
     size = A.element_size()
-    a_base, a_step = A_padded.data_ptr(), A_padded.stride(0) * size
-    b_base = B_padded.data_ptr()  # B_padded has A_padded's shape and strides
+    a_base, b_base, a_step = A_read.data_ptr(), B_read.data_ptr(), plan.padded_numel * size
     d_base, d_step = out.data_ptr(), M * M * size
-    c_base, c_step = (d_base, d_step) if C3 is None else (C3.data_ptr(), C3.stride(0) * size)
-    with torch.cuda.device(A.device):
+    c_base = d_base if C_read is None else C_read.data_ptr()  # C_read has out's layout
+    stream = _raw_stream(plan.device_index)
+    with torch.cuda.device(plan.device_index):
         for start, stop in plan.chunks:
             a_ptr, d_ptr = a_base + start * a_step, d_base + start * d_step
-            b_ptr, c_ptr = b_base + start * a_step, c_base + start * c_step
+            b_ptr, c_ptr = b_base + start * a_step, c_base + start * d_step
             if plan.path == SM90:
                 # persistent: at most one CTA per SM, each walking its share of the triangle
                 k_pad, tiles_per_matrix = plan.grid
@@ -317,7 +333,15 @@ def _lower_triangle_product(
                     a_ptr, b_ptr, d_ptr, c_ptr, M, m_tiles, k_tiles, stop - start, alpha, beta,
                     stream,
                 )  # fmt: skip
-    return out.reshape(out_shape)
+    return out
+
+
+def _kernel_operand(X: Tensor, plan: _LaunchPlan) -> Tensor:
+    """X (A, or B of A's shape) as the kernel reads it: X itself when it is contiguous, needs
+    no padding and its base is 16-byte aligned, else a padded contiguous copy."""
+    if plan.unpadded and X.is_contiguous() and X.data_ptr() % _ALIGNMENT_BYTES == 0:
+        return X
+    return _padded(X.reshape(plan.batch, plan.M, plan.K), *plan.padded_shape)
 
 
 def _launch_plan(A: Tensor, has_c: bool, config: str | None, path: str | None) -> _LaunchPlan:
@@ -390,6 +414,7 @@ def _new_launch_plan(A: Tensor, has_c: bool, config: str | None, path: str | Non
         grid=grid,
         chunks=tuple(_batch_chunks(batch, padded_shape[0] * padded_shape[1], M * M)),
         sm_count=_sm_count(A.device),
+        device_index=A.device.index,
     )
 
 
@@ -472,6 +497,7 @@ def _kernel(
                 api.runtime.load_compiled,
                 api.runtime.dump_compiled,
             )
+            kernel = api.runtime.direct_call(kernel)
         _compiled[key] = kernel
     return kernel
 
