@@ -41,7 +41,6 @@ import sys
 import time
 import traceback
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 import _common
 
@@ -444,7 +443,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help="default nccl on CUDA; gloo runs several ranks on CUDA tensors of one GPU",
     )
-    parser.add_argument("--out", type=Path, default=None)
+    _common.add_record_options(parser, "default: benchmarks/results/e2e-<gpu>-w<world>-<date>.json")
     args = parser.parse_args(argv)
     quick = args.quick
     model = QUICK_CONFIG if quick else ModelConfig()
@@ -530,7 +529,7 @@ def main(argv: list[str] | None = None) -> int:
             "backend": dist.get_backend(),
             **_common.versions(dmuon=dmuon.__version__),
             "ns_backend": dmuon.get_ns_backend(),
-            "git_sha": _common.git_sha(),
+            "git_sha": _common.git_sha(args.git_sha),
             "date": _common.iso_seconds(date),
             "timing": "per step: CUDA events around zero_grad+forward+backward+step (wall clock "
             "on CPU), one synchronisation per step; max over ranks, then median over steps",
