@@ -4,7 +4,8 @@ Owns the run metadata the benchmark JSON carries (git sha, device name, torch/CU
 versions, the UTC date, the ``DMUON_*`` environment), the default result path
 (``benchmarks/results/<benchmark>-<device>[-<qualifier>...]-<date>.json``), writing the JSON,
 and the start-up the distributed scripts share (the package sources on ``sys.path`` where the
-packages are not installed; the process group for ``--device``/``--backend``).
+packages are not installed; the process group for ``--device``/``--backend``), and waiting for a
+device to finish (``synchronize``, a no-op on the CPU).
 
 Must not: measure anything, decide what a script's JSON contains (each script lays out its own
 record, these functions give its values), or import dmuon (the distributed scripts call
@@ -103,6 +104,12 @@ def result_path(
     """``benchmarks/results/<benchmark>-<device slug>[-<qualifier>...]-<YYYY-MM-DD>.json``."""
     stem = "-".join([benchmark, slug(device_label), *qualifiers, f"{date:%Y-%m-%d}"])
     return RESULTS_DIR / f"{stem}.json"
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for ``device``'s queued work; the CPU has none."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def add_record_options(parser: argparse.ArgumentParser, out_help: str | None = None) -> None:

@@ -20,17 +20,13 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import PurePath
 
+import _common
 import torch
 
 OWN_TIME, CUMULATIVE_TIME = "own", "cumulative"
 _SORT_KEYS = {OWN_TIME: "own_us_per_call", CUMULATIVE_TIME: "cum_us_per_call"}
 # pstats' key of a function: (file, first line, name); built-ins are ("~", 0, name).
 _BUILTIN_FILE = "~"
-
-
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def profile_calls(
@@ -43,13 +39,13 @@ def profile_calls(
     profiler = cProfile.Profile()
     host_ms = []
     for _ in range(calls):
-        synchronize(device)
+        _common.synchronize(device)
         started = time.perf_counter()
         profiler.enable()
         fn()
         profiler.disable()
         host_ms.append((time.perf_counter() - started) * 1e3)
-    synchronize(device)
+    _common.synchronize(device)
     return pstats.Stats(profiler), host_ms
 
 

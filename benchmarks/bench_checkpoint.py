@@ -57,11 +57,11 @@ def state_dict_api(variant: str):
 
 def timed(device: torch.device, action) -> float:
     """Seconds of ``action()``, the slowest rank's."""
-    bench_e2e.synchronize(device)
+    _common.synchronize(device)
     dist.barrier()
     started = time.perf_counter()
     action()
-    bench_e2e.synchronize(device)
+    _common.synchronize(device)
     seconds = torch.tensor([time.perf_counter() - started], dtype=torch.float64, device=device)
     dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
     return seconds.item()

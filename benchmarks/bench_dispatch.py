@@ -105,16 +105,11 @@ def contenders(
     }
 
 
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def first_call_s(fn: Callable[[], object], device: torch.device) -> float:
-    synchronize(device)
+    _common.synchronize(device)
     start = time.perf_counter()
     fn()
-    synchronize(device)
+    _common.synchronize(device)
     return time.perf_counter() - start
 
 
@@ -124,11 +119,11 @@ def host_and_call_us(
     """Medians of (return time, start-to-GPU-done time) of single calls, device idle before."""
     host, call = [], []
     for _ in range(repeats):
-        synchronize(device)
+        _common.synchronize(device)
         start = time.perf_counter()
         fn()
         returned = time.perf_counter()
-        synchronize(device)
+        _common.synchronize(device)
         done = time.perf_counter()
         host.append((returned - start) * 1e6)
         call.append((done - start) * 1e6)
@@ -145,7 +140,7 @@ def measure_shape(
         first = first_call_s(fn, device)
         for _ in range(args.warmup):  # the second call captures CUDA graphs; then replays
             fn()
-        synchronize(device)
+        _common.synchronize(device)
         host_us, call_us = host_and_call_us(fn, device, args.host_repeats)
         row["contenders"][name] = {"first_call_s": first, "host_us": host_us, "call_us": call_us}
         if args.host_profile > 0:

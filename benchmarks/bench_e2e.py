@@ -256,11 +256,6 @@ class Timer:
         return (self.stopped - self.started) * 1e3
 
 
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def measure(variant: str, args, mesh, device: torch.device, tokens: torch.Tensor) -> dict:
     """This rank's per-step times, losses and peak memory for one variant."""
     # What earlier variants left allocated (caches) counts in this variant's peak.
@@ -279,7 +274,7 @@ def measure(variant: str, args, mesh, device: torch.device, tokens: torch.Tensor
         optimizer.step()
         optimizer_timer.stop()
         step_timer.stop()
-        synchronize(device)
+        _common.synchronize(device)
         losses.append(loss.item())
         if index >= args.warmup:
             step_ms.append(step_timer.ms())

@@ -94,22 +94,17 @@ def random_gradients(shapes: list[tuple[int, int]], device, seed: int = 0) -> li
 # ---- timing -------------------------------------------------------------------------------------
 
 
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def time_steps(step: Callable[[], object], device: torch.device, warmup: int, iters: int) -> dict:
     """Wall time of each ``step()``, bounded by device synchronisation; plus CUDA-event times and
     the host time until ``step()`` returns."""
     for _ in range(warmup):
         step()
-    synchronize(device)
+    _common.synchronize(device)
     wall_ms, event_ms, host_ms = [], [], []
     for _ in range(iters):
         if device.type == "cuda":
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        synchronize(device)
+        _common.synchronize(device)
         started = time.perf_counter()
         if device.type == "cuda":
             start.record()
@@ -117,7 +112,7 @@ def time_steps(step: Callable[[], object], device: torch.device, warmup: int, it
         returned = time.perf_counter()
         if device.type == "cuda":
             end.record()
-        synchronize(device)
+        _common.synchronize(device)
         wall_ms.append((time.perf_counter() - started) * 1e3)
         host_ms.append((returned - started) * 1e3)
         if device.type == "cuda":
@@ -220,10 +215,10 @@ def kernel_table(
     ``trace``: also write the Chrome trace there (the device's idle gaps show in it)."""
     from torch.profiler import ProfilerActivity, profile
 
-    synchronize(device)
+    _common.synchronize(device)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         step()
-        synchronize(device)
+        _common.synchronize(device)
     rows = [
         {"kernel": event.key, "calls": event.count, "device_ms": event.device_time_total / 1e3}
         for event in prof.key_averages()
