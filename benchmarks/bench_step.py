@@ -14,14 +14,14 @@ k 1024x4096, v 1024x4096, o 4096x4096, gate 14336x4096, up 14336x4096, down 4096
 Each step is bounded by ``torch.cuda.synchronize()`` on both sides; the table reports the median
 wall time over the timed steps after the warm-up steps (the first warm-up step of dmuon with
 kernel auto includes the per-shape SYRK autotune). CUDA-event times are recorded in the JSON,
-and so is each step's host time: from entering ``step()`` to its return, the device idle before
-(synchronised outside the timed region), nothing synchronised inside.
+and so is each step's host time (from entering ``step()`` to its return, the device idle before,
+nothing synchronised inside) and its device-only time (``median_ms``: a spin kernel ahead of the
+step lets the host enqueue all of it first), so the synchronised time minus the device-only one is
+the device idleness the host causes.
 
 ``--host-profile`` then runs one more warmed ``step()`` of each optimizer under cProfile and
 records its host time (entry to return, profiled) and the 15 functions with the most own and
-the most cumulative time (``benchmarks/_host_profile.py``), printed after the summary. Python
-cannot see when the first kernel of a step is launched; the host time next to the synchronised
-step time says how much of the step the host spends issuing work.
+the most cumulative time (``benchmarks/_host_profile.py``), printed after the summary.
 
 Usage (on the GPU machine, from the repository root, packages on PYTHONPATH)::
 
