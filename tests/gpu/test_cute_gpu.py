@@ -83,6 +83,14 @@ def commuting_pair(batch, M, dtype, seed):
     return S.to(dtype), ((B + B.mT) / 2).to(dtype), C
 
 
+def assert_complete_symmetric_and_accurate(out, cublas_out, reference, dtype):
+    """Every element written, exactly symmetric, within twice cuBLAS's error of ``reference``."""
+    assert out.shape == cublas_out.shape and out.dtype == dtype
+    assert bool(out.isfinite().all()), "an output element was never written"
+    assert torch.equal(out, out.mT), "cute writes each element once and mirrors it"
+    assert_within_twice_cublas(out, cublas_out, reference, dtype)
+
+
 def poison_allocator(numel, dtype):
     """Leave NaN in the caching allocator's next block of this size, so an output element the
     kernel never writes shows up as NaN instead of a lucky zero."""
@@ -105,10 +113,7 @@ def test_cute_syrk_is_within_twice_cublas_error_of_fp32(
     cublas_out = syrk(A, C=C, alpha=alpha, beta=beta, kernel="cublas")
     poison_allocator(cublas_out.numel(), dtype)
     out = run_cute(A, C, alpha, beta, variant)
-    assert out.shape == cublas_out.shape and out.dtype == dtype
-    assert bool(out.isfinite().all()), "an output element was never written"
-    assert torch.equal(out, out.mT), "cute writes each element once and mirrors it"
-    assert_within_twice_cublas(out, cublas_out, reference, dtype)
+    assert_complete_symmetric_and_accurate(out, cublas_out, reference, dtype)
 
 
 # (batch, M): aligned; M off 8 (the direct epilogue, K padded to 8); a batch; a 4-D batch;
@@ -131,10 +136,7 @@ def test_cute_symmetric_product_is_within_twice_cublas_error_of_fp32(
     cublas_out = symmetric_product(S, B, C=C, alpha=alpha, beta=beta, kernel="cublas")
     poison_allocator(cublas_out.numel(), dtype)
     out = run_cute_product(S, B, C, alpha, beta, variant)
-    assert out.shape == cublas_out.shape and out.dtype == dtype
-    assert bool(out.isfinite().all()), "an output element was never written"
-    assert torch.equal(out, out.mT), "cute writes each element once and mirrors it"
-    assert_within_twice_cublas(out, cublas_out, reference, dtype)
+    assert_complete_symmetric_and_accurate(out, cublas_out, reference, dtype)
 
 
 @pytest.mark.parametrize("variant", VARIANTS, ids=VARIANT_IDS)
