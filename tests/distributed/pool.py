@@ -24,8 +24,9 @@ default 60) so a collective that only some ranks issue raises on its own, and th
 waits with an overall deadline per scenario (``DMUON_TEST_SCENARIO_DEADLINE``, default 180 s).
 
 Workers write their stdout/stderr (file descriptors 1 and 2, so C++ output included) to one log
-file per rank. After a successful scenario the new output is echoed to this process's stdout,
-which pytest shows only for a failing test; after a failure it is part of the exception message.
+file per rank; a worker killed by a signal leaves its Python stacks there (``faulthandler``).
+After a successful scenario the new output is echoed to this process's stdout, which pytest
+shows only for a failing test; after a failure it is part of the exception message.
 
 Scenario functions must be importable by module name in a fresh process: define them at top
 level of a module under ``tests/`` (e.g. ``tests/distributed/scenarios_*.py``) and pass the
@@ -36,6 +37,7 @@ travel by plain pickle (tensors are copied, never shared).
 from __future__ import annotations
 
 import datetime
+import faulthandler
 import importlib
 import multiprocessing
 import multiprocessing.connection
@@ -43,6 +45,7 @@ import os
 import pickle
 import random
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -200,6 +203,8 @@ def _worker_main(
     log_path: str,
 ) -> None:
     _redirect_output(log_path)
+    # A crash in C++ (a segfault in gloo or a kernel) otherwise leaves nothing in the log.
+    faulthandler.enable(all_threads=True)
     torch.set_num_threads(1)
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(store_port)
@@ -244,6 +249,16 @@ def _worker_main(
 
 # ----------------------------------------------------------------------------------------------
 # Parent side.
+
+
+def _exit_code_text(code: int | None) -> str:
+    """``-11 (SIGSEGV)`` for a process killed by a signal, the plain code otherwise."""
+    if code is not None and code < 0:
+        try:
+            return f"{code} ({signal.Signals(-code).name})"
+        except ValueError:
+            pass
+    return str(code)
 
 
 @dataclass(slots=True)
@@ -454,7 +469,10 @@ class WorkerPool:
         if replies.errors:
             lines.append(f"  raised on ranks {sorted(replies.errors)}")
         if replies.crashed:
-            lines.append(f"  processes died: rank -> exit code {replies.crashed}")
+            codes = ", ".join(
+                f"{rank}: {_exit_code_text(code)}" for rank, code in replies.crashed.items()
+            )
+            lines.append(f"  processes died: rank -> exit code {{{codes}}}")
         if replies.timed_out:
             lines.append(
                 f"  still running at the deadline on ranks {replies.timed_out} (a collective "
@@ -498,7 +516,10 @@ class _Replies:
     def reports(self) -> dict[int, str]:
         reports = dict(self.errors)
         reports.update(
-            {rank: f"process died with exit code {code}" for rank, code in self.crashed.items()}
+            {
+                rank: f"process died with exit code {_exit_code_text(code)}"
+                for rank, code in self.crashed.items()
+            }
         )
         reports.update({rank: "still running at the deadline" for rank in self.timed_out})
         return reports

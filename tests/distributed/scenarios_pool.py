@@ -4,6 +4,7 @@ Owns only tiny behaviours of a rank: report its set-up, fail, hang, die, talk on
 about dmuon lives here.
 """
 
+import ctypes
 import datetime
 import os
 import threading
@@ -72,6 +73,12 @@ def block_forever_on_rank(rank: int) -> str:
 def exit_on_rank(rank: int, exit_code: int) -> str:
     if dist.get_rank() == rank:
         os._exit(exit_code)
+    return "returned"
+
+
+def segfault_on_rank(rank: int) -> str:
+    if dist.get_rank() == rank:
+        ctypes.string_at(0)  # reads address 0: SIGSEGV
     return "returned"
 
 

@@ -101,6 +101,17 @@ def test_a_dying_worker_is_reported_with_its_exit_code_and_replaced(pool2):
     assert pool2.run(scenarios_pool.sum_of_ranks) == [1.0, 1.0]
 
 
+def test_a_segfaulting_worker_is_reported_with_the_signal_and_its_python_stack(pool2):
+    with pytest.raises(WorkerCrash) as failure:
+        pool2.run(scenarios_pool.segfault_on_rank, rank=1)
+    message = str(failure.value)
+    assert "processes died: rank -> exit code {1: -11 (SIGSEGV)}" in message
+    # faulthandler's report, written by the dying worker into its log, names the scenario's line.
+    assert "Fatal Python error: Segmentation fault" in message
+    assert "in segfault_on_rank" in message
+    assert pool2.run(scenarios_pool.sum_of_ranks) == [1.0, 1.0]
+
+
 def test_a_2x2_device_mesh_broadcasts_within_each_subgroup(pool4):
     received = pool4.run(scenarios_pool.broadcast_along_each_mesh_dim)
     # Mesh [[0, 1], [2, 3]]: "shard" groups are rows {0,1} {2,3}, "replicate" columns {0,2} {1,3}.
