@@ -205,7 +205,7 @@ def _stack_seen_in_forward(model, runner) -> dict:
 
 # ---- checkpoints --------------------------------------------------------------------------
 
-GLOBAL_ROWS = 12  # divisible by every world size the checkpoint tests use (1, 2, 4)
+GLOBAL_ROWS = 12  # divisible by every world size the checkpoint tests use (1, 2, 3, 4)
 CHECKPOINT_STEPS = 8
 FULL_ON_FIRST_RANK = StateDictOptions(full_state_dict=True, cpu_offload=True)
 

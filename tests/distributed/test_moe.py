@@ -83,7 +83,14 @@ def test_expert_stacks_train_like_the_reference_on_every_path(pool2, options):
 # ---- checkpoints ----------------------------------------------------------------------------
 
 # (world size, replicas); replicas 0 is one process without torch.distributed.
-CHECKPOINT_LAYOUTS = {"1d-4": (4, 1), "1d-2": (2, 1), "hsdp-2x2": (4, 2), "one-process": (1, 0)}
+# On 1d-3 some ranks own two pieces of one stack (two chunks in one sharded value).
+CHECKPOINT_LAYOUTS = {
+    "1d-4": (4, 1),
+    "1d-3": (3, 1),
+    "1d-2": (2, 1),
+    "hsdp-2x2": (4, 2),
+    "one-process": (1, 0),
+}
 
 
 def run_layout(gloo_pool, layout: str, scenario, **kwargs):
@@ -129,7 +136,14 @@ def test_expert_stacks_resume_on_the_same_layout_bit_identically(gloo_pool, moe_
 
 @pytest.mark.parametrize(
     ("saved_on", "resumed_on"),
-    [("1d-4", "1d-2"), ("1d-4", "one-process"), ("1d-2", "hsdp-2x2"), ("one-process", "1d-4")],
+    [
+        ("1d-4", "1d-2"),
+        ("1d-4", "one-process"),
+        ("1d-2", "hsdp-2x2"),
+        ("one-process", "1d-4"),
+        ("1d-4", "1d-3"),
+        ("1d-3", "1d-2"),
+    ],
 )
 def test_expert_stacks_resume_on_another_layout_like_the_uninterrupted_run(
     gloo_pool, moe_checkpoints, saved_on, resumed_on

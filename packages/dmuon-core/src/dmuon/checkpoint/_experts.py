@@ -22,7 +22,9 @@ deprecated (every torch function on it warns). A sharded stack is a ``DTensor`` 
 ownership grid's ranks whose local tensor is torch's ``LocalShardsWrapper`` (the checkpoint
 protocol's holder of arbitrary local chunks): DCP takes its chunks, offsets included, from the
 wrapper, writes and reads them in place, and sees the DTensor's global shape. Nothing but DCP
-and ``piece_value`` should compute with it.
+and ``piece_value`` should compute with it. torch's wrapper takes the identity view that
+``DTensor.from_local`` makes only for 1-D and 2-D chunks when a rank holds several, so stacks use
+``_ExpertShards``, which takes it for (e, m, n) chunks too.
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor._shards_wrapper import LocalShardsWrapper
+
+aten = torch.ops.aten
 
 from dmuon.checkpoint._context import CheckpointContext
 from dmuon.experts import ExpertStack
@@ -180,12 +184,25 @@ def _sharded(
     pieces = sorted(owned, key=lambda piece: piece.experts[0])
     tensors = [ctx.offloaded(owned[piece]) for piece in pieces]
     trailing = (0,) * (tensors[0].ndim - 1)
-    local = LocalShardsWrapper(tensors, [(piece.experts[0], *trailing) for piece in pieces])
+    local = _ExpertShards(tensors, [(piece.experts[0], *trailing) for piece in pieces])
     mesh = DeviceMesh.from_group(ctx.group, tensors[0].device.type)
     shape = torch.Size([stack.num_experts, *tensors[0].shape[1:]])
     return DTensor.from_local(
         local, mesh, [Shard(0)], run_check=False, shape=shape, stride=_contiguous_strides(shape)
     )
+
+
+class _ExpertShards(LocalShardsWrapper):
+    """torch's ``LocalShardsWrapper``, plus the identity view of several (e, m, n) chunks."""
+
+    @staticmethod
+    def handle_view(args, kwargs) -> LocalShardsWrapper:
+        wrapper, shape = args[0], args[1]
+        if len(wrapper.local_shards()) > 1 and tuple(shape) == tuple(wrapper.shape):
+            # DTensor.from_local's view_as(itself): a view of each chunk, as torch does in 2-D.
+            views = [aten.view.default(shard, shard.shape) for shard in wrapper.local_shards()]
+            return _ExpertShards(views, wrapper.local_offsets())
+        return LocalShardsWrapper.handle_view(args, kwargs)
 
 
 def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
