@@ -172,6 +172,21 @@ def load_errors(path: str) -> dict[str, str]:
     return messages
 
 
+def partial_load_keys() -> dict[str, list[str]]:
+    """``set_model_state_dict(strict=False)`` of a plain model's ``layers.1.*`` values only:
+    the incompatible keys this rank reports, and the keys the dict really lacks."""
+    model, _ = build()
+    torch.manual_seed(1)
+    plain = TinyDecoder().state_dict()
+    partial = {key: value for key, value in plain.items() if key.startswith("layers.1.")}
+    result = dckpt.set_model_state_dict(model, partial, options=StateDictOptions(strict=False))
+    return {
+        "missing": list(result.missing_keys),
+        "unexpected": list(result.unexpected_keys),
+        "lacking": [key for key in plain if key not in partial],
+    }
+
+
 def route_change_warning(path: str) -> list[str]:
     """Load a checkpoint written with the projections on Muon into a model where
     ``layers.0.q_proj.weight`` is left to AdamW (and ``lm_head.weight`` is on Muon)."""

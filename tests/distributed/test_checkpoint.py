@@ -166,6 +166,13 @@ def test_load_names_missing_extra_and_mis_shaped_keys_and_refuses_an_incomplete_
     assert "is not a complete checkpoint" in messages["incomplete"]
 
 
+def test_a_partial_load_reports_every_missing_key_on_every_rank(pool2):
+    # Each dedicated matrix is looked for by its owner only; the report must still be whole.
+    for result in pool2.run(scenarios.partial_load_keys):
+        assert result["missing"] == result["lacking"]
+        assert result["unexpected"] == []
+
+
 def test_a_checkpoint_with_other_routes_loads_and_warns_naming_the_parameters_that_start_fresh(
     checkpoints,
 ):

@@ -135,6 +135,9 @@ def set_model_state_dict(
         else:
             to_load[key] = _shard_like(target, value)
     unexpected = [key for key in model_state_dict if key not in current]
+    # Only a dedicated value's owner looks for it: every rank reports what any rank missed.
+    missed_anywhere = {key for found in ctx.all_gather(missing) for key in found}
+    missing_everywhere = [key for key in current if key in missed_anywhere]
     if ctx.options.strict:
         errors += [f"missing key {key}" for key in missing]
         errors += [f"unexpected key {key}" for key in unexpected]
@@ -147,7 +150,7 @@ def set_model_state_dict(
     with dedicated_entries_applied(ctx.state):
         model.load_state_dict(to_load, strict=False)
     ctx.state.publish_masters()
-    return _IncompatibleKeys(missing, unexpected)
+    return _IncompatibleKeys(missing_everywhere, unexpected)
 
 
 def _frozen_names(model: nn.Module) -> set[str]:
