@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
+import dmuon.checkpoint as dckpt
 from tests.distributed import scenarios_checkpoint as scenarios
 from tests.distributed.models import TinyDecoder
 from tests.distributed.pool import WorkerCrash
@@ -164,6 +166,26 @@ def test_load_names_missing_extra_and_mis_shaped_keys_and_refuses_an_incomplete_
         "missing in the checkpoint: model.layers.3.q_proj.weight" in messages["not-in-checkpoint"]
     )
     assert "is not a complete checkpoint" in messages["incomplete"]
+
+
+def test_another_optimizers_state_keeps_every_groups_hyperparameters_and_says_so():
+    # Moving from torch's AdamW to dmuon: its groups (no "route") must not set Muon's lr.
+    torch.manual_seed(0)
+    plain = TinyDecoder()
+    adamw = torch.optim.AdamW(plain.parameters(), lr=3e-4, weight_decay=0.1)
+    plain(torch.randint(0, 37, (2, 9))).square().mean().backward()
+    adamw.step()
+    saved = get_optimizer_state_dict(plain, adamw)
+    model, optimizer = scenarios.build(replicas=0)
+    before = [dict(group, params=None) for group in optimizer.param_groups]
+    with pytest.warns(UserWarning) as caught:
+        dckpt.set_optimizer_state_dict(model, optimizer, saved)
+    assert [dict(group, params=None) for group in optimizer.param_groups] == before
+    messages = [str(warning.message) for warning in caught]
+    assert any("the saved param groups [0] have no 'route' key" in m for m in messages)
+    assert any("the optimizer state of 15 parameters" in m for m in messages)  # the matrices
+    norm = dict(model.named_parameters())["norm.weight"]
+    assert torch.equal(optimizer.state[norm]["exp_avg"], saved["state"]["norm.weight"]["exp_avg"])
 
 
 def test_a_partial_load_reports_every_missing_key_on_every_rank(pool2):

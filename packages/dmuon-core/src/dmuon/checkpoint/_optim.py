@@ -37,6 +37,7 @@ from dmuon.tp import TensorParallelLayout
 _STATE = "state"
 _GROUPS = "param_groups"
 _PARAMS = "params"
+_ROUTE = "route"  # every group dmuon.Muon writes has one; another optimizer's groups have none
 
 
 def get_optimizer_state_dict(
@@ -98,6 +99,18 @@ def set_optimizer_state_dict(
             for name, tensor in target.items():
                 tensor.copy_(_local_value(param, tensor, entries[name], layout))
     _load_hyperparameters(optimizer, params.global_groups, saved[_GROUPS])
+    foreign = [i for i, group in enumerate(saved[_GROUPS]) if _ROUTE not in group]
+    if foreign and ctx.rank == ctx.receiver:
+        warnings.warn(
+            f"dmuon.checkpoint: the saved param groups {foreign} have no 'route' key, so another "
+            "optimizer wrote them (torch.optim.AdamW, say): no group takes hyperparameters from "
+            "them, and every group keeps its current lr, weight decay and other settings. "
+            "Per-parameter state was loaded where its entries have the names the route uses "
+            "(AdamW: step, exp_avg, exp_avg_sq; Muon: momentum_buffer, which torch.optim.Muon "
+            "keeps (1 - momentum) times smaller than dmuon).",
+            UserWarning,
+            stacklevel=2,
+        )
     fresh_everywhere = sorted({fqn for found in ctx.all_gather(fresh) for fqn in found})
     if fresh_everywhere and ctx.rank == ctx.receiver:
         warnings.warn(
@@ -292,14 +305,13 @@ def _load_hyperparameters(
 ) -> None:
     """Each group takes the hyperparameters of the saved group of its update rule (``"route"``)
     that shares most of its FQNs; without a shared FQN, the saved group at its own index if that
-    one has its rule. A group takes nothing from a group of the other rule: a checkpoint written
-    with other routes may hold most of a group's parameters under the other rule."""
+    one has its rule. A group takes nothing from a group of the other rule (a checkpoint written
+    with other routes may hold most of a group's parameters under the other rule), nor from a
+    group without a rule (another optimizer's)."""
     for index, (group, fqns) in enumerate(zip(optimizer.param_groups, global_groups)):
         mine = set(fqns)
         same_rule = [
-            i
-            for i, saved in enumerate(saved_groups)
-            if saved.get("route", group["route"]) == group["route"]
+            i for i, saved in enumerate(saved_groups) if saved.get(_ROUTE) == group[_ROUTE]
         ]
         overlaps = {i: len(mine & set(saved_groups[i][_PARAMS])) for i in same_rule}
         best = max(same_rule, key=lambda i: (overlaps[i], -i), default=None)
