@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 import dmuon
+import dmuon.checkpoint
 from dmuon.hooks import get_dedicated_state
 from dmuon_kernels import newton_schulz
 from dmuon_kernels.newton_schulz import NewtonSchulz
@@ -120,6 +121,13 @@ def test_dedicating_a_model_twice_is_refused():
 def test_muon_without_dedicate_params_says_to_call_it_first():
     with pytest.raises(ValueError, match=r"call dmuon\.dedicate_params\(model, mesh, predicate\)"):
         dmuon.Muon(TinyDecoder())
+
+
+def test_a_block_of_a_dedicated_model_says_to_pass_the_whole_model():
+    model = TinyDecoder()
+    dmuon.dedicate_params(model, None, proj_predicate)
+    with pytest.raises(ValueError, match=r"is a part of the model dmuon\.dedicate_params prepared"):
+        dmuon.checkpoint.get_model_state_dict(model.layers[0])
 
 
 def test_muon_given_model_parameters_says_to_pass_the_model():

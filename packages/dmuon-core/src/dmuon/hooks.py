@@ -36,7 +36,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from dmuon.experts import expert_original, mark_expert_piece, stacks_of
 from dmuon.group import BoundaryGroup, accumulate_into_masters
 from dmuon.mesh import OwnershipMesh
-from dmuon.param import DedicatedParam
+from dmuon.param import DedicatedParam, is_dedicated
 from dmuon.partition import OwnershipPlan
 from dmuon.profile import ForwardUnshardProfile
 
@@ -383,6 +383,12 @@ def get_dedicated_state(model: nn.Module) -> DedicatedState:
             "model itself: pass model.module (dmuon.Muon(ddp_model.module, ...), "
             "dmuon.no_sync(ddp_model.module), dmuon.checkpoint.get_state_dict(ddp_model.module, "
             "optimizer))."
+        )
+    if state is None and any(is_dedicated(p) for p in model.parameters()):
+        raise ValueError(
+            f"{type(model).__name__} is a part of the model dmuon.dedicate_params prepared: pass "
+            "that whole model (the one given to dedicate_params) to dmuon.Muon, dmuon.checkpoint "
+            "and dmuon.no_sync."
         )
     if state is None:
         raise ValueError(
