@@ -123,6 +123,18 @@ def test_muon_without_dedicate_params_says_to_call_it_first():
         dmuon.Muon(TinyDecoder())
 
 
+def test_unfreezing_a_matrix_frozen_before_dedicate_params_is_refused_with_the_fix():
+    model = TinyDecoder()
+    model.layers[0].q_proj.weight.requires_grad_(False)
+    dmuon.dedicate_params(model, None, proj_predicate)
+    dmuon.Muon(model)
+    model.layers[0].q_proj.weight.requires_grad_(True)
+    with pytest.raises(
+        RuntimeError, match=r"layers\.0\.q_proj\.weight was frozen.*freeze it after"
+    ):
+        loss_fn(model, batches(1, 1)[0]).backward()
+
+
 def test_a_block_of_a_dedicated_model_says_to_pass_the_whole_model():
     model = TinyDecoder()
     dmuon.dedicate_params(model, None, proj_predicate)

@@ -13,8 +13,9 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import FSDPModule, fully_shard
 
 import dmuon
 from dmuon.hooks import get_dedicated_state
@@ -37,17 +38,27 @@ class TrainConfig:
     weight_decay: float = 0.01
     two_steps_without_forward: bool = False
     frozen: tuple[str, ...] = ()  # parameter names with requires_grad=False
+    # Frozen only once dedicate_params and Muon are set up (the reference: from the start).
+    frozen_after_setup: tuple[str, ...] = ()
+    # A second loss backpropagated through the first one's retained graph.
+    second_backward: bool = False
+    # A grad-enabled forward never backpropagated (a validation loss) just before each step.
+    forward_before_step: bool = False
     compile_backend: str | None = None  # torch.compile each layer after fully_shard
     clip_max_norm: float | None = None  # clip gradients before each step
 
 
-def make_model(config: TrainConfig) -> TinyDecoder:
+def make_model(config: TrainConfig, frozen: tuple[str, ...] | None = None) -> TinyDecoder:
     torch.manual_seed(0)
     model = TinyDecoder(**config.model)
-    for name, param in model.named_parameters():
-        if name in config.frozen:
-            param.requires_grad_(False)
+    freeze(model, config.frozen if frozen is None else frozen)
     return model
+
+
+def freeze(model, names: tuple[str, ...]) -> None:
+    for name, param in model.named_parameters():
+        if name in names:
+            param.requires_grad_(False)
 
 
 def build(config: TrainConfig):
@@ -65,11 +76,12 @@ def build(config: TrainConfig):
         ns_backend=NewtonSchulz(backend=config.ns_backend, dtype=ns_dtype, kernel="cublas"),
         replicate_async=config.replicate_async,
     )
+    freeze(model, config.frozen_after_setup)
     return model, optimizer, owners
 
 
 def build_reference(config: TrainConfig):
-    reference = make_model(config)
+    reference = make_model(config, frozen=config.frozen + config.frozen_after_setup)
     orthogonalize = functools.partial(
         newton_schulz, backend=config.ns_backend, dtype=getattr(torch, config.ns_dtype)
     )
@@ -92,9 +104,15 @@ def train_step(model, optimizer, batch: torch.Tensor, config: TrainConfig) -> fl
         last = index == len(micro) - 1
         context = dmuon.no_sync(model) if not last else contextlib.nullcontext()
         with context:
-            loss = loss_fn(model, chunk) / len(micro)
-            loss.backward()
+            loss = forward_backward(model, chunk, config, len(micro))
         total += loss.item()
+    if config.forward_before_step:
+        loss_fn(model, rows)
+        # FSDP2 leaves its own parameters unsharded (stale after the step) under Z2; only the
+        # dedicated ones are under test here.
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
     if config.clip_max_norm is not None:
         dmuon.clip_grad_norm_(model, optimizer, config.clip_max_norm)
     optimizer.step()
@@ -104,9 +122,23 @@ def train_step(model, optimizer, batch: torch.Tensor, config: TrainConfig) -> fl
     return total
 
 
+def forward_backward(model, tokens: torch.Tensor, config: TrainConfig, parts: int = 1):
+    """The loss on ``tokens`` divided by ``parts``, backpropagated. With ``second_backward`` a
+    second loss of another direction (the logits' mean square) then goes through the retained
+    graph, so its gradients must add to the first's."""
+    if not config.second_backward:
+        loss = loss_fn(model, tokens) / parts
+        loss.backward()
+        return loss
+    logits = model(tokens[:, :-1])
+    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1)) / parts
+    loss.backward(retain_graph=True)
+    (logits.square().mean() / parts).backward()
+    return loss
+
+
 def reference_step(reference, optimizer, batch: torch.Tensor, config: TrainConfig) -> float:
-    loss = loss_fn(reference, batch)
-    loss.backward()
+    loss = forward_backward(reference, batch, config)
     if config.clip_max_norm is not None:
         torch.nn.utils.clip_grad_norm_(reference.parameters(), config.clip_max_norm)
     optimizer.step()

@@ -117,6 +117,39 @@ def test_frozen_dedicated_and_sharded_parameters_stay_frozen(pool2):
     assert_matches_reference(results, FP32_TOLERANCE)
 
 
+def test_parameters_frozen_after_setup_stay_frozen_and_the_rest_trains_on(pool2):
+    frozen = ("layers.0.q_proj.weight", "layers.1.attn_norm.weight")
+    results = pool2.run(train_against_reference, frozen_after_setup=frozen, steps=3)
+    assert_matches_reference(results, FP32_TOLERANCE)
+
+
+@pytest.mark.parametrize("reshard_after_forward", [True, False], ids=["z3", "z2"])
+def test_a_second_backward_through_a_retained_graph_adds_its_gradients(
+    pool2, reshard_after_forward
+):
+    results = pool2.run(
+        train_against_reference,
+        second_backward=True,
+        reshard_after_forward=reshard_after_forward,
+        steps=3,
+    )
+    assert_matches_reference(results, FP32_TOLERANCE)
+
+
+@pytest.mark.parametrize("reshard_after_forward", [True, False], ids=["z3", "z2"])
+def test_a_forward_never_backpropagated_before_the_step_leaves_no_stale_weights(
+    pool2, reshard_after_forward
+):
+    results = pool2.run(
+        train_against_reference,
+        forward_before_step=True,
+        reshard_after_forward=reshard_after_forward,
+        steps=3,
+    )
+    # Stale weights in the next forward would give wrong gradients, so wrong masters.
+    assert_matches_reference(results, FP32_TOLERANCE)
+
+
 @pytest.mark.parametrize(("world_size", "replicas"), [(2, 1), (4, 2)], ids=["1d-2", "hsdp-2x2"])
 def test_clip_grad_norm_clips_with_the_norm_of_the_full_model(gloo_pool, world_size, replicas):
     # max_norm well below the gradient norm: every step is clipped, so a wrong norm (a missed

@@ -91,8 +91,9 @@ class BoundaryGroup:
         self._pending_unshard: list[Handle] = []
         self._pending_publish: list[Handle] = []
         self._pending_reduce: list[GradientMessage] = []
-        # Backward bookkeeping, driven by ``hooks``: grad-enabled forwards since the last
-        # backward, post-backwards seen, and whether this backward already reduced.
+        # Backward bookkeeping, driven by ``hooks``: grad-enabled forwards in this forward pass,
+        # post-backwards seen in this backward, and whether this backward already reduced (see
+        # [Note: backward passes of one forward] in ``hooks``).
         self.in_backward = False
         self.forward_count = 0
         self.backward_count = 0
@@ -237,6 +238,10 @@ class BoundaryGroup:
         for stack in self.stacks:
             stack.free()
         self.is_unsharded = False
+
+    def follow_requires_grad(self) -> None:
+        for p in self.params:
+            p.follow_requires_grad()
 
     def register_unsharded(self) -> None:
         for p in self.params:

@@ -14,6 +14,13 @@ One training step, as the hooks see it::
                      messages of boundaries REDUCES_IN_FLIGHT back are waited for and freed
     end of backward  reduce boundaries whose inputs needed no grad; wait; gradients to masters
 
+[Note: backward passes of one forward]
+A boundary's post-backward fires once per use in forward, so it reduces when it has seen
+``forward_count`` of them; the end of backward finishes the boundaries it did not reach. A graph
+kept with ``retain_graph=True`` can be backpropagated again: each pass through it must reduce its
+own gradients, so the forward counts and the list of forwarded boundaries outlive a backward and
+are reset only when the next grad-enabled forward begins.
+
 [Note: activation checkpointing]
 With non-reentrant checkpointing a boundary's forward re-runs inside backward. Its outputs'
 pre-backward hook fires before the recompute, so the boundary is already unsharded; the
@@ -79,8 +86,11 @@ class DedicatedState:
         self._forward_order: list[BoundaryGroup] = []
         # Position of each boundary in the forward order, once the first forward has closed it.
         self._forward_position: dict[BoundaryGroup, int] | None = None
-        # Boundaries that ran a grad-enabled forward since the last backward, in order.
+        # Boundaries that ran a grad-enabled forward in the current forward pass, in order (see
+        # [Note: backward passes of one forward]).
         self._forwarded: list[BoundaryGroup] = []
+        # A backward finished since the last grad-enabled forward: the next one starts a pass.
+        self._backward_since_forward = False
         # Boundaries that reduced in this backward, in order (see REDUCES_IN_FLIGHT).
         self._reduced: list[BoundaryGroup] = []
         self._end_of_backward_queued = False
@@ -180,10 +190,18 @@ class DedicatedState:
             self._end_of_backward_queued = True
             Variable._execution_engine.queue_callback(self._end_of_backward)
 
+    def _start_forward_pass(self) -> None:
+        """Forget the previous pass's boundaries once a backward has consumed it."""
+        if self._backward_since_forward:
+            self._backward_since_forward = False
+            for group in self._forwarded:
+                group.forward_count = 0
+            self._forwarded.clear()
+
     def _end_of_backward(self) -> None:
         self._end_of_backward_queued = False
+        self._backward_since_forward = True
         forwarded = list(dict.fromkeys(self._forwarded))  # unique, in forward order
-        self._forwarded.clear()
         # Boundaries whose inputs needed no grad never saw their post-backward: finish them in
         # reverse forward order, the same on every rank.
         for group in reversed(forwarded):
@@ -194,7 +212,7 @@ class DedicatedState:
             if self.requires_gradient_sync:
                 received += group.finish_reduce()
             group.in_backward = group.reduced_this_backward = False
-            group.forward_count = group.backward_count = 0
+            group.backward_count = 0
         self._reduced.clear()
         accumulate_into_masters(received, divisor=self.mesh.num_slots)
 
@@ -216,6 +234,18 @@ class DedicatedState:
             group.wait_for_publish()
 
     # ---- user-facing drains ---------------------------------------------------------------------
+
+    def reshard_all(self) -> None:
+        """Free every boundary still unsharded before the weights change.
+
+        Only a grad-enabled forward whose backward never ran leaves one so under Z2 (a
+        validation loss computed with grad on); its copy would serve the next forward the
+        weights of before the step. Freed, the next forward broadcasts the new ones. No
+        collective is issued, so the protocol's order is unchanged.
+        """
+        for group in self.boundaries:
+            if group.is_unsharded or group.is_unsharding:
+                group.reshard()
 
     def wait_all_replicate_broadcasts(self) -> None:
         for group in self.boundaries:
@@ -245,12 +275,14 @@ def _pre_forward(
         state.profile.record(group.name, group.is_unsharding, group.device, group.wait_for_unshard)
     else:
         group.wait_for_unshard()
+    group.follow_requires_grad()
     group.register_unsharded()
     following = state._neighbour(group, +1)
     if following is not None:
         following.unshard()
     if not torch.is_grad_enabled():
         return None
+    state._start_forward_pass()
     group.forward_count += 1
     return _attach_post_backward(state, group, args, kwargs)
 

@@ -268,6 +268,7 @@ class Muon(torch.optim.Optimizer):
         # A publish still in flight from the previous step reads the weights we are about to
         # change: drain it first (two steps without a forward in between stay correct).
         self._dedicated.wait_all_replicate_broadcasts()
+        self._dedicated.reshard_all()
         for group in self.param_groups:
             if group["route"] == MUON_ROUTE:
                 self._muon_step(group)

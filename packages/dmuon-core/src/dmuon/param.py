@@ -174,6 +174,26 @@ class DedicatedParam:
             return
         self.module._parameters[self.attr] = self.unsharded
 
+    def follow_requires_grad(self) -> None:
+        """Give the unsharded parameter the placeholder's ``requires_grad``.
+
+        User code freezes a dedicated parameter through the module's parameter, which is the
+        placeholder outside forward. One frozen when ``dedicate_params`` ran has no state in the
+        optimizer, so unfreezing it is refused rather than ignored.
+        """
+        holder = self.stack if self.stack is not None else self  # a piece follows its stack
+        wanted = holder.placeholder.requires_grad
+        if wanted == holder.unsharded.requires_grad:
+            return
+        if wanted and not holder.requires_grad:
+            raise RuntimeError(
+                f"{holder.fqn} was frozen (requires_grad=False) when dmuon.dedicate_params ran, "
+                "so dmuon.Muon keeps no state for it and cannot train it. Unfreeze it before "
+                "dmuon.dedicate_params; to freeze it for a while, freeze it after "
+                "dedicate_params (requires_grad_ then works both ways)."
+            )
+        holder.unsharded.requires_grad_(wanted)
+
     def register_placeholder(self) -> None:
         if self.stack is not None:
             self.stack.register_placeholder()
