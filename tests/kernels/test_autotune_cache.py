@@ -241,6 +241,15 @@ def test_eight_processes_writing_at_once_lose_nothing_and_never_corrupt_the_file
     ("content", "problem"),
     [
         ("{not json", "not valid JSON"),
+        # json's decoder recurses once per bracket: deep nesting raised RecursionError from get()
+        ("[" * 100_000 + "]" * 100_000, "nests JSON arrays or objects too deeply to decode"),
+        (
+            '{"format": "dmuon-syrk-autotune", "verdicts": {"k": '
+            + "[" * 100_000
+            + "]" * 100_000
+            + "}}",
+            "nests JSON arrays or objects too deeply to decode",
+        ),
         ('["a", "list"]', "top level is a list"),
         (json.dumps({"format": "someone-else", "verdicts": {}}), "format is 'someone-else'"),
         (
@@ -306,6 +315,8 @@ def test_eight_processes_writing_at_once_lose_nothing_and_never_corrupt_the_file
     ],
     ids=[
         "corrupt",
+        "deeply-nested",
+        "deeply-nested-verdict",
         "not-an-object",
         "foreign",
         "newer-format",

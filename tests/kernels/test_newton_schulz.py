@@ -148,6 +148,23 @@ def test_outputs_are_finite_for_extreme_scales_and_spectra(backend, dtype):
         assert torch.isfinite(out).all()
 
 
+@pytest.mark.xfail(
+    strict=True,
+    reason="known issue, CPU and CUDA alike: normalized_input takes the fp32 Frobenius norm, "
+    "whose sum of squares overflows to inf once ||G||_F > ~1.8e19, so G/(inf + eps) is zero. "
+    "The fix (norm of G/max|G| times max|G|) changes the CUDA pipeline; it waits for a GPU.",
+)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_finite_input_whose_squared_norm_overflows_fp32_is_still_orthogonalised(backend):
+    G = case_matrix("wide")
+    huge = G * 2.0**64  # finite, and so is its Frobenius norm; the sum of squares is not
+    norm = torch.linalg.matrix_norm(huge.double()).item()
+    assert huge.isfinite().all() and 2.0**64 < norm < torch.finfo(torch.float32).max
+    out = newton_schulz(huge, backend=backend, dtype=torch.float32)
+    exact = reference.newton_schulz_by_svd(G, POLAR_EXPRESS_COEFFICIENTS)  # scale-free
+    assert relative_error(out, exact) <= fp32_tolerance(POLAR_EXPRESS_COEFFICIENTS)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_zero_matrix_gives_zeros_and_leaves_its_batch_neighbours_alone(backend):
     assert torch.equal(newton_schulz(torch.zeros(8, 40), backend=backend), torch.zeros(8, 40))

@@ -250,6 +250,77 @@ def test_backend_status_reports_every_backend_env_and_versions(monkeypatch):
         assert (status["sm"], status["auto_choice"]) == (None, "cublas")
 
 
+def test_backend_status_reports_what_newton_schulz_runs():
+    ns_report = get_backend_status()["ns"]
+    assert ns_report == {
+        "requested": "auto",
+        "origin": "auto",
+        "backend": get_ns_backend(),
+        "error": None,
+    }
+
+
+@pytest.mark.parametrize("name", ["quack", "cute"])
+def test_get_ns_backend_raises_what_newton_schulz_raises_for_an_env_kernel_that_cannot_run(
+    monkeypatch, name
+):
+    _skip_if_available(name)
+    monkeypatch.setenv("DMUON_NS_KERNEL", name)
+    with pytest.raises(RuntimeError) as from_constructor:
+        NewtonSchulz()
+    with pytest.raises(RuntimeError) as from_report:
+        get_ns_backend()
+    message = str(from_report.value)
+    assert message == str(from_constructor.value)
+    assert f"DMUON_NS_KERNEL={name!r} cannot run here" in message
+    assert f"pip install dmuon-kernels[{name}]" in message
+    assert "set DMUON_NS_KERNEL=auto (or unset it)" in message
+
+
+@pytest.mark.parametrize("name", ["quack", "cute"])
+def test_backend_status_reports_an_env_kernel_that_cannot_run_instead_of_raising(monkeypatch, name):
+    _skip_if_available(name)
+    monkeypatch.setenv("DMUON_NS_KERNEL", name)
+    status = get_backend_status()
+    json.dumps(status)
+    with pytest.raises(RuntimeError) as raised:
+        NewtonSchulz()
+    assert status["ns"] == {
+        "requested": name,
+        "origin": "DMUON_NS_KERNEL",
+        "backend": None,
+        "error": str(raised.value),
+    }
+    assert status["env"]["DMUON_NS_KERNEL"] == name
+    assert status["backends"][name]["available"] is False
+    assert status["backends"][name]["reason"] in status["ns"]["error"]
+
+
+def test_backend_status_reports_an_env_value_that_names_no_kernel_instead_of_raising(
+    monkeypatch,
+):
+    monkeypatch.setenv("DMUON_NS_KERNEL", "fastest")
+    status = get_backend_status()
+    assert status["ns"] == {
+        "requested": None,
+        "origin": "DMUON_NS_KERNEL",
+        "backend": None,
+        "error": "environment variable DMUON_NS_KERNEL must be one of 'auto', 'cublas', 'quack', "
+        "'cute', 'cute_sm80'; got 'fastest'",
+    }
+    with pytest.raises(ValueError, match=r"DMUON_NS_KERNEL must be one of .* got 'fastest'"):
+        get_ns_backend()
+
+
+def test_backend_status_reports_an_invalid_cuda_graph_switch_instead_of_raising(monkeypatch):
+    monkeypatch.setenv("DMUON_NS_CUDA_GRAPH", "sometimes")
+    ns_report = get_backend_status()["ns"]
+    assert (ns_report["requested"], ns_report["backend"]) == ("auto", None)
+    assert ns_report["error"].startswith(
+        "environment variable DMUON_NS_CUDA_GRAPH='sometimes' is not an on/off value"
+    )
+
+
 # --- rank-tagged logging ------------------------------------------------------------------------
 
 

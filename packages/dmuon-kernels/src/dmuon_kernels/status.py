@@ -29,9 +29,10 @@ from dmuon_kernels.syrk.dispatch import (
     ORIGIN_ENV,
     auto_candidate,
     default_device,
+    ns_kernel_request,
     sm_version,
 )
-from dmuon_kernels.syrk.registry import CUBLAS, backend_availability, backend_names
+from dmuon_kernels.syrk.registry import AUTO, CUBLAS, backend_availability, backend_names
 
 # The variables that steer the kernels, shown by the status report.
 ENV_VARS = (
@@ -52,6 +53,11 @@ def get_ns_backend(ns: NewtonSchulz | None = None) -> str:
     E.g. ``"Gram NS · kernel=cublas (SM80, universal fallback)"``. ``ns`` defaults to
     ``NewtonSchulz()`` (which honours ``DMUON_NS_KERNEL``). Under "auto" the per-shape autotuner
     may still send individual shapes to cuBLAS.
+
+    Without ``ns`` it raises what ``NewtonSchulz()`` raises, because then no kernel would run:
+    RuntimeError when ``DMUON_NS_KERNEL`` names a kernel that cannot run here, ValueError when it
+    names no kernel; both messages name the variable and the fix. ``get_backend_status()``
+    reports the same problem under ``"ns"`` without raising.
     """
     if ns is None:
         ns = NewtonSchulz()
@@ -83,9 +89,34 @@ def _autotune_summary(kernel: str) -> str:
     return f"; autotune {', '.join(parts)} of {sum(counts.values())} problems" if parts else ""
 
 
+def _default_ns_report() -> dict[str, str | None]:
+    """``get_backend_status()["ns"]``: what ``NewtonSchulz()`` asks for and gets here, or why
+    it cannot be built. Never raises for a misconfigured environment."""
+    report: dict[str, str | None] = {
+        "requested": None,
+        "origin": ORIGIN_ENV,
+        "backend": None,
+        "error": None,
+    }
+    try:
+        report["requested"], report["origin"] = ns_kernel_request(AUTO, deterministic=False)
+        report["backend"] = get_ns_backend()
+    except (RuntimeError, ValueError) as error:  # the messages name the variable and the fix
+        report["error"] = str(error)
+    return report
+
+
 def get_backend_status() -> dict[str, Any]:
-    """A JSON-friendly report: device and SM, the "auto" choice, every backend's availability
-    and reason, the relevant environment variables, and library versions."""
+    """A JSON-friendly report: device and SM, the "auto" choice, what ``NewtonSchulz()`` runs,
+    every backend's availability and reason, the relevant environment variables, and library
+    versions.
+
+    ``status["ns"]`` describes ``NewtonSchulz()``: ``requested`` ("auto", or the kernel
+    ``DMUON_NS_KERNEL`` names; None when it names none), ``origin`` (what decided the request),
+    ``backend`` (the ``get_ns_backend()`` line, or None) and ``error`` (the message
+    ``NewtonSchulz()`` and ``get_ns_backend()`` raise, or None). A misconfigured environment,
+    such as ``DMUON_NS_KERNEL=quack`` where quack cannot run, is reported there, never raised.
+    """
     device = default_device()
     auto_choice, auto_reason = auto_candidate(device)
     backends = {}
@@ -100,6 +131,7 @@ def get_backend_status() -> dict[str, Any]:
         "cuda": torch.version.cuda,
         "auto_choice": auto_choice,
         "auto_reason": auto_reason,
+        "ns": _default_ns_report(),
         "backends": backends,
         "env": {name: os.environ.get(name) for name in ENV_VARS},
         "versions": versions,

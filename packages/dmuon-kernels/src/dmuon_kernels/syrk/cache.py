@@ -227,6 +227,9 @@ class VerdictCache:
         except ValueError as exc:  # includes UnicodeDecodeError
             self._warn_invalid(path, f"it is not valid JSON ({exc})")
             return {}
+        except RecursionError:  # json's C decoder recurses once per nested bracket
+            self._warn_invalid(path, "it nests JSON arrays or objects too deeply to decode")
+            return {}
         verdicts = self._parse(document)
         if isinstance(verdicts, str):
             self._warn_invalid(path, verdicts)

@@ -11,6 +11,14 @@ part above each diagonal block is the transpose of the block below it, copied. T
 (b + 1) / 2b of the full product's FLOPs (3/4 for b = 2) for b GEMMs and one transposed copy of
 about half the output, and it stays deterministic. ``symmetric_block_count`` picks b so that every
 GEMM is still big enough to run at full speed; small problems and CPU tensors run one GEMM.
+
+[Note: exact symmetry off CUDA] A GEMM does not promise that out[i, j] and out[j, i] are summed
+in the same order: the CPU BLAS computes the two in different micro-kernel lanes and differs in
+the last bit (max|out - outᵀ| ~ 1e-7 for a 6 x 10 fp32 A). ``syrk`` promises a symmetric result,
+so off CUDA it keeps the GEMM's lower triangle (diagonal included) and copies it over the upper
+one: every element is still one GEMM output, within the same error bound, and C is read through
+its lower triangle only, as the symmetric kernels do. CUDA results are left as the GEMM (or the
+block columns above) computes them.
 """
 
 from __future__ import annotations
@@ -128,15 +136,26 @@ def _symmetric(left: Tensor, right: Tensor, C: Tensor | None, alpha: float, beta
     return _gemm(left, right, C, alpha, beta)
 
 
+def _mirror_lower_triangle(out: Tensor) -> Tensor:
+    """``out`` (.., M, M) with its strict upper triangle replaced by the transpose of its strict
+    lower one: exactly symmetric, every value taken from ``out``."""
+    M = out.shape[-1]
+    upper = torch.ones(M, M, dtype=torch.bool, device=out.device).triu_(1)  # (M, M)
+    return torch.where(upper, out.mT, out)
+
+
 def _batched(t: Tensor | None) -> Tensor | None:
     """``t`` as one matrix or one (B, M, N) batch, the shapes torch.mm and torch.bmm take."""
     return t if t is None or t.dim() <= 3 else t.reshape(-1, *t.shape[-2:])
 
 
 def syrk(A: Tensor, C: Tensor | None, alpha: float, beta: float) -> Tensor:
-    """Return ``alpha·A·Aᵀ + beta·C`` for A (..., M, K) and C (..., M, M) or None."""
+    """Return ``alpha·A·Aᵀ + beta·C`` for A (..., M, K) and C (..., M, M) or None; exactly
+    symmetric off CUDA (see [Note: exact symmetry off CUDA])."""
     A3 = _batched(A)
     out = _symmetric(A3, A3.mT, _batched(C), alpha, beta)
+    if not A3.is_cuda:
+        out = _mirror_lower_triangle(out)
     return out if A.dim() <= 3 else out.reshape(*A.shape[:-1], A.shape[-2])
 
 
