@@ -83,6 +83,49 @@ def test_a_user_group_splits_into_one_torch_group_per_route_and_first_match_wins
     assert rows["layers.2.o_proj.bias"].why == "not dedicated, no_decay rule, param_groups[1]"
 
 
+def test_a_group_that_applies_to_no_parameter_warns_saying_why():
+    with pytest.warns(UserWarning) as caught:
+        dmuon.Muon(
+            dedicated(),
+            param_groups=[
+                {"params": lambda name, p: "lm_haed" in name, "lr": 1e-5},
+                {"params": ["layers.0.q_proj.weight"], "lr": 0.5},
+                {"params": ["layers.0.q_proj.weight", "layers.1.q_proj.weight"], "lr": 0.0},
+                {"params": [], "lr": 0.1},
+            ],
+        )
+    messages = [str(warning.message) for warning in caught]
+    assert messages == [
+        "dmuon.Muon: param_groups[0] (predicate test_a_group_that_applies_to_no_parameter_warns"
+        "_saying_why.<locals>.<lambda>) applies to no parameter: its predicate matches none of "
+        "the 34 trainable parameters (names as in model.named_parameters()).",
+        "dmuon.Muon: param_groups[3] (params []) applies to no parameter: its 'params' list is "
+        "empty.",
+    ]  # param_groups[2] keeps layers.1.q_proj.weight: it applies to a parameter
+
+
+def test_adding_a_param_group_after_construction_is_refused_with_the_fix():
+    optimizer = dmuon.Muon(dedicated())
+    with pytest.raises(TypeError, match=r"cannot take one added later.*param_groups=\["):
+        optimizer.add_param_group({"params": [torch.nn.Parameter(torch.ones(1))], "lr": 0.01})
+
+
+def test_a_fully_shadowed_group_warns_naming_the_earlier_entry():
+    with pytest.warns(
+        UserWarning,
+        match=r"param_groups\[1\] \(params \[layers\.0\.q_proj\.weight\]\) "
+        r"applies to no parameter: every parameter it selects \(layers\.0\.q_proj\."
+        r"weight\) is taken by the earlier param_groups\[0\]",
+    ):
+        dmuon.Muon(
+            dedicated(),
+            param_groups=[
+                {"params": lambda name, p: name.startswith("layers.0."), "lr": 0.01},
+                {"params": ["layers.0.q_proj.weight"], "lr": 0.5},
+            ],
+        )
+
+
 def test_a_predicate_sees_a_dedicated_matrix_as_a_meta_tensor_of_its_full_shape():
     seen = {}
 

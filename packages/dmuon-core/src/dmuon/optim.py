@@ -201,8 +201,21 @@ class Muon(torch.optim.Optimizer):
             for group in self._routing_plan.groups
         ]
         super().__init__(torch_groups, defaults={})
+        self._groups_planned = True
         self._check_ranks_agree()
         _log_route_summaries(self.routing())
+
+    def add_param_group(self, param_group: dict) -> None:
+        """Refused once constructed: dmuon plans every group from the model (routes, owners,
+        checkpoint FQNs), so a group added later would have none of them."""
+        if getattr(self, "_groups_planned", False):
+            raise TypeError(
+                "dmuon.Muon plans its param groups from the model and cannot take one added "
+                "later. Pass it at construction: dmuon.Muon(model, param_groups=[{'params': "
+                "[fqn, ...] or lambda name, p: ..., 'lr': ...}]); a tensor outside the model "
+                "needs its own torch optimizer."
+            )
+        super().add_param_group(param_group)
 
     @classmethod
     def torch_compatible(

@@ -28,12 +28,15 @@ from __future__ import annotations
 
 import math
 import re
+import warnings
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
 from torch import nn
+
+from dmuon._text import preview_names
 
 MUON_ROUTE = "muon"
 ADAMW_ROUTE = "adamw"
@@ -159,6 +162,8 @@ def plan_groups(
     members: dict[str, int | None] = {f.fqn: _first_match(f, user_groups) for f in facts}
     for index, spec in enumerate(user_groups):
         _check_keys_apply(index, spec, [f for f in facts if members[f.fqn] == index])
+        if index not in members.values():
+            _warn_empty_group(index, spec, facts, user_groups)
 
     # (source index: -1 for the defaults, update rule, no_decay applied) -> FQNs
     buckets: dict[tuple[int, str, bool], list[str]] = {}
@@ -285,6 +290,42 @@ def _first_match(f: ParamFacts, user_groups: Sequence[Mapping[str, Any]]) -> int
         if f.fqn in params if not callable(params) else params(f.fqn, f.stand_in):
             return index
     return None
+
+
+def _warn_empty_group(
+    index: int,
+    spec: Mapping[str, Any],
+    facts: Sequence[ParamFacts],
+    user_groups: Sequence[Mapping[str, Any]],
+) -> None:
+    """An entry that ends up with no parameter is most likely a typo in its predicate, or an
+    entry shadowed by an earlier one (first match wins): say which."""
+    selected = [f.fqn for f in facts if _first_match(f, user_groups[index : index + 1]) == 0]
+    if selected:
+        earlier = sorted({_first_match(f, user_groups) for f in facts if f.fqn in selected})
+        why = (
+            f"every parameter it selects ({preview_names(selected)}) is taken by the earlier "
+            f"param_groups{earlier} (the first matching entry wins); move it before them"
+        )
+    elif callable(spec["params"]):
+        why = (
+            f"its predicate matches none of the {len(facts)} trainable parameters (names as in "
+            "model.named_parameters())"
+        )
+    else:
+        why = "its 'params' list is empty"
+    warnings.warn(
+        f"dmuon.Muon: param_groups[{index}] ({_describe_params(spec['params'])}) applies to no "
+        f"parameter: {why}.",
+        UserWarning,
+        stacklevel=4,
+    )
+
+
+def _describe_params(params: Any) -> str:
+    if callable(params):
+        return f"predicate {getattr(params, '__qualname__', repr(params))}"
+    return f"params [{preview_names(list(params))}]"
 
 
 def _check_group_spec(index: int, spec: Any, known: set[str]) -> None:
