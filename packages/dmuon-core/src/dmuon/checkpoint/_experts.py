@@ -34,11 +34,11 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor._shards_wrapper import LocalShardsWrapper
 
-aten = torch.ops.aten
-
 from dmuon.checkpoint._context import CheckpointContext
 from dmuon.experts import ExpertStack
 from dmuon.param import DedicatedParam
+
+aten = torch.ops.aten
 
 # ---- the model's weights --------------------------------------------------------------------
 
