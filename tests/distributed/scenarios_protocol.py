@@ -250,6 +250,29 @@ def dedicated_set_mismatch() -> str:
     return "no error"
 
 
+def dedicate_option_mismatch(option: str) -> str:
+    """Rank 1 passes ``dedicate_params`` another value of ``option`` than the others."""
+    world = dist.get_world_size()
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("shard",))
+    model = TinyDecoder()
+    odd = dist.get_rank() == 1
+    options = {
+        "reshard_after_forward": {"reshard_after_forward": not odd},
+        "layer_id_fn": {"layer_id_fn": (lambda name: "one") if odd else None},
+        "reduce_dtype": {
+            "param_policy": {"defaults": {"reduce_dtype": torch.float64 if odd else None}}
+        },
+        "hook_boundary_predicate": {
+            "hook_boundary_predicate": (lambda module: module is model) if odd else None
+        },
+    }[option]
+    try:
+        dmuon.dedicate_params(model, mesh, proj_predicate, **options)
+    except ValueError as error:
+        return str(error)
+    return "no error"
+
+
 def three_line_integration() -> list[float]:
     """SPEC.md's integration, verbatim, on a model with a ``.layers`` list."""
     world = dist.get_world_size()

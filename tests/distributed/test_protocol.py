@@ -10,6 +10,7 @@ import torch
 
 from tests.distributed.scenarios_protocol import (
     count_step_communication,
+    dedicate_option_mismatch,
     dedicated_set_mismatch,
     error_messages,
     fully_shard_skips_dedicated_parameters,
@@ -232,6 +233,23 @@ def test_different_dedicated_parameters_across_ranks_raise_on_every_rank(pool2):
     messages = pool2.run(dedicated_set_mismatch)
     for message in messages:
         assert "ranks [1] use different dedicated parameters" in message
+
+
+@pytest.mark.parametrize(
+    ("option", "what", "shown"),
+    [
+        ("reshard_after_forward", "dedicate_params options", "True"),
+        ("layer_id_fn", "owners (layer_id_fn=, the partition)", "OwnerCoord(shard="),
+        ("reduce_dtype", "dedicate_params options", "torch.float64"),
+        ("hook_boundary_predicate", "hook boundaries (hook_boundary_predicate=)", "layers.0"),
+    ],
+)
+def test_dedicate_params_options_that_differ_across_ranks_raise_on_every_rank(
+    pool2, option, what, shown
+):
+    for message in pool2.run(dedicate_option_mismatch, option=option):
+        assert message.startswith(f"dmuon: ranks [1] use different {what}"), message
+        assert shown in message
 
 
 def test_the_three_line_integration_of_the_readme_trains(pool2):

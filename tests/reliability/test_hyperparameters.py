@@ -48,6 +48,7 @@ def test_a_bad_hyperparameter_is_refused_with_its_value(
         ("lr", 0.03, 0.02),
         ("adamw_betas", (0.9, 0.95), (0.9, 0.999)),
         ("replicate_async", False, True),
+        ("nonfinite", "skip", "ignore"),
     ],
 )
 def test_a_hyperparameter_that_differs_on_one_rank_fails_on_every_rank(pool2, name, value, default):

@@ -1,7 +1,7 @@
 """One-time checks that every rank made the same choices, so a mismatch fails loudly, never hangs.
 
-Owns the comparison and its message; one small ``all_gather_object`` per check. It must not be
-called on a hot path.
+Owns the comparison and its message; one ``all_gather_object`` of digests per check (a second,
+of the facts themselves, only when the digests differ). It must not be called on a hot path.
 
 Two kinds of check: ``check_ranks_agree`` compares facts every rank holds (which parameters are
 dedicated, the Newton-Schulz request); ``ranks_fail_together`` makes an error raised on some
@@ -12,14 +12,15 @@ collective the failed ones will never join.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 from collections.abc import Iterator
 from typing import Any
 
 import torch.distributed as dist
 
 _FIX = (
-    "Every rank must build the same model, call dedicate_params with the same predicate, and "
-    "construct dmuon.Muon with the same ns_backend."
+    "Every rank must build the same model, call dedicate_params with the same predicate and "
+    "options, and construct dmuon.Muon with the same arguments."
 )
 
 
@@ -30,20 +31,42 @@ def check_ranks_agree(group: dist.ProcessGroup | None, facts: dict[str, tuple[st
     """
     if group is None:
         return
-    mine = {key: value for key, (_, value) in facts.items()}
-    everyone: list[dict | None] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(everyone, mine, group=group)
+    # Digests first: the facts (every parameter's name, say) are gathered only to describe a
+    # mismatch, so a large model on many ranks sends a few bytes per check.
+    digests = {
+        key: hashlib.sha256(repr(value).encode()).hexdigest() for key, (_, value) in facts.items()
+    }
+    if len(set(map(str, _gathered(group, digests)))) == 1:
+        return
+    everyone = _gathered(group, {key: value for key, (_, value) in facts.items()})
     ranks = dist.get_process_group_ranks(group)
     for key, (what, _) in facts.items():
         reference = everyone[0][key]
         differing = [rank for rank, seen in zip(ranks, everyone) if seen[key] != reference]
         if differing:
             mismatch = everyone[ranks.index(differing[0])][key]
+            reference, mismatch = _first_difference(reference, mismatch)
             raise ValueError(
                 f"dmuon: ranks {differing} use different {what} from rank {ranks[0]}: "
                 f"rank {ranks[0]} has {_short(reference)}, rank {differing[0]} has "
                 f"{_short(mismatch)}. {_FIX}"
             )
+
+
+def _gathered(group: dist.ProcessGroup, mine: dict) -> list[dict]:
+    everyone: list[dict | None] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, mine, group=group)
+    return everyone
+
+
+def _first_difference(a: Any, b: Any) -> tuple[Any, Any]:
+    """The first differing items of two lists of one length (what a message should show of two
+    long lists), else the values themselves."""
+    if isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
+        for x, y in zip(a, b):
+            if x != y:
+                return x, y
+    return a, b
 
 
 def _short(value: Any, limit: int = 300) -> str:

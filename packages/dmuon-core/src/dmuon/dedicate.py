@@ -196,6 +196,28 @@ def dedicate_params(
     boundaries = group_by_boundary(
         model, params, hook_boundary_predicate, ownership_mesh, reshard_after_forward
     )
+    # What the options made of those inputs must match too, or the ranks' collectives would not
+    # pair up: owners (a rank-dependent layer_id_fn), hook boundaries, Z2/Z3 and dtypes.
+    check_ranks_agree(
+        ownership_mesh.world_group,
+        {
+            "owners": (
+                "owners (layer_id_fn=, the partition)",
+                sorted((name, repr(owner)) for name, owner in plan.owners.items()),
+            ),
+            "boundaries": (
+                "hook boundaries (hook_boundary_predicate=)",
+                [(group.name, [p.fqn for p in group.params]) for group in boundaries],
+            ),
+            "options": (
+                "dedicate_params options (reshard_after_forward, param_dtype, reduce_dtype)",
+                [
+                    (p.fqn, reshard_after_forward, str(p.param_dtype), str(p.reduce_dtype))
+                    for p in params.values()
+                ],
+            ),
+        },
+    )
     state = DedicatedState(
         model=model,
         mesh=ownership_mesh,

@@ -525,7 +525,7 @@ class Muon(torch.optim.Optimizer):
                 "hyperparameters": (
                     "hyperparameters (lr, momentum, weight decay, AdamW settings, ...)",
                     # replicate_async first: the message shows the start of a long list.
-                    [{"replicate_async": self.replicate_async}]
+                    [{"replicate_async": self.replicate_async, "nonfinite": self.nonfinite}]
                     + [
                         {k: v for k, v in group.items() if k != "params"}
                         for group in self.param_groups
