@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
+import transformers
 from torch import nn
 
 import dmuon
@@ -100,7 +103,7 @@ def test_unsupported_model_type_raises_with_the_supported_list_and_a_custom_pred
     message = str(error.value)
     assert "no default predicate for LlamaForCausalLM with model_type 'bert'" in message
     assert "Supported model types: gpt2, llama, mistral, qwen2, qwen3, vit." in message
-    assert "dmuon.dedicate_params(model, mesh, predicate=lambda name, p: p.ndim == 2" in message
+    assert "dmuon.dedicate_params(model, mesh, predicate=lambda name, p: name.endswith((" in message
 
 
 def test_plain_module_without_config_raises_naming_the_missing_model_type():
@@ -112,3 +115,93 @@ def test_dedicate_params_with_the_default_predicate_dedicates_exactly_the_projec
     model = tiny_llama()
     owners = dmuon.dedicate_params(model, None, default_predicate(model))
     assert set(owners) == expected("model.layers", LLAMA_FAMILY_PROJECTIONS)
+
+
+_TINY = dict(
+    vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=2,
+)  # fmt: skip
+
+
+def tiny_mixtral():
+    torch.manual_seed(0)
+    return transformers.MixtralForCausalLM(transformers.MixtralConfig(**_TINY, num_local_experts=4))
+
+
+def tiny_qwen2_moe():
+    torch.manual_seed(0)
+    config = transformers.Qwen2MoeConfig(
+        **_TINY, num_experts=4, moe_intermediate_size=16, shared_expert_intermediate_size=32
+    )
+    return transformers.Qwen2MoeForCausalLM(config)
+
+
+def tiny_t5():
+    torch.manual_seed(0)
+    config = transformers.T5Config(
+        vocab_size=64, d_model=32, d_ff=64, num_layers=2, num_heads=4, d_kv=8
+    )
+    return transformers.T5ForConditionalGeneration(config)
+
+
+def suggested_predicate(model):
+    """The predicate the error message of ``default_predicate(model)`` suggests, as code."""
+    with pytest.raises(ValueError) as error:
+        default_predicate(model)
+    match = re.search(r"predicate=(lambda name, p: .*)\)\n", str(error.value))
+    assert match is not None, str(error.value)
+    return eval(match.group(1), {})  # the message's own code, run as a user would paste it
+
+
+ATTENTION = ["self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
+             "self_attn.o_proj.weight"]  # fmt: skip
+EXPERT_STACKS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+
+
+def in_layers(modules: list[str], layers: int = 2) -> set[str]:
+    return {f"model.layers.{i}.{m}" for i in range(layers) for m in modules}
+
+
+@pytest.mark.parametrize(
+    ("build", "expected"),
+    [
+        (tiny_mixtral, in_layers(ATTENTION + EXPERT_STACKS)),
+        (
+            tiny_qwen2_moe,
+            in_layers(
+                ATTENTION + EXPERT_STACKS
+                + [f"mlp.shared_expert.{p}_proj.weight" for p in ("gate", "up", "down")]
+            ),
+        ),
+    ],
+    ids=["mixtral", "qwen2_moe"],
+)  # fmt: skip
+def test_the_suggested_moe_predicate_takes_the_expert_stacks_and_leaves_routers_and_gates(
+    build, expected
+):
+    model = build()
+    predicate = suggested_predicate(model)
+    chosen = selected_names(model, predicate)
+    assert chosen == expected
+    assert not any(
+        name.endswith(("mlp.gate.weight", "shared_expert_gate.weight")) for name in chosen
+    )
+
+
+def test_dmuon_dedicates_the_suggested_mixtral_predicates_stacks_as_expert_stacks():
+    model = tiny_mixtral()
+    dmuon.dedicate_params(model, None, suggested_predicate(model))
+    assert set(dmuon.inspect.view(model).expert_stacks) == in_layers(EXPERT_STACKS)
+
+
+def test_the_suggested_t5_predicate_takes_the_linear_projections_and_not_the_position_bias():
+    model = tiny_t5()
+    chosen = selected_names(model, suggested_predicate(model))
+    linear_weights = {
+        f"{module_name}.weight"
+        for module_name, module in model.named_modules()
+        if isinstance(module, nn.Linear) and ".block." in module_name
+    }
+    assert chosen == linear_weights
+    assert len(chosen) == 2 * 6 + 2 * 10  # encoder: q, k, v, o, wi, wo; decoder: + cross q/k/v/o
+    assert not any("relative_attention_bias" in name for name in chosen)

@@ -3,7 +3,8 @@
 Owns the parameter-name rules that pick, per ``config.model_type``, the 2-D hidden projection
 matrices of each transformer block (attention and MLP projections). Embeddings, position
 embeddings, ``lm_head``, norms, biases and classifier heads are never selected: they stay with
-FSDP2 and ``dmuon.Muon``'s AdamW route. It must not touch the model beyond reading its config.
+FSDP2 and ``dmuon.Muon``'s AdamW route. It must not touch the model beyond reading its config
+(and, for an unsupported type, its parameter names and module types, to print an example).
 
 Names are matched on their suffix, so the same rule holds for the bare backbone
 (``LlamaModel``: ``layers.0.mlp.up_proj.weight``) and for the task models around it
@@ -82,32 +83,65 @@ def default_predicate(model: nn.Module) -> Predicate:
     raise ValueError(
         f"dmuon_hf.default_predicate: no default predicate for {type(model).__name__} with "
         f"{what}. Supported model types: {', '.join(sorted(PREDICATES))}. Pass a predicate of "
-        f"your own that selects the 2-D projection matrices inside the blocks{_example(model)}"
+        "your own that selects the projection matrices inside the blocks (nn.Linear weights; "
+        "not routers, gates or embedding tables) and any (E, m, n) expert stacks, which dmuon "
+        f"dedicates as E matrices each{_example(model)}"
         "and print the candidates with:\n"
         "    for name, p in model.named_parameters():\n"
-        "        if p.ndim == 2:\n"
+        "        if p.ndim >= 2:\n"
         "            print(name, tuple(p.shape))"
     )
 
 
 # A block of a transformer: ``layers.3.``, ``h.7.``, ``encoder.layer.2.``, ``blocks.5.``.
 _BLOCK = re.compile(r"(?:^|\.)(?:layers|blocks|layer|h|block)\.\d+\.")
+# A router or gate module (``mlp.gate``, ``router``, ``shared_expert_gate``): its weight scores
+# experts and is not a projection, even when it is an nn.Linear.
+_ROUTER = re.compile(r"(?:^|_)(?:gate|router)$")
+
+
+def _example_candidates(model: nn.Module) -> list[str]:
+    """The parameters the error message's example predicate is built from, by name: inside a
+    block, the weight of an ``nn.Linear`` (or GPT-2's ``Conv1D``) with both sides above 1 that is
+    no router or gate, and every 3-D parameter outside convolutions (an expert stack, as
+    ``dedicate_params`` treats it). Embedding tables, norms, routers and (1, H) gate vectors are
+    left out."""
+    chosen = []
+    for module_name, module in model.named_modules():
+        own_name = module_name.rpartition(".")[2]
+        for param_name, param in module.named_parameters(recurse=False):
+            name = f"{module_name}.{param_name}" if module_name else param_name
+            if _BLOCK.search(name) is None:
+                continue
+            is_projection = (
+                param_name == "weight"
+                and (isinstance(module, nn.Linear) or type(module).__name__ == "Conv1D")
+                and param.ndim == 2
+                and min(param.shape) > 1
+                and _ROUTER.search(own_name) is None
+            )
+            is_expert_stack = param.ndim == 3 and not isinstance(module, nn.modules.conv._ConvNd)
+            if is_projection or is_expert_stack:
+                chosen.append(name)
+    return chosen
 
 
 def _example(model: nn.Module) -> str:
-    """A predicate for this model, built from its own names: the 2-D weights inside its
-    blocks, by their name within the block. Empty (no example) when it has none."""
+    """A predicate for this model, built from its own names: the ``_example_candidates`` by their
+    name within the block. Empty (no example) when there are none, or when a suffix would also
+    match a parameter that is not a candidate."""
+    chosen = _example_candidates(model)
     suffixes: list[str] = []
-    for name, param in model.named_parameters():
-        found = list(_BLOCK.finditer(name))
-        if param.ndim == 2 and found and name.endswith(".weight"):
-            suffix = name[found[-1].end() :]
-            if suffix not in suffixes:
-                suffixes.append(suffix)
-    if not suffixes:
+    for name in chosen:
+        suffix = "." + name[list(_BLOCK.finditer(name))[-1].end() :]
+        if suffix not in suffixes:
+            suffixes.append(suffix)
+    names = [name for name, _ in model.named_parameters()]
+    selected = [name for name in names if name.endswith(tuple(suffixes))]
+    if not suffixes or selected != [name for name in names if name in set(chosen)]:
         return ", "
     return (
         ", for this model e.g.\n"
-        "    dmuon.dedicate_params(model, mesh, predicate=lambda name, p: p.ndim == 2 and "
-        f"name.endswith({tuple('.' + s for s in suffixes)!r}))\n"
+        "    dmuon.dedicate_params(model, mesh, predicate=lambda name, p: "
+        f"name.endswith({tuple(suffixes)!r}))\n"
     )
