@@ -212,3 +212,132 @@ def test_python_m_dmuon_tools_backend_prints_the_backend_as_json():
     report = json.loads(completed.stdout)
     assert report["ns_backend"].startswith("Gram NS")
     assert "cublas" in report["status"]["backends"]
+
+
+def test_a_moe_preset_plans_every_expert_and_predicts_each_slice_as_its_experts_times(
+    capsys, tmp_path
+):
+    table = tmp_path / "ns.json"
+    table.write_text(
+        json.dumps({"1024x4096": 0.25, "4096x4096": 1.0, "4096x28672": 8.0, "4096x14336": 5.0})
+    )
+    report = plan_json(capsys, "--config", "mixtral-8x7b", "--mesh", "16", "--ns-table", str(table))
+    model = report["model"]
+    # 32 layers x (4 attention projections + 8 experts x (gate_up, down)).
+    assert model["num_matrices"] == 32 * (4 + 8 * 2)
+    assert model["num_expert_stacks"] == 64
+    assert {"shape": "28672x4096", "count": 256} in model["shapes"]
+    assert model["numel"] == 32 * (
+        2 * 4096 * 4096 + 2 * 1024 * 4096 + 8 * (28672 * 4096 + 4096 * 14336)
+    )
+    predicted = report["predicted_ns"]
+    per_layer = 2 * 1.0 + 2 * 0.25 + 8 * (8.0 + 5.0)
+    assert predicted["every_matrix_on_one_rank_ms"] == pytest.approx(32 * per_layer, rel=1e-12)
+    assert predicted["mean_ms"] * 16 == pytest.approx(32 * per_layer, rel=1e-12)
+    assert predicted["scaled_shapes"] == []
+
+
+def test_moe_and_encoder_configs_it_cannot_model_exit_2_naming_the_model_type(capsys, tmp_path):
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({**LLAMA3_8B_CONFIG, "model_type": "deepseek_v3"}))
+    code, out, err = run_cli(capsys, "plan", "--config", str(config), "--mesh", "8")
+    assert code == 2 and out == ""
+    assert err.startswith("dmuon-tools plan: error: ")
+    assert "model_type 'deepseek_v3' is not a layout dmuon-tools plan models" in err
+    assert err.count("\n") == 1
+
+
+@pytest.mark.parametrize(
+    ("table", "message"),
+    [
+        (
+            {"results": [{"shape": "4096x4096", "candidate": "dmuon gram", "median_ms": 2.7}]},
+            "results[0]: shape '4096x4096' is not a list of positive integers; write it as "
+            "[rows, cols]",
+        ),
+        (
+            {"results": [{"candidate": "dmuon gram", "median_ms": 2.7}]},
+            "results[0]: shape None is not a list of positive integers",
+        ),
+        (
+            {"results": [{"shape": [4096, 4096], "candidate": "dmuon gram", "median_ms": -2}]},
+            "results[0]: time -2 is not a positive number of milliseconds",
+        ),
+        ({"results": "none"}, "'results' must be a list of rows"),
+        ({"4096x4096": -1}, "entry '4096x4096': time -1 is not a positive number of milliseconds"),
+        ({"4096x4096": float("nan")}, "time nan is not a positive number of milliseconds"),
+        ({"4096x4096": True}, "time True is not a positive number of milliseconds"),
+        ({"4096x4096": "2.7"}, "time '2.7' is not a positive number of milliseconds"),
+        ({"4096x4096": 0}, "time 0 is not a positive number of milliseconds"),
+        ({"4096xabc": 1.0}, "'4096xabc' is not a shape 'MxN' of positive integers"),
+    ],
+    ids=[
+        "string-shape", "missing-shape", "negative-bench-time", "results-not-a-list",
+        "negative", "nan", "bool", "string-time", "zero", "bad-shape-key",
+    ],
+)  # fmt: skip
+def test_a_bad_ns_table_entry_exits_2_showing_the_value(capsys, tmp_path, table, message):
+    path = tmp_path / "ns.json"
+    path.write_text(json.dumps(table))  # json writes nan as NaN, which json.loads reads back
+    code, out, err = run_cli(
+        capsys, "plan", "--config", "llama3-8b", "--mesh", "8", "--ns-table", str(path)
+    )
+    assert code == 2 and out == ""
+    assert err.startswith("dmuon-tools plan: error: ") and message in err
+
+
+@pytest.mark.parametrize("mesh", ["9999999999", "100000x1000", "1000001"])
+def test_a_mesh_above_a_million_owners_exits_2_before_planning(capsys, mesh):
+    code, out, err = run_cli(capsys, "plan", "--config", "llama3-8b", "--mesh", mesh)
+    assert code == 2 and out == ""
+    assert "more than the 1,000,000 a what-if plans" in err
+    assert "use a mesh of at most that many GPUs" in err
+
+
+def test_a_mesh_of_exactly_a_million_owners_is_planned(capsys):
+    report = plan_json(capsys, "--config", "llama3.2-1b", "--mesh", "1000x1000")
+    assert report["mesh"]["num_slots"] == 1_000_000
+
+
+def test_backend_with_a_kernel_this_machine_cannot_run_still_reports_and_exits_2(
+    capsys, monkeypatch
+):
+    import dmuon
+
+    status = dmuon.get_backend_status()
+    missing = [name for name, entry in status["backends"].items() if not entry["available"]]
+    if not missing:
+        pytest.skip("every NS kernel can run on this machine")
+    monkeypatch.setenv("DMUON_NS_KERNEL", missing[0])
+    code, out, err = run_cli(capsys, "backend")
+    report = json.loads(out)
+    assert code == 2
+    assert report["ns_backend"] is None
+    assert report["ns_backend_error"].startswith(f"DMUON_NS_KERNEL={missing[0]!r} cannot run here")
+    assert report["status"]["backends"][missing[0]]["available"] is False
+    assert err == f"dmuon-tools backend: error: {report['ns_backend_error']}\n"
+
+
+def test_backend_with_an_unknown_kernel_name_reports_and_exits_2(capsys, monkeypatch):
+    monkeypatch.setenv("DMUON_NS_KERNEL", "bogus")
+    code, out, err = run_cli(capsys, "backend")
+    assert code == 2
+    assert json.loads(out)["ns_backend"] is None
+    assert err.startswith("dmuon-tools backend: error: environment variable DMUON_NS_KERNEL")
+    assert "got 'bogus'" in err
+
+
+def test_a_reader_that_leaves_early_gets_no_traceback():
+    # About 2 MB of JSON: more than a pipe holds, so the writer is still writing when the
+    # reader closes its end (as `dmuon-tools plan ... | head -1` does).
+    command = [sys.executable, "-m", "dmuon_tools", "plan", "--config", "llama3-70b"]
+    command += ["--mesh", "10000", "--all-owners", "--json"]
+    with subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    ) as process:
+        assert process.stdout.readline() == "{\n"
+        process.stdout.close()
+        stderr = process.stderr.read()
+        code = process.wait(timeout=120)
+    assert "Traceback" not in stderr and stderr == ""
+    assert code == 141

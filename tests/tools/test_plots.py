@@ -52,3 +52,25 @@ def test_owner_load_and_comm_bytes_plots_of_a_model_are_written(tmp_path):
 def test_owner_load_plot_refuses_a_model_without_dedicated_parameters(tmp_path):
     with pytest.raises(TypeError, match="OwnershipPlan or a model prepared with"):
         plots.plot_owner_load(TinyDecoder(), tmp_path / "load.png")
+
+
+@needs_matplotlib
+def test_owner_load_plot_of_one_slot_has_an_integer_tick_and_shows_a_small_mean():
+    from matplotlib.figure import Figure
+
+    # One small matrix on one slot: 6 * 64^2 * 128 + 14 * 64^3 FLOPs = 0.00682 GFLOP.
+    plan = plan_ownership(make_param_specs([("layers.0.q_proj.weight", (64, 128))]), 1)
+    axes = Figure().subplots()
+    plots._draw_owner_load(axes, plan, None)
+    low, high = axes.get_xlim()
+    shown_ticks = [tick for tick in axes.get_xticks() if low <= tick <= high]
+    assert shown_ticks == [0]
+    assert [text.get_text() for text in axes.get_legend().get_texts()] == ["mean 0.00682"]
+
+
+@pytest.mark.parametrize(
+    ("gflop", "label"),
+    [(0.0, "0"), (0.008, "0.008"), (12.345, "12.3"), (999.4, "999"), (19241.5, "19,242")],
+)
+def test_load_labels_keep_three_significant_digits_below_a_thousand(gflop, label):
+    assert plots._format_gflop(gflop) == label

@@ -2,7 +2,10 @@
 
 Owns argument parsing and printing; the work is done by ``planner`` (``plan``) and dmuon's
 kernel status (``backend``). Errors in the user's input print one line naming the fix and exit
-with status 2.
+with status 2. ``backend`` still prints its report when ``DMUON_NS_KERNEL`` asks for a kernel
+that cannot run here: ``ns_backend`` is null, ``ns_backend_error`` says why, and the same reason
+goes to stderr as that one line (status 2). A reader that stops early (``| head``) ends the
+command quietly with status 141, as a shell reports SIGPIPE.
 
     dmuon-tools backend
     dmuon-tools plan --config llama3-70b --mesh 8x16
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 
@@ -25,6 +29,7 @@ from dmuon_tools.ns_table import DEFAULT_CANDIDATE, NSTimeTable
 from dmuon_tools.planner import format_report, parse_mesh, plan_report
 
 USAGE_ERROR = 2
+BROKEN_PIPE = 141  # 128 + SIGPIPE, the status a shell reports for a writer whose reader left
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -41,9 +46,10 @@ def build_parser() -> argparse.ArgumentParser:
         "plan",
         help="partition a model config over a G x R mesh and predict per-rank optimizer time",
         description=(
-            "Run dmuon's ownership partition for a Llama-style decoder config on a mesh of G "
-            "shards x R replicas, without building the model, and print the per-owner load; with "
-            "--ns-table, also the predicted Newton-Schulz time per rank."
+            "Run dmuon's ownership partition for a decoder config (llama, mistral, qwen2, qwen3; "
+            "the mixture-of-experts mixtral, qwen2_moe, qwen3_moe) on a mesh of G shards x R "
+            "replicas (at most 1,000,000 owners), without building the model, and print the "
+            "per-owner load; with --ns-table, also the predicted Newton-Schulz time per rank."
         ),
     )
     plan.add_argument(
@@ -91,12 +97,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as error:
         print(f"dmuon-tools {args.command}: error: {error}", file=sys.stderr)
         return USAGE_ERROR
+    except BrokenPipeError:
+        # The reader left early (``dmuon-tools plan ... | head``): not an error of ours. Point
+        # stdout at /dev/null so the interpreter's final flush does not raise again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return BROKEN_PIPE
 
 
 def _backend() -> int:
     import dmuon
 
-    report = {"ns_backend": dmuon.get_ns_backend(), "status": dmuon.get_backend_status()}
+    report: dict[str, object] = {"ns_backend": None, "status": dmuon.get_backend_status()}
+    try:
+        report["ns_backend"] = dmuon.get_ns_backend()
+    except (ValueError, RuntimeError) as error:
+        # DMUON_NS_KERNEL is not a kernel name, or names one this machine cannot run: the
+        # report is what a user needs to see why, so print it before the error line.
+        report["ns_backend_error"] = str(error)
+        print(json.dumps(report, indent=2, default=str))
+        print(f"dmuon-tools backend: error: {error}", file=sys.stderr)
+        return USAGE_ERROR
     print(json.dumps(report, indent=2, default=str))
     return 0
 

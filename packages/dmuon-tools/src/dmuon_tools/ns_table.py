@@ -76,15 +76,22 @@ class NSTimeTable:
 
     @classmethod
     def _from_benchmark(cls, data: Mapping, candidate: str, source: str) -> NSTimeTable:
-        rows = [row for row in data["results"] if isinstance(row, Mapping)]
+        results = data["results"]
+        if not isinstance(results, list):
+            raise ValueError(
+                f"{source}: 'results' must be a list of rows (shape, candidate, median_ms), got a "
+                f"JSON {type(results).__name__}; pass a benchmarks/bench_ns.py result."
+            )
+        rows = [row for row in results if isinstance(row, Mapping)]
         candidates = sorted({str(row.get("candidate")) for row in rows})
-        times = {
-            shape_key(row["shape"]): float(row["median_ms"])
-            for row in rows
-            if row.get("candidate") == candidate
-            and row.get("median_ms") is not None
-            and not row.get("error")
-        }
+        times = {}
+        for index, row in enumerate(rows):
+            if row.get("candidate") != candidate or row.get("median_ms") is None:
+                continue
+            if row.get("error"):
+                continue
+            where = f"{source}: results[{index}]"
+            times[_shape_of(row.get("shape"), where)] = _milliseconds(row["median_ms"], where)
         if not times:
             raise ValueError(
                 f"{source} has no successful measurements for candidate {candidate!r}; its "
@@ -97,16 +104,46 @@ class NSTimeTable:
     def _from_mapping(cls, data: Mapping, source: str) -> NSTimeTable:
         times = {}
         for text, ms in data.items():
+            where = f"{source}: entry {text!r}"
             try:
                 dims = tuple(int(d) for d in str(text).lower().split("x"))
-                if len(dims) < 2 or min(dims) < 1:
-                    raise ValueError
-                times[shape_key(dims)] = float(ms)
-            except (TypeError, ValueError) as error:
+            except ValueError:
+                dims = ()
+            if len(dims) < 2 or min(dims) < 1:
                 raise ValueError(
-                    f"{source}: entry {text!r}: {ms!r} is not 'MxN': milliseconds "
-                    '(e.g. {"4096x14336": 4.8}).'
-                ) from error
+                    f"{where}: {text!r} is not a shape 'MxN' of positive integers; write "
+                    'entries like {"4096x14336": 4.8}.'
+                )
+            times[shape_key(dims)] = _milliseconds(ms, where)
         if not times:
             raise ValueError(f"{source} holds no shapes; write entries like {{'4096x4096': 2.7}}.")
         return cls(times_ms=times, candidate=None, source=source)
+
+
+def _shape_of(value: object, where: str) -> tuple[int, int]:
+    """The ``shape_key`` of a benchmark row's ``shape``: a list of two or more positive ints."""
+    if (
+        not isinstance(value, list | tuple)
+        or len(value) < 2
+        or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 1 for d in value)
+    ):
+        raise ValueError(
+            f"{where}: shape {value!r} is not a list of positive integers; write it as "
+            "[rows, cols], e.g. [4096, 14336]."
+        )
+    return shape_key(value)
+
+
+def _milliseconds(value: object, where: str) -> float:
+    """A measured time: a finite number of milliseconds above zero."""
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or not math.isfinite(value)
+        or value <= 0
+    ):
+        raise ValueError(
+            f"{where}: time {value!r} is not a positive number of milliseconds; write the "
+            "measured median, e.g. 4.8."
+        )
+    return float(value)

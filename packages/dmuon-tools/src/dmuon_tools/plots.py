@@ -54,16 +54,31 @@ def plot_owner_load(
     format follows its suffix: ``.png``, ``.svg``, ``.pdf``, ...).
     """
     figure = _figure()
-    plan = _plan_of(plan_or_model)
-    axes = figure.subplots()
+    _draw_owner_load(figure.subplots(), _plan_of(plan_or_model), title)
+    return _save(figure, path)
+
+
+def _format_gflop(value: float) -> str:
+    """A load for a label: three significant digits below 1,000 (``0.00812``, ``12.3``), whole
+    numbers with thousands separators above (``19,242``), so a small load never reads 0.0."""
+    return f"{value:,.0f}" if abs(value) >= 1000 else f"{value:.3g}"
+
+
+def _draw_owner_load(axes, plan: OwnershipPlan, title: str | None) -> None:
+    from matplotlib.ticker import MaxNLocator
+
     loads = [load / FLOP_PER_GFLOP for load in plan.loads]
     slots = range(len(loads))
     if len(loads) <= _MAX_BARS:
         axes.bar(slots, loads, width=0.8, color="tab:blue")
     else:
         axes.step(slots, loads, where="mid", color="tab:blue", linewidth=0.6)
+    # Slots are whole numbers: no fractional ticks (one slot would get -0.4 .. 0.4).
+    axes.xaxis.set_major_locator(MaxNLocator(integer=True, min_n_ticks=1))
     mean = sum(loads) / len(loads)
-    axes.axhline(mean, color="tab:red", linestyle="--", linewidth=1, label=f"mean {mean:,.1f}")
+    axes.axhline(
+        mean, color="tab:red", linestyle="--", linewidth=1, label=f"mean {_format_gflop(mean)}"
+    )
     axes.set_xlabel(
         f"owner slot (shard = slot % {plan.num_shards}, replicate = slot // {plan.num_shards})"
     )
@@ -74,7 +89,6 @@ def plot_owner_load(
         f"imbalance {plan.imbalance:.3f}"
     )
     axes.legend(loc="upper right")
-    return _save(figure, path)
 
 
 def plot_comm_bytes(
