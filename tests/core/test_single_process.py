@@ -135,6 +135,35 @@ def test_unfreezing_a_matrix_frozen_before_dedicate_params_is_refused_with_the_f
         loss_fn(model, batches(1, 1)[0]).backward()
 
 
+class _TiedHead(nn.Module):
+    """The embedding's weight is used again by the root's forward, outside the embedding."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(11, 8)
+        self.layers = nn.ModuleList([nn.Linear(8, 8)])
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        hidden = self.layers[0](self.embed(tokens))
+        return nn.functional.linear(hidden, self.embed.weight)
+
+
+def test_a_dedicated_weight_used_outside_its_boundary_names_the_placeholder_and_the_fix():
+    model = _TiedHead()
+    with pytest.warns(UserWarning, match="no hook boundary found"):
+        dmuon.dedicate_params(model, None, lambda name, p: p.ndim == 2)
+    with pytest.raises(
+        RuntimeError, match=r"(?s)linear\(\) failed with the placeholder.*hook_boundary_predicate"
+    ):
+        model(torch.randint(0, 11, (2, 3)))
+    # The fix the message gives: one boundary around every use (here the whole model).
+    fixed = _TiedHead()
+    dmuon.dedicate_params(
+        fixed, None, lambda name, p: p.ndim == 2, hook_boundary_predicate=lambda m: m is fixed
+    )
+    assert fixed(torch.randint(0, 11, (2, 3))).shape == (2, 3, 11)
+
+
 def test_a_block_of_a_dedicated_model_says_to_pass_the_whole_model():
     model = TinyDecoder()
     dmuon.dedicate_params(model, None, proj_predicate)

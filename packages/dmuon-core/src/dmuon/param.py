@@ -47,6 +47,17 @@ PLACEHOLDER_VALUE_ERROR = (
 )
 
 
+PLACEHOLDER_USE_ERROR = (
+    "{name}() failed with the placeholder of a dedicated parameter among its arguments: "
+    "{error}\nOutside its hook boundary's forward and backward a module holds a 0-element "
+    "placeholder for each dedicated parameter. If this call uses the weight outside that "
+    "module's forward (a tied output head calling F.linear(h, self.embed.weight) from the "
+    "parent's forward, say), choose a hook boundary that encloses every use "
+    "(dmuon.dedicate_params(..., hook_boundary_predicate=lambda module: ...)) or leave the "
+    "parameter out of the predicate."
+)
+
+
 _DATA_GETTER = torch.Tensor.data.__get__  # type: ignore[attr-defined]
 
 
@@ -90,7 +101,11 @@ class DedicatedPlaceholder(nn.Parameter):
         ):
             what = "reading .data" if func is _DATA_GETTER else f"{func.__name__}()"
             raise RuntimeError(PLACEHOLDER_VALUE_ERROR.format(what=what))
-        return torch._C._disabled_torch_function_impl(func, types, args, kwargs or {})
+        try:
+            return torch._C._disabled_torch_function_impl(func, types, args, kwargs or {})
+        except RuntimeError as error:  # most likely torch's shape error on the empty value
+            name = getattr(func, "__name__", repr(func))
+            raise RuntimeError(PLACEHOLDER_USE_ERROR.format(name=name, error=error)) from error
 
     def __reduce_ex__(self, protocol):
         raise RuntimeError(PLACEHOLDER_VALUE_ERROR.format(what="pickling (torch.save)"))
