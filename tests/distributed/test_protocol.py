@@ -125,29 +125,22 @@ def test_parameters_frozen_after_setup_stay_frozen_and_the_rest_trains_on(pool2)
 
 
 @pytest.mark.parametrize("reshard_after_forward", [True, False], ids=["z3", "z2"])
-def test_a_second_backward_through_a_retained_graph_adds_its_gradients(
-    pool2, reshard_after_forward
+@pytest.mark.parametrize(
+    "pattern",
+    [
+        "second_backward",  # a second loss through the retained graph adds its gradients
+        "forward_before_step",  # stale weights in the next forward would give wrong gradients
+    ],
+)
+def test_more_than_one_backward_or_forward_per_step_trains_like_the_reference(
+    pool2, pattern, reshard_after_forward
 ):
     results = pool2.run(
         train_against_reference,
-        second_backward=True,
         reshard_after_forward=reshard_after_forward,
         steps=3,
+        **{pattern: True},
     )
-    assert_matches_reference(results, FP32_TOLERANCE)
-
-
-@pytest.mark.parametrize("reshard_after_forward", [True, False], ids=["z3", "z2"])
-def test_a_forward_never_backpropagated_before_the_step_leaves_no_stale_weights(
-    pool2, reshard_after_forward
-):
-    results = pool2.run(
-        train_against_reference,
-        forward_before_step=True,
-        reshard_after_forward=reshard_after_forward,
-        steps=3,
-    )
-    # Stale weights in the next forward would give wrong gradients, so wrong masters.
     assert_matches_reference(results, FP32_TOLERANCE)
 
 
