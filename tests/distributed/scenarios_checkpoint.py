@@ -172,6 +172,39 @@ def load_errors(path: str) -> dict[str, str]:
     return messages
 
 
+def groups_after_loading_other_groups(path: str, param_groups: list | None) -> dict:
+    """Save with the default groups; load into an optimizer built with ``param_groups``, once
+    from disk and once from the dict in memory: each group's hyperparameters both ways."""
+    model, optimizer = build(replicas=0)
+    train(model, optimizer, range(2))
+    saved_model, saved_optim = dckpt.get_state_dict(model, optimizer)
+    dckpt.save({"model": saved_model, "optim": saved_optim}, path)
+    loaded = {}
+    for way in ("disk", "memory"):
+        torch.manual_seed(0)
+        fresh = TinyDecoder()
+        dmuon.dedicate_params(fresh, None, proj_predicate)
+        fresh_optimizer = dmuon.Muon(
+            fresh,
+            lr=0.02,
+            weight_decay=0.01,
+            ns_backend=NewtonSchulz(dtype=torch.float32, kernel="cublas"),
+            param_groups=param_groups,
+        )
+        model_sd, optim_sd = dckpt.get_state_dict(fresh, fresh_optimizer)
+        if way == "disk":
+            dckpt.load({"model": model_sd, "optim": optim_sd}, path)
+        else:
+            model_sd, optim_sd = saved_model, saved_optim
+        dckpt.set_state_dict(
+            fresh, fresh_optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd
+        )
+        loaded[way] = [
+            dict(group, params=len(group["params"])) for group in fresh_optimizer.param_groups
+        ]
+    return loaded
+
+
 def partial_load_keys() -> dict[str, list[str]]:
     """``set_model_state_dict(strict=False)`` of a plain model's ``layers.1.*`` values only:
     the incompatible keys this rank reports, and the keys the dict really lacks."""

@@ -188,6 +188,17 @@ def test_another_optimizers_state_keeps_every_groups_hyperparameters_and_says_so
     assert torch.equal(optimizer.state[norm]["exp_avg"], saved["state"]["norm.weight"]["exp_avg"])
 
 
+@pytest.mark.parametrize(
+    "param_groups",
+    [[{"params": ["layers.0.q_proj.weight"], "lr": 0.01}], None],
+    ids=["one-group-more", "same-groups"],
+)
+def test_groups_loaded_from_disk_match_groups_loaded_from_memory(tmp_path, param_groups):
+    # A checkpoint's groups are a list: read by position into other groups, they used to break.
+    loaded = scenarios.groups_after_loading_other_groups(str(tmp_path / "ckpt"), param_groups)
+    assert loaded["disk"] == loaded["memory"]
+
+
 def test_a_partial_load_reports_every_missing_key_on_every_rank(pool2):
     # Each dedicated matrix is looked for by its owner only; the report must still be whole.
     for result in pool2.run(scenarios.partial_load_keys):

@@ -307,7 +307,7 @@ def _load_hyperparameters(
     that shares most of its FQNs; without a shared FQN, the saved group at its own index if that
     one has its rule. A group takes nothing from a group of the other rule (a checkpoint written
     with other routes may hold most of a group's parameters under the other rule), nor from a
-    group without a rule (another optimizer's)."""
+    group without a rule (another optimizer's), and only the keys it has."""
     for index, (group, fqns) in enumerate(zip(optimizer.param_groups, global_groups)):
         mine = set(fqns)
         same_rule = [
@@ -320,7 +320,7 @@ def _load_hyperparameters(
                 continue
             best = index
         for key, value in saved_groups[best].items():
-            if key != _PARAMS:
+            if key != _PARAMS and key in group:  # an option this dmuon no longer has stays out
                 group[key] = value
 
 

@@ -76,8 +76,9 @@ def load(
     loads the model part of a checkpoint saved as ``{"model": ..., "optim": ...}``.
     Optimizer entries (under a dict with ``"state"`` and ``"param_groups"``) that the checkpoint
     does not have are dropped from ``state_dict`` instead: that parameter's state starts fresh
-    (``dmuon.checkpoint.set_optimizer_state_dict`` warns naming it), a group option the
-    checkpoint predates keeps its current value; the checkpoint's extra entries are not read.
+    (``dmuon.checkpoint.set_optimizer_state_dict`` warns naming it); the checkpoint's extra
+    entries are not read. Param groups are read as the checkpoint has them (its number of
+    groups, its keys), and ``set_optimizer_state_dict`` matches them to the current groups.
     """
     path = Path(checkpoint_id)
     if not (path / _METADATA_FILE).is_file():
@@ -89,8 +90,9 @@ def load(
         )
     metadata = dcp.FileSystemReader(path).read_metadata()
     saved = metadata.state_dict_metadata
-    flat, paths = flatten_state_dict(state_dict)
     optimizer_prefixes = _optimizer_state_prefixes(state_dict)
+    _take_saved_group_layout(state_dict, optimizer_prefixes, saved)
+    flat, paths = flatten_state_dict(state_dict)
     errors, dropped = [], []
     for key, value in flat.items():
         if key not in saved:
@@ -144,6 +146,32 @@ def _optimizer_state_prefixes(state_dict: Mapping, prefix: tuple = ()) -> list[t
         if isinstance(value, Mapping):
             found += _optimizer_state_prefixes(value, (*prefix, key))
     return found
+
+
+def _take_saved_group_layout(state_dict: dict, prefixes: list[tuple], saved: Mapping) -> None:
+    """Give each optimizer state dict the checkpoint's param groups: as many, with its keys.
+
+    Groups are a list, matched by position when read; a checkpoint written with other groups
+    (another ``param_groups=``, another optimizer) would otherwise fill this optimizer's groups
+    by index. ``set_optimizer_state_dict`` then matches each saved group to the current ones by
+    the FQNs they hold, as it does for a dict kept in memory.
+    """
+    for prefix in prefixes:
+        node = state_dict
+        for key in prefix:
+            node = node[key]
+        if not isinstance(node.get("param_groups"), list):
+            continue  # the flattened form: keyed by FQN, not by position
+        start = ".".join(map(str, (*prefix, "param_groups"))) + "."
+        groups: dict[int, dict[str, None]] = {}
+        for key in saved:
+            if not key.startswith(start):
+                continue
+            index, dot, name = key[len(start) :].partition(".")
+            if dot and index.isdigit():
+                groups.setdefault(int(index), {})[name] = None  # dcp.load fills the value
+        if groups:
+            node["param_groups"] = [groups.get(i, {}) for i in range(max(groups) + 1)]
 
 
 # An optimizer entry may be missing from either side: per-parameter state under another route
