@@ -205,6 +205,32 @@ def groups_after_loading_other_groups(path: str, param_groups: list | None) -> d
     return loaded
 
 
+def frozen_for_a_while(path: str) -> dict:
+    """``lm_head.weight`` (FSDP2's, on AdamW) trains at step 0, is frozen for steps 1-2 and
+    trains again from step 4; saved at step 3, where it is frozen, and resumed from there."""
+
+    def run(model, optimizer, steps: range) -> None:
+        head = dict(model.named_parameters())["lm_head.weight"]
+        for step in steps:
+            head.requires_grad_(step not in (1, 2, 3))
+            train(model, optimizer, range(step, step + 1))
+
+    model, optimizer = build()
+    run(model, optimizer, range(3))
+    model_sd, optim_sd = dckpt.get_state_dict(model, optimizer)
+    dckpt.save({"model": model_sd, "optim": optim_sd}, path)
+    run(model, optimizer, range(3, 6))
+    resumed, resumed_optimizer = build()
+    dict(resumed.named_parameters())["lm_head.weight"].requires_grad_(False)  # as at step 3
+    model_sd, optim_sd = dckpt.get_state_dict(resumed, resumed_optimizer)
+    dckpt.load({"model": model_sd, "optim": optim_sd}, path)
+    dckpt.set_state_dict(
+        resumed, resumed_optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd
+    )
+    run(resumed, resumed_optimizer, range(3, 6))
+    return {"resumed": full_weights(resumed), "uninterrupted": full_weights(model)}
+
+
 def partial_load_keys() -> dict[str, list[str]]:
     """``set_model_state_dict(strict=False)`` of a plain model's ``layers.1.*`` values only:
     the incompatible keys this rank reports, and the keys the dict really lacks."""

@@ -199,6 +199,12 @@ def test_groups_loaded_from_disk_match_groups_loaded_from_memory(tmp_path, param
     assert loaded["disk"] == loaded["memory"]
 
 
+def test_a_parameter_frozen_when_saved_and_resumed_keeps_its_optimizer_state(pool2, tmp_path):
+    result = pool2.run(scenarios.frozen_for_a_while, path=str(tmp_path / "ckpt"))[0]
+    for key, value in result["uninterrupted"].items():
+        assert torch.equal(result["resumed"][key], value), key
+
+
 def test_a_partial_load_reports_every_missing_key_on_every_rank(pool2):
     # Each dedicated matrix is looked for by its owner only; the report must still be whole.
     for result in pool2.run(scenarios.partial_load_keys):

@@ -337,15 +337,17 @@ class Muon(torch.optim.Optimizer):
 
     @torch.no_grad()
     def init_state(self) -> None:
-        """Create the state every trainable parameter's next step would create (zeros).
+        """Create the state every parameter's next step would create (zeros).
 
         The update is the same as from no state (a zero momentum gives ``buf = g``; AdamW
         starts at step 0), so a checkpoint taken before a parameter's first gradient still
-        holds every entry and loads on any layout (``dmuon.checkpoint`` calls this).
+        holds every entry and loads on any layout (``dmuon.checkpoint`` calls this). Parameters
+        frozen since construction get theirs too: one frozen for a while keeps its saved state
+        through a resume, where the state dict to load into must have its entries.
         """
         for group in self.param_groups:
             for param in group["params"]:
-                if not param.requires_grad or self.state[param]:
+                if self.state[param]:
                     continue
                 if group["route"] == MUON_ROUTE:
                     self.state[param]["momentum_buffer"] = torch.zeros(
