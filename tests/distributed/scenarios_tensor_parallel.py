@@ -152,14 +152,21 @@ def unnamed_tp_mesh_error() -> str:
     return "no error"
 
 
-def train_ddp_tensor_parallel(*, dp: int, tp: int, steps: int = 10) -> dict:
+def train_ddp_tensor_parallel(
+    *,
+    dp: int,
+    tp: int,
+    steps: int = 10,
+    sequence_parallel: bool = False,
+    clip_max_norm: float | None = None,
+) -> dict:
     """dp x tp with DistributedDataParallel over the dp dim (dedicate_params_ddp)."""
     mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
     dp_mesh = mesh["dp"]
     dp_rank = dp_mesh.get_local_rank()
-    config = TrainConfig(steps=steps)
+    config = TrainConfig(steps=steps, clip_max_norm=clip_max_norm)
     model = make_model(config)
-    parallelize_module(model, mesh["tp"], tensor_parallel_plan(sequence_parallel=False))
+    parallelize_module(model, mesh["tp"], tensor_parallel_plan(sequence_parallel))
     ddp_model = dmuon.dedicate_params_ddp(model, dp_mesh, proj_predicate)
     max_errors, _ = _train_against_reference(ddp_model, model, config, dp_rank, dp)
     return {"max_errors": max_errors, "rank": dist.get_rank()}

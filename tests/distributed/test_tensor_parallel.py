@@ -111,6 +111,15 @@ def test_clip_grad_norm_counts_each_tp_chunk_once_and_clips_like_the_reference(p
     assert_matches_reference(results, FP32_TOLERANCE)
 
 
+def test_clip_grad_norm_on_ddp_x_tp_counts_the_chunks_ddp_holds_as_plain_tensors(pool4):
+    # The sequence-parallel plan shards the embedding and the head, which stay with DDP as
+    # plain local chunks: each must count as its TP chunk, not as a replicated tensor.
+    results = pool4.run(
+        train_ddp_tensor_parallel, dp=2, tp=2, sequence_parallel=True, clip_max_norm=0.05, steps=3
+    )
+    assert_matches_reference(results, FP32_TOLERANCE)
+
+
 def test_a_nan_in_one_tp_chunk_skips_the_step_on_every_rank(pool4):
     for result in pool4.run(nan_in_one_tp_chunk_is_skipped_everywhere):
         assert result == {"unchanged": True, "warned": True}

@@ -11,6 +11,9 @@ The gradients of a dmuon model live in three kinds of places, each counted exact
   tensor-parallel matrix holds one chunk on each TP rank of its owner, so those are summed over
   the TP ranks too (a plain matrix's master is the same on every TP rank: counted once);
 - FSDP2's sharded gradients: DTensors, whose norm each mesh reduces by itself;
+- on the DDP + TP path, the local chunks of the parameters ``parallelize_module`` sharded:
+  torch's DDP recipe (``_pre_dp_module_transform``) keeps them as plain tensors that remember
+  their DTensor layout (``_st_info``), so their norm is taken as that DTensor's;
 - plain tensors of parameters neither dedicated nor sharded: the same on every rank, counted
   once.
 
@@ -64,6 +67,8 @@ def clip_grad_norm_(
             owned.append(param)
         elif isinstance(param.grad, DTensor):
             sharded[param.grad.device_mesh].append(param)
+        elif _tensor_parallel_spec(param) is not None:
+            sharded[_tensor_parallel_spec(param).mesh].append(param)
         else:
             replicated.append(param)
 
@@ -77,7 +82,7 @@ def clip_grad_norm_(
         dist.all_reduce(chunks_squared, group=state.mesh.tp_group)
     squared = [owned_squared, chunks_squared, _squared_norm(replicated, device)]
     for params in sharded.values():
-        norm = get_total_norm([p.grad for p in params])
+        norm = get_total_norm([_as_dtensor(p.grad, _tensor_parallel_spec(p)) for p in params])
         norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
         squared.append(norm.to(device, torch.float32).square())
     total_norm = torch.stack(squared).sum().sqrt()
@@ -94,6 +99,23 @@ def clip_grad_norm_(
             if params:
                 clip_grads_with_norm_(params, max_norm, total_norm)
     return total_norm
+
+
+def _tensor_parallel_spec(param: torch.Tensor):
+    """The DTensor layout of a TP parameter that torch's DDP + TP recipe made a plain tensor
+    (None for any other parameter, and for a replicated one, counted once as it is)."""
+    spec = getattr(param, "_st_info", None)
+    if spec is None or not any(placement.is_shard() for placement in spec.placements):
+        return None
+    return spec
+
+
+def _as_dtensor(grad: torch.Tensor, spec) -> torch.Tensor:
+    if spec is None or isinstance(grad, DTensor):
+        return grad
+    return DTensor.from_local(
+        grad, spec.mesh, spec.placements, run_check=False, shape=spec.shape, stride=spec.stride
+    )
 
 
 def _squared_norm(params: list[torch.Tensor], device: torch.device) -> torch.Tensor:
