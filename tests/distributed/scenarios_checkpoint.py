@@ -35,7 +35,11 @@ def _distributed() -> bool:
 
 
 def build(
-    replicas: int = 1, predicate=proj_predicate, model_kwargs: dict | None = None, tp: int = 1
+    replicas: int = 1,
+    predicate=proj_predicate,
+    model_kwargs: dict | None = None,
+    tp: int = 1,
+    **muon_options,
 ):
     torch.manual_seed(0)
     model = TinyDecoder(**(model_kwargs or {}))
@@ -50,6 +54,7 @@ def build(
         lr=0.02,
         weight_decay=0.01,
         ns_backend=NewtonSchulz(dtype=torch.float32, kernel="cublas"),
+        **muon_options,
     )
     return model, optimizer
 
@@ -181,16 +186,7 @@ def groups_after_loading_other_groups(path: str, param_groups: list | None) -> d
     dckpt.save({"model": saved_model, "optim": saved_optim}, path)
     loaded = {}
     for way in ("disk", "memory"):
-        torch.manual_seed(0)
-        fresh = TinyDecoder()
-        dmuon.dedicate_params(fresh, None, proj_predicate)
-        fresh_optimizer = dmuon.Muon(
-            fresh,
-            lr=0.02,
-            weight_decay=0.01,
-            ns_backend=NewtonSchulz(dtype=torch.float32, kernel="cublas"),
-            param_groups=param_groups,
-        )
+        fresh, fresh_optimizer = build(replicas=0, param_groups=param_groups)
         model_sd, optim_sd = dckpt.get_state_dict(fresh, fresh_optimizer)
         if way == "disk":
             dckpt.load({"model": model_sd, "optim": optim_sd}, path)
