@@ -110,6 +110,14 @@ def resume_and_finish(path: str, replicas: int = 1, save_at: int = 5, tp: int = 
     return {"weights": full_weights(model), "lrs": lrs}
 
 
+def holds_offloaded_full_dicts(replicas: int = 1, tp: int = 1) -> tuple[bool, bool]:
+    """Whether this rank got the full model and optimizer dicts of ``cpu_offload=True``."""
+    model, optimizer = build(replicas, tp=tp)
+    train(model, optimizer, range(1))
+    model_sd, optim_sd = dckpt.get_state_dict(model, optimizer, options=FULL_ON_FIRST_RANK)
+    return bool(model_sd), bool(optim_sd)
+
+
 def state_dict_shapes(replicas: int = 1, tp: int = 1) -> dict:
     """Keys and shapes of the full model state dict, and what plain paths do on this model."""
     model, optimizer = build(replicas, tp=tp)

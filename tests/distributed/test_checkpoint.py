@@ -110,6 +110,14 @@ def test_full_state_dict_has_the_keys_and_shapes_of_the_plain_model(gloo_pool, l
     assert result["optim_groups"][0] == muon_fqns
 
 
+@pytest.mark.parametrize("layout", ["1d-4", "hsdp-2x2", "dp2-tp2", "dp1-tp2"])
+def test_an_offloaded_full_state_dict_goes_to_the_first_rank_alone(gloo_pool, layout):
+    # TP peers hold the same model: one full copy in host memory, not one per TP rank.
+    world, replicas, tp = LAYOUTS[layout]
+    holds = gloo_pool(world).run(scenarios.holds_offloaded_full_dicts, replicas=replicas, tp=tp)
+    assert holds == [(True, True)] + [(False, False)] * (world - 1)
+
+
 def test_sharded_state_dict_holds_each_dedicated_matrix_on_its_owner_only(pool4):
     results = pool4.run(scenarios.state_dict_shapes, replicas=1)
     for result in results:

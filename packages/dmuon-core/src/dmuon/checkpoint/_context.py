@@ -35,7 +35,10 @@ class CheckpointContext:
     options: StateDictOptions
     group: dist.ProcessGroup | None  # every rank of the ownership grid; None for one slot
     rank: int  # this rank's global rank
-    receiver: int  # global rank that gets the full state dict under cpu_offload
+    # Global rank that gets the full state dict under cpu_offload: the lowest of the grid and,
+    # under tensor parallelism, of its TP peers' grids (they hold the same model).
+    receiver: int
+    receiver_in_grid: bool  # this rank's grid holds the receiver (else it sends nothing)
     device: torch.device  # where tensors travel (the device of the dedicated weights)
 
     @property
@@ -60,8 +63,10 @@ class CheckpointContext:
         """The full value of a tensor only global rank ``owner`` holds (``owned`` there, None
         elsewhere), on the ranks that keep full tensors; None on the others."""
         if self.group is None:
-            return self._placed(owned)
+            return self._placed(owned) if self.keeps_full else None
         if self.options.cpu_offload:
+            if not self.receiver_in_grid:
+                return None
             if self.rank == owner == self.receiver:
                 return self._placed(owned)
             if self.rank == owner:
@@ -130,14 +135,20 @@ def checkpoint_context(model: nn.Module, options: StateDictOptions | None) -> Ch
     state.wait_all_replicate_broadcasts()
     mesh = state.mesh
     rank = dist.get_rank() if dist.is_initialized() else 0
-    receiver = min(rank for row in mesh.rank_grid for rank in row)
+    grid_lowest = min(rank for row in mesh.rank_grid for rank in row)
     device = state.boundaries[0].device if state.boundaries else torch.device("cpu")
+    receiver = grid_lowest
+    if options.full_state_dict and options.cpu_offload and mesh.tp_group is not None:
+        lowest = torch.tensor([grid_lowest], device=device)
+        dist.all_reduce(lowest, op=dist.ReduceOp.MIN, group=mesh.tp_group)
+        receiver = int(lowest.item())
     return CheckpointContext(
         state=state,
         options=options,
         group=mesh.world_group,
         rank=rank,
         receiver=receiver,
+        receiver_in_grid=receiver == grid_lowest,
         device=device,
     )
 
