@@ -54,6 +54,28 @@ def group_timeouts(
     }
 
 
+def stalled_peer_fails_the_step_checks(*, stalled_rank: int, check: str) -> dict:
+    """Both ranks run forward and backward; then ``stalled_rank`` stops and the other enters the
+    all-reduce of ``check``: the non-finite check of ``step()`` or ``dmuon.clip_grad_norm_``."""
+    world = dist.get_world_size()
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("shard",))
+    model = TinyDecoder()
+    dmuon.dedicate_params(model, mesh, lambda name, p: True)  # nothing left for DDP or FSDP2
+    optimizer = dmuon.Muon(model, nonfinite="raise")
+    loss_fn(model, batches(1, world)[0]).backward()
+    if dist.get_rank() == stalled_rank:
+        return {"stalled": True}
+    started = time.monotonic()
+    try:
+        if check == "nonfinite":
+            optimizer.step()
+        else:
+            dmuon.clip_grad_norm_(model, optimizer, 1.0)
+    except Exception as error:
+        return {"seconds": time.monotonic() - started, "error": f"{type(error).__name__}: {error}"}
+    return {"seconds": time.monotonic() - started, "error": None}
+
+
 def stalled_peer_fails_the_forward_broadcast(*, stalled_rank: int) -> dict:
     """``stalled_rank`` never joins the forward's broadcasts; the others time out in them.
 

@@ -12,6 +12,7 @@ from tests.distributed.pool import WorkerPool
 from tests.reliability.scenarios_timeouts import (
     group_timeouts,
     stalled_peer_fails_the_forward_broadcast,
+    stalled_peer_fails_the_step_checks,
 )
 
 
@@ -64,4 +65,17 @@ def test_a_stalled_peer_makes_the_others_fail_within_the_inherited_timeout(short
     assert "over ranks [0, 1]" in waited["error"], waited["error"]
     # Without inheritance the group's timeout would be torch's 30 minutes (and the pool's
     # deadline would end the scenario); the bound leaves room for a busy machine.
+    assert waited["seconds"] < 6 * STALL_PG_TIMEOUT_S, waited
+
+
+@pytest.mark.parametrize("check", ["nonfinite", "clip"])
+def test_a_peer_stalled_before_a_step_check_fails_the_others_naming_the_all_reduce(
+    short_timeout_pool2, check
+):
+    results = short_timeout_pool2.run(
+        stalled_peer_fails_the_step_checks, stalled_rank=1, check=check, deadline_s=60
+    )
+    waited = results[0]
+    assert waited["error"] is not None, waited
+    assert "dmuon: the all-reduce of 1 elements over ranks [0, 1]" in waited["error"], waited
     assert waited["seconds"] < 6 * STALL_PG_TIMEOUT_S, waited

@@ -26,11 +26,11 @@ from __future__ import annotations
 from collections import defaultdict
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.nn.utils import clip_grads_with_norm_, get_total_norm
 
+from dmuon import collectives
 from dmuon.hooks import get_dedicated_state
 
 
@@ -76,10 +76,10 @@ def clip_grad_norm_(
     chunks_squared = _squared_norm(chunks, device)
     # Issued on every rank, also where this rank owns nothing with a gradient.
     if state.mesh.world_group is not None:
-        dist.all_reduce(owned_squared, group=state.mesh.world_group)
-        dist.all_reduce(chunks_squared, group=state.mesh.world_group)
+        collectives.all_reduce(owned_squared, state.mesh.world_group).wait()
+        collectives.all_reduce(chunks_squared, state.mesh.world_group).wait()
     if state.mesh.tp_group is not None:
-        dist.all_reduce(chunks_squared, group=state.mesh.tp_group)
+        collectives.all_reduce(chunks_squared, state.mesh.tp_group).wait()
     squared = [owned_squared, chunks_squared, _squared_norm(replicated, device)]
     for params in sharded.values():
         norm = get_total_norm([_as_dtensor(p.grad, _tensor_parallel_spec(p)) for p in params])

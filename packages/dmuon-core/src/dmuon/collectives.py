@@ -43,7 +43,9 @@ class _Named:
 
     __slots__ = ("group", "numel", "operation", "root", "work")
 
-    def __init__(self, work, operation: str, root: int, group: dist.ProcessGroup, numel: int):
+    def __init__(
+        self, work, operation: str, root: int | None, group: dist.ProcessGroup, numel: int
+    ):
         self.work, self.operation, self.root, self.group, self.numel = (
             work, operation, root, group, numel,
         )  # fmt: skip
@@ -53,9 +55,10 @@ class _Named:
             return self.work.wait()
         except RuntimeError as error:
             ranks = dist.get_process_group_ranks(self.group)
+            root = "" if self.root is None else f" with root rank {self.root}"
             raise RuntimeError(
-                f"dmuon: the {self.operation} of {self.numel} elements with root rank "
-                f"{self.root} over ranks {ranks} (rank {dist.get_rank()} waiting) failed: "
+                f"dmuon: the {self.operation} of {self.numel} elements{root} over ranks "
+                f"{ranks} (rank {dist.get_rank()} waiting) failed: "
                 f"{error}. A rank of this group stalled, died or skipped the call; its own log "
                 "says why."
             ) from error
@@ -75,6 +78,36 @@ def reduce_sum(tensor: torch.Tensor, dst_rank: int, group: dist.ProcessGroup | N
         return DONE
     work = dist.reduce(tensor, dst=dst_rank, op=dist.ReduceOp.SUM, group=group, async_op=True)
     return _Named(work, "reduce", dst_rank, group, tensor.numel())
+
+
+def all_reduce(
+    tensor: torch.Tensor, group: dist.ProcessGroup, op: dist.ReduceOp = dist.ReduceOp.SUM
+) -> Handle:
+    """Reduce ``tensor`` over the group into every rank's copy."""
+    work = dist.all_reduce(tensor, op=op, group=group, async_op=True)
+    return _Named(work, "all-reduce", None, group, tensor.numel())
+
+
+def gather(
+    tensor: torch.Tensor,
+    parts: list[torch.Tensor] | None,
+    dst_rank: int,
+    group: dist.ProcessGroup,
+) -> Handle:
+    """Collect every group rank's ``tensor`` into ``parts`` on global rank ``dst_rank``."""
+    work = dist.gather(tensor, parts, dst=dst_rank, group=group, async_op=True)
+    return _Named(work, "gather", dst_rank, group, tensor.numel())
+
+
+def scatter(
+    tensor: torch.Tensor,
+    parts: list[torch.Tensor] | None,
+    src_rank: int,
+    group: dist.ProcessGroup,
+) -> Handle:
+    """Send ``parts[i]`` from global rank ``src_rank`` into ``tensor`` on group rank ``i``."""
+    work = dist.scatter(tensor, parts, src=src_rank, group=group, async_op=True)
+    return _Named(work, "scatter", src_rank, group, tensor.numel())
 
 
 def wait_all(handles: Iterable[Handle]) -> None:

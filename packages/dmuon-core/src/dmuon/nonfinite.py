@@ -18,6 +18,8 @@ from collections.abc import Iterable, Sequence
 import torch
 import torch.distributed as dist
 
+from dmuon import collectives
+
 NONFINITE_POLICIES = ("ignore", "raise", "skip")
 
 
@@ -55,7 +57,7 @@ def nonfinite_gradients(
     for _, finite in checked:
         flag = flag.minimum(finite.all().to(device=device, dtype=torch.int32))
     for group in groups:
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+        collectives.all_reduce(flag, group, op=dist.ReduceOp.MIN).wait()
     if flag.item():
         return []
     found = {

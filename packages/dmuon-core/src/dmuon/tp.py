@@ -32,6 +32,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
+from dmuon import collectives
+
 NAMED_MESH_FIX = 'mesh = init_device_mesh("cuda", (dp_size, tp_size), mesh_dim_names=("dp", "tp"))'
 
 
@@ -215,9 +217,7 @@ class ChunkExchange:
             message = torch.cat([self._padded(chunks[i], i).reshape(-1) for i in indices])
             message = message.to(self._wire_device(message.device))
             parts = [torch.empty_like(message) for _ in self.tp_ranks] if runner == me else None
-            work = dist.gather(
-                message, parts, dst=self.tp_ranks[runner], group=self.group, async_op=True
-            )
+            work = collectives.gather(message, parts, self.tp_ranks[runner], self.group)
             pending.append((work, indices, parts))
         received: dict[int, torch.Tensor] = {}
         for work, indices, parts in pending:
@@ -247,9 +247,7 @@ class ChunkExchange:
                         for t in range(len(self.tp_ranks))
                     ]
                 )
-            work = dist.scatter(
-                message, parts, src=self.tp_ranks[runner], group=self.group, async_op=True
-            )
+            work = collectives.scatter(message, parts, self.tp_ranks[runner], self.group)
             pending.append((work, indices, message))
         out: list[torch.Tensor | None] = [None] * len(self.layouts)
         for work, indices, message in pending:
