@@ -1,5 +1,6 @@
 """dedicate_params + dmuon.Muon in one process without torch.distributed (the smoke-test setup)."""
 
+import datetime
 import functools
 import warnings
 
@@ -162,6 +163,22 @@ def test_a_dedicated_weight_used_outside_its_boundary_names_the_placeholder_and_
         fixed, None, lambda name, p: p.ndim == 2, hook_boundary_predicate=lambda m: m is fixed
     )
     assert fixed(torch.randint(0, 11, (2, 3))).shape == (2, 3, 11)
+
+
+@pytest.mark.parametrize(
+    ("timeout", "error", "message"),
+    [
+        (5, TypeError, r"timeout must be a datetime\.timedelta, got int 5"),
+        (
+            datetime.timedelta(0),
+            ValueError,
+            r"timeout must be positive, got datetime\.timedelta\(0\)",
+        ),
+    ],
+)
+def test_a_bad_timeout_is_refused_with_the_fix(timeout, error, message):
+    with pytest.raises(error, match=message):
+        dmuon.dedicate_params(TinyDecoder(), None, proj_predicate, timeout=timeout)
 
 
 def test_a_block_of_a_dedicated_model_says_to_pass_the_whole_model():

@@ -316,6 +316,7 @@ def error_messages() -> dict[str, str]:
         "wrong_names": lambda: dict(mesh=wrong["fsdp"], replicate_mesh=wrong["dp"]),
         "swapped": lambda: dict(mesh=hsdp["shard"], replicate_mesh=hsdp["shard"]),
         "2d_as_mesh": lambda: dict(mesh=hsdp, replicate_mesh=None),
+        "no_replicate_mesh": lambda: dict(mesh=hsdp["shard"], replicate_mesh=None),
     }
     messages = {}
     for case, meshes in cases.items():

@@ -120,6 +120,7 @@ def dedicate_params(
     # A setup error on one rank (its predicate raised, a bad argument) is raised on every rank
     # before any process group is created: none is left waiting for the failed rank.
     with ranks_fail_together("dedicate_params"):
+        _check_timeout(timeout)
         _check_call_order(model, mesh)
         policy = resolve_param_policy(param_policy, compute_dtype)
         selected, overrides = _select(model, predicate, routes)
@@ -161,9 +162,10 @@ def dedicate_params(
     if plan.unlayered and len(plan.unlayered) > 1:
         warnings.warn(
             f"dedicate_params: no layer id found for {len(plan.unlayered)} parameters "
-            f"({preview_names(plan.unlayered)}); they are partitioned as one layer, which can put "
-            "too many large matrices on one owner (out of memory). Name layers like "
-            "'layers.N' / 'blocks.N', or pass layer_id_fn=lambda name: ...",
+            f"({preview_names(plan.unlayered)}); each is placed on its own (balanced, never "
+            "piled onto one owner), but the rule that puts one layer's matrices on distinct "
+            "owners, so that a layer's broadcasts run concurrently, cannot apply to them. Name "
+            "layers like 'layers.N' / 'blocks.N', or pass layer_id_fn=lambda name: ...",
             UserWarning,
             stacklevel=2,
         )
@@ -234,6 +236,21 @@ def dedicate_params(
     if not any(p.original.is_meta for p in params.values()):
         state.ensure_adopted()
     return dict(plan.owners)
+
+
+def _check_timeout(timeout: object) -> None:
+    if timeout is None:
+        return
+    if not isinstance(timeout, timedelta):
+        raise TypeError(
+            f"dedicate_params: timeout must be a datetime.timedelta, got {type(timeout).__name__} "
+            f"{timeout!r}; e.g. timeout=datetime.timedelta(minutes=10)."
+        )
+    if timeout.total_seconds() <= 0:
+        raise ValueError(
+            f"dedicate_params: timeout must be positive, got {timeout!r}; e.g. "
+            "timeout=datetime.timedelta(minutes=10), or leave it out to take the default group's."
+        )
 
 
 def _expert_pieces(

@@ -183,6 +183,7 @@ def resolve_ownership_layout(
             "mesh built with init_device_mesh on every rank."
         )
     if replicate_mesh is None:
+        _refuse_hsdp_without_replicate_mesh(mesh)
         rank_grid: RankGrid = (tuple(mesh.mesh.tolist()),)
     else:
         rank_grid = _hsdp_rank_grid(mesh, replicate_mesh)
@@ -193,6 +194,20 @@ def resolve_ownership_layout(
         replicate_mesh=replicate_mesh,
         tp_mesh=_multi_rank(tp_mesh),
     )
+
+
+def _refuse_hsdp_without_replicate_mesh(mesh: DeviceMesh) -> None:
+    """The 'shard' dim of a mesh with a 'replicate' dim, alone: each replica would own and step
+    its own copy of the dedicated weights, which then drift apart without a word."""
+    root = mesh._get_root_mesh()
+    names = root.mesh_dim_names or ()
+    if root is not mesh and "replicate" in names and mesh.mesh_dim_names == ("shard",):
+        raise ValueError(
+            f"mesh is the 'shard' dim of a mesh with dims {names}, but replicate_mesh was not "
+            "given: each replica would own and update its own copy of the dedicated weights, "
+            'and they would drift apart. For HSDP pass replicate_mesh=mesh["replicate"].\n'
+            + HSDP_MESH_FIX
+        )
 
 
 def _multi_rank(mesh: DeviceMesh | None) -> DeviceMesh | None:
