@@ -51,6 +51,31 @@ def predicate(name: str, param) -> bool:
     return ("proj" in name and param.ndim == 2) or param.ndim == 3
 
 
+def full_weights_round_trip(output_dir: str) -> dict:
+    """Save one tiny Qwen3-MoE with ``save_model`` (transformers 5 writes its fused expert stacks
+    one tensor per expert) and load it into another through DMuonTrainer's full-weights path
+    (``save_only_model`` resumes and ``load_best_model_at_end``), in one process."""
+    from transformers import TrainingArguments
+
+    import dmuon.checkpoint as dckpt
+    from dmuon_hf import DMuonTrainer
+
+    args = TrainingArguments(output_dir=output_dir, use_cpu=True, report_to=[])
+    models = []
+    for seed in (1, 2):
+        model = tiny_qwen3_moe(seed)
+        dmuon.dedicate_params(model, None, predicate)
+        trainer = DMuonTrainer(model=model, args=args, optimizers=(dmuon.Muon(model), None))
+        models.append((model, trainer))
+    (saved, saving), (loaded, loading) = models
+    saving.save_model(f"{output_dir}/checkpoint")
+    loading._load_from_checkpoint(f"{output_dir}/checkpoint")
+    return {
+        "saved": dckpt.get_model_state_dict(saved),
+        "loaded": dckpt.get_model_state_dict(loaded),
+    }
+
+
 def train_against_reference(steps: int = 4) -> dict:
     distributed = dist.is_initialized()
     rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)

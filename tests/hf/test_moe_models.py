@@ -5,6 +5,8 @@ ranks with FSDP2."""
 
 from __future__ import annotations
 
+import torch
+
 from tests.hf import scenarios_moe_hf as scenarios
 
 # fp32 Newton-Schulz: what is left is the order of float additions.
@@ -25,3 +27,11 @@ def test_qwen3_moe_expert_stacks_train_like_the_per_expert_reference_in_one_proc
 def test_qwen3_moe_expert_stacks_train_like_the_per_expert_reference_on_two_ranks(pool2):
     for result in pool2.run(scenarios.train_against_reference):
         assert_matches_reference(result)
+
+
+def test_full_weights_load_the_expert_stacks_transformers_saves_one_tensor_per_expert(tmp_path):
+    result = scenarios.full_weights_round_trip(str(tmp_path))
+    assert result["loaded"].keys() == result["saved"].keys()
+    assert any(key.endswith("experts.gate_up_proj") for key in result["saved"])
+    for key, value in result["saved"].items():
+        assert torch.equal(result["loaded"][key], value), key

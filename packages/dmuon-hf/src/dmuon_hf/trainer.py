@@ -52,7 +52,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions
-from transformers import Trainer, TrainingArguments
+from transformers import PreTrainedModel, Trainer, TrainingArguments
 from transformers.trainer import SCHEDULER_NAME
 from transformers.trainer_pt_utils import reissue_pt_warnings
 from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME
@@ -261,7 +261,7 @@ class DMuonTrainer(Trainer):
     def _load_full_model(self, checkpoint: str) -> None:
         """Load the full weights ``save_pretrained`` wrote into ``checkpoint`` (every rank reads
         them on its CPU, as ``Trainer`` does; each keeps its own part)."""
-        full = _read_full_weights(checkpoint)
+        full = _read_full_weights(checkpoint, self.model)
         result = dckpt.set_model_state_dict(
             self.model, full, options=StateDictOptions(strict=False)
         )
@@ -350,11 +350,18 @@ def _exists_on_every_rank(path: str) -> bool:
     return exists
 
 
-def _read_full_weights(checkpoint: str) -> dict[str, torch.Tensor]:
+def _read_full_weights(checkpoint: str, model: nn.Module) -> dict[str, torch.Tensor]:
+    """The model's full weights in ``checkpoint``, keyed and shaped like its own state dict."""
     single = os.path.join(checkpoint, SAFE_WEIGHTS_NAME)
+    index = os.path.join(checkpoint, SAFE_WEIGHTS_INDEX_NAME)
+    if isinstance(model, PreTrainedModel) and (os.path.isfile(single) or os.path.isfile(index)):
+        # save_pretrained writes some weights in another layout than the model's (transformers 5
+        # saves a fused (E, m, n) expert stack as one tensor per expert) and from_pretrained
+        # converts them back: let it read its own format, into a plain copy on the CPU.
+        plain = type(model).from_pretrained(checkpoint, config=model.config, device_map="cpu")
+        return plain.state_dict()
     if os.path.isfile(single):
         return safetensors.torch.load_file(single, device="cpu")
-    index = os.path.join(checkpoint, SAFE_WEIGHTS_INDEX_NAME)
     if os.path.isfile(index):
         with open(index) as file:
             shards = sorted(set(json.load(file)["weight_map"].values()))
