@@ -10,7 +10,8 @@ scenarios, and workers are forked from one server process that imported torch on
 ``[Note: forked workers]``). The cost of that reuse is shared state, handled like this:
 
 - Every scenario starts with ``torch.manual_seed(seed)`` / ``random.seed(seed)`` on every rank,
-  fp32 as the default dtype and grad mode on.
+  fp32 as the default dtype and grad mode on, and ends with a garbage collection (the groups its
+  dropped models hold are freed there, not at a random point of a later scenario).
 - Scenarios create their own subgroups (``dist.new_group``, ``init_device_mesh``); they stay
   until the workers are replaced, every ``SCENARIOS_PER_WORKER_LIFE`` scenarios (see
   ``[Note: groups end with their workers]``). Never reusing one keeps scenarios apart.
@@ -38,6 +39,7 @@ from __future__ import annotations
 
 import datetime
 import faulthandler
+import gc
 import importlib
 import multiprocessing
 import multiprocessing.connection
@@ -242,6 +244,9 @@ def _worker_main(
             reply = pickle.dumps(("ok", result))
         except BaseException:
             reply = pickle.dumps(("error", traceback.format_exc()))
+        # The scenario's dropped models are cyclic garbage holding process groups (dmuon's):
+        # free them now, between scenarios, not whenever a collection runs inside the next one.
+        gc.collect()
         sys.stdout.flush()
         sys.stderr.flush()
         connection.send_bytes(reply)
