@@ -67,8 +67,8 @@ def clip_grad_norm_(
             owned.append(param)
         elif isinstance(param.grad, DTensor):
             sharded[param.grad.device_mesh].append(param)
-        elif _tensor_parallel_spec(param) is not None:
-            sharded[_tensor_parallel_spec(param).mesh].append(param)
+        elif (spec := _tensor_parallel_spec(param)) is not None:
+            sharded[spec.mesh].append(param)
         else:
             replicated.append(param)
 
@@ -82,7 +82,7 @@ def clip_grad_norm_(
         collectives.all_reduce(chunks_squared, state.mesh.tp_group).wait()
     squared = [owned_squared, chunks_squared, _squared_norm(replicated, device)]
     for params in sharded.values():
-        norm = get_total_norm([_as_dtensor(p.grad, _tensor_parallel_spec(p)) for p in params])
+        norm = get_total_norm([_grad_as_dtensor(p) for p in params])
         norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
         squared.append(norm.to(device, torch.float32).square())
     total_norm = torch.stack(squared).sum().sqrt()
@@ -110,11 +110,18 @@ def _tensor_parallel_spec(param: torch.Tensor):
     return spec
 
 
-def _as_dtensor(grad: torch.Tensor, spec) -> torch.Tensor:
-    if spec is None or isinstance(grad, DTensor):
-        return grad
+def _grad_as_dtensor(param: torch.Tensor) -> torch.Tensor:
+    """``param.grad`` as the DTensor it is a chunk of (FSDP2's already is one)."""
+    spec = None if isinstance(param.grad, DTensor) else _tensor_parallel_spec(param)
+    if spec is None:
+        return param.grad
     return DTensor.from_local(
-        grad, spec.mesh, spec.placements, run_check=False, shape=spec.shape, stride=spec.stride
+        param.grad,
+        spec.mesh,
+        spec.placements,
+        run_check=False,
+        shape=spec.shape,
+        stride=spec.stride,
     )
 
 
