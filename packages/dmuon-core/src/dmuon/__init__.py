@@ -22,6 +22,7 @@ require_torch("dmuon-core")
 
 from dmuon import inspect  # noqa: E402
 from dmuon.clip import clip_grad_norm_  # noqa: E402
+from dmuon.deferred import dedicate_before_fully_shard  # noqa: E402
 from dmuon.dedicate import (  # noqa: E402
     dedicate_params,
     dedicate_params_ddp,
@@ -32,6 +33,7 @@ from dmuon.dedicate import (  # noqa: E402
 from dmuon.optim import Muon  # noqa: E402
 from dmuon.partition import OwnerCoord  # noqa: E402
 from dmuon.policy import ParamDefaults, ParamPolicy  # noqa: E402
+from dmuon.step_group import StepGroup  # noqa: E402
 from dmuon_kernels import (  # noqa: E402
     KELLER_COEFFICIENTS,
     POLAR_EXPRESS_COEFFICIENTS,
@@ -77,8 +79,10 @@ __all__ = [
     "OwnerCoord",
     "ParamDefaults",
     "ParamPolicy",
+    "StepGroup",
     "__version__",
     "clip_grad_norm_",
+    "dedicate_before_fully_shard",
     "dedicate_params",
     "dedicate_params_ddp",
     "dedicated_parameters",

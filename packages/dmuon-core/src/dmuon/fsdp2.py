@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -22,6 +23,10 @@ _EXPECTED_PARAMETERS = ["modules", "ignored_params"]
 
 # None when the wrap is installed; otherwise why it could not be.
 install_error: str | None = None
+
+# Called with the modules of each ``fully_shard`` call, before FSDP2 collects their parameters
+# (``dmuon.deferred`` dedicates a model there: see its [Note: dedicating at the first fully_shard]).
+fully_shard_listeners: list[Callable[[list[nn.Module]], None]] = []
 
 
 def _install() -> None:
@@ -44,6 +49,8 @@ def _install() -> None:
 
     @functools.wraps(original)
     def get_managed_states(modules: list[nn.Module], ignored_params=None):
+        for listener in tuple(fully_shard_listeners):
+            listener(modules)
         dedicated = {
             p for module in modules for p in module.parameters(recurse=False) if is_dedicated(p)
         }
