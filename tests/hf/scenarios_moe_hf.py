@@ -1,8 +1,9 @@
 """A tiny Qwen3-MoE (transformers 5 keeps its experts as (E, m, n) tensors) under dmuon.
 
 Runs on every rank of a gloo pool, or in one process: dmuon with the projections and the expert
-stacks dedicated (FSDP2 on every decoder layer when distributed) against the single-process
-reference that updates each expert slice as its own matrix.
+stacks dedicated by ``dmuon_hf.default_predicate`` (FSDP2 on every decoder layer when
+distributed) against the single-process reference that updates each expert slice as its own
+matrix.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 import dmuon
 from dmuon.hooks import get_dedicated_state
+from dmuon_hf import default_predicate
 from dmuon_kernels.newton_schulz import NewtonSchulz, newton_schulz
 from tests.reference_optim import ReferenceMuonAdamW
 
@@ -46,7 +48,7 @@ def tiny_qwen3_moe(seed: int = 0) -> Qwen3MoeForCausalLM:
 
 
 def predicate(name: str, param) -> bool:
-    """The attention projections and the fused expert stacks (``experts.gate_up_proj``,
+    """What a user would write by hand: the attention projections and the fused expert stacks (``experts.gate_up_proj``,
     ``experts.down_proj``); the router (``mlp.gate``) stays with FSDP2."""
     return ("proj" in name and param.ndim == 2) or param.ndim == 3
 
@@ -80,14 +82,15 @@ def train_against_reference(steps: int = 4) -> dict:
     distributed = dist.is_initialized()
     rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
     model = tiny_qwen3_moe()
+    chosen = default_predicate(model)
     if distributed:
         mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("shard",))
-        dmuon.dedicate_params(model, mesh, predicate)
+        dmuon.dedicate_params(model, mesh, chosen)
         for layer in model.model.layers:
             fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
     else:
-        dmuon.dedicate_params(model, None, predicate)
+        dmuon.dedicate_params(model, None, chosen)
     optimizer = dmuon.Muon(
         model,
         lr=0.02,
@@ -98,7 +101,7 @@ def train_against_reference(steps: int = 4) -> dict:
     stacks = [name for name, param in reference.named_parameters() if param.ndim == 3]
     reference_optimizer = ReferenceMuonAdamW(
         reference.named_parameters(),
-        predicate,
+        chosen,
         lr=0.02,
         weight_decay=0.01,
         orthogonalize=functools.partial(newton_schulz, backend="gram", dtype=torch.float32),

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import torch
 
+from dmuon_hf import default_predicate
 from tests.hf import scenarios_moe_hf as scenarios
+from tests.hf.tiny_models import selected_names
 
 # fp32 Newton-Schulz: what is left is the order of float additions.
 FP32_TOLERANCE = 1e-5
@@ -18,6 +20,13 @@ def assert_matches_reference(result):
     assert len(result["stacks"]) == 4  # two fused stacks in each of the two layers
     worst = max(result["max_errors"])
     assert worst < FP32_TOLERANCE, f"max relative error {worst:.3e}"
+
+
+def test_default_predicate_selects_what_a_user_writes_by_hand_for_qwen3_moe():
+    model = scenarios.tiny_qwen3_moe()
+    by_hand = selected_names(model, scenarios.predicate)
+    assert selected_names(model, default_predicate(model)) == by_hand
+    assert sum(name.endswith(("gate_up_proj", "experts.down_proj")) for name in by_hand) == 4
 
 
 def test_qwen3_moe_expert_stacks_train_like_the_per_expert_reference_in_one_process():

@@ -12,7 +12,9 @@ from torch import nn
 import dmuon
 from dmuon_hf import PREDICATES, default_predicate
 from tests.hf.tiny_models import (
+    FAMILIES,
     selected_names,
+    tiny_gemma3_vlm,
     tiny_gpt2,
     tiny_llama,
     tiny_mistral,
@@ -89,8 +91,81 @@ def test_bare_backbone_names_without_task_prefix_are_selected():
     )
 
 
+SUPPORTED = ["deepseek_v3", "gemma", "gemma2", "gemma3", "gemma3_text", "gpt2", "granite", "llama",
+             "mistral", "mixtral", "olmo2", "phi3", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe",
+             "vit"]  # fmt: skip
+
+
+def block_matrices(model: nn.Module) -> set[str]:
+    """The oracle, from the model's modules rather than its names: inside a ``layers.N`` block,
+    the weight of every ``nn.Linear`` that is not a router (``gate``) or a shared-expert gate, and
+    every 3-D parameter (an (E, m, n) expert stack)."""
+    chosen = set()
+    for module_name, module in model.named_modules():
+        if re.search(r"(?:^|\.)layers\.\d+\.", module_name + ".") is None:
+            continue
+        own_name = module_name.rpartition(".")[2]
+        if isinstance(module, nn.Linear) and own_name not in ("gate", "shared_expert_gate"):
+            chosen.add(f"{module_name}.weight")
+        for param_name, param in module.named_parameters(recurse=False):
+            if param.ndim == 3:
+                chosen.add(f"{module_name}.{param_name}")
+    return chosen
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_each_family_selects_every_block_matrix_and_expert_stack_and_nothing_else(family):
+    model = FAMILIES[family]()
+    assert model.config.model_type == family
+    chosen = selected_names(model, default_predicate(model))
+    assert chosen == block_matrices(model)
+    assert not any(
+        name.endswith(("mlp.gate.weight", "shared_expert_gate.weight", "norm.weight", ".bias"))
+        for name in chosen
+    )
+
+
+@pytest.mark.parametrize(
+    ("family", "per_layer"),
+    [("mixtral", 6), ("qwen3_moe", 6), ("qwen2_moe", 9), ("phi3", 4)],
+)
+def test_moe_and_fused_families_select_the_expected_number_of_matrices_per_layer(family, per_layer):
+    model = FAMILIES[family]()
+    assert len(selected_names(model, default_predicate(model))) == 2 * per_layer
+
+
+def test_deepseek_v3_takes_the_latent_attention_the_dense_mlp_and_the_experts_not_the_router():
+    model = FAMILIES["deepseek_v3"]()
+    chosen = selected_names(model, default_predicate(model))
+    attention = {f"model.layers.{i}.self_attn.{p}.weight" for i in (0, 1)
+                 for p in ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")}  # fmt: skip
+    dense = {f"model.layers.0.mlp.{p}_proj.weight" for p in ("gate", "up", "down")}
+    moe = {"model.layers.1.mlp.experts.gate_up_proj", "model.layers.1.mlp.experts.down_proj"} | {
+        f"model.layers.1.mlp.shared_experts.{p}_proj.weight" for p in ("gate", "up", "down")
+    }
+    assert chosen == attention | dense | moe
+    assert "model.layers.1.mlp.gate.weight" not in chosen  # the router
+
+
+def test_gemma3_with_its_vision_tower_selects_both_stacks_of_blocks_and_not_the_projector():
+    model = tiny_gemma3_vlm()
+    chosen = selected_names(model, default_predicate(model))
+    assert chosen == block_matrices(model)
+    assert sum(name.startswith("model.vision_tower.encoder.layers.0.") for name in chosen) == 6
+    assert sum(name.startswith("model.language_model.layers.0.") for name in chosen) == 7
+    assert not any("multi_modal_projector" in name or ".head." in name for name in chosen)
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3"])
+def test_dedicate_params_takes_the_default_predicates_stacks_as_expert_stacks(family):
+    model = FAMILIES[family]()
+    dmuon.dedicate_params(model, None, default_predicate(model))
+    stacks = {name for name, p in FAMILIES[family]().named_parameters() if p.ndim == 3}
+    assert set(dmuon.inspect.view(model).expert_stacks) == stacks
+
+
 def test_predicates_mapping_lists_the_supported_model_types_and_is_read_only():
-    assert sorted(PREDICATES) == ["gpt2", "llama", "mistral", "qwen2", "qwen3", "vit"]
+    assert sorted(PREDICATES) == SUPPORTED
     with pytest.raises(TypeError):
         PREDICATES["bert"] = PREDICATES["llama"]  # type: ignore[index]
 
@@ -102,7 +177,7 @@ def test_unsupported_model_type_raises_with_the_supported_list_and_a_custom_pred
         default_predicate(model)
     message = str(error.value)
     assert "no default predicate for LlamaForCausalLM with model_type 'bert'" in message
-    assert "Supported model types: gpt2, llama, mistral, qwen2, qwen3, vit." in message
+    assert f"Supported model types: {', '.join(SUPPORTED)}." in message
     assert "dmuon.dedicate_params(model, mesh, predicate=lambda name, p: name.endswith((" in message
 
 
@@ -117,23 +192,20 @@ def test_dedicate_params_with_the_default_predicate_dedicates_exactly_the_projec
     assert set(owners) == expected("model.layers", LLAMA_FAMILY_PROJECTIONS)
 
 
-_TINY = dict(
-    vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-    num_attention_heads=4, num_key_value_heads=2,
-)  # fmt: skip
+def unknown_type(family: str):
+    """A supported MoE model presented under a model type default_predicate does not know, as a
+    new MoE architecture would be: the error's suggested predicate is what is left to test."""
+
+    def build():
+        model = FAMILIES[family]()
+        model.config.model_type = f"new_{family}"
+        return model
+
+    return build
 
 
-def tiny_mixtral():
-    torch.manual_seed(0)
-    return transformers.MixtralForCausalLM(transformers.MixtralConfig(**_TINY, num_local_experts=4))
-
-
-def tiny_qwen2_moe():
-    torch.manual_seed(0)
-    config = transformers.Qwen2MoeConfig(
-        **_TINY, num_experts=4, moe_intermediate_size=16, shared_expert_intermediate_size=32
-    )
-    return transformers.Qwen2MoeForCausalLM(config)
+tiny_mixtral = unknown_type("mixtral")
+tiny_qwen2_moe = unknown_type("qwen2_moe")
 
 
 def tiny_t5():

@@ -1,10 +1,12 @@
 """Default ``dedicate_params`` predicates for common HuggingFace architectures.
 
 Owns the parameter-name rules that pick, per ``config.model_type``, the 2-D hidden projection
-matrices of each transformer block (attention and MLP projections). Embeddings, position
-embeddings, ``lm_head``, norms, biases and classifier heads are never selected: they stay with
-FSDP2 and ``dmuon.Muon``'s AdamW route. It must not touch the model beyond reading its config
-(and, for an unsupported type, its parameter names and module types, to print an example).
+matrices of each transformer block (attention and MLP projections) and, in mixture-of-experts
+models, the (E, m, n) expert stacks (``dmuon.dedicate_params`` treats each as E matrices).
+Embeddings, position embeddings, ``lm_head``, norms, biases, routers (``mlp.gate``), shared-expert
+gates and classifier heads are never selected: they stay with FSDP2 and ``dmuon.Muon``'s AdamW
+route. It must not touch the model beyond reading its config (and, for an unsupported type, its
+parameter names and module types, to print an example).
 
 Names are matched on their suffix, so the same rule holds for the bare backbone
 (``LlamaModel``: ``layers.0.mlp.up_proj.weight``) and for the task models around it
@@ -28,6 +30,32 @@ _LLAMA_FAMILY = (
     r"(?:self_attn\.(?:q_proj|k_proj|v_proj|o_proj)|mlp\.(?:gate_proj|up_proj|down_proj))"
     r"\.weight$"
 )
+# Phi-3 fuses q/k/v into one ``qkv_proj`` and gate/up into ``gate_up_proj``: each fused matrix is
+# one Muon matrix (Newton-Schulz orthogonalises it as a whole).
+_PHI3 = (
+    r"(?:^|\.)layers\.\d+\.(?:self_attn\.(?:qkv_proj|o_proj)|mlp\.(?:gate_up_proj|down_proj))"
+    r"\.weight$"
+)
+# Gemma 3's vision tower (SigLIP) blocks: ``encoder.layers.N`` with q/k/v/out_proj and fc1/fc2.
+_SIGLIP_ENCODER = (
+    r"(?:^|\.)encoder\.layers\.\d+\."
+    r"(?:self_attn\.(?:q_proj|k_proj|v_proj|out_proj)|mlp\.(?:fc1|fc2))\.weight$"
+)
+# Mixture-of-experts blocks (transformers 5 keeps each layer's experts as two (E, m, n)
+# parameters without a ``.weight`` suffix). The router ``mlp.gate`` and Qwen2-MoE's (1, H)
+# ``mlp.shared_expert_gate`` are not projections and are never matched.
+_EXPERT_STACKS = r"(?:^|\.)layers\.\d+\.mlp\.experts\.(?:gate_up_proj|down_proj)$"
+_SHARED_EXPERT = (
+    r"(?:^|\.)layers\.\d+\.mlp\.(?:shared_expert|shared_experts)\."
+    r"(?:gate_proj|up_proj|down_proj)\.weight$"
+)
+# DeepSeek-V3's multi-head latent attention: low-rank q (q_a/q_b, or q_proj without q_lora_rank),
+# the joint latent + rope key projection and its up-projection; its dense first layers use the
+# Llama MLP names.
+_DEEPSEEK_V3_ATTENTION = (
+    r"(?:^|\.)layers\.\d+\.self_attn\."
+    r"(?:q_proj|q_a_proj|q_b_proj|kv_a_proj_with_mqa|kv_b_proj|o_proj)\.weight$"
+)
 # GPT-2's Conv1D stores (in, out) weights; still one 2-D matrix each.
 _GPT2 = r"(?:^|\.)h\.\d+\.(?:attn\.c_attn|attn\.c_proj|mlp\.c_fc|mlp\.c_proj)\.weight$"
 # transformers 5.x names ViT blocks ``layers.N`` with q/k/v/o_proj and mlp.fc1/fc2; 4.x named
@@ -44,23 +72,48 @@ _VIT = (
 
 @dataclass(frozen=True, slots=True)
 class ProjectionPredicate:
-    """``(name, param) -> bool``: True for 2-D parameters whose name matches ``pattern``."""
+    """``(name, param) -> bool``: True for 2-D parameters whose name matches ``pattern`` and for
+    3-D (E, m, n) expert stacks whose name matches ``expert_stacks`` (None: no stacks)."""
 
     model_type: str
     pattern: str
+    expert_stacks: str | None = None
 
     def __call__(self, name: str, param: torch.Tensor) -> bool:
-        return param.ndim == 2 and re.search(self.pattern, name) is not None
+        if param.ndim == 2:
+            return re.search(self.pattern, name) is not None
+        if param.ndim == 3 and self.expert_stacks is not None:
+            return re.search(self.expert_stacks, name) is not None
+        return False
 
+
+def _either(*patterns: str) -> str:
+    return "|".join(f"(?:{pattern})" for pattern in patterns)
+
+
+_LLAMA_LIKE = ("gemma", "gemma2", "gemma3_text", "granite", "llama", "mistral", "olmo2", "qwen2",
+               "qwen3")  # fmt: skip
 
 PREDICATES: Mapping[str, Predicate] = MappingProxyType(
     {
+        **{
+            model_type: ProjectionPredicate(model_type, _LLAMA_FAMILY) for model_type in _LLAMA_LIKE
+        },
+        # Gemma 3 with its vision tower (Gemma3ForConditionalGeneration): both stacks of blocks.
+        "gemma3": ProjectionPredicate("gemma3", _either(_LLAMA_FAMILY, _SIGLIP_ENCODER)),
+        "phi3": ProjectionPredicate("phi3", _PHI3),
         "gpt2": ProjectionPredicate("gpt2", _GPT2),
-        "llama": ProjectionPredicate("llama", _LLAMA_FAMILY),
-        "mistral": ProjectionPredicate("mistral", _LLAMA_FAMILY),
-        "qwen2": ProjectionPredicate("qwen2", _LLAMA_FAMILY),
-        "qwen3": ProjectionPredicate("qwen3", _LLAMA_FAMILY),
         "vit": ProjectionPredicate("vit", _VIT),
+        "mixtral": ProjectionPredicate("mixtral", _LLAMA_FAMILY, _EXPERT_STACKS),
+        "qwen3_moe": ProjectionPredicate("qwen3_moe", _LLAMA_FAMILY, _EXPERT_STACKS),
+        "qwen2_moe": ProjectionPredicate(
+            "qwen2_moe", _either(_LLAMA_FAMILY, _SHARED_EXPERT), _EXPERT_STACKS
+        ),
+        "deepseek_v3": ProjectionPredicate(
+            "deepseek_v3",
+            _either(_DEEPSEEK_V3_ATTENTION, _LLAMA_FAMILY, _SHARED_EXPERT),
+            _EXPERT_STACKS,
+        ),
     }
 )
 
