@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from dmuon_kernels import _log
 from dmuon_kernels.syrk import autotune, cublas
 from dmuon_kernels.syrk import cache as cache_module
 from dmuon_kernels.syrk.autotune import SyrkAutotuner, SyrkProblem
@@ -344,6 +345,37 @@ def test_an_invalid_file_is_ignored_with_one_warning_and_rebuilt(tmp_path, conte
     assert rebuilt["verdicts"] == {"k2": verdict_json()}
 
 
+def test_a_folder_in_place_of_the_file_gives_one_warning_for_the_read_and_the_writes(tmp_path):
+    path = tmp_path / cache_file_name(GPU)
+    path.mkdir()  # cannot be read, and cannot be replaced by a file: one problem
+    cache = VerdictCache(GPU, tmp_path)
+    with pytest.warns(RuntimeWarning) as caught:
+        assert cache.get("k") is None
+        cache.put("k", a_verdict())
+        cache.put("k2", a_verdict())
+    assert len(caught) == 1
+    assert "is ignored because it cannot be read" in str(caught[0].message)
+    assert cache.get("k") == a_verdict()  # the verdicts stay in memory
+
+
+def test_a_corrupt_file_warns_once_per_process_whatever_reads_it(tmp_path):
+    (tmp_path / cache_file_name(GPU)).write_text("{not json")
+    with pytest.warns(RuntimeWarning, match="not valid JSON") as caught:
+        for _ in range(3):  # several tuners (each with its cache object) on the same file
+            assert VerdictCache(GPU, tmp_path).get("k") is None
+    assert len(caught) == 1
+
+
+def test_an_unwritable_folder_warns_once_for_all_its_verdicts(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    cache = VerdictCache(GPU, blocker / "sub")
+    with pytest.warns(RuntimeWarning, match="could not be written") as caught:
+        for key in ("k1", "k2", "k3"):
+            cache.put(key, a_verdict())
+    assert len(caught) == 1
+
+
 class _WritesMarkerWhenUnpickled:
     def __init__(self, marker: Path) -> None:
         self.marker = marker
@@ -488,6 +520,39 @@ def test_problem_flop_counts_the_full_product_as_cublas_computes_it():
 
 def test_the_process_wide_tuner_leaves_problems_under_about_a_tenth_of_a_millisecond_to_cublas():
     assert autotune.default_autotuner().min_flop == autotune.MIN_TUNED_FLOP == 2**36
+
+
+def test_the_process_wide_tuner_tunes_symmetric_products_only_and_leaves_matmul_to_cublas():
+    assert autotune.default_autotuner().tuned_ops == autotune.TUNED_OPS
+    assert autotune.TUNED_OPS == (autotune.SYRK, autotune.SYMMETRIC_PRODUCT)
+
+
+def test_an_operation_outside_tuned_ops_runs_cublas_without_tuning_or_a_verdict(tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="dmuon_kernels")
+    candidate = ExactBackend()
+    tuner = SyrkAutotuner(
+        cache_dir=tmp_path,
+        get_backend={"cublas": cublas, "exact": candidate}.__getitem__,
+        challengers=(),
+        tuned_ops=autotune.TUNED_OPS,
+    )
+    S = a_matrix(24, 24)
+    assert tuner.choose("exact", S, op=autotune.MATMUL, B=a_matrix(24, 40)) == "cublas"
+    assert candidate.calls == 0 and autotune_lines(caplog) == []
+    assert not (tmp_path / "syrk-autotune-cpu.json").exists()
+    tuner.choose("exact", a_matrix(24, 40))  # syrk: tuned
+    assert candidate.calls > 0
+
+
+def test_each_candidate_is_a_timed_phase_and_its_verdict_line_says_how_long(tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="dmuon_kernels")
+    _log.clear_recorded_phases()
+    tuner_with(tmp_path, ExactBackend()).choose("exact", a_matrix(24, 40))
+    (phase,) = _log.recorded_phases()
+    assert (phase.kind, phase.what) == ("autotune", "shape=(24,40) dtype=float16 backend=exact")
+    assert phase.seconds > 0 and phase.depth == 0
+    verdict = autotune_lines(caplog)[-1]
+    assert re.search(r"\); took \d+\.\d s$", verdict), verdict
 
 
 def test_tuning_never_advances_the_global_random_generator(tmp_path):

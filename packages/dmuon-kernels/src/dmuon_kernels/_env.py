@@ -13,7 +13,9 @@ import os
 
 NS_KERNEL_ENV = "DMUON_NS_KERNEL"  # a kernel name: the Newton-Schulz "auto" override
 NS_CUDA_GRAPH_ENV = "DMUON_NS_CUDA_GRAPH"  # flag, default on: CUDA-graph replay of NS
-SYRK_AUTOTUNE_LOG_ENV = "DMUON_SYRK_AUTOTUNE_LOG"  # flag, default on: autotune progress lines
+# flag, default on: the first-use progress lines (autotune, library imports, kernel builds, CUDA-graph
+# captures)
+SYRK_AUTOTUNE_LOG_ENV = "DMUON_SYRK_AUTOTUNE_LOG"
 KERNEL_CACHE_ENV = "DMUON_KERNEL_CACHE"  # flag, default on: compiled kernels kept on disk
 
 TRUE_SPELLINGS = ("1", "true", "yes", "on")
@@ -40,3 +42,11 @@ def env_flag(name: str, default: bool) -> bool:
         f"{', '.join(TRUE_SPELLINGS)} (on) or {', '.join(FALSE_SPELLINGS)} (off), any case, "
         f"or unset it for the default ({'on' if default else 'off'})"
     )
+
+
+def progress_lines_enabled() -> bool:
+    """False when ``DMUON_SYRK_AUTOTUNE_LOG`` is 0/false/no/off: the switch of every first-use
+    progress line (autotune candidates and verdicts, library imports, kernel builds, CUDA-graph
+    captures); read at every line. Compiles of dmuon's own CuTe kernels are announced regardless,
+    so a long compile never looks like a hang."""
+    return env_flag(SYRK_AUTOTUNE_LOG_ENV, default=True)

@@ -14,7 +14,10 @@ small matrices). It must not know what the function computes, and must never cha
   pool marked as still recording);
 - Python's cyclic garbage collector is off while a graph is captured (see ``_capture``);
 - inputs on the CPU, inputs that need grad, inputs over ``GRAPH_MAX_NUMEL`` elements, calls made
-  while another capture is in progress, and everything when ``DMUON_NS_CUDA_GRAPH=0`` run eagerly.
+  while another capture is in progress, and everything when ``DMUON_NS_CUDA_GRAPH=0`` run eagerly;
+- each capture (its eager reference run, the capture, the check replay) is timed as a
+  ``capture`` phase (``dmuon_kernels._log``) and announced with its seconds
+  (``DMUON_SYRK_AUTOTUNE_LOG=0`` silences the line).
 
 A graph keeps its input, output and intermediates allocated for good. For a large input that
 costs gigabytes (a batch of 48 projections of a 1 B model: about 3 GiB) and saves nothing, since
@@ -35,9 +38,10 @@ import torch
 from torch import Tensor
 
 from dmuon_kernels._env import NS_CUDA_GRAPH_ENV as CUDA_GRAPH_ENV
-from dmuon_kernels._env import env_flag
-from dmuon_kernels._log import log_rank_tagged
+from dmuon_kernels._env import env_flag, progress_lines_enabled
+from dmuon_kernels._log import CAPTURE, log_rank_tagged, timed_phase
 
+# (shape, strides, dtype, device); the shape as torch.Size, which hashes and compares as a tuple
 Signature = tuple[tuple[int, ...], tuple[int, ...], torch.dtype, torch.device]
 
 GRAPH_MAX_NUMEL = 2**26
@@ -93,7 +97,13 @@ class GraphedFunction:
         if signature not in self._warmed:
             self._warmed.add(signature)
             return _cast(self.fn(x), out_dtype)
-        return _fresh(self._capture(x, signature), out_dtype)
+        shape, _, dtype, _ = signature
+        what = f"{self.name} shape={tuple(shape)} dtype={_dtype_name(dtype)}"
+        with timed_phase(CAPTURE, what) as phase:
+            output = self._capture(x, signature)
+        if signature in self._captured and progress_lines_enabled():
+            log_rank_tagged(f"captured a CUDA graph of {what} in {phase.seconds:.2f} s")
+        return _fresh(output, out_dtype)
 
     def static_input(
         self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
@@ -205,7 +215,8 @@ class GraphedFunction:
         self._eager_only[signature] = reason
         shape, _, dtype, device = signature
         message = (
-            f"{self.name}: CUDA-graph replay is off for shape={shape} dtype={dtype} on {device} "
+            f"{self.name}: CUDA-graph replay is off for shape={tuple(shape)} dtype={dtype} on "
+            f"{device} "
             f"because {reason}; this shape runs eagerly (same results, more launch overhead). "
             f"Set {CUDA_GRAPH_ENV}=0 to skip capture altogether."
         )
@@ -237,7 +248,11 @@ def _end_generator_capture(device: torch.device) -> str | None:
 
 
 def _signature(x: Tensor) -> Signature:
-    return (tuple(x.shape), tuple(x.stride()), x.dtype, x.device)
+    return (x.shape, x.stride(), x.dtype, x.device)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def _cast(y: Tensor, out_dtype: torch.dtype | None) -> Tensor:

@@ -12,14 +12,21 @@ installed, quack and cute both compete), is
 
 and wins its verdict only when it passes the check and is at least ``WIN_MARGIN`` faster. Of
 the winners the one with the largest speed-up over cuBLAS runs the problem; with none, cuBLAS
-does, so "auto" is never slower than cuBLAS by more than timing noise. A problem under
-``MIN_TUNED_FLOP`` (counted as cuBLAS computes it) is not tuned at all and runs cuBLAS: it takes
-microseconds, so a faster kernel would save microseconds per call, while compiling the
-contenders costs seconds on a machine's first run (a small model's first step spent 37 s so). One verdict per
+does, so "auto" is never slower than cuBLAS by more than timing noise. One verdict per
 (problem, backend) keeps each comparison against cuBLAS measured in the same interleaved run.
+
+Some problems are never tuned and run cuBLAS, because what tuning them would cost a machine's
+first run (compiling the contenders: seconds each) is known to buy nothing:
+
+- a problem under ``MIN_TUNED_FLOP`` (counted as cuBLAS computes it): it takes microseconds, so a
+  faster kernel would save microseconds per call (a small model's first step spent 37 s tuning
+  such problems);
+- an operation outside ``TUNED_OPS``: plain products (``matmul``), which no fast backend has
+  beaten cuBLAS on (see the constant).
 Verdicts live in memory and in ``syrk.cache``'s JSON file; the key holds the library versions,
-so an upgrade re-tunes. Progress lines go through the rank-tagged logger
-(``DMUON_SYRK_AUTOTUNE_LOG=0`` silences them).
+so an upgrade re-tunes. Progress lines go through the rank-tagged logger, each verdict with the
+seconds its candidate took (compile included), and each candidate is recorded as an
+``autotune`` phase (``dmuon_kernels._log``); ``DMUON_SYRK_AUTOTUNE_LOG=0`` silences the lines.
 
 Tuning runs on private random inputs drawn from a private generator: it never reads or writes
 the caller's tensors and never advances the global RNG, so it changes no result beyond which
@@ -44,8 +51,8 @@ import torch
 from torch import Tensor
 
 from dmuon_kernels._env import SYRK_AUTOTUNE_LOG_ENV as AUTOTUNE_LOG_ENV
-from dmuon_kernels._env import env_flag
-from dmuon_kernels._log import log_rank_tagged
+from dmuon_kernels._env import progress_lines_enabled
+from dmuon_kernels._log import AUTOTUNE, log_rank_tagged, timed_phase
 from dmuon_kernels.syrk._requirements import distribution_version
 from dmuon_kernels.syrk.cache import Verdict, VerdictCache
 from dmuon_kernels.syrk.registry import (
@@ -75,12 +82,19 @@ TUNING_SEED = 0x5EED
 # Problems below this many FLOPs (2·M·N·K·batch, as cuBLAS computes it; about 0.1 ms on an H200)
 # run cuBLAS untuned under "auto".
 MIN_TUNED_FLOP = 2**36
+# The operations the process-wide tuner tunes; the others run cuBLAS untuned under "auto". quack's
+# plain GEMM (``matmul``: one untuned configuration) never beat cuBLAS by WIN_MARGIN in any
+# measured problem: 11 verdicts on the H200, 256³ to 4096³, 512x512x1408 in a batch of 18, with
+# and without C (benchmarks/results/dispatch-h200-*.log, cold-start-h200-*-before-threshold.json;
+# at best a tie, 0.2034 ms against 0.2024 at 4096³), and tuning it compiled two more quack kernels
+# (gemm, gemm_add) on a machine's first step. The CuTe kernels have no matmul.
+TUNED_OPS = (SYRK, SYMMETRIC_PRODUCT)
 
 
 def autotune_log_enabled() -> bool:
     """False when ``DMUON_SYRK_AUTOTUNE_LOG`` is 0/false/no/off; on by default; read at every
     line (``env_flag``: any other value raises ValueError)."""
-    return env_flag(AUTOTUNE_LOG_ENV, default=True)
+    return progress_lines_enabled()
 
 
 def _log(message: str) -> None:
@@ -206,8 +220,9 @@ class SyrkAutotuner:
     """Verdicts per GPU model, in memory and in the JSON cache under ``cache_dir``.
 
     ``cache_dir=None`` reads ``DMUON_CACHE_DIR`` (default ``~/.cache/dmuon``) when a file is
-    first needed. Problems under ``min_flop`` FLOPs run cuBLAS untuned (the process-wide tuner
-    uses ``MIN_TUNED_FLOP``). Each instance keeps its own memory, so tests use fresh ones.
+    first needed. Problems under ``min_flop`` FLOPs, and operations outside ``tuned_ops`` (None:
+    every operation), run cuBLAS untuned (the process-wide tuner uses ``MIN_TUNED_FLOP`` and
+    ``TUNED_OPS``). Each instance keeps its own memory, so tests use fresh ones.
     """
 
     def __init__(
@@ -217,9 +232,11 @@ class SyrkAutotuner:
         get_backend: Callable[[str], object] | None = None,
         challengers: Sequence[str] | None = None,
         min_flop: int = 0,
+        tuned_ops: Sequence[str] | None = None,
     ) -> None:
         self.cache_dir = cache_dir
         self.min_flop = min_flop
+        self.tuned_ops = None if tuned_ops is None else tuple(tuned_ops)
         # Name -> backend module; defaults to the dispatcher's registry.
         self._get_backend = get_backend
         # Backends tuned besides the ladder's candidate; None: every available fast backend.
@@ -259,7 +276,9 @@ class SyrkAutotuner:
         chosen = self._chosen.get(chosen_key)
         if chosen is not None:
             return chosen
-        if problem.flop < self.min_flop:
+        if problem.flop < self.min_flop or (
+            self.tuned_ops is not None and problem.op not in self.tuned_ops
+        ):
             self._chosen[chosen_key] = BASELINE
             return BASELINE
         capturing = A.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
@@ -314,21 +333,25 @@ class SyrkAutotuner:
         the verdict."""
         cache, key = self._key(candidate, problem, device)
         _log(f"candidate started {problem.describe()} backend={candidate}")
-        try:
-            verdict = _measure(
-                problem, device, candidate, self.backend(candidate), self.backend(BASELINE)
-            )
-            persist = True
-        except torch.cuda.OutOfMemoryError as exc:
-            reason = f"out of memory while tuning ({exc})"
-            verdict = problem.verdict(candidate, BASELINE, reason)
-            persist = False  # another process (or a later run) may have the memory
-        except Exception as exc:  # a candidate that raises loses; the reason is logged
-            reason = f"{candidate} raised {type(exc).__name__}: {exc}"
-            verdict = problem.verdict(candidate, BASELINE, reason)
-            persist = False
-        cache.put(key, verdict, persist=persist)
-        _log(f"verdict {problem.describe()} backend={verdict.backend} ({verdict.reason})")
+        with timed_phase(AUTOTUNE, f"{problem.describe()} backend={candidate}") as phase:
+            try:
+                verdict = _measure(
+                    problem, device, candidate, self.backend(candidate), self.backend(BASELINE)
+                )
+                persist = True
+            except torch.cuda.OutOfMemoryError as exc:
+                reason = f"out of memory while tuning ({exc})"
+                verdict = problem.verdict(candidate, BASELINE, reason)
+                persist = False  # another process (or a later run) may have the memory
+            except Exception as exc:  # a candidate that raises loses; the reason is logged
+                reason = f"{candidate} raised {type(exc).__name__}: {exc}"
+                verdict = problem.verdict(candidate, BASELINE, reason)
+                persist = False
+            cache.put(key, verdict, persist=persist)
+        _log(
+            f"verdict {problem.describe()} backend={verdict.backend} ({verdict.reason}); "
+            f"took {phase.seconds:.1f} s"
+        )
         return verdict
 
 
@@ -484,7 +507,7 @@ def default_autotuner() -> SyrkAutotuner:
     """The process-wide tuner the dispatcher uses (cache folder from ``DMUON_CACHE_DIR``)."""
     global _default_tuner
     if _default_tuner is None:
-        _default_tuner = SyrkAutotuner(min_flop=MIN_TUNED_FLOP)
+        _default_tuner = SyrkAutotuner(min_flop=MIN_TUNED_FLOP, tuned_ops=TUNED_OPS)
     return _default_tuner
 
 
@@ -507,6 +530,7 @@ __all__ = [
     "AUTOTUNE_LOG_ENV",
     "ERROR_RATIO_LIMIT",
     "MIN_TUNED_FLOP",
+    "TUNED_OPS",
     "SyrkAutotuner",
     "SyrkProblem",
     "Verdict",

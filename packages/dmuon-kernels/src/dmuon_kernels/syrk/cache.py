@@ -25,7 +25,9 @@ Safety rules, each one tested:
 - Writers merge: each write re-reads the file under an advisory lock (``flock`` where the OS has
   it) and adds its verdicts to what is there, so eight ranks writing at once lose nothing.
 - A corrupt file, or one written by another program, another format version or for another GPU
-  model, is ignored with ONE warning per cache object and replaced by the next write.
+  model, is ignored and replaced by the next write. Whatever is wrong with a file (it cannot be
+  read, is not ours, cannot be written), a process warns about it ONCE: the first problem found
+  is the one reported, later ones about the same file stay silent.
 - Verdict keys include the library versions, so an upgrade makes old verdicts unreachable.
 """
 
@@ -53,6 +55,9 @@ DEFAULT_CACHE_DIR = "~/.cache/dmuon"
 # What identifies our files. Bump CACHE_FORMAT_VERSION when the layout of a verdict changes.
 CACHE_FORMAT = "dmuon-syrk-autotune"
 CACHE_FORMAT_VERSION = 1
+
+# The cache files this process has warned about (one warning per file, whatever the problem).
+_warned_paths: set[str] = set()
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -188,7 +193,6 @@ class VerdictCache:
         self.cache_dir = Path(cache_dir).expanduser() if cache_dir is not None else None
         self._verdicts: dict[str, Verdict] = {}
         self._loaded_from_disk = False
-        self._warned_invalid_file = False
 
     @property
     def path(self) -> Path:
@@ -261,15 +265,11 @@ class VerdictCache:
         return verdicts
 
     def _warn_invalid(self, path: Path, problem: str) -> None:
-        if self._warned_invalid_file:
-            return
-        self._warned_invalid_file = True
-        warnings.warn(
+        _warn_once(
+            path,
             f"dmuon SYRK autotune cache {path} is ignored because {problem}. Shapes will be "
-            f"re-tuned and the file rewritten; delete it (or set {CACHE_DIR_ENV} to another "
-            "folder) to silence this warning.",
-            RuntimeWarning,
-            stacklevel=3,
+            f"re-tuned and the file rewritten where it can be; delete it (or set "
+            f"{CACHE_DIR_ENV} to another folder) to silence this warning.",
         )
 
     def _merge_into_disk(self, new_verdicts: Mapping[str, Verdict]) -> None:
@@ -288,12 +288,21 @@ class VerdictCache:
                 atomic_write_bytes(path, (json.dumps(document, indent=1) + "\n").encode())
         except OSError as exc:
             # A read-only home or a full disk must not stop training: the verdict stays in memory.
-            warnings.warn(
+            _warn_once(
+                path,
                 f"dmuon SYRK autotune cache {path} could not be written ({exc}); verdicts stay "
                 f"in memory for this process. Set {CACHE_DIR_ENV} to a writable folder.",
-                RuntimeWarning,
-                stacklevel=3,
             )
+
+
+def _warn_once(path: Path, message: str) -> None:
+    """Warn ``message`` unless this process already warned about ``path``: one file with
+    something wrong (unreadable, foreign, unwritable: often all at once, as for a folder in its
+    place) is one problem, reported once."""
+    if str(path) in _warned_paths:
+        return
+    _warned_paths.add(str(path))
+    warnings.warn(message, RuntimeWarning, stacklevel=4)
 
 
 @contextlib.contextmanager
