@@ -1,6 +1,7 @@
 """Compiled kernels on disk (``syrk.kernel_cache``): a fresh process loads instead of compiling,
 any change of identity compiles again, a damaged file is replaced after one warning, concurrent
-processes compile each kernel once, and a compile is announced by rank-tagged lines.
+processes compile each kernel once, a compile is announced by rank-tagged lines, and objects are
+loaded only from a folder and files that belong to the user and that no one else can write.
 
 The "kernels" here are byte strings with a header, so everything runs on the CPU; the CuTe
 backend's real objects are tested in tests/gpu/test_cold_start_gpu.py."""
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import stat
 import subprocess
 import sys
 import textwrap
@@ -17,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from dmuon_kernels import _log
 from dmuon_kernels.syrk import kernel_cache
 from dmuon_kernels.syrk.kernel_cache import CompiledKernelCache, kernel_name, symbol_prefix
 
@@ -220,3 +223,116 @@ def test_the_user_choosing_one_library_cache_still_shares_the_other(
     kernel_cache.share_compile_caches()
     assert os.environ["CUTE_DSL_CACHE_DIR"] == "/elsewhere"
     assert os.environ["QUACK_CACHE_DIR"] == str(tmp_path / "quack")
+
+
+# -- whose objects are loaded (see [Note: whose objects are loaded]) ----------------------------
+
+
+def test_the_kernels_folder_is_created_private(tmp_path):
+    Compiler().get(CompiledKernelCache(tmp_path / "kernels"))
+    assert stat.S_IMODE((tmp_path / "kernels").stat().st_mode) == 0o700
+    (stored,) = (tmp_path / "kernels").glob("*.o")
+    assert stat.S_IMODE(stored.stat().st_mode) & 0o077 == 0
+
+
+def test_a_group_writable_folder_is_not_used_and_one_warning_names_it_and_the_fix(tmp_path):
+    folder = tmp_path / "shared"
+    first = Compiler()
+    first.get(CompiledKernelCache(folder))  # an object that would load, had the folder stayed
+    folder.chmod(0o770)
+    cache, compiler = CompiledKernelCache(folder), Compiler()
+    with pytest.warns(RuntimeWarning) as caught:
+        assert compiler.get(cache) == HEADER + b"syrk"
+        assert compiler.get(cache) == HEADER + b"syrk"
+    assert len(caught) == 1
+    message = str(caught[0].message)
+    assert f"dmuon compiled-kernel cache {folder}: its group can write it (mode 0770)" in message
+    assert f"chmod 700 {folder}" in message and "DMUON_CACHE_DIR" in message
+    assert compiler.compiles == 2  # compiled in the process, every time, nothing loaded
+    assert len(list(folder.glob("*.o"))) == 1  # and nothing saved there
+
+
+def test_a_folder_others_can_write_is_named_so(tmp_path):
+    folder = tmp_path / "world"
+    folder.mkdir(mode=0o700)
+    folder.chmod(0o777)
+    assert kernel_cache.trust_problem(folder) == "its group and others can write it (mode 0777)"
+    folder.chmod(0o702)
+    assert kernel_cache.trust_problem(folder) == "others can write it (mode 0702)"
+    folder.chmod(0o755)
+    assert kernel_cache.trust_problem(folder) is None
+
+
+def test_a_group_writable_object_is_not_loaded_but_compiled_and_replaced(tmp_path):
+    Compiler().get(CompiledKernelCache(tmp_path))
+    stored = CompiledKernelCache(tmp_path).path(IDENTITY)
+    stored.chmod(0o664)
+    compiler = Compiler()
+    with pytest.warns(RuntimeWarning, match=r"its group can write it \(mode 0664\), so it is not"):
+        assert compiler.get(CompiledKernelCache(tmp_path)) == HEADER + b"syrk"
+    assert compiler.compiles == 1
+    assert stat.S_IMODE(stored.stat().st_mode) & 0o077 == 0  # replaced by this user's own
+
+
+can_chown = pytest.mark.skipif(
+    not hasattr(os, "geteuid") or os.geteuid() != 0, reason="giving a file away needs root"
+)
+
+
+@can_chown
+def test_an_object_of_another_owner_is_never_loaded(tmp_path):
+    stranger = os.geteuid() + 4321
+    cache = CompiledKernelCache(tmp_path)
+    stored = cache.path(IDENTITY)
+    stored.write_bytes(symbol_prefix(kernel_name(IDENTITY)).encode() + b"\nKERNEL:planted")
+    stored.chmod(0o600)
+    os.chown(stored, stranger, -1)
+    compiler = Compiler()
+    with pytest.warns(RuntimeWarning, match=rf"it belongs to uid {stranger}, not to this user"):
+        assert compiler.get(cache) == HEADER + b"syrk"  # not the planted kernel
+    assert compiler.compiles == 1
+    assert stored.stat().st_uid == os.geteuid()
+
+
+@can_chown
+def test_a_folder_of_another_owner_is_not_used(tmp_path):
+    folder = tmp_path / "theirs"
+    folder.mkdir(mode=0o700)
+    os.chown(folder, os.geteuid() + 4321, -1)
+    compiler = Compiler()
+    with pytest.warns(RuntimeWarning, match=r"belongs to uid \d+, not to this user"):
+        assert compiler.get(CompiledKernelCache(folder)) == HEADER + b"syrk"
+    assert list(folder.iterdir()) == []
+
+
+def test_library_caches_stay_at_their_defaults_when_the_folder_is_shared(
+    tmp_path, monkeypatch, library_cache_variables_unset
+):
+    for name in ("cutlass-dsl", "quack"):
+        (tmp_path / name).mkdir(mode=0o700)
+        (tmp_path / name).chmod(0o775)
+    monkeypatch.setattr(kernel_cache, "_warned_library_folders", set())
+    with pytest.warns(RuntimeWarning) as caught:
+        kernel_cache.share_compile_caches()
+        kernel_cache.share_compile_caches()  # one warning per folder and process
+    assert "CUTE_DSL_CACHE_DIR" not in os.environ and "QUACK_CACHE_DIR" not in os.environ
+    messages = sorted(str(w.message) for w in caught)
+    assert len(messages) == 2
+    assert "so nvidia-cutlass-dsl keeps its own compile cache at its default" in messages[0]
+    assert "so quack-kernels keeps its own compile cache at its default" in messages[1]
+
+
+def test_library_cache_folders_are_created_private(
+    tmp_path, monkeypatch, library_cache_variables_unset
+):
+    kernel_cache.share_compile_caches()
+    for name in ("cutlass-dsl", "quack"):
+        assert stat.S_IMODE((tmp_path / name).stat().st_mode) == 0o700
+
+
+def test_a_compile_and_a_load_are_recorded_as_phases(tmp_path):
+    _log.clear_recorded_phases()
+    Compiler().get(CompiledKernelCache(tmp_path))
+    Compiler().get(CompiledKernelCache(tmp_path))
+    phases = [(p.kind, p.what) for p in _log.recorded_phases()]
+    assert phases == [("compile", "test kernel"), ("load", "test kernel")]
