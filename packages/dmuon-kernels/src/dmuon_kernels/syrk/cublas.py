@@ -28,6 +28,8 @@ import itertools
 import torch
 from torch import Tensor
 
+from dmuon_kernels.syrk._operands import effective_c, one_batch
+
 NAME = "cublas"
 # Bumped whenever the way results are computed changes, so cached autotune verdicts re-measure.
 BLOCKING_REVISION = "1"
@@ -126,8 +128,7 @@ def symmetric_blocked(
 
 
 def _symmetric(left: Tensor, right: Tensor, C: Tensor | None, alpha: float, beta: float) -> Tensor:
-    if C is not None and beta == 0.0:
-        C = None  # beta = 0 ignores C, NaN and inf included, as torch.addmm does
+    C = effective_c(C, beta)
     M, K = left.shape[-2:]
     batch = left.shape[0] if left.dim() == 3 else 1
     blocks = symmetric_block_count(M, K, batch) if left.is_cuda else 1
@@ -144,16 +145,11 @@ def _mirror_lower_triangle(out: Tensor) -> Tensor:
     return torch.where(upper, out.mT, out)
 
 
-def _batched(t: Tensor | None) -> Tensor | None:
-    """``t`` as one matrix or one (B, M, N) batch, the shapes torch.mm and torch.bmm take."""
-    return t if t is None or t.dim() <= 3 else t.reshape(-1, *t.shape[-2:])
-
-
 def syrk(A: Tensor, C: Tensor | None, alpha: float, beta: float) -> Tensor:
     """Return ``alpha·A·Aᵀ + beta·C`` for A (..., M, K) and C (..., M, M) or None; exactly
     symmetric off CUDA (see [Note: exact symmetry off CUDA])."""
-    A3 = _batched(A)
-    out = _symmetric(A3, A3.mT, _batched(C), alpha, beta)
+    A3 = one_batch(A)
+    out = _symmetric(A3, A3.mT, one_batch(C), alpha, beta)
     if not A3.is_cuda:
         out = _mirror_lower_triangle(out)
     return out if A.dim() <= 3 else out.reshape(*A.shape[:-1], A.shape[-2])
@@ -161,13 +157,11 @@ def syrk(A: Tensor, C: Tensor | None, alpha: float, beta: float) -> Tensor:
 
 def symmetric_product(A: Tensor, B: Tensor, C: Tensor | None, alpha: float, beta: float) -> Tensor:
     """Return ``alpha·A·B + beta·C`` for square A, B, C (..., M, M) when A·B is symmetric."""
-    out = _symmetric(_batched(A), _batched(B), _batched(C), alpha, beta)
+    out = _symmetric(one_batch(A), one_batch(B), one_batch(C), alpha, beta)
     return out if A.dim() <= 3 else out.reshape(A.shape)
 
 
 def matmul(A: Tensor, B: Tensor, C: Tensor | None, alpha: float, beta: float) -> Tensor:
     """Return ``alpha·A·B + beta·C`` for A (..., M, K), B (..., K, N), C (..., M, N) or None."""
-    if C is not None and beta == 0.0:
-        C = None
-    out = _gemm(_batched(A), _batched(B), _batched(C), alpha, beta)
+    out = _gemm(one_batch(A), one_batch(B), one_batch(effective_c(C, beta)), alpha, beta)
     return out if A.dim() <= 3 else out.reshape(*A.shape[:-1], B.shape[-1])

@@ -38,6 +38,7 @@ What the kernels require, and what the adapter does about it:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import importlib.util
@@ -49,6 +50,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from dmuon_kernels._env import progress_lines_enabled
+from dmuon_kernels._log import IMPORT, log_rank_tagged, timed_phase
 from dmuon_kernels.syrk._cute_tiles import (
     DIRECT,
     EPILOGUES,
@@ -63,6 +66,7 @@ from dmuon_kernels.syrk._cute_tiles import (
     Sm90TileConfig,
     TileConfig,
 )
+from dmuon_kernels.syrk._operands import effective_c
 from dmuon_kernels.syrk._requirements import (
     check_gpu_operands,
     distribution_version,
@@ -141,6 +145,8 @@ class _LaunchPlan:
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) or (
     lambda index: torch.cuda.current_stream(index).cuda_stream
 )
+# The current device's index, as cheaply (torch.cuda.current_device's own call).
+_current_device = getattr(torch._C, "_cuda_getDevice", None) or torch.cuda.current_device
 
 
 _probe_result: _CuteApi | str | None = None  # the probe runs once per process
@@ -158,20 +164,23 @@ def _probe_cutlass() -> _CuteApi | str:
         return f"nvidia-cutlass-dsl is not installed ({CUTE_INSTALL_HINT})"
     share_compile_caches()
     try:
-        import cutlass  # noqa: F401  (first, so a broken cutlass is what the reason names)
+        with timed_phase(IMPORT, "nvidia-cutlass-dsl (CuTe SYRK kernels)") as phase:
+            import cutlass  # noqa: F401  (first, so a broken cutlass is what the reason names)
 
-        from dmuon_kernels.syrk import _cute_kernel, _cute_runtime, _cute_sm90_kernel
+            from dmuon_kernels.syrk import _cute_kernel, _cute_runtime, _cute_sm90_kernel
     except Exception as exc:  # a broken cutlass-dsl raises anything from ImportError to OSError
         return (
             f"nvidia-cutlass-dsl is installed but failed to import ({type(exc).__name__}: "
             f"{exc}); reinstall it with {CUTE_INSTALL_HINT} (tested with nvidia-cutlass-dsl "
             "4.5.2)"
         )
-    return _CuteApi(
-        {SM80: _cute_kernel, SM90: _cute_sm90_kernel},
-        distribution_version("nvidia-cutlass-dsl"),
-        _cute_runtime,
-    )
+    version = distribution_version("nvidia-cutlass-dsl")
+    if progress_lines_enabled():
+        log_rank_tagged(
+            f"imported nvidia-cutlass-dsl {version} for the CuTe SYRK kernels in "
+            f"{phase.seconds:.1f} s, once per process"
+        )
+    return _CuteApi({SM80: _cute_kernel, SM90: _cute_sm90_kernel}, version, _cute_runtime)
 
 
 def _cute_api() -> _CuteApi | str:
@@ -292,8 +301,7 @@ def _lower_triangle_product(
         _check_choice(config, path)
     _check_operand(A, C)
     alpha, beta = float(alpha), float(beta)
-    if beta == 0.0:
-        C = None  # beta·C with beta = 0 must not propagate NaN/inf from C, as in torch.addmm
+    C = effective_c(C, beta)
     M = A.shape[-2]
     out_shape = (*A.shape[:-1], M)
     if C is not None and (C.dtype != A.dtype or C.shape != out_shape):
@@ -316,7 +324,13 @@ def _lower_triangle_product(
     d_base, d_step = out.data_ptr(), M * M * size
     c_base = d_base if C_read is None else C_read.data_ptr()  # C_read has out's layout
     stream = _raw_stream(plan.device_index)
-    with torch.cuda.device(plan.device_index):
+    # The launch needs A's device current; entering torch.cuda.device costs microseconds, so only
+    # when it is not.
+    with (
+        contextlib.nullcontext()
+        if _current_device() == plan.device_index
+        else torch.cuda.device(plan.device_index)
+    ):
         for start, stop in plan.chunks:
             a_ptr, d_ptr = a_base + start * a_step, d_base + start * d_step
             b_ptr, c_ptr = b_base + start * a_step, c_base + start * d_step

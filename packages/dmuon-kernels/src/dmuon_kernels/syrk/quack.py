@@ -3,21 +3,39 @@
 Owns the adapter over ``quack.gemm_interface.gemm_symmetric`` (quack-kernels 0.5.0 with
 nvidia-cutlass-dsl 4.5.2, and newer releases whose signature still fits) for ``syrk`` and
 ``symmetric_product``, and over its plain ``gemm``/``gemm_add`` (one untuned configuration) for
-``matmul``: probing that the
-library and the GPU can run it, and bringing operands to the layout quack requires. It is the
-only module that imports quack, and only on first use, so importing dmuon_kernels never fails
-because quack is missing. It must not choose between backends (the dispatcher and the autotuner
-do that) and must not fall back silently to another library: when quack cannot run, it says why.
+``matmul``: probing that the library and the GPU can run it, and bringing operands to the layout
+quack requires, for all three operations in one place (``_run``). It is the only module that
+imports quack, and only on first use, so importing dmuon_kernels never fails because quack is
+missing. It must not choose between backends (the dispatcher and the autotuner do that) and must
+not fall back silently to another library: when quack cannot run, it says why.
 
 What quack requires, and what the adapter does about it:
 
 - fp16 or bf16 operands on a CUDA device with compute capability 9.0 or newer;
 - every stride but the unit one, and the data pointer, 16-byte aligned: operands that are not
-  are copied contiguous, and M or K that are not multiples of 8 elements are zero-padded (zero
-  rows and columns add nothing to A·Aᵀ), the result sliced back;
+  are copied contiguous, and sizes that are not multiples of 8 elements are zero-padded (zero
+  rows and columns add nothing to any of the products), the result sliced back;
 - quack computes the upper triangle and mirrors it, so C must be symmetric (as it always is in
   Newton-Schulz); a non-symmetric C gives the symmetrised upper triangle of the true result;
-- a batch (L, M, K) runs natively in one launch.
+- a batch (L, M, K) runs natively in one launch; deeper batches are flattened to one.
+
+[Note: host cost of a quack call]
+
+quack 0.5's ``gemm_symmetric`` reaches its launcher through a torch custom op
+(``quack::gemm_symmetric_out``), whose dispatch (autograd, in-place-or-view and backend layers,
+all in Python) cost about half of a warmed call's 106-201 µs of host time on the H200
+(``benchmarks/results/dispatch-h200-2026-12-01-48aeddf.log``). The custom op exists for
+``torch.compile``; these calls run eagerly (or inside a CUDA-graph capture, which records the
+same kernel), so the adapter calls the function the op wraps (kept by torch as the op's
+``_init_fn``) with the arguments ``gemm_symmetric`` passes it, when the probe finds it taking
+them; otherwise it calls ``gemm_symmetric``. Both launch the same compiled kernel on the same
+stream (tests/gpu/test_syrk_gpu.py checks the two give the same bits). The rest of a call is
+quack's own Python (operand views, its compile-cache lookup, launch arguments).
+
+The first call of each kernel variant in a process (quack compiles per dtype, layout, with or
+without C and whether alpha and beta are 1) compiles it, or loads it from quack's disk cache: that
+call is timed as a ``compile`` phase and announced with its seconds (``DMUON_SYRK_AUTOTUNE_LOG=0``
+silences the line), like the library import.
 """
 
 from __future__ import annotations
@@ -30,12 +48,16 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from dmuon_kernels._env import progress_lines_enabled
+from dmuon_kernels._log import COMPILE, IMPORT, log_rank_tagged, timed_phase
+from dmuon_kernels.syrk._operands import effective_c, one_batch
 from dmuon_kernels.syrk._requirements import (
     check_gpu_operands,
     distribution_version,
     gpu_problem,
 )
 from dmuon_kernels.syrk.kernel_cache import share_compile_caches
+from dmuon_kernels.syrk.registry import MATMUL, SYMMETRIC_PRODUCT, SYRK
 
 QUACK_MIN_COMPUTE_CAPABILITY = (9, 0)
 QUACK_INSTALL_HINT = "pip install dmuon-kernels[quack]"
@@ -59,6 +81,10 @@ class _QuackApi:
     # them with an untuned mode (then ``matmul`` raises and autotune keeps cuBLAS).
     gemm: Callable[..., Tensor] | None = None
     gemm_add: Callable[..., Tensor] | None = None
+    # The launcher ``gemm_symmetric`` reaches through torch's custom-op dispatch, called
+    # directly as (A, B, out, C, alpha=..., beta=...); None where this release has none that
+    # takes those (see [Note: host cost of a quack call]).
+    symmetric_launcher: Callable[..., None] | None = None
 
 
 _probe_result: _QuackApi | str | None = None  # the probe runs once per process
@@ -71,8 +97,9 @@ def _probe_quack() -> _QuackApi | str:
     # Before the first ``import quack``: quack reads QUACK_CACHE_DIR once, when it is imported.
     share_compile_caches()
     try:
-        import quack
-        from quack import gemm_interface
+        with timed_phase(IMPORT, "quack-kernels") as phase:
+            import quack
+            from quack import gemm_interface
     except Exception as exc:  # a broken cutlass-dsl raises anything from ImportError to OSError
         return (
             f"quack-kernels is installed but failed to import ({type(exc).__name__}: {exc}); "
@@ -80,6 +107,11 @@ def _probe_quack() -> _QuackApi | str:
             f"nvidia-cutlass-dsl 4.5.2): reinstall with {QUACK_INSTALL_HINT}"
         )
     quack_version = str(getattr(quack, "__version__", distribution_version("quack-kernels")))
+    if progress_lines_enabled():
+        log_rank_tagged(
+            f"imported quack-kernels {quack_version} (with nvidia-cutlass-dsl) in "
+            f"{phase.seconds:.1f} s, once per process"
+        )
     entry = getattr(gemm_interface, "gemm_symmetric", None)
     if not callable(entry):
         return (
@@ -118,6 +150,7 @@ def _probe_quack() -> _QuackApi | str:
         cutlass_version=distribution_version("nvidia-cutlass-dsl"),
         gemm=_untuned_entry(gemm_interface, "gemm", ("A", "B", "alpha")),
         gemm_add=_untuned_entry(gemm_interface, "gemm_add", ("A", "B", "C", "alpha", "beta")),
+        symmetric_launcher=_undispatched(gemm_interface, "gemm_symmetric_out"),
     )
 
 
@@ -130,6 +163,21 @@ def _untuned_entry(module: object, name: str, required: tuple[str, ...]) -> Call
     except (TypeError, ValueError):
         return None
     return entry if all(p in parameters for p in (*required, "tuned")) else None
+
+
+# What the launcher behind quack's custom op must take for the adapter to call it directly.
+_LAUNCHER_PARAMETERS = ("A", "B", "out", "C", "alpha", "beta")
+
+
+def _undispatched(module: object, name: str) -> Callable[..., None] | None:
+    """The function torch's custom op ``module.name`` wraps (``_init_fn`` of a
+    ``torch.library.custom_op``), when it takes ``_LAUNCHER_PARAMETERS``; else None."""
+    function = getattr(getattr(module, name, None), "_init_fn", None)
+    try:
+        parameters = inspect.signature(function).parameters if callable(function) else {}
+    except (TypeError, ValueError):
+        return None
+    return function if all(p in parameters for p in _LAUNCHER_PARAMETERS) else None
 
 
 def _quack_api() -> _QuackApi | str:
@@ -173,35 +221,7 @@ def syrk(
     beta: float = 0.0,
 ) -> Tensor:  # (..., M, M), exactly symmetric
     """``alpha·A·Aᵀ + beta·C`` through quack; RuntimeError with the reason when it cannot run."""
-    api = _quack_api()
-    if isinstance(api, str):
-        raise RuntimeError(f"SYRK kernel 'quack' cannot run: {api}")
-    _check_operand(A, C)
-    alpha, beta = float(alpha), float(beta)
-    if beta == 0.0:
-        C = None  # beta·C with beta = 0 must not propagate NaN/inf from C, as in torch.addmm
-    M, K = A.shape[-2], A.shape[-1]
-    out_shape = (*A.shape[:-1], M)
-    if C is not None:
-        C = C.to(A.dtype).expand(out_shape)
-    if M == 0 or K == 0 or A.numel() == 0:
-        out = torch.zeros(out_shape, dtype=A.dtype, device=A.device)
-        return out.add_(C, alpha=beta) if C is not None else out
-    if A.dim() > 3:  # quack takes one batch dimension
-        flat_C = None if C is None else C.reshape(-1, M, M)
-        return syrk(A.reshape(-1, M, K), flat_C, alpha, beta).reshape(out_shape)
-
-    pad_m, pad_k = -M % _elements_per_16_bytes(A), -K % _elements_per_16_bytes(A)
-    if pad_m or pad_k:
-        A = torch.nn.functional.pad(A, (0, pad_k, 0, pad_m))
-        if C is not None:
-            C = torch.nn.functional.pad(C, (0, pad_m, 0, pad_m))
-    A = _aligned(A, allow_m_major=_ACCEPTS_M_MAJOR)
-    if C is not None:
-        C = _aligned(C, allow_m_major=True)  # symmetric: either major reads the same matrix
-
-    out = _call(api, A, A.mT, C, alpha, beta)
-    return out[..., :M, :M].contiguous() if pad_m else out
+    return _run(SYRK, A, None, C, alpha, beta)
 
 
 def symmetric_product(
@@ -214,42 +234,12 @@ def symmetric_product(
     """``alpha·A·B + beta·C`` where A·B is known to be symmetric (A, B commuting symmetric
     matrices, e.g. polynomials in one Gram matrix): quack computes the upper triangle of tiles
     and mirrors it, half the work of a full product."""
-    api = _quack_api()
-    if isinstance(api, str):
-        raise RuntimeError(f"SYRK kernel 'quack' cannot run: {api}")
-    _check_operand(A, C)
     if B.shape != A.shape or A.shape[-1] != A.shape[-2]:
         raise ValueError(
             f"symmetric_product takes square A and B of one shape, got A {tuple(A.shape)} and "
             f"B {tuple(B.shape)}"
         )
-    alpha, beta = float(alpha), float(beta)
-    if beta == 0.0:
-        C = None
-    M = A.shape[-1]
-    if C is not None:
-        C = C.to(A.dtype).expand(A.shape)
-    if A.numel() == 0:
-        out = torch.zeros(A.shape, dtype=A.dtype, device=A.device)
-        return out.add_(C, alpha=beta) if C is not None else out
-    if A.dim() > 3:
-        flat_C = None if C is None else C.reshape(-1, M, M)
-        flat = symmetric_product(
-            A.reshape(-1, M, M), B.to(A.dtype).reshape(-1, M, M), flat_C, alpha, beta
-        )
-        return flat.reshape(A.shape)
-    pad = -M % _elements_per_16_bytes(A)
-    B = B.to(A.dtype)
-    if pad:
-        A, B = (torch.nn.functional.pad(t, (0, pad, 0, pad)) for t in (A, B))
-        if C is not None:
-            C = torch.nn.functional.pad(C, (0, pad, 0, pad))
-    A = _aligned(A, allow_m_major=_ACCEPTS_M_MAJOR)
-    B = _aligned(B, allow_m_major=True)
-    if C is not None:
-        C = _aligned(C, allow_m_major=True)
-    out = _call(api, A, B, C, alpha, beta)
-    return out[..., :M, :M].contiguous() if pad else out
+    return _run(SYMMETRIC_PRODUCT, A, B, C, alpha, beta)
 
 
 def matmul(
@@ -260,73 +250,122 @@ def matmul(
     beta: float = 0.0,
 ) -> Tensor:  # (..., M, N)
     """``alpha·A·B + beta·C`` through quack's plain GEMM (one default configuration)."""
+    return _run(MATMUL, A, B, C, alpha, beta)
+
+
+def _run(
+    op: str, A: Tensor, B: Tensor | None, C: Tensor | None, alpha: float, beta: float
+) -> Tensor:
+    """The one operand front of the three operations: checks, the beta rule, one batch
+    dimension, padding and alignment, then quack, then the result sliced back.
+
+    ``op`` is SYRK (B None: A·Aᵀ), SYMMETRIC_PRODUCT (B square like A) or MATMUL (B (..., K, N)).
+    """
     api = _quack_api()
     if isinstance(api, str):
         raise RuntimeError(f"SYRK kernel 'quack' cannot run: {api}")
-    if api.gemm is None or api.gemm_add is None:
+    if op == MATMUL and (api.gemm is None or api.gemm_add is None):
         raise RuntimeError(
             f"quack-kernels {api.quack_version} has no gemm/gemm_add taking tuned=...; "
             "matmul runs on cuBLAS"
         )
-    _check_operand(A, None)
+    _check_operand(A, None if op == MATMUL else C)
     alpha, beta = float(alpha), float(beta)
-    if beta == 0.0:
-        C = None
-    M, K, N = A.shape[-2], A.shape[-1], B.shape[-1]
+    C = effective_c(C, beta)
+    N = A.shape[-2] if B is None or op == SYMMETRIC_PRODUCT else B.shape[-1]
     out_shape = (*A.shape[:-1], N)
     if C is not None:
         C = C.to(A.dtype).expand(out_shape)
-    B = B.to(A.dtype)
-    if A.numel() == 0 or B.numel() == 0:
+    if B is not None:
+        B = B.to(A.dtype)
+    if A.numel() == 0 or (B is not None and B.numel() == 0):
         out = torch.zeros(out_shape, dtype=A.dtype, device=A.device)
         return out.add_(C, alpha=beta) if C is not None else out
-    if A.dim() > 3:
-        flat_C = None if C is None else C.reshape(-1, M, N)
-        flat = matmul(A.reshape(-1, M, K), B.reshape(-1, K, N), flat_C, alpha, beta)
-        return flat.reshape(out_shape)
+    A, B, C = one_batch(A), one_batch(B), one_batch(C)
+    M = A.shape[-2]
     step = _elements_per_16_bytes(A)
-    pad_m, pad_k, pad_n = -M % step, -K % step, -N % step
-    if pad_m or pad_k or pad_n:
-        A = torch.nn.functional.pad(A, (0, pad_k, 0, pad_m))
-        B = torch.nn.functional.pad(B, (0, pad_n, 0, pad_k))
-        if C is not None:
-            C = torch.nn.functional.pad(C, (0, pad_n, 0, pad_m))
-    A, B = _aligned(A, allow_m_major=True), _aligned(B, allow_m_major=True)
-    if C is None:
-        out = api.gemm(A, B, alpha=alpha, tuned=False)
-    else:
-        out = api.gemm_add(
-            A, B, _aligned(C, allow_m_major=True), alpha=alpha, beta=beta, tuned=False
+    A = _aligned(_padded(A, step))
+    B = A.mT if B is None else _aligned(_padded(B, step))  # syrk: Aᵀ, padded with A
+    if C is not None:
+        C = _aligned(_padded(C, step))
+    out = _launch(api, op, A, B, C, alpha, beta)
+    if out.shape[-2:] != (M, N):
+        out = out[..., :M, :N].contiguous()
+    return out.reshape(out_shape)
+
+
+def _launch(
+    api: _QuackApi, op: str, A: Tensor, B: Tensor, C: Tensor | None, alpha: float, beta: float
+) -> Tensor:
+    """quack on prepared operands; the first call of each kernel variant is timed and announced
+    (see [Note: host cost of a quack call])."""
+    layouts = (A.stride(-1) == 1, B.stride(-1) == 1, C is None or C.stride(-1) == 1)
+    variant = (op, A.dtype, A.device, C is None, alpha == 1.0, beta == 1.0, layouts)
+    if variant in _ready_variants:
+        return _call(api, op, A, B, C, alpha, beta)
+    entry = "gemm_symmetric" if op != MATMUL else "gemm" if C is None else "gemm_add"
+    description = f"quack {entry} kernel for {str(A.dtype).removeprefix('torch.')}"
+    description += " with C" if C is not None else ""
+    with timed_phase(COMPILE, description) as phase:
+        out = _call(api, op, A, B, C, alpha, beta)
+    _ready_variants.add(variant)
+    if progress_lines_enabled():
+        log_rank_tagged(
+            f"{description} ready in {phase.seconds:.1f} s (first use of this variant in the "
+            "process: compiled, or loaded from quack's own cache)"
         )
-    return out[..., :M, :N].contiguous() if pad_m or pad_n else out
+    return out
+
+
+# The kernel variants quack has compiled or loaded in this process (see ``_launch``).
+_ready_variants: set[tuple] = set()
 
 
 def _call(
-    api: _QuackApi, A: Tensor, B: Tensor, C: Tensor | None, alpha: float, beta: float
+    api: _QuackApi, op: str, A: Tensor, B: Tensor, C: Tensor | None, alpha: float, beta: float
 ) -> Tensor:
-    """quack's ``gemm_symmetric(A, B, C=..., alpha=..., beta=...)`` on prepared operands."""
+    """One quack launch on prepared operands: ``gemm_symmetric(A, B, C=..., alpha=...,
+    beta=...)`` (B (L, K, M) for quack: Aᵀ for syrk), or the plain GEMM for MATMUL."""
+    if op == MATMUL:
+        if C is None:
+            return api.gemm(A, B, alpha=alpha, tuned=False)  # type: ignore[misc]
+        return api.gemm_add(A, B, C, alpha=alpha, beta=beta, tuned=False)  # type: ignore[misc]
     if C is None:
         beta = 1.0  # unused without C; 1.0 selects quack's plain epilogue (one compile fewer)
+    out_shape = (*A.shape[:-1], A.shape[-2])
+    if api.symmetric_launcher is not None:
+        out = torch.empty(out_shape, dtype=A.dtype, device=A.device)
+        api.symmetric_launcher(A, B, out, C, alpha=alpha, beta=beta)
+        return out
     kwargs: dict[str, object] = {"C": C, "alpha": alpha, "beta": beta}
     if api.accepts_out:
-        out_shape = (*A.shape[:-1], A.shape[-2])
         kwargs["out"] = torch.empty(out_shape, dtype=A.dtype, device=A.device)
     return api.gemm_symmetric(A, B, **kwargs)
+
+
+def _padded(t: Tensor, step: int) -> Tensor:
+    """``t`` with its last two sizes zero-padded to multiples of ``step`` (``t`` itself when they
+    are)."""
+    pad_rows, pad_cols = -t.shape[-2] % step, -t.shape[-1] % step
+    if pad_rows or pad_cols:
+        return torch.nn.functional.pad(t, (0, pad_cols, 0, pad_rows))
+    return t
 
 
 def _elements_per_16_bytes(t: Tensor) -> int:
     return _ALIGNMENT_BYTES // t.element_size()
 
 
-def _aligned(t: Tensor, *, allow_m_major: bool) -> Tensor:
-    """``t`` itself when quack can read it in place, else a contiguous copy."""
+def _aligned(t: Tensor) -> Tensor:
+    """``t`` itself when quack can read it in place (either of its last two dims contiguous, the
+    other strides and the base 16-byte aligned), else a contiguous copy."""
     step = _elements_per_16_bytes(t)
     if t.data_ptr() % _ALIGNMENT_BYTES == 0:
         strides = t.stride()
         if strides[-1] == 1 and all(s % step == 0 for s in strides[:-1]):
             return t
         if (
-            allow_m_major
+            _ACCEPTS_M_MAJOR
             and strides[-2] == 1
             and all(s % step == 0 for i, s in enumerate(strides) if i != t.ndim - 2)
         ):
