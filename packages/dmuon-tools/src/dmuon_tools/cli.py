@@ -1,7 +1,7 @@
 """The ``dmuon-tools`` command (also ``python -m dmuon_tools``).
 
-Owns argument parsing and printing; the work is done by ``planner`` (``plan``) and dmuon's
-kernel status (``backend``). Errors in the user's input print one line naming the fix and exit
+Owns argument parsing and printing; the work is done by ``planner`` (``plan``), ``simulator``
+(``simulate``), ``calibration`` (``calibrate``) and dmuon's kernel status (``backend``). Errors in the user's input print one line naming the fix and exit
 with status 2. ``backend`` still prints its report when ``DMUON_NS_KERNEL`` asks for a kernel
 that cannot run here: ``ns_backend`` is null, ``ns_backend_error`` says why, and the same reason
 goes to stderr as that one line (status 2). A reader that stops early (``| head``) ends the
@@ -10,6 +10,8 @@ command quietly with status 141, as a shell reports SIGPIPE.
     dmuon-tools backend
     dmuon-tools plan --config llama3-70b --mesh 8x16
     dmuon-tools plan --config path/to/config.json --mesh 10000 --ns-table ns.json
+    dmuon-tools simulate --config llama3-8b --gpus 64 [--mesh 8x8] [--plot timeline.png]
+    dmuon-tools calibrate --results benchmarks/results [--markdown]
 
 ``ns.json``: a ``benchmarks/bench_ns.py`` result or a plain ``{"MxN": ms}`` object (the wheel ships
 no table; the repository's ``benchmarks/results/`` holds measured ones).
@@ -24,9 +26,20 @@ import sys
 from collections.abc import Sequence
 
 from dmuon.inspect import DEFAULT_SMALL_PARAM_NUMEL
+from dmuon_tools.calibration import calibrate, format_markdown, format_text
+from dmuon_tools.machine import load_machine
 from dmuon_tools.model_shapes import PRESETS, load_decoder_shape
 from dmuon_tools.ns_table import DEFAULT_CANDIDATE, NSTimeTable
 from dmuon_tools.planner import format_report, parse_mesh, plan_report
+from dmuon_tools.simulate_report import format_markdown_table, format_simulation
+from dmuon_tools.simulator import (
+    DEFAULT_SYSTEMS,
+    SYSTEMS,
+    Layout,
+    Workload,
+    choose_layout,
+    simulate,
+)
 
 USAGE_ERROR = 2
 BROKEN_PIPE = 141  # 128 + SIGPIPE, the status a shell reports for a writer whose reader left
@@ -85,7 +98,85 @@ def build_parser() -> argparse.ArgumentParser:
     )
     plan.add_argument("--json", action="store_true", help="print the report as JSON")
     plan.add_argument("--list-presets", action="store_true", help="list the presets and exit")
+    _add_simulate(commands)
+    calibration = commands.add_parser(
+        "calibrate",
+        help="the simulator against the committed benchmark results",
+        description=(
+            "Fit the H200 machine's constants on the benchmark results they name and compare "
+            "every other measured component with its prediction."
+        ),
+    )
+    calibration.add_argument(
+        "--results", required=True, help="the dmuon repository's benchmarks/results folder"
+    )
+    output = calibration.add_mutually_exclusive_group()
+    output.add_argument("--json", action="store_true", help="print the report as JSON")
+    output.add_argument(
+        "--markdown", action="store_true", help="print docs/simulator-calibration.md"
+    )
     return parser
+
+
+def _add_simulate(commands) -> None:
+    parser = commands.add_parser(
+        "simulate",
+        help="predict the step time of FSDP2 + AdamW, dmuon and naive Muon on a layout",
+        description=(
+            "Lay out one training step per system (FSDP2 + AdamW, dmuon Z2/Z3 with synchronous "
+            "or asynchronous HSDP publish, naive Muon on DTensors) for a dense decoder on a "
+            "layout of G shards x R replicas x TP and print the predicted step, optimizer step, "
+            "exposed communication and memory per GPU. A prediction from a model calibrated on "
+            "one H200 (docs/simulator.md)."
+        ),
+    )
+    parser.add_argument(
+        "--config",
+        action="append",
+        help="a HuggingFace config.json or a preset (see plan --list-presets); repeat for a table",
+    )
+    where = parser.add_mutually_exclusive_group()
+    where.add_argument("--mesh", help="GxR: G shards x R replicas (with --tp: x TP each)")
+    where.add_argument(
+        "--gpus",
+        type=int,
+        action="append",
+        help="a GPU count; the layout is the smallest shard group (at least a node) where "
+        "FSDP2 + AdamW fits, HSDP over the rest; repeat for a table",
+    )
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size (with --mesh)")
+    parser.add_argument("--gpus-per-node", type=int, default=8)
+    parser.add_argument("--machine", default="h200", help="a preset (h200) or a machine JSON file")
+    parser.add_argument("--seq", type=int, default=8192, help="sequence length (default 8192)")
+    parser.add_argument(
+        "--micro-batch", type=int, default=1, help="sequences per data-parallel rank (default 1)"
+    )
+    parser.add_argument(
+        "--activation-checkpointing",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="recompute each layer in backward (default on)",
+    )
+    parser.add_argument(
+        "--systems",
+        default=None,
+        help=f"comma list of {', '.join(SYSTEMS)} (default {','.join(DEFAULT_SYSTEMS)}, "
+        "plus the -sync variants under HSDP)",
+    )
+    output = parser.add_mutually_exclusive_group()
+    output.add_argument("--json", action="store_true", help="print the predictions as JSON")
+    output.add_argument(
+        "--markdown", action="store_true", help="print one Markdown table (the README's)"
+    )
+    parser.add_argument(
+        "--timeline", action="store_true", help="with --json: include every operation's span"
+    )
+    parser.add_argument(
+        "--plot", metavar="PATH", help="save the timeline of each system (needs [plots])"
+    )
+    parser.add_argument(
+        "--write-machine", metavar="PATH", help="write the machine as JSON (to edit) and exit"
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -93,6 +184,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "backend":
             return _backend()
+        if args.command == "simulate":
+            return _simulate(args)
+        if args.command == "calibrate":
+            return _calibrate(args)
         return _plan(args)
     except ValueError as error:
         print(f"dmuon-tools {args.command}: error: {error}", file=sys.stderr)
@@ -144,6 +239,84 @@ def _plan(args: argparse.Namespace) -> int:
         small_param_numel=args.small_param_numel,
     )
     print(json.dumps(report, indent=2) if args.json else format_report(report))
+    return 0
+
+
+def _simulate(args: argparse.Namespace) -> int:
+    machine = load_machine(args.machine)
+    if args.write_machine:
+        with open(args.write_machine, "w") as out:
+            json.dump(machine.to_json(), out, indent=2)
+            out.write("\n")
+        print(f"wrote {args.write_machine}")
+        return 0
+    if not args.config or (args.mesh is None and not args.gpus):
+        raise ValueError(
+            "simulate needs --config (a config.json or a preset) and --mesh GxR or --gpus N, "
+            "e.g. dmuon-tools simulate --config llama3-8b --gpus 64"
+        )
+    if args.gpus and args.tp != 1:
+        raise ValueError("--tp goes with --mesh (GxR x TP); --gpus picks layouts without TP.")
+    workload = Workload(
+        seq_len=args.seq,
+        micro_batch=args.micro_batch,
+        activation_checkpointing=args.activation_checkpointing,
+    )
+    runs = []
+    for config in args.config:
+        shape = load_decoder_shape(config)
+        if args.mesh is not None:
+            num_shards, num_replicas = parse_mesh(args.mesh)
+            layouts = [
+                Layout(
+                    num_shards=num_shards,
+                    num_replicas=num_replicas,
+                    tp=args.tp,
+                    gpus_per_node=args.gpus_per_node,
+                )
+            ]
+        else:
+            layouts = [
+                choose_layout(shape, gpus, machine, workload, gpus_per_node=args.gpus_per_node)
+                for gpus in args.gpus
+            ]
+        for layout in layouts:
+            if args.systems:
+                systems = [name.strip() for name in args.systems.split(",") if name.strip()]
+            else:
+                systems = list(DEFAULT_SYSTEMS)
+                if layout.num_replicas > 1:
+                    systems.insert(2, "dmuon-z3-sync")
+            runs.append(simulate(shape, layout, workload, machine, systems))
+    if args.plot:
+        from dmuon_tools.plots import plot_timeline
+
+        for index, simulation in enumerate(runs):
+            path = args.plot if len(runs) == 1 else _numbered(args.plot, index)
+            plot_timeline(simulation, path)
+            print(f"wrote {path}", file=sys.stderr)
+    if args.json:
+        print(json.dumps([run.to_json(spans=args.timeline) for run in runs], indent=2))
+    elif args.markdown:
+        print(format_markdown_table(runs))
+    else:
+        print("\n\n".join(format_simulation(run) for run in runs))
+    return 0
+
+
+def _numbered(path: str, index: int) -> str:
+    stem, dot, suffix = path.rpartition(".")
+    return f"{stem}-{index}.{suffix}" if dot else f"{path}-{index}"
+
+
+def _calibrate(args: argparse.Namespace) -> int:
+    calibration = calibrate(args.results)
+    if args.json:
+        print(json.dumps(calibration.to_json(), indent=2))
+    elif args.markdown:
+        print(format_markdown(calibration), end="")
+    else:
+        print(format_text(calibration))
     return 0
 
 

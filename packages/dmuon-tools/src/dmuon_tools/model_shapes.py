@@ -65,6 +65,10 @@ class DecoderShape:
     num_key_value_heads: int
     head_dim: int
     experts: ExpertLayout | None = None
+    # The token embedding and LM head (not dedicated; the simulator needs their size): None when
+    # a config does not say.
+    vocab_size: int | None = None
+    tie_word_embeddings: bool = False  # one (vocab, hidden) matrix serves both
 
     def matrices(self) -> list[tuple[str, tuple[int, ...]]]:
         """``(FQN, shape)`` of every dedicated matrix, layer by layer, as ``transformers`` names
@@ -154,7 +158,17 @@ class DecoderShape:
             if model_type in MOE_MODEL_TYPES
             else None
         )
-        return cls(name=name, experts=experts, **sizes)
+        vocab_size = config.get("vocab_size")
+        if vocab_size is not None:
+            _require_positive_int(name, "vocab_size", vocab_size)
+        tied = config.get("tie_word_embeddings", False)
+        if not isinstance(tied, bool):
+            raise ValueError(
+                f"{name}: tie_word_embeddings must be true or false, got {tied!r}; fix the config."
+            )
+        return cls(
+            name=name, experts=experts, vocab_size=vocab_size, tie_word_embeddings=tied, **sizes
+        )
 
 
 def _mlp(prefix: str, hidden: int, ffn: int) -> tuple[tuple[str, tuple[int, ...]], ...]:
@@ -252,7 +266,17 @@ def _expert_layout(
 
 
 def _preset(
-    name: str, hidden, ffn, layers, heads, kv_heads, head_dim=None, experts=None
+    name: str,
+    hidden,
+    ffn,
+    layers,
+    heads,
+    kv_heads,
+    *,
+    vocab,
+    head_dim=None,
+    experts=None,
+    tied=False,
 ) -> DecoderShape:
     return DecoderShape(
         name=name,
@@ -263,6 +287,8 @@ def _preset(
         num_key_value_heads=kv_heads,
         head_dim=head_dim or hidden // heads,
         experts=experts,
+        vocab_size=vocab,
+        tie_word_embeddings=tied,
     )
 
 
@@ -276,25 +302,32 @@ def _experts_in_every_layer(layers: int, num_experts: int, ffn: int) -> ExpertLa
 PRESETS: dict[str, DecoderShape] = {
     shape.name: shape
     for shape in (
-        _preset("llama2-7b", 4096, 11008, 32, 32, 32),
-        _preset("llama2-13b", 5120, 13824, 40, 40, 40),
-        _preset("llama3-8b", 4096, 14336, 32, 32, 8),
-        _preset("llama3-70b", 8192, 28672, 80, 64, 8),
-        _preset("llama3.1-405b", 16384, 53248, 126, 128, 8),
-        _preset("llama3.2-1b", 2048, 8192, 16, 32, 8, head_dim=64),
-        _preset("llama3.2-3b", 3072, 8192, 28, 24, 8, head_dim=128),
-        _preset("mistral-7b", 4096, 14336, 32, 32, 8),
-        _preset("qwen2.5-0.5b", 896, 4864, 24, 14, 2),
-        _preset("qwen2.5-1.5b", 1536, 8960, 28, 12, 2),
-        _preset("qwen2.5-3b", 2048, 11008, 36, 16, 2),
-        _preset("qwen2.5-7b", 3584, 18944, 28, 28, 4),
-        _preset("qwen2.5-14b", 5120, 13824, 48, 40, 8),
-        _preset("qwen2.5-32b", 5120, 27648, 64, 40, 8),
-        _preset("qwen2.5-72b", 8192, 29568, 80, 64, 8),
-        _preset("qwen3-0.6b", 1024, 3072, 28, 16, 8, head_dim=128),
-        _preset("qwen3-8b", 4096, 12288, 36, 32, 8, head_dim=128),
+        _preset("llama2-7b", 4096, 11008, 32, 32, 32, vocab=32000),
+        _preset("llama2-13b", 5120, 13824, 40, 40, 40, vocab=32000),
+        _preset("llama3-8b", 4096, 14336, 32, 32, 8, vocab=128256),
+        _preset("llama3-70b", 8192, 28672, 80, 64, 8, vocab=128256),
+        _preset("llama3.1-405b", 16384, 53248, 126, 128, 8, vocab=128256),
+        _preset("llama3.2-1b", 2048, 8192, 16, 32, 8, vocab=128256, head_dim=64, tied=True),
+        _preset("llama3.2-3b", 3072, 8192, 28, 24, 8, vocab=128256, head_dim=128, tied=True),
+        _preset("mistral-7b", 4096, 14336, 32, 32, 8, vocab=32000),
+        _preset("qwen2.5-0.5b", 896, 4864, 24, 14, 2, vocab=151936, tied=True),
+        _preset("qwen2.5-1.5b", 1536, 8960, 28, 12, 2, vocab=151936, tied=True),
+        _preset("qwen2.5-3b", 2048, 11008, 36, 16, 2, vocab=151936, tied=True),
+        _preset("qwen2.5-7b", 3584, 18944, 28, 28, 4, vocab=152064),
+        _preset("qwen2.5-14b", 5120, 13824, 48, 40, 8, vocab=152064),
+        _preset("qwen2.5-32b", 5120, 27648, 64, 40, 8, vocab=152064),
+        _preset("qwen2.5-72b", 8192, 29568, 80, 64, 8, vocab=152064),
+        _preset("qwen3-0.6b", 1024, 3072, 28, 16, 8, vocab=151936, head_dim=128, tied=True),
+        _preset("qwen3-8b", 4096, 12288, 36, 32, 8, vocab=151936, head_dim=128),
         _preset(
-            "mixtral-8x7b", 4096, 14336, 32, 32, 8, experts=_experts_in_every_layer(32, 8, 14336)
+            "mixtral-8x7b",
+            4096,
+            14336,
+            32,
+            32,
+            8,
+            vocab=32000,
+            experts=_experts_in_every_layer(32, 8, 14336),
         ),
         _preset(
             "qwen3-30b-a3b",
@@ -303,6 +336,7 @@ PRESETS: dict[str, DecoderShape] = {
             48,
             32,
             4,
+            vocab=151936,
             head_dim=128,
             experts=_experts_in_every_layer(48, 128, 768),
         ),

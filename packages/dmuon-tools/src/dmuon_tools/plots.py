@@ -1,6 +1,8 @@
-"""Plots of a partition and of dmuon's per-step communication (needs ``dmuon-tools[plots]``).
+"""Plots of a partition, of dmuon's per-step communication and of a simulated step (needs
+``dmuon-tools[plots]``).
 
-Owns drawing and saving figures; the numbers come from ``owner_load`` and ``comm_plan``.
+Owns drawing and saving figures; the numbers come from ``owner_load``, ``comm_plan`` and
+``simulator``.
 matplotlib is imported only when a plot is drawn, so ``import dmuon_tools`` never needs it. Figures
 are built with ``matplotlib.figure.Figure`` directly (no pyplot): no GUI backend, no global state.
 """
@@ -17,6 +19,7 @@ import dmuon.inspect
 from dmuon.inspect import OwnershipPlan
 from dmuon_tools.comm_plan import COLLECTIVE_KINDS, summarize_comm_plan
 from dmuon_tools.owner_load import FLOP_PER_GFLOP
+from dmuon_tools.simulator import Simulation
 
 PLOTS_INSTALL_HINT = "pip install dmuon-tools[plots]"
 # Above this many owners a bar per owner is unreadable (and slow to draw): draw a step line.
@@ -127,6 +130,70 @@ def plot_comm_bytes(
         f"(G={summary['num_shards']} x R={summary['num_replicas']})"
     )
     axes.legend(loc="upper right")
+    return _save(figure, path)
+
+
+# One colour per kind of operation in a timeline; kinds not listed are grey.
+_KIND_COLOURS = {
+    "forward": "tab:blue",
+    "backward": "tab:cyan",
+    "head": "tab:purple",
+    "optimizer": "tab:red",
+    "all-gather": "tab:green",
+    "reduce-scatter": "tab:olive",
+    "shard broadcast": "tab:orange",
+    "shard reduce": "tab:brown",
+    "replicate all-reduce": "tab:pink",
+    "replicate reduce": "tab:pink",
+    "replicate publish": "gold",
+    "naive all-gather": "tab:green",
+    "tp all-reduce": "tab:gray",
+    "tp exchange": "tab:gray",
+}
+
+
+def plot_timeline(simulation: Simulation, path: str | Path, *, title: str | None = None) -> Path:
+    """Save one simulated step per system as a Gantt chart: a row per stream, a bar per
+    operation, coloured by kind (the second of the two simulated steps; time 0 is the end of
+    the first)."""
+    predictions = list(simulation.predictions.values())
+    if not predictions or not any(p.spans for p in predictions):
+        raise ValueError("plot_timeline needs a simulation with timelines (simulate(...)).")
+    from matplotlib.figure import Figure  # _figure() checked that it is installed
+
+    _figure()
+    figure = Figure(figsize=(12, 1.2 + 1.1 * len(predictions)), layout="constrained")
+    axes_list = figure.subplots(len(predictions), 1, sharex=True, squeeze=False)[:, 0]
+    seen: dict[str, object] = {}
+    for axes, prediction in zip(axes_list, predictions):
+        streams = list(dict.fromkeys(span["stream"] for span in prediction.spans))
+        for row, stream in enumerate(streams):
+            spans = [s for s in prediction.spans if s["stream"] == stream]
+            for kind in dict.fromkeys(s["kind"] for s in spans):
+                bars = [
+                    (s["start_ms"], s["end_ms"] - s["start_ms"]) for s in spans if s["kind"] == kind
+                ]
+                handle = axes.broken_barh(
+                    bars, (row - 0.4, 0.8), color=_KIND_COLOURS.get(kind, "tab:gray")
+                )
+                seen.setdefault(kind, handle)
+        axes.set_yticks(range(len(streams)), streams)
+        axes.set_ylim(-0.6, len(streams) - 0.4)
+        axes.invert_yaxis()
+        axes.axvline(prediction.step_ms, color="black", linewidth=0.8)
+        axes.set_title(
+            f"{prediction.system}: step {prediction.step_ms:,.1f} ms, optimizer "
+            f"{prediction.optimizer_ms:,.1f} ms, exposed communication "
+            f"{prediction.exposed_comm_ms:,.1f} ms",
+            fontsize=9,
+            loc="left",
+        )
+    axes_list[-1].set_xlabel("ms (PREDICTED; 0 = end of the previous step)")
+    figure.legend(list(seen.values()), list(seen), loc="outside lower center", ncols=7, fontsize=8)
+    figure.suptitle(
+        title or f"dmuon-tools simulate: {simulation.model.name} on {simulation.layout.describe()}",
+        fontsize=10,
+    )
     return _save(figure, path)
 
 
