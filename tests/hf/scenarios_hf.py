@@ -19,12 +19,14 @@ import tempfile
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 from transformers import TrainingArguments
 
 import dmuon
+import dmuon.checkpoint as dckpt
 from dmuon_hf import DMuonTrainer, default_predicate
 from dmuon_kernels.newton_schulz import NewtonSchulz, newton_schulz
 from tests.distributed.comm_counter import count_collectives
@@ -32,6 +34,7 @@ from tests.distributed.scenarios_protocol import current_weights, relative_error
 from tests.hf.tiny_models import tiny_llama, token_batch
 from tests.reference_optim import ReferenceMuonAdamW
 
+_FULL_ON_FIRST_RANK = StateDictOptions(full_state_dict=True, cpu_offload=True)
 MUON_LR = 0.02
 ADAMW_LR = 1e-2
 SEQ_LEN = 16
@@ -253,4 +256,98 @@ def train_save_and_resume(*, output_dir: str) -> dict:
         "resumed_learning_rates": _logged(resumed, "learning_rate"),
         "resumed_logits": resumed_logits,
         "export_loaded_logits": _eval_logits(model),
+    }
+
+
+# ---- sharded by DMuonTrainer from TrainingArguments(fsdp=...) ------------------------------------
+
+
+def _fsdp_arguments(
+    output_dir: str, fsdp_config: dict | None = None, **overrides
+) -> TrainingArguments:
+    settings = dict(
+        output_dir=output_dir,
+        use_cpu=True,
+        report_to=[],
+        save_strategy="no",
+        lr_scheduler_type="constant",
+        logging_steps=1,
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+        seed=0,
+        fsdp=True,
+        fsdp_config={"fsdp_version": 2, **(fsdp_config or {})},
+    )
+    settings.update(overrides)
+    return TrainingArguments(**settings)
+
+
+_MUON_FP32 = (
+    dmuon.Muon,
+    dict(
+        lr=MUON_LR,
+        adamw_lr=ADAMW_LR,
+        ns_backend=NewtonSchulz(backend="gram", dtype=torch.float32, kernel="cublas"),
+    ),
+)
+
+
+def train_with_fsdp_arguments(
+    *,
+    steps: int,
+    per_device_batch: int,
+    accumulation: int = 1,
+    max_grad_norm: float = 0.0,
+    fsdp_config: dict | None = None,
+    gradient_checkpointing: bool = False,
+) -> dict:
+    """A plain tiny Llama through DMuonTrainer with TrainingArguments(fsdp=...): what the trainer
+    made of the model, and the run against the single-process reference."""
+    os.environ.setdefault("LOCAL_RANK", str(dist.get_rank()))
+    rows = dist.get_world_size() * per_device_batch * accumulation
+    model = tiny_llama(seed=0)
+    output_dir = tempfile.mkdtemp(prefix="dmuon-hf-fsdp-")
+    try:
+        args = _fsdp_arguments(
+            output_dir,
+            fsdp_config,
+            max_steps=steps,
+            per_device_train_batch_size=per_device_batch,
+            gradient_accumulation_steps=accumulation,
+            max_grad_norm=max_grad_norm,
+            gradient_checkpointing=gradient_checkpointing,
+        )
+        trainer = DMuonTrainer(
+            model=model,
+            args=args,
+            train_dataset=_dataset(rows),
+            optimizer_cls_and_kwargs=_MUON_FP32,
+        )
+        view = dmuon.inspect.view(model)
+        units = sorted(
+            name for name, module in model.named_modules() if isinstance(module, FSDPModule)
+        )
+        trainer.train()
+        # What save_pretrained gets: the full model on the first rank, keyed by canonical names
+        # (no checkpoint-wrapper segments), every parameter of the reference present.
+        full = dckpt.get_model_state_dict(model, options=_FULL_ON_FIRST_RANK)
+    finally:
+        shutil.rmtree(output_dir, ignore_errors=True)
+    history = [entry for entry in trainer.state.log_history if "loss" in entry]
+    reference = _reference_run(steps, rows, max_grad_norm)
+    worst = [None]
+    if dist.get_rank() == 0:
+        expected = dict(reference["model"].named_parameters())
+        assert sorted(full) == sorted(expected), sorted(set(full) ^ set(expected))
+        worst[0] = max(relative_errors(full, reference["model"]).values())
+    dist.broadcast_object_list(worst, src=0)
+    return {
+        "dedicated": sorted(view.params),
+        "reshard_after_forward": {b.reshard_after_forward for b in view.boundaries},
+        "fsdp_units": units,
+        "accelerator_distributed_type": str(trainer.accelerator.distributed_type),
+        "losses": [entry["loss"] for entry in history],
+        "grad_norms": [entry["grad_norm"] for entry in history],
+        "reference": {key: reference[key] for key in ("losses", "grad_norms")},
+        "max_weight_error": worst[0],
     }

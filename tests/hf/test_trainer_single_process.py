@@ -88,7 +88,7 @@ def test_model_without_dedicate_params_is_rejected_with_the_core_message(tmp_pat
 
 
 def test_model_init_is_rejected(tmp_path):
-    with pytest.raises(ValueError, match="needs the prepared model itself"):
+    with pytest.raises(ValueError, match="needs the model itself"):
         DMuonTrainer(model_init=tiny_llama, args=training_arguments(tmp_path))
 
 
@@ -145,7 +145,7 @@ def test_model_on_another_device_than_training_is_rejected_instead_of_moved(tmp_
     )
 
 
-def test_fsdp_training_argument_is_rejected(tmp_path):
+def test_fsdp_training_argument_with_an_already_dedicated_model_is_rejected(tmp_path):
     model = dedicated_llama()
     with pytest.raises(ValueError) as error:
         DMuonTrainer(
@@ -154,8 +154,9 @@ def test_fsdp_training_argument_is_rejected(tmp_path):
             optimizers=(dmuon.Muon(model), None),
         )
     assert str(error.value) == (
-        "DMuonTrainer: TrainingArguments(fsdp=True) would shard the model again. Remove "
-        "fsdp/fsdp_config: call fully_shard yourself after dmuon.dedicate_params."
+        "DMuonTrainer: TrainingArguments(fsdp=True) would shard the model again: it is already "
+        "dedicated. Pass the plain model and let DMuonTrainer dedicate and shard it, or remove "
+        "fsdp/fsdp_config."
     )
 
 

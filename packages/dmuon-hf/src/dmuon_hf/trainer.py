@@ -5,6 +5,26 @@ which ``dmuon.dedicate_params`` and ``fully_shard`` were called, and a ``dmuon.M
 optimizer. It must not change the training math beyond that list; everything else is
 ``Trainer``'s.
 
+Two ways in. Hand-sharded: the model comes dedicated and sharded, with its ``dmuon.Muon``.
+From ``TrainingArguments(fsdp=..., fsdp_config={"fsdp_version": 2, ...})`` (or an ``accelerate
+launch`` FSDP2 config): the model comes plain, and DMuonTrainer takes the FSDP2 configuration
+over from Accelerate (see [Note: FSDP2 configuration taken over]), dedicates and shards the model
+with ``dmuon_hf.sharding`` at the end of construction, then builds the optimizer from
+``optimizer_cls_and_kwargs=(dmuon.Muon, {...})``, ``optimizers=(model -> dmuon.Muon, None)`` or
+the default ``dmuon.Muon`` (AdamW route from ``learning_rate``, ``weight_decay`` and the Adam
+betas/epsilon of the arguments). From there on both ways are the same.
+
+[Note: FSDP2 configuration taken over]
+Accelerate applies FSDP2 inside ``accelerator.prepare(model, optimizer)``: it swaps the
+optimizer's parameters for placeholders keyed by ``data_ptr`` and maps them back onto the
+sharded model's parameters, which cannot work for dmuon (the owners' fp32 masters are not module
+parameters), and its checkpoints use torch's state-dict functions, which raise on a dmuon model.
+So the Accelerator DMuonTrainer builds gets neither the FSDP plugin nor the
+``ParallelismConfig`` (and ``ACCELERATE_USE_FSDP`` is hidden from it while it is built): to
+Accelerate the model is an already-distributed one, exactly as in the hand-sharded way, and the
+plugin's settings are applied by ``dmuon_hf.sharding`` instead. On CPU Accelerate ignores FSDP
+plugins anyway, so CPU/gloo tests run the very code path of a GPU job.
+
 What a stock ``Trainer`` does, and what this subclass does instead:
 
 - ``accelerator.prepare(model, optimizer)`` wraps the model in DistributedDataParallel when the
@@ -45,6 +65,7 @@ import json
 import logging
 import os
 import warnings
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import safetensors.torch
@@ -59,6 +80,8 @@ from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME
 
 import dmuon
 import dmuon.checkpoint as dckpt
+from dmuon_hf.predicates import Predicate
+from dmuon_hf.sharding import ShardingRequest, dedicate_and_shard
 
 logger = logging.getLogger("dmuon_hf")
 
@@ -69,9 +92,20 @@ _FULL_ON_FIRST_RANK = StateDictOptions(full_state_dict=True, cpu_offload=True)
 
 
 class DMuonTrainer(Trainer):
-    """``Trainer`` that trains a dmuon-dedicated (and ``fully_shard``-ed) model as it is.
+    """``Trainer`` that trains a model with dmuon on FSDP2, sharded by you or by it.
 
-    Use it exactly like ``Trainer``, with the optimizer passed in::
+    From the FSDP2 training arguments (the model plain, as for ``Trainer``)::
+
+        trainer = DMuonTrainer(
+            model=AutoModelForCausalLM.from_pretrained(...),
+            args=TrainingArguments(..., bf16=True, fsdp=True,
+                                   fsdp_config={"fsdp_version": 2, "reshard_after_forward": True}),
+            train_dataset=dataset,
+            optimizer_cls_and_kwargs=(dmuon.Muon, {"lr": 0.02, "adamw_lr": 1e-4}),
+            predicate=None,  # default_predicate(model); or (name, param) -> bool
+        )
+
+    Or hand-sharded, with the optimizer passed in::
 
         trainer = DMuonTrainer(
             model=model,  # after dmuon.dedicate_params(...) and fully_shard(...)
@@ -86,11 +120,10 @@ class DMuonTrainer(Trainer):
     full model for ``from_pretrained`` and a sharded ``dmuon_state/`` (model and optimizer) for
     resuming. ``save_model`` and every save and load are collective: call them on every rank.
 
-    Requirements (each checked, with a message saying the fix): ``optimizers[0]`` is the
-    ``dmuon.Muon`` built on this model; no ``fsdp``, ``deepspeed``, ``torch_compile``,
-    ``model_init`` (the model is sharded and compiled by you, before the trainer sees it) or
-    ``save_on_each_node`` (every rank writes into one checkpoint folder). See the module
-    docstring for what differs from ``Trainer``.
+    Requirements (each checked, with a message saying the fix): the optimizer is a
+    ``dmuon.Muon`` built on this model; no ``deepspeed``, ``torch_compile``, ``model_init`` or
+    ``save_on_each_node`` (every rank writes into one checkpoint folder); ``fsdp`` only with a
+    plain model. See the module docstring for what differs from ``Trainer``.
     """
 
     def __init__(
@@ -98,21 +131,61 @@ class DMuonTrainer(Trainer):
         model: nn.Module | None = None,
         args: TrainingArguments | None = None,
         *trainer_args: Any,
-        optimizers: tuple[torch.optim.Optimizer | None, Any] = (None, None),
+        optimizers: tuple[Any, Any] = (None, None),
+        optimizer_cls_and_kwargs: tuple[type, dict[str, Any]] | None = None,
+        predicate: Predicate | None = None,
         **trainer_kwargs: Any,
     ) -> None:
-        _check_model_and_optimizer(model, optimizers, trainer_kwargs)
-        _check_training_arguments(args)
-        self._dmuon_optimizer: dmuon.Muon = optimizers[0]
+        if trainer_kwargs.get("model_init") is not None or model is None:
+            raise ValueError(
+                "DMuonTrainer needs the model itself (model=...), not model_init: pass the plain "
+                "model with TrainingArguments(fsdp=...), or a model prepared with "
+                "dmuon.dedicate_params and fully_shard."
+            )
+        build_optimizer = _optimizer_builder(optimizers[0], optimizer_cls_and_kwargs, args)
+        self._sharding: ShardingRequest | None = None
+        if not dmuon.inspect.is_prepared(model) and _fsdp_requested(args):
+            self._sharding = ShardingRequest(
+                plugin=_fsdp_plugin(args),
+                parallelism_config=getattr(args, "parallelism_config", None),
+                mixed_precision=args.mixed_precision,
+                predicate=predicate,
+            )
+            self._sharding.check()
+            _check_training_arguments(args, sharded_by_trainer=True)
+            _check_no_scheduler_before_optimizer(optimizers[1])
+            optimizer = None
+        else:
+            _check_training_arguments(args, sharded_by_trainer=False)
+            if predicate is not None:
+                raise ValueError(
+                    "DMuonTrainer: predicate= chooses what DMuonTrainer dedicates when it shards "
+                    "the model (TrainingArguments(fsdp=...)); this model is "
+                    + ("already dedicated: pass the predicate to dmuon.dedicate_params."
+                       if dmuon.inspect.is_prepared(model) else "not sharded by it.")
+                )  # fmt: skip
+            dmuon.inspect.view(model)  # raises, saying to call dmuon.dedicate_params first
+            optimizer = build_optimizer(model)
+            _check_optimizer(optimizer, model)
+        self._dmuon_optimizer: dmuon.Muon | None = optimizer
         self._masters_need_zero_grad = True
-        super().__init__(model, args, *trainer_args, optimizers=optimizers, **trainer_kwargs)
+        super().__init__(
+            model, args, *trainer_args, optimizers=(optimizer, optimizers[1]), **trainer_kwargs
+        )
+        if self._sharding is not None:
+            dedicate_and_shard(self.model, self._sharding, self.args.device)
+            optimizer = build_optimizer(self.model)
+            _check_optimizer(optimizer, self.model)
+            self.optimizer = self._dmuon_optimizer = optimizer
+            self.callback_handler.optimizer = optimizer
         if self.is_fsdp_enabled or self.is_deepspeed_enabled:
             wrapper = "FSDP" if self.is_fsdp_enabled else "DeepSpeed"
             raise ValueError(
                 f"DMuonTrainer: Accelerate has {wrapper} enabled (from TrainingArguments or the "
-                "accelerate launcher config); it would shard the model again. Launch with "
-                "torchrun (or accelerate without an FSDP/DeepSpeed config): the model is already "
-                "sharded by dmuon.dedicate_params and fully_shard."
+                "accelerate launcher config); it would shard the model again. The model is "
+                "already sharded by dmuon.dedicate_params and fully_shard: launch without an "
+                "FSDP/DeepSpeed config, or pass the plain model and let DMuonTrainer shard it "
+                "from the FSDP2 config."
             )
         # Autocast only (evaluation_mode skips every DDP/FSDP wrap); the model is marked as
         # prepared, so the prepare() inside train() returns it unchanged.
@@ -127,9 +200,28 @@ class DMuonTrainer(Trainer):
                 "transformers and accelerate versions."
             )
 
+    # ---- the accelerator --------------------------------------------------------------------------
+
+    def create_accelerator_and_postprocess(self) -> None:
+        if self._sharding is None:
+            return super().create_accelerator_and_postprocess()
+        # [Note: FSDP2 configuration taken over]: an accelerate-launch FSDP config is read from
+        # the environment by Accelerator(); hide it while Trainer builds it.
+        with _environment_without("ACCELERATE_USE_FSDP"):
+            super().create_accelerator_and_postprocess()
+
+    def _build_accelerator_args(self, **kwargs: Any) -> dict[str, Any]:
+        accelerator_args = super()._build_accelerator_args(**kwargs)
+        if self._sharding is not None:  # [Note: FSDP2 configuration taken over]
+            accelerator_args.pop("fsdp_plugin", None)
+            accelerator_args.pop("parallelism_config", None)
+        return accelerator_args
+
     # ---- device placement -----------------------------------------------------------------------
 
     def _move_model_to_device(self, model: nn.Module, device: torch.device) -> None:
+        if not dmuon.inspect.is_prepared(model):  # a plain model DMuonTrainer will shard
+            return super()._move_model_to_device(model, device)
         # The dedicated weights live in owner segments and the rest in FSDP2 shards: .to() must
         # not touch them. The user places the model before dedicate_params.
         target = torch.device(device)
@@ -280,16 +372,58 @@ class DMuonTrainer(Trainer):
 # ---- checks -------------------------------------------------------------------------------------
 
 
-def _check_model_and_optimizer(
-    model: nn.Module | None, optimizers: tuple, trainer_kwargs: dict[str, Any]
-) -> None:
-    if trainer_kwargs.get("model_init") is not None or model is None:
+def _fsdp_requested(args: TrainingArguments | None) -> bool:
+    """TrainingArguments(fsdp=...) or an ``accelerate launch`` FSDP config."""
+    from_launcher = os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
+    return bool(args is not None and args.fsdp) or from_launcher
+
+
+def _fsdp_plugin(args: TrainingArguments | None):
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    plugin_args = getattr(args, "fsdp_plugin_args", None) if args is not None else None
+    # Without TrainingArguments(fsdp=...) the plugin reads the launcher's FSDP_* variables.
+    return FullyShardedDataParallelPlugin(**(plugin_args or {}))
+
+
+def _optimizer_builder(
+    optimizer: Any, optimizer_cls_and_kwargs: tuple | None, args: TrainingArguments | None
+) -> Callable[[nn.Module], Any]:
+    """``model -> optimizer`` from what was passed: a built optimizer, a factory, a class with
+    its keyword arguments, or nothing (``dmuon.Muon`` with the AdamW settings of ``args``)."""
+    if optimizer is not None and optimizer_cls_and_kwargs is not None:
         raise ValueError(
-            "DMuonTrainer needs the prepared model itself (model=...), not model_init: build the "
-            "model, call dmuon.dedicate_params and fully_shard, then pass it."
+            "DMuonTrainer: pass either optimizers=(...) or optimizer_cls_and_kwargs=(...), not both."
         )
-    dmuon.inspect.view(model)  # raises, saying to call dmuon.dedicate_params first
-    optimizer = optimizers[0] if optimizers else None
+    if isinstance(optimizer, torch.optim.Optimizer):
+        return lambda model: optimizer
+    if optimizer is not None:
+        if not callable(optimizer):
+            raise ValueError(
+                f"DMuonTrainer: optimizers[0] is a {type(optimizer).__name__}; pass a "
+                "dmuon.Muon, a function model -> dmuon.Muon, or None."
+            )
+        return optimizer
+    if optimizer_cls_and_kwargs is not None:
+        optimizer_cls, kwargs = optimizer_cls_and_kwargs
+        if not (isinstance(optimizer_cls, type) and issubclass(optimizer_cls, dmuon.Muon)):
+            raise ValueError(
+                f"DMuonTrainer: optimizer_cls_and_kwargs names {optimizer_cls!r}; it must be "
+                "dmuon.Muon (or a subclass), built as dmuon.Muon(model, **kwargs): "
+                "optimizer_cls_and_kwargs=(dmuon.Muon, {'lr': 0.02, 'adamw_lr': 1e-4})."
+            )
+        return lambda model: optimizer_cls(model, **kwargs)
+    args = args if args is not None else TrainingArguments(output_dir="tmp_trainer")
+    return lambda model: dmuon.Muon(
+        model,
+        adamw_lr=args.learning_rate,
+        adamw_betas=(args.adam_beta1, args.adam_beta2),
+        adamw_eps=args.adam_epsilon,
+        adamw_weight_decay=args.weight_decay,
+    )
+
+
+def _check_optimizer(optimizer: Any, model: nn.Module) -> None:
     if not isinstance(optimizer, dmuon.Muon):
         raise ValueError(
             "DMuonTrainer needs optimizers=(dmuon.Muon(model, ...), scheduler_or_None), got "
@@ -303,7 +437,27 @@ def _check_model_and_optimizer(
         )
 
 
-def _check_training_arguments(args: TrainingArguments | None) -> None:
+def _check_no_scheduler_before_optimizer(scheduler: Any) -> None:
+    if scheduler is not None:
+        raise ValueError(
+            "DMuonTrainer: with TrainingArguments(fsdp=...) the optimizer is built after "
+            "DMuonTrainer shards the model, so a scheduler built beforehand cannot drive it. "
+            "Use TrainingArguments(lr_scheduler_type=...), or shard the model yourself and pass "
+            "optimizers=(dmuon.Muon(model, ...), scheduler)."
+        )
+
+
+@contextlib.contextmanager
+def _environment_without(name: str) -> Iterator[None]:
+    saved = os.environ.pop(name, None)
+    try:
+        yield
+    finally:
+        if saved is not None:
+            os.environ[name] = saved
+
+
+def _check_training_arguments(args: TrainingArguments | None, *, sharded_by_trainer: bool) -> None:
     if args is None:
         return  # Trainer's defaults
     if args.save_on_each_node:
@@ -313,10 +467,17 @@ def _check_training_arguments(args: TrainingArguments | None) -> None:
             "full model, so output_dir must be on a filesystem every node shares. Remove "
             "save_on_each_node."
         )
-    if args.fsdp:
+    if args.fsdp and not sharded_by_trainer:
         raise ValueError(
-            f"DMuonTrainer: TrainingArguments(fsdp={args.fsdp!r}) would shard the model again. "
-            "Remove fsdp/fsdp_config: call fully_shard yourself after dmuon.dedicate_params."
+            f"DMuonTrainer: TrainingArguments(fsdp={args.fsdp!r}) would shard the model again: "
+            "it is already dedicated. Pass the plain model and let DMuonTrainer dedicate and "
+            "shard it, or remove fsdp/fsdp_config."
+        )
+    checkpointing = getattr(args, "activation_checkpointing", None) or args.gradient_checkpointing
+    if sharded_by_trainer and checkpointing and _fsdp_plugin(args).activation_checkpointing:
+        raise ValueError(
+            "DMuonTrainer: fsdp_config['activation_checkpointing'] and the gradient_checkpointing "
+            "training argument would checkpoint every layer twice; set one of them."
         )
     if args.deepspeed:
         raise ValueError(

@@ -1,0 +1,222 @@
+"""Dedicate and shard a plain HuggingFace model the way Accelerate's FSDP2 plugin would.
+
+Owns reading an Accelerate ``FullyShardedDataParallelPlugin`` (``fsdp_version=2``: built by
+``TrainingArguments(fsdp=..., fsdp_config=...)``, an ``accelerate launch`` FSDP config, or given
+to ``DMuonAccelerator``) and an optional ``ParallelismConfig`` (HSDP), and applying them to a
+model with dmuon in the one order that works: decide which modules get their own FSDP2 unit on
+the plain model, upcast low-precision trainable parameters to fp32 (what Accelerate does before
+mixed precision), ``dmuon.dedicate_params`` (before any ``fully_shard``), activation
+checkpointing, then ``fully_shard`` on each unit and on the root.
+
+What each plugin field becomes:
+
+- ``auto_wrap_policy``: ``TRANSFORMER_BASED_WRAP`` shards every module whose class is named in
+  ``transformer_cls_names_to_wrap`` (default: the model's ``_no_split_modules``),
+  ``SIZE_BASED_WRAP`` every module with more than ``min_num_params`` parameters, ``NO_WRAP``
+  only the root; as ``fsdp2_prepare_auto_wrap_policy`` in Accelerate decides.
+- ``reshard_after_forward``: FSDP2's, and dmuon's Z3 (True) or Z2 (False).
+- mixed precision (``bf16`` / ``fp16``): the plugin's ``MixedPrecisionPolicy`` on every
+  ``fully_shard``, and the same param/reduce dtypes for the dedicated weights
+  (``param_policy``); trainable parameters are fp32 masters.
+- ``activation_checkpointing``: each unit wrapped in torch's ``checkpoint_wrapper`` (after
+  ``dedicate_params``, so parameter names stay canonical).
+- ``ParallelismConfig(dp_replicate_size=R, dp_shard_size=S)``: HSDP, a (R, S) mesh named
+  ("replicate", "shard"); dmuon owns over the shard dim and publishes across the replicate dim.
+
+Refused with the fix (nothing silently ignored): FSDP1, ``cpu_offload``, ``ignored_modules``,
+``cpu_ram_efficient_loading`` and tensor/context/sequence parallel sizes above 1. It must not
+build the optimizer, touch Accelerate's state, or move data between ranks itself.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+import dmuon
+from dmuon_hf.predicates import Predicate, default_predicate
+
+_MIXED_PRECISION = {"no": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass(frozen=True, slots=True)
+class ShardingRequest:
+    """What the user asked for: the FSDP2 plugin, the optional HSDP layout, the mixed precision
+    (``"no"``, ``"bf16"`` or ``"fp16"``) and the predicate (None: ``default_predicate``)."""
+
+    plugin: Any  # accelerate.utils.FullyShardedDataParallelPlugin
+    parallelism_config: Any = None  # accelerate.ParallelismConfig or None
+    mixed_precision: str = "no"
+    predicate: Predicate | None = None
+
+    def check(self) -> None:
+        """Raise for what dmuon_hf does not do, before any model is touched."""
+        plugin = self.plugin
+        if getattr(plugin, "fsdp_version", 1) != 2:
+            raise ValueError(
+                f"dmuon_hf: fsdp_version={getattr(plugin, 'fsdp_version', 1)} asks for FSDP1; dmuon "
+                "works with FSDP2 only. Pass fsdp_config={'fsdp_version': 2, ...} (or "
+                "FullyShardedDataParallelPlugin(fsdp_version=2, ...))."
+            )
+        offload = getattr(plugin, "cpu_offload", None)
+        if offload is not None and type(offload) is not OffloadPolicy:
+            raise ValueError(
+                "dmuon_hf: cpu_offload is not supported with dmuon (the owners' fp32 masters and "
+                "Newton-Schulz stay on the device). Remove 'cpu_offload' / the 'offload' option."
+            )
+        if getattr(plugin, "ignored_modules", None) is not None:
+            raise ValueError(
+                "dmuon_hf: ignored_modules is not supported; leave the parameters out of the "
+                "predicate instead (dmuon's AdamW route on FSDP2 shards), or freeze them."
+            )
+        if getattr(plugin, "cpu_ram_efficient_loading", False):
+            raise ValueError(
+                "dmuon_hf: cpu_ram_efficient_loading is not supported yet: load the model on "
+                "every rank (the default, cpu_ram_efficient_loading=False)."
+            )
+        if self.mixed_precision not in _MIXED_PRECISION:
+            raise ValueError(
+                f"dmuon_hf: mixed precision {self.mixed_precision!r} is not supported; use "
+                f"one of {sorted(_MIXED_PRECISION)} (TrainingArguments(bf16=True) or fp16=True)."
+            )
+        pc = self.parallelism_config
+        if pc is not None:
+            others = {name: getattr(pc, name, 1) or 1 for name in ("tp_size", "cp_size", "sp_size")}
+            if any(size > 1 for size in others.values()):
+                raise ValueError(
+                    f"dmuon_hf: ParallelismConfig with {others} is not supported; dmuon_hf "
+                    "builds data-parallel meshes only (dp_replicate_size x dp_shard_size, HSDP)."
+                )
+
+
+def dedicate_and_shard(model: nn.Module, request: ShardingRequest, device: torch.device) -> None:
+    """Apply ``request`` to ``model`` (on ``device``, torch.distributed initialised); in place.
+
+    Collective: every rank calls it with the same model and request.
+    """
+    request.check()
+    plugin = request.plugin
+    replicate_mesh, shard_mesh, fsdp_mesh = _meshes(request.parallelism_config, device)
+    units = _units(model, plugin)  # decided on the plain model, as Accelerate sees it
+    _upcast_trainable_to_fp32(model, request.mixed_precision)
+    mp_policy = _mixed_precision_policy(plugin, request.mixed_precision)
+    predicate = request.predicate or default_predicate(model)
+    dmuon.dedicate_params(
+        model,
+        shard_mesh,
+        predicate,
+        replicate_mesh=replicate_mesh,
+        reshard_after_forward=bool(plugin.reshard_after_forward),
+        param_policy={
+            "defaults": {
+                "param_dtype": mp_policy.param_dtype,
+                "reduce_dtype": mp_policy.reduce_dtype,
+            }
+        },
+    )
+    if plugin.activation_checkpointing:
+        units = [_checkpoint_wrapped(model, unit) for unit in units]
+    shard = functools.partial(fully_shard, mesh=fsdp_mesh, mp_policy=mp_policy)
+    for unit in units:
+        shard(unit, reshard_after_forward=bool(plugin.reshard_after_forward))
+    if not isinstance(model, FSDPModule):
+        shard(model)
+
+
+def _meshes(parallelism_config, device: torch.device):
+    """(replicate_mesh or None, shard_mesh, fsdp_mesh) over every rank of the world."""
+    if not dist.is_initialized():
+        raise RuntimeError(
+            "dmuon_hf: sharding needs torch.distributed: launch with torchrun (or accelerate "
+            "launch), one process per device."
+        )
+    world = dist.get_world_size()
+    replicas = (
+        (getattr(parallelism_config, "dp_replicate_size", None) or 1) if parallelism_config else 1
+    )
+    shards = getattr(parallelism_config, "dp_shard_size", None) if parallelism_config else None
+    shards = shards or world // replicas
+    if replicas * shards != world:
+        raise ValueError(
+            f"dmuon_hf: ParallelismConfig(dp_replicate_size={replicas}, dp_shard_size={shards}) "
+            f"spans {replicas * shards} ranks but the job has {world}; make their product the "
+            "number of processes."
+        )
+    if replicas == 1:
+        mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("shard",))
+        return None, mesh, mesh
+    mesh = init_device_mesh(device.type, (replicas, shards), mesh_dim_names=("replicate", "shard"))
+    return mesh["replicate"], mesh["shard"], mesh
+
+
+def _units(model: nn.Module, plugin) -> list[nn.Module]:
+    """The modules that get their own FSDP2 unit, bottom-up, the root excluded."""
+    wraps = _wrap_policy(model, plugin)
+    units = [module for module in model.modules() if module is not model and wraps(module)]
+    return list(reversed(units))  # children before their parents, as fully_shard needs
+
+
+def _wrap_policy(model: nn.Module, plugin) -> Callable[[nn.Module], bool]:
+    from torch.distributed.fsdp.wrap import (
+        size_based_auto_wrap_policy,
+        transformer_auto_wrap_policy,
+    )
+
+    policy = plugin.auto_wrap_policy
+    policy = getattr(policy, "func", policy)
+    if policy is None:
+        return lambda module: False
+    if policy is size_based_auto_wrap_policy:
+        limit = plugin.min_num_params or 0
+        return lambda module: sum(p.numel() for p in module.parameters()) > limit
+    if policy is transformer_auto_wrap_policy:
+        names = plugin.transformer_cls_names_to_wrap
+        if isinstance(names, str):
+            names = names.split(",")
+        names = list(names or getattr(model, "_no_split_modules", None) or [])
+        classes = {type(m) for m in model.modules() if type(m).__name__ in names}
+        missing = sorted(set(names) - {cls.__name__ for cls in classes})
+        if missing:
+            raise ValueError(
+                f"dmuon_hf: transformer_layer_cls_to_wrap names {missing}, which "
+                f"{type(model).__name__} does not contain. Name its block classes (e.g. "
+                f"{sorted(getattr(model, '_no_split_modules', None) or [])}) or leave it unset."
+            )
+        return lambda module: isinstance(module, tuple(classes))
+    raise ValueError(
+        f"dmuon_hf: auto_wrap_policy {policy!r} is not supported; use 'TRANSFORMER_BASED_WRAP' "
+        "(the default), 'SIZE_BASED_WRAP' or 'NO_WRAP'."
+    )
+
+
+def _upcast_trainable_to_fp32(model: nn.Module, mixed_precision: str) -> None:
+    # As Accelerate does for FSDP2 mixed precision: fp32 master weights, low-precision compute.
+    if _MIXED_PRECISION[mixed_precision] is None:
+        return
+    for param in model.parameters():
+        if param.requires_grad and param.is_floating_point() and param.dtype != torch.float32:
+            param.data = param.data.to(torch.float32)
+
+
+def _mixed_precision_policy(plugin, mixed_precision: str) -> MixedPrecisionPolicy:
+    if _MIXED_PRECISION[mixed_precision] is not None:
+        plugin.set_mixed_precision(mixed_precision)  # keeps a policy the user gave
+    policy = plugin.mixed_precision_policy
+    return policy if isinstance(policy, MixedPrecisionPolicy) else MixedPrecisionPolicy()
+
+
+def _checkpoint_wrapped(model: nn.Module, unit: nn.Module) -> nn.Module:
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    name = next(name for name, module in model.named_modules() if module is unit)
+    wrapped = checkpoint_wrapper(unit, preserve_rng_state=False)
+    model.set_submodule(name, wrapped)
+    return wrapped

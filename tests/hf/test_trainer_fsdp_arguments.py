@@ -1,0 +1,62 @@
+"""DMuonTrainer shards a plain model itself from TrainingArguments(fsdp=..., fsdp_config=...), on 2
+gloo ranks: dedicated with default_predicate, one FSDP2 unit per decoder layer (the model's
+_no_split_modules, as Accelerate's FSDP2 auto-wrap policy), reshard_after_forward and activation
+checkpointing from fsdp_config; the run matches the single-process reference (see scenarios_hf).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.hf import scenarios_hf
+from tests.hf.test_trainer import assert_matches_reference
+
+STEPS = 3
+LLAMA_PROJECTIONS = 7 * 2  # two layers
+
+
+@pytest.fixture(scope="module")
+def default_config_run(pool2) -> list[dict]:
+    return pool2.run(scenarios_hf.train_with_fsdp_arguments, steps=STEPS, per_device_batch=2)
+
+
+@pytest.fixture(scope="module")
+def z2_checkpointed_clipped_run(pool2) -> list[dict]:
+    # fsdp_config's activation checkpointing and Z2, two micro-batches a step, clipping.
+    return pool2.run(
+        scenarios_hf.train_with_fsdp_arguments,
+        steps=STEPS,
+        per_device_batch=1,
+        accumulation=2,
+        max_grad_norm=0.5,
+        fsdp_config={"reshard_after_forward": False, "activation_checkpointing": True},
+    )
+
+
+def test_the_trainer_dedicates_the_default_predicate_and_shards_each_decoder_layer(
+    default_config_run,
+):
+    for result in default_config_run:
+        assert len(result["dedicated"]) == LLAMA_PROJECTIONS
+        assert result["fsdp_units"] == ["", "model.layers.0", "model.layers.1"]
+        assert result["reshard_after_forward"] == {True}
+        # Accelerate does not shard or wrap the model again (no FSDP in its state).
+        assert result["accelerator_distributed_type"] == "DistributedType.MULTI_CPU"
+
+
+def test_the_sharded_run_matches_the_single_process_reference(default_config_run):
+    for result in default_config_run:
+        assert result["losses"][-1] < result["losses"][0]
+        assert_matches_reference(result)
+
+
+def test_z2_activation_checkpointing_accumulation_and_clipping_match_the_reference(
+    z2_checkpointed_clipped_run,
+):
+    for result in z2_checkpointed_clipped_run:
+        assert result["reshard_after_forward"] == {False}
+        assert result["fsdp_units"] == [
+            "", "model.layers.0", "model.layers.1"
+        ]  # the checkpoint wrappers  # fmt: skip
+        assert min(result["reference"]["grad_norms"]) > 0.5
+        assert_matches_reference(result)
