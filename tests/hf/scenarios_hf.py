@@ -300,17 +300,28 @@ def train_with_fsdp_arguments(
     max_grad_norm: float = 0.0,
     fsdp_config: dict | None = None,
     gradient_checkpointing: bool = False,
+    replicas: int = 1,
 ) -> dict:
     """A plain tiny Llama through DMuonTrainer with TrainingArguments(fsdp=...): what the trainer
-    made of the model, and the run against the single-process reference."""
+    made of the model, and the run against the single-process reference. ``replicas`` > 1: HSDP
+    through ``parallelism_config``."""
+    from accelerate import ParallelismConfig
+
     os.environ.setdefault("LOCAL_RANK", str(dist.get_rank()))
-    rows = dist.get_world_size() * per_device_batch * accumulation
+    world = dist.get_world_size()
+    rows = world * per_device_batch * accumulation
     model = tiny_llama(seed=0)
     output_dir = tempfile.mkdtemp(prefix="dmuon-hf-fsdp-")
+    hsdp = {}
+    if replicas > 1:
+        hsdp["parallelism_config"] = ParallelismConfig(
+            dp_replicate_size=replicas, dp_shard_size=world // replicas
+        )
     try:
         args = _fsdp_arguments(
             output_dir,
             fsdp_config,
+            **hsdp,
             max_steps=steps,
             per_device_train_batch_size=per_device_batch,
             gradient_accumulation_steps=accumulation,
@@ -342,6 +353,7 @@ def train_with_fsdp_arguments(
         worst[0] = max(relative_errors(full, reference["model"]).values())
     dist.broadcast_object_list(worst, src=0)
     return {
+        "owner_grid": (view.grid.num_shards, view.grid.num_replicas),
         "dedicated": sorted(view.params),
         "reshard_after_forward": {b.reshard_after_forward for b in view.boundaries},
         "fsdp_units": units,
@@ -350,4 +362,49 @@ def train_with_fsdp_arguments(
         "grad_norms": [entry["grad_norm"] for entry in history],
         "reference": {key: reference[key] for key in ("losses", "grad_norms")},
         "max_weight_error": worst[0],
+    }
+
+
+# ---- resuming on another world size ------------------------------------------------------------
+
+GLOBAL_BATCH = 4  # rows a step over all ranks: the same data whatever the world size
+
+
+def checkpointed_run_any_world(*, output_dir: str, resume_from: str | None = None) -> dict:
+    """Six steps with a checkpoint every two, ``GLOBAL_BATCH // world`` rows per rank, resumed
+    from ``resume_from`` if given. Two or more ranks: the plain model sharded by DMuonTrainer from
+    TrainingArguments(fsdp=...); one rank (where Trainer refuses fsdp): hand-sharded over a mesh
+    of one. Both write the same dmuon_state/, which reshards on load."""
+    os.environ.setdefault("LOCAL_RANK", str(dist.get_rank()))
+    world = dist.get_world_size()
+    dataset = _dataset(GLOBAL_BATCH * STEPS_PER_EPOCH)
+    settings = dict(
+        save_strategy="steps",
+        save_steps=SAVE_STEPS,
+        save_total_limit=2,
+        max_steps=CHECKPOINT_STEPS,
+        per_device_train_batch_size=GLOBAL_BATCH // world,
+        lr_scheduler_type="linear",
+    )
+    if world > 1:
+        trainer = DMuonTrainer(
+            model=tiny_llama(seed=0),
+            args=_fsdp_arguments(output_dir, **settings),
+            train_dataset=dataset,
+            optimizer_cls_and_kwargs=_MUON_FP32,
+        )
+    else:
+        model, optimizer = _prepared_llama()
+        trainer = DMuonTrainer(
+            model=model,
+            args=_checkpoint_arguments(output_dir, **settings),
+            train_dataset=dataset,
+            optimizers=(optimizer, None),
+        )
+    trainer.train(resume_from_checkpoint=resume_from)
+    return {
+        "losses": _logged(trainer, "loss"),
+        "learning_rates": _logged(trainer, "learning_rate"),
+        "logits": _eval_logits(trainer.model),
+        "checkpoints": sorted(os.listdir(output_dir)),
     }

@@ -38,6 +38,7 @@ def test_the_trainer_dedicates_the_default_predicate_and_shards_each_decoder_lay
 ):
     for result in default_config_run:
         assert len(result["dedicated"]) == LLAMA_PROJECTIONS
+        assert result["owner_grid"] == (2, 1)
         assert result["fsdp_units"] == ["", "model.layers.0", "model.layers.1"]
         assert result["reshard_after_forward"] == {True}
         # Accelerate does not shard or wrap the model again (no FSDP in its state).
@@ -59,4 +60,16 @@ def test_z2_activation_checkpointing_accumulation_and_clipping_match_the_referen
             "", "model.layers.0", "model.layers.1"
         ]  # the checkpoint wrappers  # fmt: skip
         assert min(result["reference"]["grad_norms"]) > 0.5
+        assert_matches_reference(result)
+
+
+def test_hsdp_from_parallelism_config_matches_the_reference_on_four_ranks(pool4):
+    # ParallelismConfig(dp_replicate_size=2, dp_shard_size=2): dmuon owns over 2 shards and
+    # publishes across 2 replicas; Accelerate (which refuses a ParallelismConfig on CPU) never
+    # sees it.
+    results = pool4.run(
+        scenarios_hf.train_with_fsdp_arguments, steps=STEPS, per_device_batch=1, replicas=2
+    )
+    for result in results:
+        assert result["owner_grid"] == (2, 2)
         assert_matches_reference(result)
