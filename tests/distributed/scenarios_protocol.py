@@ -306,17 +306,22 @@ def error_messages() -> dict[str, str]:
 
     world = dist.get_world_size()
     hsdp = init_device_mesh("cpu", (1, world), mesh_dim_names=("replicate", "shard"))
-    wrong = init_device_mesh("cpu", (1, world), mesh_dim_names=("dp", "fsdp"))
+    other = init_device_mesh("cpu", (1, world), mesh_dim_names=("dp_replicate", "fsdp"))
+    parts = init_device_mesh("cpu", (1, world), mesh_dim_names=("outer", "inner"))
     flat = init_device_mesh("cpu", (world,), mesh_dim_names=("shard",))
     cases = {
         "unnamed": lambda: dict(
             mesh=hsdp["shard"], replicate_mesh=DeviceMesh("cpu", list(range(world)))
         ),
         "1d": lambda: dict(mesh=hsdp["shard"], replicate_mesh=flat),
-        "wrong_names": lambda: dict(mesh=wrong["fsdp"], replicate_mesh=wrong["dp"]),
-        "swapped": lambda: dict(mesh=hsdp["shard"], replicate_mesh=hsdp["shard"]),
+        "two_meshes": lambda: dict(mesh=other["fsdp"], replicate_mesh=hsdp["replicate"]),
+        "same_dim": lambda: dict(mesh=hsdp["shard"], replicate_mesh=hsdp["shard"]),
+        "overlapping": lambda: dict(
+            mesh=parts["outer", "inner"]._flatten("outer_inner"), replicate_mesh=parts["inner"]
+        ),
         "2d_as_mesh": lambda: dict(mesh=hsdp, replicate_mesh=None),
-        "no_replicate_mesh": lambda: dict(mesh=hsdp["shard"], replicate_mesh=None),
+        # Any names: the roles come from the arguments.
+        "other_names": lambda: dict(mesh=other["fsdp"], replicate_mesh=other["dp_replicate"]),
     }
     messages = {}
     for case, meshes in cases.items():

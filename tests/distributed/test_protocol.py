@@ -258,11 +258,15 @@ def test_the_three_line_integration_of_the_readme_trains(pool2):
 def test_bad_meshes_and_call_orders_raise_messages_that_show_the_fix(pool2):
     messages = pool2.run(error_messages)[0]
     fix = 'mesh_dim_names=("replicate", "shard")'
-    for case in ("unnamed", "1d", "wrong_names", "swapped", "2d_as_mesh", "no_replicate_mesh"):
+    for case in ("unnamed", "1d", "two_meshes", "same_dim", "overlapping", "2d_as_mesh"):
         assert fix in messages[case], (case, messages[case])
-    assert "replicate_mesh was not given" in messages["no_replicate_mesh"]
     assert "replicate_mesh has no mesh_dim_names" in messages["unnamed"]
-    assert "the 2-D mesh is named ('dp', 'fsdp')" in messages["wrong_names"]
+    assert "replicate_mesh (dims ('shard',)) is a whole 1-D mesh" in messages["1d"]
+    assert "are not dims of the same DeviceMesh" in messages["two_meshes"]
+    assert "are the same dim or overlapping dims" in messages["same_dim"]
+    assert "mesh (dims ('outer_inner',), ranks [0, 1])" in messages["overlapping"]
+    assert "are the same dim or overlapping dims" in messages["overlapping"]
+    assert messages["other_names"] == "no error"  # roles come from the arguments, not names
     assert "dedicate_params must be called before fully_shard" in messages["after_fully_shard"]
     assert (
         "mesh=None but torch.distributed is initialised with world size 2" in messages["mesh_none"]

@@ -4,7 +4,8 @@ One test per entry, in the page's order (install, setup, runtime correctness, pe
 tensor parallelism). Entries whose case needs several ranks are tested where the protocol is,
 and named here:
 
-- HSDP mesh shapes, every variant (unnamed, 1-D, wrong names, swapped, 2-D as mesh):
+- HSDP mesh shapes, every variant (unnamed, 1-D, dims of two meshes, the same or overlapping
+  dims, 2-D as mesh; any names work):
   ``tests/distributed/test_protocol.py::test_bad_meshes_and_call_orders_raise_messages_that_show_the_fix``
   (here: the one-process case);
 - "previous event still pending" (two ``step()`` calls without a forward, HSDP async publish):

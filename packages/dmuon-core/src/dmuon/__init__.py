@@ -28,6 +28,7 @@ from dmuon.dedicate import (  # noqa: E402
     dedicate_params_ddp,
     dedicated_parameters,
     no_sync,
+    set_gradient_divide_factor,
     wait_all_replicate_broadcasts,
 )
 from dmuon.optim import Muon  # noqa: E402
@@ -90,5 +91,6 @@ __all__ = [
     "get_ns_backend",
     "inspect",
     "no_sync",
+    "set_gradient_divide_factor",
     "wait_all_replicate_broadcasts",
 ]

@@ -11,8 +11,9 @@ of a CUDA event. On gloo (CPU in CI, or CUDA tensors on one shared GPU) ``wait()
 until the background transfer is done. One code path serves both, so the asynchronous paths
 (prefetch, pending publishes, drains) really run in CI.
 
-Reductions use SUM and the owner divides afterwards: gloo has no AVG, and one formula keeps NCCL
-and gloo numerically alike.
+Reductions use SUM and the owner divides afterwards (by the number of ranks, or by the gradient
+divide factor: see ``dmuon.data_parallel``): gloo has no AVG, and one formula keeps NCCL and gloo
+numerically alike.
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from dmuon import fsdp2
+from dmuon import data_parallel, fsdp2
 from dmuon._text import preview_names
 from dmuon.boundaries import group_by_boundary
 from dmuon.consistency import check_ranks_agree, ranks_fail_together
@@ -38,7 +38,12 @@ from dmuon.partition import OwnerCoord, ParamSpec, expert_piece_name, layer_id_o
 from dmuon.policy import resolve_param_policy
 from dmuon.profile import ForwardUnshardProfile, forward_profile_requested
 from dmuon.routing import MUON_ROUTE, ROUTES, SHARDED_ADAMW_ROUTE
-from dmuon.tp import TensorParallelLayout, exchange_mesh, find_tensor_parallel_layout
+from dmuon.tp import (
+    TensorParallelLayout,
+    exchange_mesh,
+    find_tensor_parallel_layout,
+    model_parallel_dims,
+)
 from dmuon_kernels._log import rank_tag
 
 logger = logging.getLogger("dmuon")
@@ -125,9 +130,11 @@ def dedicate_params(
         policy = resolve_param_policy(param_policy, compute_dtype)
         selected, overrides = _select(model, predicate, routes)
         stacked = expert_stack_names(selected, expert_stacks)
-        tp_layouts = _tensor_parallel_layouts(selected, mesh, replicate_mesh)
+        tp_layouts, parallel_dims = _tensor_parallel_layouts(model, selected, mesh, replicate_mesh)
         tp_mesh = exchange_mesh(tp_layouts)
-        layout = resolve_ownership_layout(mesh, replicate_mesh, process_group_policy, tp_mesh)
+        layout = resolve_ownership_layout(
+            mesh, replicate_mesh, process_group_policy, tp_mesh, parallel_dims
+        )
     if not selected:
         warnings.warn(NO_MATCH_WARNING, UserWarning, stacklevel=2)
     ownership_mesh = build_ownership_mesh(layout, timeout)
@@ -350,6 +357,21 @@ def no_sync(model: nn.Module) -> Iterator[None]:
             ddp.require_backward_grad_sync = value
 
 
+def set_gradient_divide_factor(model: nn.Module, factor: float | None) -> None:
+    """Divide the gradients of ``model``, summed over its data-parallel ranks, by ``factor``.
+
+    The counterpart of ``FSDPModule.set_gradient_divide_factor`` for a whole dmuon model: the
+    owners divide the dedicated gradients by ``factor`` instead of by the number of
+    data-parallel ranks, and every FSDP module of the model is given the same factor, so every
+    gradient has one scale. ``1.0`` sums (a loss that is a local sum over the global token
+    count, as torchtitan's); ``None`` restores the mean. On FSDP2 models setting the factor on
+    the FSDP modules is enough (dmuon follows it); this call is for DDP and other models
+    without FSDP2, whose own reduction the caller makes match (a DDP comm hook that divides by
+    the same factor). See [Note: one gradient scale per model] in ``dmuon.data_parallel``.
+    """
+    data_parallel.set_gradient_divide_factor(get_dedicated_state(model), factor)
+
+
 def dedicate_params_ddp(
     model: nn.Module, mesh, predicate: Predicate, *, ddp_kwargs: dict | None = None, **kwargs
 ) -> torch.nn.parallel.DistributedDataParallel:
@@ -460,9 +482,14 @@ def _route_override(name: str, param: nn.Parameter, routes: Routes | None) -> st
     return route
 
 
-def _tensor_parallel_layouts(selected, mesh, replicate_mesh) -> dict[str, TensorParallelLayout]:
-    """The TP layout of every selected DTensor; the TP dim is told apart from the data-parallel
-    dims (those of ``mesh`` and ``replicate_mesh``) by name."""
+def _tensor_parallel_layouts(
+    model: nn.Module, selected, mesh, replicate_mesh
+) -> tuple[dict[str, TensorParallelLayout], frozenset[str]]:
+    """The TP layout of every selected DTensor, and the model-parallel dims of the model.
+
+    The TP dim is told apart from the data-parallel dims (those of ``mesh`` and
+    ``replicate_mesh``, whatever their names: "shard", "dp_shard", a flattened "fsdp") by name:
+    it is the DTensor's dim that is not one of them ("tp" in torchtitan)."""
     data_parallel_names: set[str] | None = set()
     for dp_mesh in (mesh, replicate_mesh):
         if isinstance(dp_mesh, DeviceMesh):
@@ -475,4 +502,4 @@ def _tensor_parallel_layouts(selected, mesh, replicate_mesh) -> dict[str, Tensor
         layout = find_tensor_parallel_layout(name, param, data_parallel_names)
         if layout is not None:
             layouts[name] = layout
-    return layouts
+    return layouts, model_parallel_dims(model, data_parallel_names)

@@ -343,8 +343,10 @@ def _pack_gradients(params: list[DedicatedParam]) -> tuple[torch.Tensor, list[bo
     return torch.cat(pieces), produced
 
 
-def accumulate_into_masters(received: list[GradientMessage], divisor: int) -> None:
-    """Add the owners' averaged gradients to their masters' ``.grad``.
+def accumulate_into_masters(received: list[GradientMessage], divisor: float) -> None:
+    """Add the owners' gradients, summed over the grid and divided by ``divisor`` (G x R for the
+    mean, or the model's gradient divide factor: see ``dmuon.data_parallel``), to their masters'
+    ``.grad``.
 
     A gradient that no rank produced leaves ``.grad`` untouched (None stays None). Whether one
     was produced is read in one device-to-host copy for the whole backward (none with one owner
@@ -366,7 +368,7 @@ def accumulate_into_masters(received: list[GradientMessage], divisor: int) -> No
     if None in host_flags:
         host_flags = torch.cat(flags).tolist()  # before the division below changes the flags
     averaged = [item.message.to(torch.float32) for item in received]  # no copy when fp32
-    if divisor != 1:
+    if divisor != 1:  # a sum over the ranks (divide factor 1.0) is kept as it is
         torch._foreach_div_(averaged, divisor)
     new, existing = [], []
     for (p, index, start), produced in zip(owned, host_flags):

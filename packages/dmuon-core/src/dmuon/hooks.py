@@ -40,6 +40,7 @@ from torch import nn
 from torch.autograd import Variable
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from dmuon.data_parallel import gradient_divisor
 from dmuon.experts import expert_original, mark_expert_piece, stacks_of
 from dmuon.group import BoundaryGroup, accumulate_into_masters
 from dmuon.mesh import OwnershipMesh
@@ -214,7 +215,7 @@ class DedicatedState:
             group.in_backward = group.reduced_this_backward = False
             group.backward_count = 0
         self._reduced.clear()
-        accumulate_into_masters(received, divisor=self.mesh.num_slots)
+        accumulate_into_masters(received, divisor=gradient_divisor(self))
 
     # ---- loading weights ------------------------------------------------------------------------
 

@@ -10,6 +10,28 @@ group exists (``dedicate_params`` runs the first phase inside ``consistency.rank
 span (local, no collective); ``build_ownership_mesh`` creates the groups (collective over the
 default group).
 
+[Note: HSDP by structure]
+Under HSDP ``mesh`` is the shard dim and ``replicate_mesh`` the replicate dim: the argument a dim
+is passed as gives its role, never its name (torchtitan's ``dp_replicate`` and ``fsdp`` work like
+``replicate`` and ``shard``, and so does a dim named "shard" passed as ``replicate_mesh``). They
+must be two named 1-D dims, possibly flattened ones (``mesh["dp_shard", "cp"]._flatten("fsdp")``),
+of one root mesh, and orthogonal: the (replicate, shard) grid through this rank then holds
+``R x G`` distinct ranks. Every mesh derived from a root (sliced, flattened or unflattened)
+numbers its ranks by offsets into the root's rank list, and a 1-D dim is a linear map from its
+coordinate to an offset: the offset of cell (r, s) is therefore ``offset(replicate[r]) +
+offset(shard[s]) - offset(this rank)``, computed here from the two dims' own ranks alone (no
+collective, no private layout), whatever the root's shape (torchtitan unflattens a 1-D "world"
+mesh). Same or overlapping dims give repeated or missing offsets and are refused; every rank of
+the grid computes the same grid, which ``build_ownership_mesh`` checks again.
+
+Passing only the shard dim of a model whose other parameters FSDP2 shards over more ranks (the
+replicate dim forgotten, or ``dp_shard`` where FSDP2 shards over the flattened ``dp_shard x cp``)
+cannot be seen here: the mesh alone is valid. ``dmuon.data_parallel`` catches it when the
+optimizer is built, by comparing the ranks of the other parameters' meshes with this grid
+(``data_parallel_ranks``), leaving out the model-parallel dims recorded here
+(``model_parallel_dims``: the dims of the meshes the model's parameters were already distributed
+over when ``dedicate_params`` ran, tensor parallelism's).
+
 [Note: isolated process groups]
 With ``process_group_policy="isolated"`` (the default) dmuon clones the mesh's groups. dmuon issues
 asynchronous collectives (a prefetched broadcast, a post-step publish) that may still be in flight
@@ -61,7 +83,8 @@ atexit.register(gc.collect)  # see [Note: groups end before the interpreter does
 PROCESS_GROUP_POLICIES = ("isolated", "shared")
 
 HSDP_MESH_FIX = (
-    "Build a 2-D mesh with named dims and pass its two dims:\n"
+    "Build a mesh with named dims and pass two of its dims (any names: mesh= is the shard dim, "
+    "replicate_mesh= the replicate dim):\n"
     "    hsdp = init_device_mesh(device_type, (replicate_size, shard_size), "
     'mesh_dim_names=("replicate", "shard"))\n'
     '    dmuon.dedicate_params(model, hsdp["shard"], predicate, replicate_mesh=hsdp["replicate"])'
@@ -87,6 +110,8 @@ class OwnershipLayout:
     replicate_mesh: DeviceMesh | None
     # The TP mesh of the dedicated tensor-parallel parameters (see ``dmuon.tp``), if any.
     tp_mesh: DeviceMesh | None = None
+    # See [Note: HSDP by structure].
+    model_parallel_dims: frozenset[str] = frozenset()
 
     @property
     def tp_ranks(self) -> tuple[int, ...]:
@@ -116,6 +141,11 @@ class OwnershipMesh:
     world_group: dist.ProcessGroup | None
     tp_ranks: tuple[int, ...] = ()
     tp_group: dist.ProcessGroup | None = None
+    # The dim names of the meshes given to dedicate_params (for messages), and the dims that
+    # are not data-parallel (see [Note: HSDP by structure]).
+    shard_dim_names: tuple[str, ...] | None = None
+    replicate_dim_names: tuple[str, ...] | None = None
+    model_parallel_dims: frozenset[str] = frozenset()
 
     @property
     def num_slots(self) -> int:
@@ -127,6 +157,20 @@ class OwnershipMesh:
     @property
     def tp_size(self) -> int:
         return max(len(self.tp_ranks), 1)
+
+    @property
+    def ranks(self) -> tuple[int, ...]:
+        """Every rank of the grid, sorted."""
+        return _ranks_of(self.rank_grid)
+
+    def describe(self) -> str:
+        """The meshes given to dedicate_params and the ranks of the grid, for messages."""
+        shard = _dims_label(self.shard_dim_names)
+        if self.num_replicas == 1 and self.replicate_dim_names is None:
+            given = f"mesh {shard} and no replicate_mesh"
+        else:
+            given = f"mesh {shard} and replicate_mesh {_dims_label(self.replicate_dim_names)}"
+        return f"{given}: its ownership grid spans ranks {list(self.ranks)}"
 
     def is_me(self, coord: OwnerCoord) -> bool:
         """This rank holds the owner's master (of its own TP chunk under TP), any ``coord.tp``."""
@@ -151,8 +195,12 @@ def resolve_ownership_layout(
     replicate_mesh: DeviceMesh | None,
     process_group_policy: str,
     tp_mesh: DeviceMesh | None = None,
+    model_parallel_dims: frozenset[str] = frozenset(),
 ) -> OwnershipLayout:
-    """Validate the user's meshes and read this rank's grid of owner slots; no collective."""
+    """Validate the user's meshes and read this rank's grid of owner slots; no collective.
+
+    ``model_parallel_dims``: the dim names of the meshes the model's parameters are distributed
+    over already (tensor parallelism), kept for ``dmuon.data_parallel``'s check."""
     if process_group_policy not in PROCESS_GROUP_POLICIES:
         raise ValueError(
             f"process_group_policy={process_group_policy!r} is not one of "
@@ -162,7 +210,7 @@ def resolve_ownership_layout(
     if mesh is None:
         if replicate_mesh is not None:
             raise ValueError(
-                "replicate_mesh was given but mesh is None. Pass the 'shard' dim of your HSDP "
+                "replicate_mesh was given but mesh is None. Pass the shard dim of your HSDP "
                 "mesh as mesh.\n" + HSDP_MESH_FIX
             )
         if dist.is_initialized() and dist.get_world_size() > 1:
@@ -177,6 +225,7 @@ def resolve_ownership_layout(
             mesh=None,
             replicate_mesh=None,
             tp_mesh=_multi_rank(tp_mesh),
+            model_parallel_dims=model_parallel_dims,
         )
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(
@@ -185,8 +234,8 @@ def resolve_ownership_layout(
     if mesh.ndim != 1:
         raise ValueError(
             f"mesh must be the 1-D data-parallel (shard) mesh, got a {mesh.ndim}-D mesh with "
-            f"dims {mesh.mesh_dim_names}. For HSDP pass the 'shard' dim as mesh and the "
-            "'replicate' dim as replicate_mesh.\n" + HSDP_MESH_FIX
+            f"dims {mesh.mesh_dim_names}. For HSDP pass the shard dim as mesh and the "
+            "replicate dim as replicate_mesh.\n" + HSDP_MESH_FIX
         )
     if mesh.get_coordinate() is None:
         raise ValueError(
@@ -195,7 +244,6 @@ def resolve_ownership_layout(
             "mesh built with init_device_mesh on every rank."
         )
     if replicate_mesh is None:
-        _refuse_hsdp_without_replicate_mesh(mesh)
         rank_grid: RankGrid = (tuple(mesh.mesh.tolist()),)
     else:
         rank_grid = _hsdp_rank_grid(mesh, replicate_mesh)
@@ -205,21 +253,8 @@ def resolve_ownership_layout(
         mesh=mesh,
         replicate_mesh=replicate_mesh,
         tp_mesh=_multi_rank(tp_mesh),
+        model_parallel_dims=model_parallel_dims,
     )
-
-
-def _refuse_hsdp_without_replicate_mesh(mesh: DeviceMesh) -> None:
-    """The 'shard' dim of a mesh with a 'replicate' dim, alone: each replica would own and step
-    its own copy of the dedicated weights, which then drift apart without a word."""
-    root = mesh._get_root_mesh()
-    names = root.mesh_dim_names or ()
-    if root is not mesh and "replicate" in names and mesh.mesh_dim_names == ("shard",):
-        raise ValueError(
-            f"mesh is the 'shard' dim of a mesh with dims {names}, but replicate_mesh was not "
-            "given: each replica would own and update its own copy of the dedicated weights, "
-            'and they would drift apart. For HSDP pass replicate_mesh=mesh["replicate"].\n'
-            + HSDP_MESH_FIX
-        )
 
 
 def _multi_rank(mesh: DeviceMesh | None) -> DeviceMesh | None:
@@ -227,14 +262,13 @@ def _multi_rank(mesh: DeviceMesh | None) -> DeviceMesh | None:
 
 
 def _hsdp_rank_grid(mesh: DeviceMesh, replicate_mesh: DeviceMesh) -> RankGrid:
-    """The (replicate, shard) slice of the root mesh that holds this rank."""
+    """The (replicate, shard) grid of ranks through this rank: [Note: HSDP by structure]."""
     if not isinstance(replicate_mesh, DeviceMesh):
         raise TypeError(
             f"replicate_mesh must be a DeviceMesh, got {type(replicate_mesh).__name__}.\n"
             + HSDP_MESH_FIX
         )
     root = replicate_mesh._get_root_mesh()
-    names = root.mesh_dim_names or ()
     problem = None
     if replicate_mesh.mesh_dim_names is None:
         problem = "replicate_mesh has no mesh_dim_names"
@@ -242,34 +276,72 @@ def _hsdp_rank_grid(mesh: DeviceMesh, replicate_mesh: DeviceMesh) -> RankGrid:
         problem = (
             f"replicate_mesh is {replicate_mesh.ndim}-D (dims {replicate_mesh.mesh_dim_names})"
         )
-    elif root is replicate_mesh or root.ndim < 2:
-        problem = f"replicate_mesh is not a dim of a 2-D mesh (its root is {root.ndim}-D)"
-    elif not (
-        "replicate" in names
-        and "shard" in names
-        and names.index("replicate") < names.index("shard")
-    ):
-        problem = f"the {root.ndim}-D mesh is named {root.mesh_dim_names}"
-    elif replicate_mesh.mesh_dim_names != ("replicate",):
-        problem = f"replicate_mesh is the {replicate_mesh.mesh_dim_names} dim"
-    elif mesh._get_root_mesh() is not root or mesh.mesh_dim_names != ("shard",):
+    elif replicate_mesh.get_coordinate() is None:
         problem = (
-            f"mesh (dims {mesh.mesh_dim_names}) is not the 'shard' dim of the same 2-D mesh "
-            "as replicate_mesh"
+            f"this rank ({dist.get_rank()}) is not in replicate_mesh (ranks "
+            f"{replicate_mesh.mesh.tolist()})"
         )
-    if problem is not None:
-        raise ValueError(
-            f"HSDP needs replicate_mesh to be the 'replicate' dim of a 2-D DeviceMesh built "
-            f'with mesh_dim_names=("replicate", "shard") (or of a larger mesh with these two '
-            f'dims, e.g. ("replicate", "shard", "tp")), but {problem}.\n' + HSDP_MESH_FIX
+    elif mesh.mesh_dim_names is None:
+        problem = "mesh has no mesh_dim_names"
+    elif root is replicate_mesh:
+        problem = (
+            f"replicate_mesh (dims {replicate_mesh.mesh_dim_names}) is a whole 1-D mesh, not a "
+            "dim of a larger mesh"
         )
-    # Fix this rank's coordinate on every other dim (tp, pp, ...): a (replicate, shard) slice.
-    coordinate = root.get_coordinate()
-    index = tuple(
-        slice(None) if name in ("replicate", "shard") else position
-        for name, position in zip(names, coordinate)
+    elif mesh._get_root_mesh() is not root:
+        problem = (
+            f"mesh (dims {mesh.mesh_dim_names}) and replicate_mesh (dims "
+            f"{replicate_mesh.mesh_dim_names}) are not dims of the same DeviceMesh"
+        )
+    else:
+        grid = _grid_through_this_rank(root, mesh, replicate_mesh)
+        if grid is not None:
+            return grid
+        problem = (
+            f"mesh (dims {mesh.mesh_dim_names}, ranks {mesh.mesh.tolist()}) and replicate_mesh "
+            f"(dims {replicate_mesh.mesh_dim_names}, ranks {replicate_mesh.mesh.tolist()}) are "
+            "the same dim or overlapping dims"
+        )
+    raise ValueError(
+        "HSDP needs mesh (the shard dim) and replicate_mesh (the replicate dim) to be two "
+        "distinct named 1-D dims, possibly flattened ones, of one DeviceMesh (any names, e.g. "
+        f'("replicate", "shard") or ("dp_replicate", "dp_shard", "tp")), but {problem}.\n'
+        + HSDP_MESH_FIX
     )
-    return tuple(tuple(row) for row in root.mesh[index].tolist())
+
+
+def _grid_through_this_rank(
+    root: DeviceMesh, shard_mesh: DeviceMesh, replicate_mesh: DeviceMesh
+) -> RankGrid | None:
+    """The [replicate][shard] ranks of two dims of ``root`` through this rank; None when the
+    dims are not orthogonal. See [Note: HSDP by structure]."""
+    root_ranks = root.mesh.flatten().tolist()  # by offset
+    offset_of = {rank: offset for offset, rank in enumerate(root_ranks)}
+    mine = offset_of[dist.get_rank()]
+    shard_offsets = [offset_of[rank] for rank in shard_mesh.mesh.tolist()]
+    cells = [
+        [offset_of[rank] + shard - mine for shard in shard_offsets]
+        for rank in replicate_mesh.mesh.tolist()
+    ]
+    flat = [offset for row in cells for offset in row]
+    if len(set(flat)) != len(flat) or not all(0 <= offset < len(root_ranks) for offset in flat):
+        return None
+    return tuple(tuple(root_ranks[offset] for offset in row) for row in cells)
+
+
+def data_parallel_ranks(
+    device_mesh: DeviceMesh, model_parallel_dims: frozenset[str]
+) -> tuple[tuple[str, ...] | None, tuple[int, ...]]:
+    """The data-parallel dims of a parameter's mesh (its dims outside ``model_parallel_dims``;
+    all of them when it has no names) and the ranks they span through this rank, sorted."""
+    coordinate = device_mesh.get_coordinate()
+    if coordinate is None:
+        return device_mesh.mesh_dim_names, ()
+    names = device_mesh.mesh_dim_names
+    kept = [names is None or name not in model_parallel_dims for name in (names or coordinate)]
+    index = tuple(slice(None) if keep else at for keep, at in zip(kept, coordinate))
+    dims = None if names is None else tuple(name for name, keep in zip(names, kept) if keep)
+    return dims, tuple(sorted(device_mesh.mesh[index].flatten().tolist()))
 
 
 def build_ownership_mesh(
@@ -316,6 +388,11 @@ def build_ownership_mesh(
         world_group=world_group if num_shards * num_replicas > 1 else None,
         tp_ranks=layout.tp_ranks,
         tp_group=tp_group,
+        shard_dim_names=layout.mesh.mesh_dim_names,
+        replicate_dim_names=(
+            layout.replicate_mesh.mesh_dim_names if layout.replicate_mesh is not None else None
+        ),
+        model_parallel_dims=layout.model_parallel_dims,
     )
 
 
@@ -461,6 +538,10 @@ def _high_priority_options(timeout: timedelta | None) -> object | None:
 
 def _ranks_of(grid: RankGrid) -> tuple[int, ...]:
     return tuple(sorted(rank for row in grid for rank in row))
+
+
+def _dims_label(names: tuple[str, ...] | None) -> str:
+    return "(unnamed)" if names is None else repr(names)
 
 
 def _as_lists(grid: RankGrid | str) -> object:

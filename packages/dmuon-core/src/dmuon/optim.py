@@ -31,6 +31,7 @@ from torch.optim.adamw import adamw
 
 from dmuon._text import preview_names
 from dmuon.consistency import check_ranks_agree
+from dmuon.data_parallel import check_data_parallel_layout
 from dmuon.ddp import check_gradients_are_averaged
 from dmuon.dedicate import route_overrides
 from dmuon.experts import ExpertStack, is_expert_piece
@@ -173,6 +174,7 @@ class Muon(torch.optim.Optimizer):
                 "parameters' names: [(n, p.shape) for n, p in model.named_parameters() if "
                 "p.ndim == 2]), or pass allow_no_muon=True if AdamW alone is intended."
             )
+        check_data_parallel_layout(self._dedicated)
         self._dedicated.ensure_adopted()
         check_gradients_are_averaged(self._dedicated)
         self._newton_schulz = _resolve_newton_schulz(ns_backend)

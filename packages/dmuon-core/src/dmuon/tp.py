@@ -1,10 +1,11 @@
 """Tensor parallelism: dedicated matrices that ``parallelize_module`` made into DTensors.
 
 Owns recognising a tensor-parallel parameter (the mesh dim of its DTensor, told apart from the
-data-parallel dims by name), the arithmetic of its chunks (which rows or columns each TP rank
-holds), and the two exchanges of the owner step: the Muon input of every chunk to the TP rank
-that orthogonalises the whole matrix, and the chunks of the update back. It must not decide
-owners (``partition``) nor do optimizer math (``optim``).
+data-parallel dims by name: any names, e.g. torchtitan's "tp" beside "dp_replicate" and "fsdp"),
+the model-parallel dims of a model (``model_parallel_dims``), the arithmetic of its chunks (which
+rows or columns each TP rank holds), and the two exchanges of the owner step: the Muon input of
+every chunk to the TP rank that orthogonalises the whole matrix, and the chunks of the update
+back. It must not decide owners (``partition``) nor do optimizer math (``optim``).
 
 [Note: tensor-parallel matrices]
 After ``parallelize_module(model, mesh["tp"], plan)`` a weight is a DTensor on the 1-D TP mesh,
@@ -173,6 +174,22 @@ def find_tensor_parallel_layout(
     return TensorParallelLayout(
         mesh=param.device_mesh, placement=placement, shape=tuple(param.shape)
     )
+
+
+def model_parallel_dims(
+    model: torch.nn.Module, data_parallel_names: set[str] | None
+) -> frozenset[str]:
+    """The dim names of the meshes the model's parameters are DTensors over before
+    ``fully_shard``: the tensor-parallel dims (``parallelize_module`` runs first), whatever their
+    names; the data-parallel dims given to ``dedicate_params`` are never among them. See
+    [Note: HSDP by structure] in ``dmuon.mesh`` for what they are kept for."""
+    names = {
+        name
+        for param in model.parameters()
+        if isinstance(param, DTensor)
+        for name in (param.device_mesh.mesh_dim_names or ())
+    }
+    return frozenset(names - (data_parallel_names or set()))
 
 
 def exchange_mesh(layouts: dict[str, TensorParallelLayout]) -> DeviceMesh | None:
