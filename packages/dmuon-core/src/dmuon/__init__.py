@@ -22,7 +22,6 @@ require_torch("dmuon-core")
 
 from dmuon import inspect  # noqa: E402
 from dmuon.clip import clip_grad_norm_  # noqa: E402
-from dmuon.deferred import dedicate_before_fully_shard  # noqa: E402
 from dmuon.dedicate import (  # noqa: E402
     dedicate_params,
     dedicate_params_ddp,
@@ -31,6 +30,7 @@ from dmuon.dedicate import (  # noqa: E402
     set_gradient_divide_factor,
     wait_all_replicate_broadcasts,
 )
+from dmuon.deferred import dedicate_before_fully_shard  # noqa: E402
 from dmuon.optim import Muon  # noqa: E402
 from dmuon.partition import OwnerCoord  # noqa: E402
 from dmuon.policy import ParamDefaults, ParamPolicy  # noqa: E402
