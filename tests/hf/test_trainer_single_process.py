@@ -248,3 +248,78 @@ def test_load_best_model_at_end_loads_the_best_checkpoint_not_the_last_step(tmp_
     last = AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "checkpoint-4")
     assert not torch.equal(logits_of(last), logits_of(best))
     assert torch.equal(logits_of(trainer.model), logits_of(best))
+
+
+# ---- the FSDP2-arguments way: what is refused before any process group is needed ----------------
+
+
+def fsdp_arguments(tmp_path, **fsdp_config) -> TrainingArguments:
+    return training_arguments(tmp_path, fsdp=True, fsdp_config={"fsdp_version": 2, **fsdp_config})
+
+
+@pytest.mark.parametrize(
+    ("fsdp_config", "message"),
+    [
+        ({"fsdp_version": 1}, "dmuon_hf: fsdp_version=1 asks for FSDP1; dmuon works with FSDP2 only."),
+        ({"cpu_offload": True}, "dmuon_hf: cpu_offload is not supported with dmuon"),
+        ({"cpu_ram_efficient_loading": True}, "dmuon_hf: cpu_ram_efficient_loading is not supported yet"),
+    ],
+    ids=["fsdp1", "cpu_offload", "cpu_ram_efficient_loading"],
+)  # fmt: skip
+def test_fsdp_settings_dmuon_does_not_support_are_refused_with_the_fix(
+    tmp_path, fsdp_config, message
+):
+    with pytest.raises(ValueError) as error:
+        DMuonTrainer(model=tiny_llama(), args=fsdp_arguments(tmp_path, **fsdp_config))
+    assert str(error.value).startswith(message)
+
+
+def test_a_scheduler_cannot_come_before_the_optimizer_the_trainer_builds(tmp_path):
+    with pytest.raises(ValueError, match="a scheduler built beforehand cannot drive it"):
+        DMuonTrainer(model=tiny_llama(), args=fsdp_arguments(tmp_path), optimizers=(None, object()))
+
+
+def test_both_activation_checkpointings_are_refused(tmp_path):
+    args = training_arguments(
+        tmp_path,
+        fsdp=True,
+        fsdp_config={"fsdp_version": 2, "activation_checkpointing": True},
+        gradient_checkpointing=True,
+    )
+    with pytest.raises(ValueError, match="would checkpoint every layer twice"):
+        DMuonTrainer(model=tiny_llama(), args=args)
+
+
+def test_an_optimizer_class_other_than_dmuon_muon_is_refused(tmp_path):
+    with pytest.raises(ValueError) as error:
+        DMuonTrainer(
+            model=dedicated_llama(),
+            args=training_arguments(tmp_path),
+            optimizer_cls_and_kwargs=(torch.optim.AdamW, {"lr": 1e-3}),
+        )
+    assert "it must be dmuon.Muon (or a subclass)" in str(error.value)
+
+
+def test_a_predicate_for_a_model_dedicated_by_hand_is_refused(tmp_path):
+    with pytest.raises(
+        ValueError, match=r"already dedicated: pass the predicate to dmuon\.dedicate_params"
+    ):
+        DMuonTrainer(
+            model=dedicated_llama(),
+            args=training_arguments(tmp_path),
+            predicate=default_predicate(tiny_llama()),
+        )
+
+
+def test_a_hand_dedicated_model_takes_its_muon_from_optimizer_cls_and_kwargs(tmp_path):
+    model = dedicated_llama()
+    trainer = DMuonTrainer(
+        model=model,
+        args=training_arguments(tmp_path, max_steps=2),
+        train_dataset=dataset(),
+        optimizer_cls_and_kwargs=(dmuon.Muon, {"lr": 0.01, "adamw_lr": 1e-2}),
+    )
+    assert isinstance(trainer.optimizer, dmuon.Muon)
+    assert dmuon.inspect.model_of(trainer.optimizer) is model
+    assert {group["lr"] for group in trainer.optimizer.param_groups} == {0.01}
+    trainer.train()

@@ -2,10 +2,17 @@
 
 - ``default_predicate(model)`` / ``PREDICATES``: which parameters ``dmuon.dedicate_params``
   gives to Muon, per ``config.model_type``.
-- ``DMuonTrainer``: ``transformers.Trainer`` that trains a dedicated + ``fully_shard``-ed model
-  as it is (no DDP/FSDP re-wrap), with ``optimizers=(dmuon.Muon(model, ...), scheduler)``.
+- ``DMuonTrainer``: ``transformers.Trainer`` that shards a plain model from
+  ``TrainingArguments(fsdp=..., fsdp_config={"fsdp_version": 2, ...})`` with dmuon, or trains a
+  dedicated + ``fully_shard``-ed model as it is (no DDP/FSDP re-wrap).
+- ``DMuonAccelerator``: Accelerate's ``Accelerator`` for the same without the Trainer
+  (``prepare``, ``clip_grad_norm_``, ``save_state``/``load_state``).
+
+Modules: ``predicates`` -> ``sharding`` (the FSDP2 plugin applied with dmuon) -> ``trainer``,
+``accelerator``.
 """
 
+from dmuon_hf.accelerator import DMuonAccelerator
 from dmuon_hf.predicates import PREDICATES, Predicate, ProjectionPredicate, default_predicate
 from dmuon_hf.trainer import DMuonTrainer
 
@@ -13,6 +20,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "PREDICATES",
+    "DMuonAccelerator",
     "DMuonTrainer",
     "Predicate",
     "ProjectionPredicate",

@@ -60,12 +60,7 @@ class ShardingRequest:
     def check(self) -> None:
         """Raise for what dmuon_hf does not do, before any model is touched."""
         plugin = self.plugin
-        if getattr(plugin, "fsdp_version", 1) != 2:
-            raise ValueError(
-                f"dmuon_hf: fsdp_version={getattr(plugin, 'fsdp_version', 1)} asks for FSDP1; dmuon "
-                "works with FSDP2 only. Pass fsdp_config={'fsdp_version': 2, ...} (or "
-                "FullyShardedDataParallelPlugin(fsdp_version=2, ...))."
-            )
+        require_fsdp2(getattr(plugin, "fsdp_version", 1))
         offload = getattr(plugin, "cpu_offload", None)
         if offload is not None and type(offload) is not OffloadPolicy:
             raise ValueError(
@@ -95,6 +90,15 @@ class ShardingRequest:
                     f"dmuon_hf: ParallelismConfig with {others} is not supported; dmuon_hf "
                     "builds data-parallel meshes only (dp_replicate_size x dp_shard_size, HSDP)."
                 )
+
+
+def require_fsdp2(fsdp_version: int) -> None:
+    if fsdp_version != 2:
+        raise ValueError(
+            f"dmuon_hf: fsdp_version={fsdp_version} asks for FSDP1; dmuon works with FSDP2 only. "
+            "Pass fsdp_config={'fsdp_version': 2, ...} (or "
+            "FullyShardedDataParallelPlugin(fsdp_version=2, ...))."
+        )
 
 
 def dedicate_and_shard(model: nn.Module, request: ShardingRequest, device: torch.device) -> None:

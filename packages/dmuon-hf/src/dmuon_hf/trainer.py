@@ -81,7 +81,7 @@ from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME
 import dmuon
 import dmuon.checkpoint as dckpt
 from dmuon_hf.predicates import Predicate
-from dmuon_hf.sharding import ShardingRequest, dedicate_and_shard
+from dmuon_hf.sharding import ShardingRequest, dedicate_and_shard, require_fsdp2
 
 logger = logging.getLogger("dmuon_hf")
 
@@ -142,6 +142,7 @@ class DMuonTrainer(Trainer):
                 "model with TrainingArguments(fsdp=...), or a model prepared with "
                 "dmuon.dedicate_params and fully_shard."
             )
+        args = args if args is not None else TrainingArguments(output_dir="tmp_trainer")
         build_optimizer = _optimizer_builder(optimizers[0], optimizer_cls_and_kwargs, args)
         self._sharding: ShardingRequest | None = None
         if not dmuon.inspect.is_prepared(model) and _fsdp_requested(args):
@@ -378,16 +379,18 @@ def _fsdp_requested(args: TrainingArguments | None) -> bool:
     return bool(args is not None and args.fsdp) or from_launcher
 
 
-def _fsdp_plugin(args: TrainingArguments | None):
+def _fsdp_plugin(args: TrainingArguments):
     from accelerate.utils import FullyShardedDataParallelPlugin
 
-    plugin_args = getattr(args, "fsdp_plugin_args", None) if args is not None else None
+    plugin_args = getattr(args, "fsdp_plugin_args", None) or {}
     # Without TrainingArguments(fsdp=...) the plugin reads the launcher's FSDP_* variables.
-    return FullyShardedDataParallelPlugin(**(plugin_args or {}))
+    # Accelerate cannot even build an FSDP1 plugin without a GPU: refuse it first.
+    require_fsdp2(int(plugin_args.get("fsdp_version", os.environ.get("FSDP_VERSION", "1"))))
+    return FullyShardedDataParallelPlugin(**plugin_args)
 
 
 def _optimizer_builder(
-    optimizer: Any, optimizer_cls_and_kwargs: tuple | None, args: TrainingArguments | None
+    optimizer: Any, optimizer_cls_and_kwargs: tuple | None, args: TrainingArguments
 ) -> Callable[[nn.Module], Any]:
     """``model -> optimizer`` from what was passed: a built optimizer, a factory, a class with
     its keyword arguments, or nothing (``dmuon.Muon`` with the AdamW settings of ``args``)."""
@@ -413,7 +416,6 @@ def _optimizer_builder(
                 "optimizer_cls_and_kwargs=(dmuon.Muon, {'lr': 0.02, 'adamw_lr': 1e-4})."
             )
         return lambda model: optimizer_cls(model, **kwargs)
-    args = args if args is not None else TrainingArguments(output_dir="tmp_trainer")
     return lambda model: dmuon.Muon(
         model,
         adamw_lr=args.learning_rate,
