@@ -250,6 +250,23 @@ def test_backend_status_reports_every_backend_env_and_versions(monkeypatch):
         assert (status["sm"], status["auto_choice"]) == (None, "cublas")
 
 
+def test_backend_status_says_when_the_kernel_folder_is_not_used_and_why(tmp_path, monkeypatch):
+    monkeypatch.setenv("DMUON_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("DMUON_KERNEL_CACHE", raising=False)
+    folder = tmp_path / "kernels"
+    assert get_backend_status()["kernel_cache"] == {
+        "folder": str(folder),
+        "enabled": True,
+        "problem": None,
+    }
+    folder.mkdir(mode=0o700)
+    folder.chmod(0o775)
+    report = get_backend_status()["kernel_cache"]
+    assert report["problem"] == "its group can write it (mode 0775)"
+    monkeypatch.setenv("DMUON_KERNEL_CACHE", "0")
+    assert get_backend_status()["kernel_cache"]["enabled"] is False
+
+
 def test_backend_status_reports_what_newton_schulz_runs():
     ns_report = get_backend_status()["ns"]
     assert ns_report == {

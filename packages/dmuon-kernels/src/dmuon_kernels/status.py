@@ -32,6 +32,7 @@ from dmuon_kernels.syrk.dispatch import (
     ns_kernel_request,
     sm_version,
 )
+from dmuon_kernels.syrk.kernel_cache import default_kernel_cache, trust_problem
 from dmuon_kernels.syrk.registry import AUTO, CUBLAS, backend_availability, backend_names
 
 # The variables that steer the kernels, shown by the status report.
@@ -106,16 +107,32 @@ def _default_ns_report() -> dict[str, str | None]:
     return report
 
 
+def _kernel_cache_report() -> dict[str, Any]:
+    """``get_backend_status()["kernel_cache"]``: where compiled kernels are kept, whether that
+    is on, and why the folder is not used (``syrk.kernel_cache.trust_problem``), or None."""
+    cache = default_kernel_cache()
+    folder = cache.folder
+    try:
+        enabled = cache.enabled
+    except ValueError as error:  # DMUON_KERNEL_CACHE is not an on/off value
+        return {"folder": str(folder), "enabled": None, "problem": str(error)}
+    problem = trust_problem(folder) if enabled and folder.exists() else None
+    return {"folder": str(folder), "enabled": enabled, "problem": problem}
+
+
 def get_backend_status() -> dict[str, Any]:
     """A JSON-friendly report: device and SM, the "auto" choice, what ``NewtonSchulz()`` runs,
-    every backend's availability and reason, the relevant environment variables, and library
-    versions.
+    every backend's availability and reason, where compiled kernels are kept, the relevant
+    environment variables, and library versions.
 
     ``status["ns"]`` describes ``NewtonSchulz()``: ``requested`` ("auto", or the kernel
     ``DMUON_NS_KERNEL`` names; None when it names none), ``origin`` (what decided the request),
     ``backend`` (the ``get_ns_backend()`` line, or None) and ``error`` (the message
     ``NewtonSchulz()`` and ``get_ns_backend()`` raise, or None). A misconfigured environment,
     such as ``DMUON_NS_KERNEL=quack`` where quack cannot run, is reported there, never raised.
+    ``status["kernel_cache"]`` gives the compiled-kernel folder, whether the cache is on, and
+    ``problem``: why kernels are not loaded from that folder (another user's, or writable by
+    others), or None.
     """
     device = default_device()
     auto_choice, auto_reason = auto_candidate(device)
@@ -133,6 +150,7 @@ def get_backend_status() -> dict[str, Any]:
         "auto_reason": auto_reason,
         "ns": _default_ns_report(),
         "backends": backends,
+        "kernel_cache": _kernel_cache_report(),
         "env": {name: os.environ.get(name) for name in ENV_VARS},
         "versions": versions,
     }
