@@ -1,87 +1,313 @@
-"""Cold start: how long a fresh process's first optimizer step takes, dmuon against AdamW.
+"""Cold start: how long a fresh process's first training step takes, dmuon against AdamW, and
+where that time goes.
 
-Trains a 6-layer Qwen2 (d_model 512, built locally from a config) with the HuggingFace Trainer,
-bf16, for ``--steps`` steps on random tokens, each variant in a fresh Python process:
+Trains each model with the HuggingFace Trainer (bf16, built locally from a config, random
+tokens) for ``--steps`` steps, each variant in a fresh Python process:
 
 - ``adamw``: ``Trainer`` with its default fused AdamW;
 - ``dmuon-cold``: ``DMuonTrainer`` with ``dmuon.Muon``, every cache empty: ``DMUON_CACHE_DIR``
-  (autotune verdicts, compiled CuTe kernels), ``QUACK_CACHE_DIR`` and ``TRITON_CACHE_DIR`` all
-  point into a new folder;
+  (autotune verdicts, compiled CuTe kernels, and under it nvidia-cutlass-dsl's cache),
+  ``QUACK_CACHE_DIR`` and ``TRITON_CACHE_DIR`` all point into a new folder per model;
 - ``dmuon-warm``: the same again over the folders the cold run left, as a second job on the
   machine would start.
 
+Models (``--models``, default all three; ``--tiny`` shrinks each to a CPU-sized smoke test):
+
+- ``qwen2``: Qwen2, 8 layers, d_model 1024, ffn 2816, 16 heads, 4 kv heads (dense);
+- ``llama-0.89b``: ``bench_e2e.py``'s Llama shape as a HF Llama (d_model 2048, 16 layers,
+  16 heads, 8 kv heads, ffn 5632, vocab 32000; dense);
+- ``qwen3-moe``: Qwen3-MoE, 6 layers, d_model 1024, 16 experts of 704 (top 2), fused (E, m, n)
+  expert stacks that dmuon dedicates as E matrices each.
+
 Per variant: the seconds from the start of ``train()`` to the end of the first step (forward,
-backward and the first ``step()``: autotune and compiles land here), the median of the later
-steps, the whole run, and how many autotune candidates, CuTe compiles and Newton-Schulz shape
-preparations its rank-tagged lines report. The cold and warm first steps are compared with
-AdamW's (the targets: at most 10 s and 2 s more).
+backward and the first ``step()``, synchronised: autotune and compiles land here), split into
+forward+backward and the optimizer step (step hooks, synchronised); the median of the later
+steps; the whole run; how many autotune candidates, compiles and quack kernels its rank-tagged
+lines report; and a timeline of the first step:
+
+- ``phases``: the first-use work ``dmuon_kernels`` timed (``dmuon_kernels._log.timed_phase``:
+  library imports, autotune candidates, compiles and loads, lock waits, CUDA-graph captures),
+  each with its start (seconds after the step began), duration and nesting depth, and their
+  totals per kind;
+- ``sampled_s``: where the main thread was, sampled every few milliseconds over the whole first
+  step, by category: first-use work anywhere in the stack (imports, Triton, quack, CuTe DSL,
+  autotune measurement, captures), else the innermost running code (Newton-Schulz, the
+  optimizer step, dmuon's hooks and collectives, forward, backward, other). Each sample counts
+  the wall time since the previous one, so a call that holds the GIL for seconds is counted in
+  full under the frame that made it, and the categories add up to the first step (the
+  backward's autograd threads are not sampled: their time shows as the main thread waiting in
+  backward).
+
+The cold and warm first steps are compared with AdamW's (the targets: at most 5 s and 1 s more).
 
 Usage (repository root; on the GPU machine put the package sources on PYTHONPATH)::
 
-    python benchmarks/bench_cold_start.py             # CUDA, writes JSON
-    python benchmarks/bench_cold_start.py --device cpu --steps 3 --layers 1   # smoke test
+    python benchmarks/bench_cold_start.py --out "$OUT/cold-start.json"   # CUDA, all models
+    python benchmarks/bench_cold_start.py --models qwen3-moe --steps 4
+    python benchmarks/bench_cold_start.py --device cpu --tiny --steps 3   # smoke test
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
 import _common
 
 VARIANTS = ("adamw", "dmuon-cold", "dmuon-warm")
-COLD_TARGET_S, WARM_TARGET_S = 10.0, 2.0  # extra first-step seconds over AdamW's
+MODELS = ("qwen2", "llama-0.89b", "qwen3-moe")
+COLD_TARGET_S, WARM_TARGET_S = 5.0, 1.0  # extra first-step seconds over AdamW's
 RESULT_PREFIX = "cold-start-result "
+SAMPLE_INTERVAL_S = 0.005
 # Rank-tagged lines that count the work a first step did.
 WORK_MARKERS = {
     "autotune_candidates": "SYRK autotune candidate started",
-    "cute_compiles": "compiling CuTe SYRK kernel",
+    "cute_compiles": "] compiling CuTe SYRK kernel",
+    "quack_kernels_ready": "] quack gemm",
+    "graph_captures": "] captured a CUDA graph",
 }
+# Where the main thread is. First-use work, by the first rule whose marker appears in any frame
+# of the stack (file names, or "file:function"), so that a compile inside an autotune candidate
+# counts as the compile and an import inside anything as the import:
+FIRST_USE_CATEGORIES = (
+    ("CUDA-graph capture", ("dmuon_kernels/graphs.py:_capture",)),
+    ("import", ("<frozen importlib",)),
+    ("Triton (compile, launch)", ("/triton/",)),
+    ("quack (compile, load, launch)", ("/quack/",)),
+    ("CuTe DSL (compile, load)", ("/cutlass/", "/syrk/_cute_", "/syrk/kernel_cache.py")),
+    ("SYRK autotune (measuring)", ("/syrk/autotune.py",)),
+)
+# Otherwise by the innermost frame with one of these markers: the code that is running.
+RUNNING_CATEGORIES = (
+    ("Newton-Schulz and SYRK (running)", ("/dmuon_kernels/",)),
+    ("optimizer step (other)", ("/torch/optim/", "/dmuon/optim", "/dmuon/muon")),
+    ("dmuon hooks and collectives", ("/dmuon/", "/dmuon_hf/")),
+    ("forward", ("/transformers/models/", "/torch/nn/")),
+    ("backward", ("/torch/autograd/", "/torch/_tensor.py:backward", "accelerator.py:backward")),
+)
+OTHER_CATEGORY = "other (Trainer, data, the rest)"
+
+
+# ---- the models ---------------------------------------------------------------------------------
+
+
+def model_config(name: str, tiny: bool, seq: int):
+    """(transformers config, predicate name) of ``name``; ``tiny`` keeps the family, not the
+    size."""
+    from transformers import LlamaConfig, Qwen2Config, Qwen3MoeConfig
+
+    if name == "qwen2":
+        size = (
+            dict(hidden_size=64, intermediate_size=176, num_hidden_layers=2, vocab_size=256)
+            if tiny
+            else dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=8)
+        )
+        return Qwen2Config(
+            num_attention_heads=16 if not tiny else 4,
+            num_key_value_heads=4 if not tiny else 2,
+            max_position_embeddings=seq,
+            **{"vocab_size": 32000, **size},
+        )
+    if name == "llama-0.89b":
+        size = (
+            dict(hidden_size=64, intermediate_size=176, num_hidden_layers=2, vocab_size=256)
+            if tiny
+            else dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=16)
+        )
+        return LlamaConfig(
+            num_attention_heads=16 if not tiny else 4,
+            num_key_value_heads=8 if not tiny else 2,
+            max_position_embeddings=seq,
+            tie_word_embeddings=False,
+            **{"vocab_size": 32000, **size},
+        )
+    if name == "qwen3-moe":
+        size = (
+            dict(
+                hidden_size=64,
+                intermediate_size=176,
+                moe_intermediate_size=48,
+                num_hidden_layers=2,
+                num_experts=4,
+                vocab_size=256,
+                head_dim=16,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+            )
+            if tiny
+            else dict(
+                hidden_size=1024,
+                intermediate_size=2816,
+                moe_intermediate_size=704,
+                num_hidden_layers=6,
+                num_experts=16,
+                head_dim=64,
+                num_attention_heads=16,
+                num_key_value_heads=4,
+            )
+        )
+        return Qwen3MoeConfig(
+            num_experts_per_tok=2,
+            max_position_embeddings=seq,
+            **{"vocab_size": 32000, **size},
+        )
+    raise ValueError(f"unknown model {name!r}; choose from {', '.join(MODELS)}")
+
+
+def build_model(name: str, config):
+    from transformers import LlamaForCausalLM, Qwen2ForCausalLM, Qwen3MoeForCausalLM
+
+    classes = {
+        "qwen2": Qwen2ForCausalLM,
+        "llama-0.89b": LlamaForCausalLM,
+        "qwen3-moe": Qwen3MoeForCausalLM,
+    }
+    return classes[name](config)
+
+
+def moe_predicate(name: str, param) -> bool:
+    """The attention projections and the fused (E, m, n) expert stacks; the router
+    (``mlp.gate``) stays on AdamW."""
+    return ("proj" in name and param.ndim == 2) or param.ndim == 3
+
+
+# ---- the first-step timeline --------------------------------------------------------------------
+
+
+def classify(frame) -> str:
+    """The category of the stack that ends at ``frame`` (see FIRST_USE_CATEGORIES and
+    RUNNING_CATEGORIES)."""
+    places = []
+    while frame is not None:
+        code = frame.f_code
+        places.append(f"{code.co_filename.replace(os.sep, '/')}:{code.co_name}")
+        frame = frame.f_back
+    for category, markers in FIRST_USE_CATEGORIES:
+        if any(marker in place for place in places for marker in markers):
+            return category
+    for place in places:  # innermost first
+        for category, markers in RUNNING_CATEGORIES:
+            if any(marker in place for marker in markers):
+                return category
+    return OTHER_CATEGORY
+
+
+class StackSampler:
+    """Samples where one thread is, from a second thread, between ``start()`` and ``stop()``:
+    seconds per category, each sample weighted by the wall time since the previous one."""
+
+    def __init__(self, thread_id: int, interval_s: float = SAMPLE_INTERVAL_S) -> None:
+        self.thread_id = thread_id
+        self.interval_s = interval_s
+        self.seconds: collections.Counter[str] = collections.Counter()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def start(self) -> None:
+        self._last = time.perf_counter()
+        self._thread.start()
+
+    def stop(self) -> dict[str, float]:
+        self._stop.set()
+        self._thread.join()
+        return dict(self.seconds.most_common())
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            frame = sys._current_frames().get(self.thread_id)
+            now = time.perf_counter()
+            self.seconds[classify(frame)] += now - self._last
+            self._last = now
+
+
+def phase_timeline(begin: float, end: float) -> dict:
+    """The phases ``dmuon_kernels`` recorded between ``begin`` and ``end`` (perf_counter), with
+    their totals per kind."""
+    from dmuon_kernels import _log
+
+    phases = [p for p in _log.recorded_phases() if begin <= p.start < end]
+    totals: collections.Counter[str] = collections.Counter()
+    for phase in phases:
+        totals[phase.kind] += phase.seconds
+    return {
+        "phases": [
+            {
+                "kind": p.kind,
+                "what": p.what,
+                "start_s": round(p.start - begin, 4),
+                "seconds": round(p.seconds, 4),
+                "depth": p.depth,
+            }
+            for p in phases
+        ],
+        "phase_seconds_by_kind": {kind: round(s, 4) for kind, s in totals.most_common()},
+        "top_level_phase_seconds": round(sum(p.seconds for p in phases if p.depth == 0), 4),
+    }
+
+
+# ---- one run in a child process ------------------------------------------------------------------
 
 
 def child(args: argparse.Namespace) -> None:
     """One training run in this process; prints one ``RESULT_PREFIX`` JSON line."""
     import torch
-    from transformers import (
-        Qwen2Config,
-        Qwen2ForCausalLM,
-        Trainer,
-        TrainerCallback,
-        TrainingArguments,
-    )
+    from transformers import Trainer, TrainerCallback, TrainingArguments
 
-    class StepClock(TrainerCallback):
+    device = torch.device(args.device)
+
+    def synchronize() -> None:
+        _common.synchronize(device)
+
+    class FirstStepClock(TrainerCallback):
+        """Step ends (synchronised), the first step sampled, the optimizer steps timed."""
+
         def __init__(self) -> None:
-            self.ends: list[float] = []
             self.begin = 0.0
+            self.ends: list[float] = []
+            self.optimizer_s: list[float] = []
+            self.sampler = StackSampler(threading.get_ident())
+            self.sampled: dict[str, float] = {}
 
-        def on_train_begin(self, *_args, **_kwargs):
+        def on_train_begin(self, _args, _state, _control, optimizer=None, **_kwargs):
+            inner = getattr(optimizer, "optimizer", optimizer)  # accelerate wraps it
+            if inner is not None:
+                self._time_steps(inner)
+            synchronize()
             self.begin = time.perf_counter()
+            self.sampler.start()
+
+        def _time_steps(self, inner) -> None:
+            started: list[float] = []
+
+            def before(*_):
+                synchronize()
+                started.append(time.perf_counter())
+
+            def after(*_):
+                synchronize()
+                self.optimizer_s.append(time.perf_counter() - started.pop())
+
+            inner.register_step_pre_hook(before)
+            inner.register_step_post_hook(after)
 
         def on_step_end(self, *_args, **_kwargs):
-            if torch.cuda.is_available():
-                torch.cuda.synchronize()
+            synchronize()
             self.ends.append(time.perf_counter())
+            if len(self.ends) == 1:
+                self.sampled = self.sampler.stop()
 
     torch.manual_seed(0)
-    config = Qwen2Config(
-        vocab_size=32000,
-        hidden_size=512,
-        intermediate_size=1408,
-        num_hidden_layers=args.layers,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        max_position_embeddings=args.seq,
-    )
-    device = torch.device(args.device)
-    model = Qwen2ForCausalLM(config).to(device)
+    config = model_config(args.model, args.tiny, args.seq)
+    model = build_model(args.model, config).to(device)
     rows = torch.randint(0, config.vocab_size, (args.batch * args.steps, args.seq))
     dataset = [{"input_ids": row, "labels": row} for row in rows]
     training_args = TrainingArguments(
@@ -97,14 +323,15 @@ def child(args: argparse.Namespace) -> None:
         dataloader_num_workers=0,
         disable_tqdm=True,
     )
-    clock = StepClock()
+    clock = FirstStepClock()
     if args.child == "adamw":
         trainer = Trainer(model=model, args=training_args, train_dataset=dataset)
     else:
         import dmuon
         from dmuon_hf import DMuonTrainer, default_predicate
 
-        dmuon.dedicate_params(model, None, default_predicate(model))
+        predicate = moe_predicate if args.model == "qwen3-moe" else default_predicate(model)
+        dmuon.dedicate_params(model, None, predicate)
         optimizer = dmuon.Muon(model, lr=0.02, adamw_lr=1e-3)
         trainer = DMuonTrainer(
             model=model, args=training_args, train_dataset=dataset, optimizers=(optimizer, None)
@@ -113,58 +340,118 @@ def child(args: argparse.Namespace) -> None:
     start = time.perf_counter()
     trainer.train()
     steps = [b - a for a, b in zip([clock.begin, *clock.ends], clock.ends)]
+    first_step_s = steps[0]
     result = {
-        "first_step_s": steps[0],
+        "first_step_s": first_step_s,
+        "first_step_optimizer_s": clock.optimizer_s[0] if clock.optimizer_s else None,
         "later_step_median_s": statistics.median(steps[1:]) if len(steps) > 1 else None,
+        "later_optimizer_median_s": (
+            statistics.median(clock.optimizer_s[1:]) if len(clock.optimizer_s) > 1 else None
+        ),
         "train_s": time.perf_counter() - start,
         "steps": len(steps),
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "sampled_s": {k: round(v, 4) for k, v in clock.sampled.items()},
     }
+    if result["first_step_optimizer_s"] is not None:
+        result["first_step_forward_backward_s"] = first_step_s - result["first_step_optimizer_s"]
+    if args.child != "adamw":
+        result.update(phase_timeline(clock.begin, clock.ends[0]))
+        result["ns_kernel"] = repr(optimizer.newton_schulz)
     print(RESULT_PREFIX + json.dumps(result), flush=True)
 
 
-def run_variant(variant: str, args: argparse.Namespace, caches: Path) -> dict:
-    """``variant`` in a fresh process whose dmuon, quack and Triton caches live in ``caches``."""
+def run_variant(variant: str, model: str, args: argparse.Namespace, caches: Path) -> dict:
+    """``variant`` of ``model`` in a fresh process whose dmuon, quack and Triton caches live in
+    ``caches``."""
     env = {
         **os.environ,
         "DMUON_CACHE_DIR": str(caches / "dmuon"),
         "QUACK_CACHE_DIR": str(caches / "quack"),
         "TRITON_CACHE_DIR": str(caches / "triton"),
     }
-    env.pop("DMUON_SYRK_AUTOTUNE_LOG", None)
-    command = [sys.executable, __file__, "--child", variant.split("-")[0], *child_flags(args)]
+    for name in ("DMUON_SYRK_AUTOTUNE_LOG", "DMUON_KERNEL_CACHE", "CUTE_DSL_CACHE_DIR"):
+        env.pop(name, None)
+    command = [
+        sys.executable,
+        __file__,
+        "--child",
+        variant.split("-")[0],
+        f"--model={model}",
+        *child_flags(args),
+    ]
+    print(f"bench_cold_start: {model} {variant} ...", flush=True)
     start = time.perf_counter()
     completed = subprocess.run(command, env=env, capture_output=True, text=True)
     process_s = time.perf_counter() - start
     if completed.returncode != 0:
-        raise SystemExit(f"{variant} failed:\n{completed.stderr[-6000:]}")
+        return {"error": completed.stderr[-6000:], "process_s": process_s}
     line = next(s for s in completed.stdout.splitlines() if s.startswith(RESULT_PREFIX))
     result = json.loads(line.removeprefix(RESULT_PREFIX))
     result["process_s"] = process_s
     log = completed.stderr
     result.update({name: log.count(marker) for name, marker in WORK_MARKERS.items()})
-    result["log_tail"] = [s for s in log.splitlines() if "[DMuon]" in s][-40:]
+    result["log_tail"] = [s for s in log.splitlines() if "[DMuon]" in s][-80:]
     return result
 
 
 def child_flags(args: argparse.Namespace) -> list[str]:
-    return [
+    flags = [
         f"--device={args.device}",
         f"--steps={args.steps}",
-        f"--layers={args.layers}",
         f"--seq={args.seq}",
         f"--batch={args.batch}",
         f"--output-dir={args.output_dir}",
     ]
+    return [*flags, "--tiny"] if args.tiny else flags
+
+
+# ---- the report ----------------------------------------------------------------------------------
+
+
+def print_model(model: str, results: dict) -> dict:
+    """The table of one model; returns the first-step seconds over AdamW per dmuon variant."""
+    print(
+        f"\n{model}\n{'variant':<11} {'first s':>8} {'over AdamW':>10} {'fwd+bwd s':>9} "
+        f"{'step s':>7} {'later ms':>8} {'cand.':>5} {'cute':>4} {'quack':>5} {'graphs':>6}"
+    )
+    adamw = results["adamw"].get("first_step_s")
+    extra = {}
+    for variant, found in results.items():
+        if "error" in found:
+            print(f"{variant:<11} failed: {found['error'].splitlines()[-1:]}")
+            continue
+        over = found["first_step_s"] - adamw if adamw is not None else float("nan")
+        if variant != "adamw":
+            extra[variant] = over
+        print(
+            f"{variant:<11} {found['first_step_s']:>8.2f} {over:>10.2f} "
+            f"{found.get('first_step_forward_backward_s', float('nan')):>9.2f} "
+            f"{found.get('first_step_optimizer_s') or float('nan'):>7.2f} "
+            f"{(found['later_step_median_s'] or 0) * 1e3:>8.1f} "
+            f"{found['autotune_candidates']:>5} {found['cute_compiles']:>4} "
+            f"{found['quack_kernels_ready']:>5} {found['graph_captures']:>6}"
+        )
+    for variant in ("dmuon-cold", "dmuon-warm"):
+        found = results.get(variant, {})
+        if "sampled_s" in found:
+            top = ", ".join(f"{k} {v:.2f}" for k, v in list(found["sampled_s"].items())[:6])
+            print(f"  {variant} first step by where the main thread was (s): {top}")
+            kinds = ", ".join(f"{k} {v:.2f}" for k, v in found["phase_seconds_by_kind"].items())
+            print(f"  {variant} first-use phases (s): {kinds or 'none'}")
+    return extra
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
-    parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--layers", type=int, default=6)
+    parser.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS))
+    parser.add_argument("--tiny", action="store_true", help="each model at a smoke-test size")
+    parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--seq", type=int, default=512)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--child", choices=("adamw", "dmuon"), help=argparse.SUPPRESS)
+    parser.add_argument("--model", choices=MODELS, help=argparse.SUPPRESS)
     parser.add_argument("--output-dir", default=None, help=argparse.SUPPRESS)
     _common.add_record_options(parser, "benchmarks/results/cold-start-<gpu>-<date>.json")
     args = parser.parse_args()
@@ -175,29 +462,21 @@ def main() -> None:
     import torch
 
     device = torch.device(args.device)
+    started = time.perf_counter()
+    results: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(prefix="dmuon-cold-start-") as scratch:
         args.output_dir = str(Path(scratch) / "trainer")
-        caches = Path(scratch) / "caches"
-        results = {variant: run_variant(variant, args, caches) for variant in VARIANTS}
-
-    adamw_first = results["adamw"]["first_step_s"]
-    print(
-        f"\n{'variant':<12} {'first step s':>12} {'over AdamW s':>12} {'later ms':>9} "
-        f"{'candidates':>10} {'compiles':>8}"
-    )
-    for variant, result in results.items():
-        later = result["later_step_median_s"]
+        for model in args.models:
+            caches = Path(scratch) / "caches" / model
+            results[model] = {v: run_variant(v, model, args, caches) for v in VARIANTS}
+    over_adamw = {model: print_model(model, found) for model, found in results.items()}
+    for model, extra in over_adamw.items():
+        cold, warm = extra.get("dmuon-cold"), extra.get("dmuon-warm")
         print(
-            f"{variant:<12} {result['first_step_s']:>12.2f} "
-            f"{result['first_step_s'] - adamw_first:>12.2f} "
-            f"{(later or 0) * 1e3:>9.1f} {result['autotune_candidates']:>10} "
-            f"{result['cute_compiles']:>8}"
+            f"{model}: cold {cold if cold is None else f'{cold:.2f}'} s over AdamW (target <= "
+            f"{COLD_TARGET_S:g}); warm {warm if warm is None else f'{warm:.2f}'} s (target <= "
+            f"{WARM_TARGET_S:g})"
         )
-    extra = {v: results[v]["first_step_s"] - adamw_first for v in ("dmuon-cold", "dmuon-warm")}
-    print(
-        f"cold: {extra['dmuon-cold']:.2f} s over AdamW (target <= {COLD_TARGET_S:g}); "
-        f"warm: {extra['dmuon-warm']:.2f} s (target <= {WARM_TARGET_S:g})"
-    )
     if args.device != "cuda" and args.out is None:
         return
     date = _common.utc_now()
@@ -205,22 +484,25 @@ def main() -> None:
         "benchmark": "bench_cold_start",
         "device": _common.device_name(device),
         "versions": _common.versions(
-            **_common.installed("transformers", "quack-kernels", "nvidia-cutlass-dsl")
+            **_common.installed("transformers", "quack-kernels", "nvidia-cutlass-dsl", "triton")
         ),
         "git_sha": _common.git_sha(args.git_sha),
         "date": _common.iso_seconds(date),
         "command": " ".join(sys.argv),
         "config": {
-            "layers": args.layers,
-            "d_model": 512,
+            "models": {
+                model: model_config(model, args.tiny, args.seq).to_dict() for model in args.models
+            },
             "seq": args.seq,
             "batch": args.batch,
             "steps": args.steps,
             "dtype": "bf16" if args.device == "cuda" else "fp32",
+            "sample_interval_s": SAMPLE_INTERVAL_S,
         },
         "targets_s_over_adamw": {"cold": COLD_TARGET_S, "warm": WARM_TARGET_S},
-        "first_step_s_over_adamw": extra,
+        "first_step_s_over_adamw": over_adamw,
         "results": results,
+        "wall_s": time.perf_counter() - started,
     }
     out = args.out or _common.result_path("cold-start", record["device"], date)
     _common.write_json(out, record)

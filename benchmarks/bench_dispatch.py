@@ -11,7 +11,10 @@ For each shape A (M, K) every contender runs on the same input; three figures pe
   hides the host, CUDA events, contenders interleaved).
 
 Contenders: ``a @ a.mT`` (cuBLAS, the baseline), ``syrk`` (kernel auto) and ``syrk cublas``
-(dispatch around the same torch product), ``syrk quack`` and ``syrk cute`` where they can run;
+(dispatch around the same torch product), ``syrk quack`` and ``syrk cute`` where they can run,
+and ``syrk quack (custom op)``, quack through its public entry and torch's custom-op dispatch,
+which the adapter skips where it can (``dmuon_kernels.syrk.quack``, [Note: host cost of a quack
+call]);
 ``torch.mm(S, B)``, ``symmetric_product`` (auto) and ``symmetric_product quack``/``cute`` on
 the M x M Gram-sized square; Newton-Schulz on an fp32 G (M, K): the ``newton_schulz()``
 function, a reused ``NewtonSchulz()`` instance, and torch.optim.Muon's own iteration (Keller's
@@ -39,6 +42,7 @@ Usage (repository root, packages importable)::
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import statistics
 import sys
@@ -52,11 +56,13 @@ from torch.optim import _muon as torch_muon
 
 from dmuon_kernels import NewtonSchulz, __version__, get_backend_status, newton_schulz
 from dmuon_kernels.syrk import backend_availability, resolve_kernel, symmetric_product, syrk
+from dmuon_kernels.syrk import quack as quack_backend
 from dmuon_kernels.syrk.timing import median_ms
 
 CUDA_SHAPES = [(256, 256), (512, 512), (1024, 1024), (2048, 2048), (4096, 4096), (1024, 4096)]
 CPU_SHAPES = [(32, 32), (64, 64), (128, 128), (64, 256)]
 SYRK_BASELINE, SYRK_AUTO, SYRK_CUBLAS = "a @ a.mT", "syrk", "syrk cublas"
+SYRK_QUACK_CUSTOM_OP = "syrk quack (custom op)"
 PRODUCT_BASELINE, PRODUCT_AUTO = "torch.mm(S, B)", "symmetric_product"
 NS_FUNCTION, NS_INSTANCE, NS_TORCH = "newton_schulz()", "NewtonSchulz instance", "torch Muon NS"
 TABLE_COLUMNS = 5  # contenders per printed table
@@ -85,6 +91,8 @@ def contenders(
         if device.type == "cuda" and backend_availability(name)[0]
     ]
     fast = {f"syrk {name}": (lambda name=name: syrk(A, kernel=name)) for name in runnable}
+    if "quack" in runnable:
+        fast[SYRK_QUACK_CUSTOM_OP] = quack_through_custom_op(A)
     fast_products = {
         f"symmetric_product {name}": (lambda name=name: symmetric_product(S, B, kernel=name))
         for name in runnable
@@ -103,6 +111,21 @@ def contenders(
             G, keller, torch_muon.DEFAULT_NS_STEPS, torch_muon.EPS
         ),
     }
+
+
+def quack_through_custom_op(A: torch.Tensor) -> Callable[[], object]:
+    """``syrk(A)`` on quack as its public entry runs it (torch's custom-op dispatch included)."""
+    api = quack_backend._quack_api()
+    public = dataclasses.replace(api, symmetric_launcher=None)
+
+    def call() -> object:
+        saved, quack_backend._probe_result = quack_backend._probe_result, public
+        try:
+            return quack_backend.syrk(A)
+        finally:
+            quack_backend._probe_result = saved
+
+    return call
 
 
 def first_call_s(fn: Callable[[], object], device: torch.device) -> float:

@@ -1,12 +1,17 @@
 """Cold start across processes on one GPU machine: what one process tuned and compiled, the next
-loads from ``DMUON_CACHE_DIR`` instead of measuring and compiling again, with the same results.
+loads from ``DMUON_CACHE_DIR`` instead of measuring and compiling again, with the same results;
+the first-use work of each is timed, recorded and announced, so a first step can be accounted for.
 
 Each test runs fresh Python processes (as a second training job on the machine would be) with a
-private cache folder, and reads their rank-tagged lines to see what they did."""
+private cache folder, and reads their rank-tagged lines and recorded phases to see what they
+did."""
 
 from __future__ import annotations
 
+import json
+import logging
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -15,6 +20,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from dmuon_kernels import _log
+from dmuon_kernels.graphs import GraphedFunction
 from dmuon_kernels.syrk import backend_availability
 
 REPO = Path(__file__).resolve().parents[2]
@@ -22,7 +29,7 @@ REPO = Path(__file__).resolve().parents[2]
 # Runs one product the way a user would, saves the result and prints what was chosen.
 PROCESS_SCRIPT = textwrap.dedent(
     """
-    import sys, torch
+    import json, sys, torch
     from dmuon_kernels.syrk import resolve_kernel, syrk
     kernel, out_path = sys.argv[1], sys.argv[2]
     generator = torch.Generator(device="cuda").manual_seed(21)
@@ -31,6 +38,8 @@ PROCESS_SCRIPT = textwrap.dedent(
     out = syrk(A, kernel=kernel)
     torch.cuda.synchronize()
     torch.save(out.cpu(), out_path)
+    from dmuon_kernels import _log
+    print("phases", json.dumps([[p.kind, p.what, p.seconds] for p in _log.recorded_phases()]))
     print("chosen", resolve_kernel(kernel, A))
     """
 )
@@ -80,3 +89,45 @@ def test_a_cute_kernel_compiled_by_one_process_is_loaded_by_the_next(tmp_path):
     second = run_process(tmp_path, "cute", "second")
     assert "compiling CuTe SYRK kernel" not in second.stderr, second.stderr[-2000:]
     assert torch.equal(torch.load(tmp_path / "first.pt"), torch.load(tmp_path / "second.pt"))
+
+
+def phases_of(result: subprocess.CompletedProcess) -> list[tuple[str, str, float]]:
+    (line,) = [s for s in result.stdout.splitlines() if s.startswith("phases ")]
+    return [tuple(phase) for phase in json.loads(line.removeprefix("phases "))]
+
+
+def test_a_cold_process_accounts_for_its_first_use_work_and_a_warm_one_only_loads(tmp_path):
+    available, reason = backend_availability("cute")
+    if not available:
+        pytest.skip(f"cute unavailable: {reason}")
+    first = run_process(tmp_path, "auto", "first")
+    cold = phases_of(first)
+    kinds = {kind for kind, _, _ in cold}
+    assert "import" in kinds and "compile" in kinds, cold
+    if "SYRK autotune candidate started" in first.stderr:  # a fast backend was tuned
+        assert "autotune" in kinds, cold
+        verdicts = [s for s in first.stderr.splitlines() if "SYRK autotune verdict" in s]
+        assert verdicts and all(re.search(r"; took \d+\.\d s$", s) for s in verdicts)
+    compiled = [s for s in first.stderr.splitlines() if "] compiled CuTe SYRK kernel" in s]
+    assert all(re.search(r" in \d+\.\d s$", s) for s in compiled), compiled
+    second = run_process(tmp_path, "auto", "second")
+    warm = phases_of(second)
+    assert not [p for p in warm if p[0] in ("autotune", "compile") and "CuTe" in p[1]], warm
+    assert "autotune" not in {kind for kind, _, _ in warm}, warm
+
+
+def test_a_capture_is_a_timed_phase_and_announced_with_its_seconds(caplog, monkeypatch):
+    monkeypatch.delenv("DMUON_SYRK_AUTOTUNE_LOG", raising=False)
+    caplog.set_level(logging.INFO, logger="dmuon_kernels")
+    graphed = GraphedFunction(lambda x: x * 2, name="test function")
+    x = torch.randn(64, 48, device="cuda")
+    _log.clear_recorded_phases()
+    for _ in range(3):  # eager, capture, replay
+        assert torch.equal(graphed(x), x * 2)
+    (phase,) = [p for p in _log.recorded_phases() if p.kind == "capture"]
+    assert phase.what == "test function shape=(64, 48) dtype=float32"
+    (line,) = [m for m in caplog.messages if "captured a CUDA graph" in m]
+    assert re.search(
+        r"captured a CUDA graph of test function shape=\(64, 48\) dtype=float32 in \d+\.\d\d s$",
+        line,
+    )

@@ -1,9 +1,13 @@
 """The remembered dispatch on the GPU: a warmed call runs the backend the full resolution picks
 and gives its result bit for bit; nothing provisional is remembered during a CUDA-graph capture;
 ``newton_schulz()`` equals a reused instance; ``dtype=None`` is the fp16 iteration on CUDA; the
-CuTe backend works a launch plan out once per signature."""
+CuTe backend works a launch plan out once per signature; quack's launcher called without torch's
+custom-op dispatch gives the bits of its public entry; "auto" never tunes plain products."""
 
 from __future__ import annotations
+
+import dataclasses
+import logging
 
 import pytest
 import torch
@@ -12,6 +16,7 @@ from dmuon_kernels import NewtonSchulz, newton_schulz
 from dmuon_kernels.syrk import (
     _call_cache,
     auto_candidate,
+    autotune,
     backend_availability,
     get_backend,
     matmul,
@@ -20,6 +25,7 @@ from dmuon_kernels.syrk import (
     syrk,
 )
 from dmuon_kernels.syrk import cute as cute_backend
+from dmuon_kernels.syrk import quack as quack_backend
 from tests.numerics import syrk_operands as operands
 
 DTYPES = (torch.float16, torch.bfloat16)
@@ -126,3 +132,43 @@ def test_cute_works_out_a_launch_plan_once_per_signature(needs_cute, dtype):
     other, _ = operands(None, 384, 1000, dtype, seed=18)
     cute_backend.syrk(other, C, 0.5, -1.0)  # same signature, other values: same plan
     assert cute_backend._plans == plans
+
+
+# (batch, M, K) with and without C: unpadded, padded (M and K not multiples of 8), batched.
+QUACK_SHAPES = ((None, 512, 1024), (None, 200, 777), (3, 128, 512))
+
+
+@pytest.mark.parametrize("shape", QUACK_SHAPES, ids=str)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_quack_without_the_custom_op_dispatch_gives_the_bits_of_its_public_entry(
+    needs_quack, monkeypatch, shape, dtype
+):
+    api = quack_backend._quack_api()
+    if api.symmetric_launcher is None:
+        pytest.skip("this quack release has no launcher the adapter calls directly")
+    A, C = operands(*shape, dtype, seed=19)
+    S = ((C.float() + C.float().mT) / 2).to(dtype)
+    B = (0.5 * S.float() + 0.1 * (S.float() @ S.float())).to(dtype)  # commutes with S
+    calls = (
+        lambda: quack_backend.syrk(A),
+        lambda: quack_backend.syrk(A, C, 0.5, -1.0),
+        lambda: quack_backend.symmetric_product(S, B, C, 1.0, 0.75),
+    )
+    direct = [call() for call in calls]
+    monkeypatch.setattr(
+        quack_backend, "_probe_result", dataclasses.replace(api, symmetric_launcher=None)
+    )
+    for call, expected in zip(calls, direct, strict=True):
+        assert torch.equal(call(), expected)
+
+
+def test_auto_never_tunes_a_plain_product(caplog):
+    caplog.set_level(logging.INFO, logger="dmuon_kernels")
+    S, _ = operands(None, 4096, 4096, torch.float16, seed=20)
+    X, _ = operands(None, 4096, 8192, torch.float16, seed=21)
+    problem = autotune.SyrkProblem.of(S, None, "matmul", X)
+    assert problem.flop >= autotune.MIN_TUNED_FLOP  # large enough to be tuned, were it tuned
+    out = matmul(S, X)
+    assert resolve_kernel("auto", S, op="matmul", B=X) == "cublas"
+    assert torch.equal(out, get_backend("cublas").matmul(S, X, None, 1.0, 0.0))
+    assert not [m for m in caplog.messages if "op=matmul" in m]
