@@ -138,9 +138,9 @@ def test_a_forgotten_replicate_dim_raises_on_every_rank_naming_both_meshes_and_t
             "replicas that own and update their own copies of the dedicated weights"
         ) in message, (rank, message)
         assert message.endswith(
+            "Give dedicate_params the data-parallel dims fully_shard got: "
             'dmuon.dedicate_params(model, mesh["dp_shard"], predicate, '
-            'replicate_mesh=mesh["dp_replicate"]) (the shard dim as mesh, the replicate dim as '
-            "replicate_mesh)."
+            'replicate_mesh=mesh["dp_replicate"]).'
         ), (rank, message)
 
 
@@ -205,6 +205,5 @@ def test_torchtitans_3d_mesh_refuses_fewer_data_parallel_dims_than_fsdp2_has(poo
         ) in result["error"], (rank, result["error"])
         assert result["error"].endswith(
             'dmuon.dedicate_params(model, mesh["fsdp"], predicate, '
-            'replicate_mesh=mesh["dp_replicate"]) (the shard dim as mesh, the replicate dim as '
-            "replicate_mesh)."
+            'replicate_mesh=mesh["dp_replicate"]).'
         ), (rank, result["error"])

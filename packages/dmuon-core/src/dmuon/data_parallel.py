@@ -121,7 +121,7 @@ def _refuse_replicas_outside_grid(state: DedicatedState) -> None:
                     dmuon=dmuon,
                     outside=outside,
                     engine="fully_shard",
-                    fix=_fix_for(dims),
+                    fix=_fix_for(param, dims),
                 )
             )
     for ddp in ddp_wrappers(state.model):
@@ -145,22 +145,30 @@ def _refuse_replicas_outside_grid(state: DedicatedState) -> None:
             )
 
 
-def _fix_for(dims: tuple[str, ...] | None) -> str:
-    """The dedicate_params call that matches FSDP2's data-parallel dims (FSDP2 orders an HSDP
-    mesh (replicate, shard))."""
-    if dims is not None and len(dims) == 1:
-        return f'dmuon.dedicate_params(model, mesh["{dims[0]}"], predicate).'
-    if dims is not None and len(dims) == 2:
+def _fix_for(param: DTensor, dims: tuple[str, ...] | None) -> str:
+    """The dedicate_params call that matches FSDP2's data-parallel dims: those it shards the
+    parameter over (Shard placements) as mesh, those it replicates it over as replicate_mesh;
+    several of one kind flattened into one dim."""
+    placements = dict(zip(param.device_mesh.mesh_dim_names or (), param.placements))
+    shard = [dim for dim in dims or () if placements[dim].is_shard()]
+    replicate = [dim for dim in dims or () if not placements[dim].is_shard()]
+    if not shard:
         return (
-            f'dmuon.dedicate_params(model, mesh["{dims[1]}"], predicate, '
-            f'replicate_mesh=mesh["{dims[0]}"]) (the shard dim as mesh, the replicate dim as '
-            "replicate_mesh)."
+            "its shard dim as mesh and, under HSDP, its replicate dim as replicate_mesh (dims of "
+            "one named mesh, e.g. init_device_mesh(device_type, (replicate_size, shard_size), "
+            'mesh_dim_names=("replicate", "shard"))).'
         )
-    return (
-        "its shard dim as mesh and, under HSDP, its replicate dim as replicate_mesh (dims of one "
-        "named mesh, e.g. init_device_mesh(device_type, (replicate_size, shard_size), "
-        'mesh_dim_names=("replicate", "shard"))).'
-    )
+    call = f"dmuon.dedicate_params(model, {_one_dim(shard)}, predicate"
+    if replicate:
+        call += f", replicate_mesh={_one_dim(replicate)}"
+    return call + ")."
+
+
+def _one_dim(dims: list[str]) -> str:
+    if len(dims) == 1:
+        return f'mesh["{dims[0]}"]'
+    names = ", ".join(f'"{dim}"' for dim in dims)
+    return f'mesh[{names}]._flatten("{"_".join(dims)}")'
 
 
 # ---- the scale of the dedicated gradients -----------------------------------------------------
