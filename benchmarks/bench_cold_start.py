@@ -28,7 +28,8 @@ lines report; and a timeline of the first step:
 - ``phases``: the first-use work ``dmuon_kernels`` timed (``dmuon_kernels._log.timed_phase``:
   library imports, autotune candidates, compiles and loads, lock waits, CUDA-graph captures),
   each with its start (seconds after the step began), duration and nesting depth, and their
-  totals per kind;
+  totals per kind (``before_first_step``: the same for what ran before ``train()``, such as the
+  imports a ``NewtonSchulz``'s construction does);
 - ``sampled_s``: where the main thread was, sampled every few milliseconds over the whole first
   step, by category: first-use work anywhere in the stack (imports, Triton, quack, CuTe DSL,
   autotune measurement, captures), else the innermost running code (Newton-Schulz, the
@@ -229,9 +230,10 @@ class StackSampler:
             self._last = now
 
 
-def phase_timeline(begin: float, end: float) -> dict:
+def phase_timeline(begin: float, end: float, origin: float | None = None) -> dict:
     """The phases ``dmuon_kernels`` recorded between ``begin`` and ``end`` (perf_counter), with
-    their totals per kind."""
+    their totals per kind; starts in seconds after ``origin`` (default ``begin``)."""
+    origin = begin if origin is None else origin
     from dmuon_kernels import _log
 
     phases = [p for p in _log.recorded_phases() if begin <= p.start < end]
@@ -243,7 +245,7 @@ def phase_timeline(begin: float, end: float) -> dict:
             {
                 "kind": p.kind,
                 "what": p.what,
-                "start_s": round(p.start - begin, 4),
+                "start_s": round(p.start - origin, 4),
                 "seconds": round(p.seconds, 4),
                 "depth": p.depth,
             }
@@ -357,6 +359,8 @@ def child(args: argparse.Namespace) -> None:
         result["first_step_forward_backward_s"] = first_step_s - result["first_step_optimizer_s"]
     if args.child != "adamw":
         result.update(phase_timeline(clock.begin, clock.ends[0]))
+        # e.g. the library imports a NewtonSchulz's construction does: before the first step
+        result["before_first_step"] = phase_timeline(0.0, clock.begin, origin=clock.begin)
         result["ns_kernel"] = repr(optimizer.newton_schulz)
     print(RESULT_PREFIX + json.dumps(result), flush=True)
 
