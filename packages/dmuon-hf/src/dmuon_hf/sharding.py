@@ -15,16 +15,17 @@ What each plugin field becomes:
   ``SIZE_BASED_WRAP`` every module with more than ``min_num_params`` parameters, ``NO_WRAP``
   only the root; as ``fsdp2_prepare_auto_wrap_policy`` in Accelerate decides.
 - ``reshard_after_forward``: FSDP2's, and dmuon's Z3 (True) or Z2 (False).
-- mixed precision (``bf16`` / ``fp16``): the plugin's ``MixedPrecisionPolicy`` on every
-  ``fully_shard``, and the same param/reduce dtypes for the dedicated weights
-  (``param_policy``); trainable parameters are fp32 masters.
+- mixed precision (``bf16``): the plugin's ``MixedPrecisionPolicy`` on every ``fully_shard``,
+  and the same param/reduce dtypes for the dedicated weights (``param_policy``); trainable
+  parameters are fp32 masters.
 - ``activation_checkpointing``: each unit wrapped in torch's ``checkpoint_wrapper`` (after
   ``dedicate_params``, so parameter names stay canonical).
 - ``ParallelismConfig(dp_replicate_size=R, dp_shard_size=S)``: HSDP, a (R, S) mesh named
   ("replicate", "shard"); dmuon owns over the shard dim and publishes across the replicate dim.
 
 Refused with the fix (nothing silently ignored): FSDP1, ``cpu_offload``, ``ignored_modules``,
-``cpu_ram_efficient_loading`` and tensor/context/sequence parallel sizes above 1. It must not
+``cpu_ram_efficient_loading``, ``fp16`` (its loss scaler's per-rank inf check) and
+tensor/context/sequence parallel sizes above 1. It must not
 build the optimizer, touch Accelerate's state, or move data between ranks itself.
 """
 
@@ -77,10 +78,16 @@ class ShardingRequest:
                 "dmuon_hf: cpu_ram_efficient_loading is not supported yet: load the model on "
                 "every rank (the default, cpu_ram_efficient_loading=False)."
             )
+        if self.mixed_precision == "fp16":
+            raise ValueError(
+                "dmuon_hf: fp16 is not supported yet: its GradScaler decides per rank whether a "
+                "step has inf gradients, and with sharded gradients ranks could disagree (some "
+                "stepping, some not). Use bf16=True (no loss scaling)."
+            )
         if self.mixed_precision not in _MIXED_PRECISION:
             raise ValueError(
                 f"dmuon_hf: mixed precision {self.mixed_precision!r} is not supported; use "
-                f"one of {sorted(_MIXED_PRECISION)} (TrainingArguments(bf16=True) or fp16=True)."
+                "'bf16' (TrainingArguments(bf16=True)) or none."
             )
         pc = self.parallelism_config
         if pc is not None:
