@@ -165,3 +165,29 @@ def test_bad_expert_sizes_are_refused_with_the_value(tmp_path, key, value, messa
     with pytest.raises(ValueError) as error:
         load_decoder_shape(str(tmp_path))
     assert message in str(error.value)
+
+
+def test_a_saved_config_gives_its_vocabulary_and_whether_the_embedding_is_tied(tmp_path):
+    config = transformers.Qwen2Config(**_SIZES, num_hidden_layers=1, tie_word_embeddings=True)
+    shape = load_decoder_shape(saved_config(tmp_path, config))
+    assert (shape.vocab_size, shape.tie_word_embeddings) == (64, True)
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "message"),
+    [
+        ("vocab_size", 0, "vocab_size must be a positive integer, got 0"),
+        ("tie_word_embeddings", "yes", "tie_word_embeddings must be true or false, got 'yes'"),
+    ],
+)
+def test_a_bad_vocabulary_entry_is_refused_with_the_value(tmp_path, key, value, message):
+    config = {**_SIZES, "model_type": "llama", "num_hidden_layers": 1, key: value}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=message):
+        load_decoder_shape(str(tmp_path))
+
+
+def test_every_preset_knows_its_vocabulary():
+    assert all(shape.vocab_size for shape in PRESETS.values())
+    assert PRESETS["llama3-8b"].vocab_size == 128256
+    assert PRESETS["llama3.2-1b"].tie_word_embeddings

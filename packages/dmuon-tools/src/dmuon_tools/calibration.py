@@ -107,7 +107,7 @@ def _get(data: Mapping[str, Any], keys: str, path: Path) -> Any:
     return value
 
 
-def _e2e_shape(model: Mapping[str, Any], where: str) -> DecoderShape:
+def bench_e2e_shape(model: Mapping[str, Any], where: str) -> DecoderShape:
     """bench_e2e's Llama of ``ModelConfig`` (vocab, dim, layers, heads, kv_heads, ffn)."""
     try:
         dim, heads = int(model["dim"]), int(model["heads"])
@@ -193,7 +193,7 @@ def derive_h200(results: str | Path) -> Machine:
     e2e_path = results / E2E_FILE
     e2e = _read(e2e_path)
     inputs = _get(e2e, "inputs", e2e_path)
-    model = ModelSizes.of(_e2e_shape(inputs["model"], E2E_FILE))
+    model = ModelSizes.of(bench_e2e_shape(inputs["model"], E2E_FILE))
     workload = _e2e_workload(inputs)
     baseline = _get(e2e, "results.fsdp2-adamw", e2e_path)
     forward_backward_ms = baseline["step_ms_median"] - baseline["optimizer_ms_median"]
@@ -212,7 +212,7 @@ def derive_h200(results: str | Path) -> Machine:
     host = _read(host_path)
     host_inputs = _get(host, "inputs", host_path)
     gpt2 = _model_config_text(host_inputs["model"])
-    gpt2_model = ModelSizes.of(_e2e_shape({k: int(v) for k, v in gpt2.items()}, HOST_FILE))
+    gpt2_model = ModelSizes.of(bench_e2e_shape({k: int(v) for k, v in gpt2.items()}, HOST_FILE))
     gpt2_workload = Workload(
         seq_len=int(host_inputs["seq"]),
         micro_batch=int(host_inputs["micro_batch"]),
@@ -243,7 +243,7 @@ def gloo_machine(results: str | Path, machine: Machine) -> Machine:
     path = Path(results) / GLOO_FILE
     data = _read(path)
     inputs = _get(data, "inputs", path)
-    shape = _e2e_shape(inputs["model"], GLOO_FILE)
+    shape = bench_e2e_shape(inputs["model"], GLOO_FILE)
     workload = _e2e_workload(inputs)
     world = int(_get(data, "world_size", path))
     measured = float(_get(data, "results.fsdp2-adamw.step_ms_median", path))
@@ -325,7 +325,7 @@ class Calibration:
                 "median_abs_error": statistics.median(abs(r.error) for r in rows),
                 "max_abs_error": max(abs(r.error) for r in rows),
             }
-            for name, rows in groups.items()
+            for name, rows in sorted(groups.items(), key=lambda item: _summary_order(item[0]))
         ]
 
     def to_json(self) -> dict[str, Any]:
@@ -357,11 +357,22 @@ def _is_latest(source: str) -> bool:
     return source in _LATEST or source.startswith("collectives-")
 
 
+_SUMMARY_ORDER = ("whole step", "forward+backward", "optimizer step", "memory", "collectives")
+
+
+def _summary_order(group: str) -> tuple[bool, int, str]:
+    """World size 1 first, then the other settings; within each, the step before its parts."""
+    rank = next((i for i, prefix in enumerate(_SUMMARY_ORDER) if group.startswith(prefix)), 9)
+    return "world size 1" not in group and not group.startswith("memory"), rank, group
+
+
 def _group_of(row: Row) -> str:
     if row.source.startswith("collectives-"):
         return f"collectives ({row.setting})"
     if row.unit == "GiB":
-        return "memory per GPU, peak" if row.quantity == "peak" else "memory per GPU, by component"
+        if row.quantity == "peak":
+            return "memory per GPU, peak"
+        return "memory per GPU, persistent state by component (tensor sizes)"
     world = row.setting
     if row.quantity.startswith("optimizer") or row.source.startswith("step-"):
         return f"optimizer step ({world})"
@@ -453,7 +464,7 @@ def _e2e_rows(path: Path, machine: Machine, gloo: Machine) -> list[Row]:
     else:
         layout = Layout(num_shards=world, gpus_per_node=max(8, world))
         setting = "world size 1" if world == 1 else f"NCCL, {world} GPUs"
-    shape = _e2e_shape(inputs["model"], path.name)
+    shape = bench_e2e_shape(inputs["model"], path.name)
     workload = _e2e_workload(inputs)
     variants = [
         v for v, result in _get(data, "results", path).items()
@@ -504,10 +515,14 @@ def _e2e_rows(path: Path, machine: Machine, gloo: Machine) -> list[Row]:
 
 
 def _e2e_role(name: str, variant: str, quantity: str) -> str:
+    # The rows a constant was fitted on, and the ones that fit fixes almost whole (a step whose
+    # forward+backward was the fit, and the reverse).
     fits = {
         (E2E_FILE, "fsdp2-adamw", "forward+backward"),
+        (E2E_FILE, "fsdp2-adamw", "step"),
         (E2E_FILE, "naive-muon", "optimizer step"),
         (GLOO_FILE, "fsdp2-adamw", "step"),
+        (GLOO_FILE, "fsdp2-adamw", "forward+backward"),
     }
     return "fit" if (name, variant, quantity) in fits else "held out"
 
@@ -516,7 +531,7 @@ def _host_rows(path: Path, machine: Machine) -> list[Row]:
     data = _read(path)
     inputs = _get(data, "inputs", path)
     config = {k: int(v) for k, v in _model_config_text(inputs["model"]).items()}
-    shape = _e2e_shape(config, path.name)
+    shape = bench_e2e_shape(config, path.name)
     # profile_host checkpoints activations exactly for bench_e2e's default model (--llama-1b);
     # the file does not record it.
     checkpointing = all(config.get(k) == v for k, v in BENCH_E2E_DEFAULT_MODEL.items())
@@ -629,6 +644,23 @@ def format_markdown(calibration: Calibration) -> str:
         )
     lines += [
         "",
+        "Reading the summary:",
+        "",
+        "- At world size 1 the model is tested on the optimizer step of two shapes (the 8B-shaped "
+        "4-layer stack of `bench_step.py`, the 1 B Llama of `bench_e2e.py`) and on the whole "
+        "iteration of the 1 B Llama. Its largest errors there are the launch-bound optimizer "
+        "steps of the GPT-2-small shape (the simulator has no host model for the step) and the "
+        "run-to-run spread of the measurements themselves: " + _largest_spread(calibration.rows)
+        + ".",
+        "- On 4 gloo ranks sharing the GPU the ring model mispredicts dmuon by about 2x while "
+        "FSDP2's step is the fit: the ring model prices gloo's broadcast and reduce (dmuon's "
+        "collectives) like its all-gather and reduce-scatter (FSDP2's), and the measurements say "
+        "gloo does not (one explanation, unverified: a reduce-scatter run as an all-reduce, "
+        "twice the bytes). `benchmarks/bench_collectives.py --backend gloo` on 4 ranks measures "
+        "each kind; a per-kind link would replace the one fitted bandwidth.",
+        "- Nothing here tests NVLink or the network: those predictions rest on the assumed links "
+        "until `benchmarks/multi_gpu_session.sh` runs.",
+        "",
         "## The machine's constants",
         "",
         "| constant | value | from |",
@@ -682,6 +714,24 @@ def format_markdown(calibration: Calibration) -> str:
     for name, reason in calibration.excluded:
         lines.append(f"- `{name}`: {reason}.")
     return "\n".join(lines) + "\n"
+
+
+def _largest_spread(rows: Sequence[Row]) -> str:
+    """The widest run-to-run spread of one quantity measured in several committed runs of the
+    same benchmark configuration at world size 1 (same case and predicted value)."""
+    runs: dict[tuple[str, str, str, float], list[float]] = {}
+    for row in rows:
+        if row.setting == "world size 1" and row.unit == "ms" and row.quantity == "step":
+            key = (row.source.split("-")[0], row.case, row.quantity, round(row.predicted, 6))
+            runs.setdefault(key, []).append(row.measured)
+    repeated = [(max(v) / min(v), key, v) for key, v in runs.items() if len(v) > 1]
+    if not repeated:
+        return "no configuration was measured twice"
+    spread, (_, case, quantity, _), values = max(repeated)
+    return (
+        f"the {case} {quantity} measured {min(values):.1f} to {max(values):.1f} ms across "
+        f"{len(values)} committed runs of one configuration ({spread - 1:.0%} apart)"
+    )
 
 
 def format_text(calibration: Calibration, rows: Sequence[Row] | None = None) -> str:

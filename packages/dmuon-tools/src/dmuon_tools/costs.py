@@ -26,6 +26,15 @@ linearly in log(FLOPs)-log(time), below the smallest point extrapolated along th
 above the largest scaled in proportion to FLOPs (the GPU is saturated there). Checked on the one
 batched measurement committed: 8 x (1024, 4096) in one call, 1.036 ms measured, 1.04 ms from the
 single-matrix table.
+
+[Note: a cooperative Newton-Schulz]
+Not implemented in dmuon: the cost of one design (``docs/cooperative-newton-schulz.md``). The
+Gram iteration on ``X`` (n x m, n <= m) splits into work on ``X`` (the Gram products ``X Xᵀ`` and
+the restarts' ``Q X``: ``6 n^2 m`` FLOPs) and work on n x n matrices (the polynomial in ``R``:
+``14 n^3``). With ``X`` cut into ``k`` column blocks, one per cooperating rank, the X-side work
+divides by ``k`` and each Gram matrix is the all-reduce of ``k`` partial ones; the n x n work either
+runs whole on every rank (``replicated``) or is cut into row blocks, each product's result
+all-gathered for the next (``split``).
 """
 
 from __future__ import annotations
@@ -156,3 +165,39 @@ def layer_backward_flops_per_token(matrix_numel: int, attention_width: int, seq_
         MATMUL_BACKWARD_FACTOR * 2.0 * matrix_numel
         + ATTENTION_BACKWARD_FACTOR * 2.0 * seq_len * attention_width
     )
+
+
+# ---- a cooperative Newton-Schulz (see [Note: a cooperative Newton-Schulz]) -----------------
+
+# n x n exchanges of one split Gram iteration: about four products an iteration (R², Z Q and the
+# two of (aI + Z) R (aI + Z)), five iterations, each product's row blocks all-gathered.
+COOPERATIVE_SQUARE_EXCHANGES = 20
+COOPERATIVE_GRAM_ALL_REDUCES = 2  # the first Gram matrix and the one after the restart
+
+
+def cooperative_ns_ms(
+    table: Mapping[tuple[int, int], float],
+    shape: tuple[int, int],
+    ranks: int,
+    link: Link,
+    *,
+    split_square_work: bool,
+) -> float:
+    """Milliseconds of one matrix's Newton-Schulz shared by ``ranks`` ranks on ``link``:
+    each rank's share of the FLOPs at the table's rate for that much work, plus the exchanges
+    (fp16, as the iteration)."""
+    short, long = min(shape), max(shape)
+    x_side = 6.0 * short * short * long
+    square_side = 14.0 * short**3
+    if ranks == 1:
+        return ns_time_of_flops(table, x_side + square_side)
+    gram_bytes = NS_INPUT_BYTES_PER_ELEMENT * short * short
+    exchanges = COOPERATIVE_GRAM_ALL_REDUCES * collective_ms("all_reduce", gram_bytes, ranks, link)
+    if split_square_work:
+        flops = (x_side + square_side) / ranks
+        exchanges += COOPERATIVE_SQUARE_EXCHANGES * collective_ms(
+            "all_gather", gram_bytes, ranks, link
+        )
+    else:
+        flops = x_side / ranks + square_side
+    return ns_time_of_flops(table, flops) + exchanges

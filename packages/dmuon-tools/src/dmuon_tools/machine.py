@@ -15,9 +15,11 @@ GiB (2**30 bytes) for memory.
 ``Link.bandwidth_gbps`` is what one GPU moves through that link class in one direction while a
 ring collective runs (NCCL's "bus bandwidth"), not the datasheet figure; ``latency_us`` is the
 per-step cost alpha of a ring (one hop plus the kernel's synchronisation). A group whose ranks
-sit in one node uses ``nvlink``; a group spanning nodes uses ``network`` for the whole ring,
-which assumes one NIC per GPU (rail-optimised clusters: 8 x 400 Gb/s per node) so that the
-network link, not NVLink, bounds such a ring.
+sit in one node uses ``nvlink``. ``network`` is one GPU's NIC (rail-optimised clusters have one
+per GPU: 8 x 400 Gb/s a node). A group spanning nodes runs one ring per NIC of its ranks in a
+node, so its bandwidth is that many NICs' (``group_link``), at most NVLink's: an HSDP replicate
+group (one rank a node) gets one NIC, a shard group of 16 ranks over two nodes gets eight. A
+cluster with fewer NICs than GPUs should give ``network`` the bandwidth each GPU's share of them.
 """
 
 from __future__ import annotations
@@ -102,6 +104,15 @@ class Machine:
             link = getattr(self, link_name)
             _check_positive(self.name, f"{link_name}.bandwidth_gbps", link.bandwidth_gbps)
             _check_positive(self.name, f"{link_name}.latency_us", link.latency_us, zero=True)
+
+    def group_link(self, link_class: str, ranks_in_node: int) -> Link:
+        """The link a group's collectives run at: NVLink inside a node; across nodes, the NICs
+        of the group's ranks in one node together, at most NVLink (see [Note: what a link's
+        numbers mean])."""
+        if link_class == "nvlink":
+            return self.nvlink
+        bandwidth = min(self.nvlink.bandwidth_gbps, ranks_in_node * self.network.bandwidth_gbps)
+        return Link(bandwidth_gbps=bandwidth, latency_us=self.network.latency_us)
 
     # ---- JSON ------------------------------------------------------------------------------
 
@@ -223,8 +234,8 @@ H200_SOURCES = {
     "allocatable, as the GPU machine reports)",
     "nvlink": "assumed: H200 NVLink 4 (450 GB/s a direction), NCCL ring bus bandwidth about "
     "80% of it; not measured (no multi-GPU machine yet: benchmarks/bench_collectives.py)",
-    "network": "assumed: 400 Gb/s per GPU (50 GB/s), 90% achieved by a ring, 10 us a step; not "
-    "measured (benchmarks/bench_collectives.py on two nodes)",
+    "network": "assumed: one 400 Gb/s NIC per GPU (50 GB/s), 90% achieved by a ring, 10 us a "
+    "step; not measured (benchmarks/bench_collectives.py on two nodes)",
 }
 
 H200 = Machine(

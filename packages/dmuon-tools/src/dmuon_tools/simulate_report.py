@@ -47,12 +47,12 @@ def _step_cell(simulation: Simulation, system: str, *, versus: bool = False) -> 
     prediction = simulation.predictions.get(system)
     if prediction is None:
         return "-"
-    if not prediction.fits:
-        return f"does not fit ({prediction.memory_gib['peak']:.0f} GiB)"
     text = f"{prediction.step_ms / 1e3:.2f} s"
     baseline = simulation.predictions.get(BASELINE)
     if versus and baseline is not None:
         text += f" ({prediction.step_ms / baseline.step_ms - 1:+.1%})"
+    if not prediction.fits:
+        text += f", does not fit ({prediction.memory_gib['peak']:.0f} GiB)"
     return text
 
 
@@ -89,8 +89,9 @@ def format_markdown_table(simulations: Sequence[Simulation], dmuon_system: str =
             "",
             f"{PREDICTION_LABEL}. Machine `{machine.name}`: NVLink "
             f"{machine.nvlink.bandwidth_gbps:g} GB/s inside a node of "
-            f"{first.layout.gpus_per_node} GPUs, {machine.network.bandwidth_gbps:g} GB/s a GPU "
-            f"between nodes (both assumed); {first.workload.describe()}; dmuon = "
+            f"{first.layout.gpus_per_node} GPUs, one NIC a GPU between nodes at "
+            f"{machine.network.bandwidth_gbps:g} GB/s (both assumed); "
+            f"{first.workload.describe()}; dmuon = "
             f"`{dmuon_system}`, asynchronous HSDP publish.",
         ]
     return "\n".join(lines)

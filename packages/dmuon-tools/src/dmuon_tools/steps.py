@@ -21,7 +21,7 @@ from dmuon_tools.costs import (
     ns_batch_ms,
     wire_bytes,
 )
-from dmuon_tools.machine import Link, Machine
+from dmuon_tools.machine import Machine
 from dmuon_tools.ns_table import shape_key
 from dmuon_tools.owners import Owners
 from dmuon_tools.timeline import After, Op, Timeline
@@ -119,12 +119,12 @@ class StepBuilder:
         if size == 1 or num_bytes <= 0:
             return None
         link_class = self.layout.link_class(group)
-        link: Link = getattr(self.machine, link_class)
+        link = self.machine.group_link(link_class, self.layout.ranks_per_node_in(group))
         return self.timeline.add(
             Op(
                 name=name,
                 stream=stream,
-                resource=link_class,
+                resource=f"{group} group: {link_class}",
                 kind=kind,
                 duration_ms=collective_ms(collective, num_bytes, size, link),
                 deps=tuple(deps),

@@ -1,18 +1,20 @@
 """A list scheduler for one rank's step: operations on streams, each stream on a resource.
 
-Owns placing operations in time. An operation runs on a resource (the GPU's compute, its NVLink
-ports, its network port), in the order it was issued on that resource, once every operation it
-depends on has started or ended as asked (a prefetch is issued when the layer before starts; a
-compute waits for the weights it needs). That is how CUDA streams behave when one rank issues
+Owns placing operations in time. An operation runs on a resource (the GPU's compute, the links
+of one of its process groups), in the order it was issued on that resource, once every operation
+it depends on has started or ended as asked (a prefetch is issued when the layer before starts;
+a compute waits for the weights it needs). That is how CUDA streams behave when one rank issues
 work in program order and the kernels of one resource run one at a time. It must not know what
-the operations mean (``simulator`` builds them) nor what they cost (``costs``).
+the operations mean (``steps`` builds them) nor what they cost (``costs``).
 
 [Note: one resource, one queue]
 Two streams that use the same resource share one queue: FSDP2's all-gather and reduce-scatter
-streams both use the shard group's link and run one after the other in issue order, and so do
-dmuon's shard and replicate streams where both groups cross the network. Operations on different
-resources overlap freely: communication does not slow compute down (NCCL's kernels take a few SMs
-in reality).
+streams both use the shard group's links and run one after the other in issue order, and so do
+dmuon's broadcasts and reduces. Operations on different resources overlap freely: the shard
+group's collectives and the replicate group's (an HSDP all-reduce, reduce or publish) run at once
+(inside a node they use different links; across nodes the replicate ring takes one NIC of the
+several a shard group's rings use), and communication does not slow compute down (NCCL's kernels
+take a few SMs in reality).
 
 [Note: who is to blame for a wait]
 Where the compute resource sits idle before an operation, the wait is charged along the chain
@@ -41,7 +43,7 @@ class After:
 class Op:
     name: str
     stream: str  # the CUDA stream it would be issued on: "compute", "dmuon shard", ...
-    resource: str  # what it occupies: "compute", "nvlink", "network"
+    resource: str  # what it occupies: "compute", "shard group: nvlink", ...
     kind: str  # what it is, for the breakdown: "forward", "shard broadcast", "optimizer", ...
     duration_ms: float
     deps: tuple[After, ...] = ()

@@ -69,6 +69,16 @@ class Layout:
         }[group]
         return "nvlink" if span <= self.ranks_per_node else "network"
 
+    def ranks_per_node_in(self, group: str) -> int:
+        """How many ranks of one group of that kind share a node (the NICs its rings use when
+        it spans nodes)."""
+        per_node = self.ranks_per_node
+        if group == "tp":
+            return self.tp
+        if group == "shard":
+            return min(self.num_shards, max(1, per_node // self.tp))
+        return min(self.num_replicas, max(1, per_node // (self.tp * self.num_shards)))
+
     def group_size(self, group: str) -> int:
         return {"tp": self.tp, "shard": self.num_shards, "replicate": self.num_replicas}[group]
 

@@ -1,0 +1,106 @@
+"""``dmuon_tools.calibration`` on the committed benchmark results: the H200 preset is what its
+sources give, the committed report is what the command prints, and the loader names the file
+and the key it cannot read."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from dmuon_tools.calibration import (
+    E2E_FILE,
+    GLOO_FILE,
+    bench_e2e_shape,
+    calibrate,
+    derive_h200,
+    format_markdown,
+)
+from dmuon_tools.machine import H200
+from dmuon_tools.simulator import Layout, Workload, simulate
+
+REPOSITORY_ROOT = Path(__file__).resolve().parents[2]
+RESULTS = REPOSITORY_ROOT / "benchmarks" / "results"
+DOCS = REPOSITORY_ROOT / "docs"
+
+
+@pytest.fixture(scope="module")
+def calibration():
+    return calibrate(RESULTS)
+
+
+def test_the_h200_preset_is_what_the_files_it_names_give():
+    assert derive_h200(RESULTS) == H200
+
+
+def test_the_committed_report_is_what_the_command_prints(calibration):
+    assert (DOCS / "simulator-calibration.md").read_text() == format_markdown(calibration)
+    committed = json.loads((DOCS / "simulator-calibration.json").read_text())
+    assert committed == json.loads(json.dumps(calibration.to_json()))
+
+
+def test_every_committed_step_benchmark_is_compared_and_the_protocol_runs_are_excluded(
+    calibration,
+):
+    sources = {row.source for row in calibration.rows}
+    for pattern in ("step-*.json", "e2e-*.json", "host-*.json"):
+        assert {path.name for path in RESULTS.glob(pattern)} <= sources, pattern
+    excluded = dict(calibration.excluded)
+    assert {path.name for path in RESULTS.glob("protocol-*.json")} == set(excluded)
+    assert all("no step time is recorded" in reason for reason in excluded.values())
+
+
+def test_a_fit_row_is_matched_and_held_out_rows_are_the_rest(calibration):
+    fits = [row for row in calibration.rows if row.role == "fit"]
+    assert {(row.source, row.case, row.quantity) for row in fits} >= {
+        (E2E_FILE, "fsdp2-adamw", "forward+backward"),
+        (E2E_FILE, "naive-muon", "optimizer step"),
+        (GLOO_FILE, "fsdp2-adamw", "step"),
+    }
+    for row in fits:
+        if row.quantity in ("forward+backward", "step") and row.source in (E2E_FILE, GLOO_FILE):
+            continue  # a step whose forward+backward was fitted: its optimizer is predicted
+        assert abs(row.error) < 1e-3, row
+    assert sum(row.role == "held out" for row in calibration.rows) > 10 * len(fits)
+
+
+def test_the_gloo_link_is_fitted_so_fsdp2_s_gloo_step_is_matched(calibration):
+    data = json.loads((RESULTS / GLOO_FILE).read_text())
+    measured = data["results"]["fsdp2-adamw"]["step_ms_median"]
+    row = next(
+        r for r in calibration.rows
+        if r.source == GLOO_FILE and r.case == "fsdp2-adamw" and r.quantity == "step"
+    )  # fmt: skip
+    assert row.measured == measured
+    assert row.predicted == pytest.approx(measured, rel=1e-3)
+
+
+def test_the_world_size_1_step_of_the_1b_llama_is_predicted_from_the_simulator(calibration):
+    data = json.loads((RESULTS / E2E_FILE).read_text())
+    shape = bench_e2e_shape(data["inputs"]["model"], E2E_FILE)
+    workload = Workload(seq_len=2048, micro_batch=4)
+    expected = simulate(shape, Layout(num_shards=1), workload, H200, ["dmuon-z3"])
+    row = next(
+        r for r in calibration.rows
+        if r.source == E2E_FILE and r.case == "dmuon-z3" and r.quantity == "step"
+    )  # fmt: skip
+    assert row.predicted == pytest.approx(expected.predictions["dmuon-z3"].step_ms)
+
+
+def test_a_results_folder_that_does_not_exist_is_refused(tmp_path):
+    with pytest.raises(
+        ValueError, match="is not a folder; pass the repository's benchmarks/results"
+    ):
+        calibrate(tmp_path / "missing")
+
+
+def test_a_result_missing_a_key_names_the_file_and_the_key(tmp_path):
+    for path in RESULTS.glob("*.json"):
+        shutil.copy(path, tmp_path / path.name)
+    broken = json.loads((tmp_path / E2E_FILE).read_text())
+    del broken["inputs"]
+    (tmp_path / E2E_FILE).write_text(json.dumps(broken))
+    with pytest.raises(ValueError, match=f"{E2E_FILE}: no 'inputs' in the file"):
+        calibrate(tmp_path)

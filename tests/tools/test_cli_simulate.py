@@ -1,0 +1,158 @@
+"""``dmuon-tools simulate`` and ``dmuon-tools calibrate``: what they print, and one line with
+status 2 for every bad input."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from dmuon_tools.cli import main
+from dmuon_tools.machine import H200, Machine
+from dmuon_tools.model_shapes import PRESETS
+from dmuon_tools.simulate_report import PREDICTION_LABEL, format_markdown_table
+from dmuon_tools.simulator import Layout, Workload, simulate
+
+REPOSITORY_ROOT = Path(__file__).resolve().parents[2]
+RESULTS = REPOSITORY_ROOT / "benchmarks" / "results"
+
+
+def run_cli(capsys, *args: str) -> tuple[int, str, str]:
+    code = main(list(args))
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def test_simulate_prints_each_system_as_a_prediction(capsys):
+    code, out, _ = run_cli(capsys, "simulate", "--config", "llama3-8b", "--gpus", "64")
+    assert code == 0
+    assert "llama3-8b on 64 GPUs = G 8 x R 8, 8 GPUs a node" in out
+    assert "shard group on nvlink, replicate group on network" in out
+    for system in ("fsdp2-adamw", "dmuon-z3", "dmuon-z3-sync", "dmuon-z2", "naive-muon"):
+        assert f"\n  {system} " in out
+    assert PREDICTION_LABEL in out
+
+
+def test_simulate_json_holds_the_numbers_the_table_shows(capsys):
+    code, out, _ = run_cli(
+        capsys, "simulate", "--config", "llama3-8b", "--mesh", "8x2", "--json", "--timeline"
+    )
+    assert code == 0
+    (run,) = json.loads(out)
+    expected = simulate(
+        PRESETS["llama3-8b"], Layout(num_shards=8, num_replicas=2), Workload(), H200
+    )
+    dmuon = run["predictions"]["dmuon-z3"]
+    assert dmuon["step_ms"] == pytest.approx(expected.predictions["dmuon-z3"].step_ms)
+    assert run["layout"]["world_size"] == 16
+    assert {span["stream"] for span in dmuon["timeline"]} >= {"compute", "dmuon shard"}
+
+
+def test_simulate_markdown_is_the_readme_table_format(capsys):
+    args = ("--config", "llama3-8b", "--gpus", "8", "--gpus", "16", "--markdown")
+    code, out, _ = run_cli(capsys, "simulate", *args)
+    assert code == 0
+    runs = [
+        simulate(PRESETS["llama3-8b"], Layout(num_shards=8, num_replicas=replicas), Workload(),
+                 H200, ["fsdp2-adamw", "dmuon-z3", "naive-muon"])
+        for replicas in (1, 2)
+    ]  # fmt: skip
+    assert out.strip() == format_markdown_table(runs)
+
+
+def test_a_written_machine_file_simulates_like_the_preset(capsys, tmp_path):
+    path = tmp_path / "machine.json"
+    code, out, _ = run_cli(capsys, "simulate", "--write-machine", str(path))
+    assert code == 0 and f"wrote {path}" in out
+    assert Machine.load(path) == H200
+    args = ("simulate", "--config", "llama3.2-1b", "--gpus", "8", "--json")
+    _, from_preset, _ = run_cli(capsys, *args)
+    _, from_file, _ = run_cli(capsys, *args, "--machine", str(path))
+    assert json.loads(from_preset)[0]["predictions"] == json.loads(from_file)[0]["predictions"]
+
+
+def test_simulate_plots_one_timeline_per_layout(capsys, tmp_path):
+    pytest.importorskip("matplotlib")
+    path = tmp_path / "step.png"
+    code, _, err = run_cli(
+        capsys, "simulate", "--config", "llama3.2-1b", "--gpus", "8", "--gpus", "16",
+        "--plot", str(path),
+    )  # fmt: skip
+    assert code == 0
+    for index in (0, 1):
+        written = tmp_path / f"step-{index}.png"
+        assert f"wrote {written}" in err
+        assert written.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--gpus", "8"], "simulate needs --config (a config.json or a preset) and --mesh GxR"),
+        (["--config", "llama3-8b"], "simulate needs --config (a config.json or a preset) and"),
+        (["--config", "llama3-8b", "--mesh", "8y2"], "--mesh '8y2' is not GxR or G"),
+        (["--config", "llama3-8b", "--gpus", "0"], "--gpus must be a positive integer, got 0"),
+        (["--config", "llama3-8b", "--gpus", "8", "--tp", "2"], "--tp goes with --mesh"),
+        (
+            ["--config", "llama3-8b", "--mesh", "8", "--tp", "16"],
+            "TP 16 spans more than one node of 8 GPUs",
+        ),
+        (
+            ["--config", "llama3-8b", "--mesh", "8", "--systems", "fsdp2-adamw,dmuon-z4"],
+            "unknown systems ['dmuon-z4']",
+        ),
+        (["--config", "mixtral-8x7b", "--mesh", "8"], "mixture-of-experts decoder"),
+        (["--config", "gpt-5", "--mesh", "8"], "--config 'gpt-5' is neither a file nor a preset"),
+        (
+            ["--config", "llama3-8b", "--mesh", "8", "--machine", "b200"],
+            "--machine 'b200' is neither a file nor a preset",
+        ),
+        (["--config", "llama3-8b", "--mesh", "8", "--seq", "0"], "seq_len must be a positive"),
+    ],
+)
+def test_bad_simulate_arguments_exit_2_with_the_fix(capsys, args, message):
+    code, out, err = run_cli(capsys, "simulate", *args)
+    assert code == 2
+    assert out == ""
+    assert err.startswith("dmuon-tools simulate: error: ")
+    assert len(err.strip().splitlines()) == 1
+    assert message in err
+
+
+def test_a_config_without_vocab_size_is_refused_with_the_key_to_add(capsys, tmp_path):
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({
+        "hidden_size": 512, "intermediate_size": 1024, "num_hidden_layers": 2,
+        "num_attention_heads": 8,
+    }))  # fmt: skip
+    code, _, err = run_cli(capsys, "simulate", "--config", str(config), "--mesh", "2")
+    assert code == 2
+    assert 'add "vocab_size" to the config' in err
+
+
+def test_a_bad_machine_file_exits_2_naming_the_key(capsys, tmp_path):
+    data = H200.to_json()
+    del data["network"]
+    path = tmp_path / "machine.json"
+    path.write_text(json.dumps(data))
+    code, _, err = run_cli(
+        capsys, "simulate", "--config", "llama3-8b", "--mesh", "8", "--machine", str(path)
+    )
+    assert code == 2
+    assert "missing network" in err and "--write-machine machine.json" in err
+
+
+def test_calibrate_summarises_the_committed_results(capsys):
+    code, out, _ = run_cli(capsys, "calibrate", "--results", str(RESULTS), "--json")
+    assert code == 0
+    report = json.loads(out)
+    components = {entry["component"] for entry in report["summary"]}
+    assert "whole step (world size 1)" in components
+    assert report["machine"]["name"] == "h200"
+
+
+def test_calibrate_without_a_results_folder_exits_2(capsys, tmp_path):
+    code, out, err = run_cli(capsys, "calibrate", "--results", str(tmp_path / "nowhere"))
+    assert (code, out) == (2, "")
+    assert "is not a folder; pass the repository's benchmarks/results" in err
