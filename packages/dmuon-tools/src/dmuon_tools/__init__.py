@@ -9,8 +9,10 @@ JSON), also reachable as ``dmuon.summarize_param_groups`` etc.::
     profile = dmuon.collect_forward_unshard_profile(model, synchronize=True)
 
 Plots (``pip install dmuon-tools[plots]``) are in ``dmuon_tools.plots``; the ``dmuon-tools``
-command prints the NS backend (``dmuon-tools backend``) and plans partitions for model configs at
-any world size (``dmuon-tools plan --config llama3-70b --mesh 8x16``).
+command prints the NS backend (``dmuon-tools backend``), plans partitions for model configs at
+any world size (``dmuon-tools plan --config llama3-70b --mesh 8x16``) and predicts a training
+step of FSDP2 + AdamW, dmuon and naive Muon on a layout (``dmuon-tools simulate --config
+llama3-8b --gpus 64``; ``dmuon_tools.simulator.simulate``).
 """
 
 __version__ = "0.1.0"

@@ -7,7 +7,8 @@ dense MLP ``gate/up/down_proj`` or, in a mixture-of-experts layer, the two fused
 (Qwen2-MoE adds its shared expert's ``gate/up/down_proj``), named and shaped as in
 ``transformers`` 5 (``(out_features, in_features)``). dmuon dedicates an (E, m, n) stack as E
 matrices (m, n). Embeddings, the LM head, norms, routers (``mlp.gate``) and gate vectors
-(``shared_expert_gate``) are not dedicated and are left out. Pure: no tensors, no torch.
+(``shared_expert_gate``) are not dedicated and are left out of ``matrices()``; the vocabulary
+size and whether the embedding is tied are kept for the simulator. Pure: no tensors, no torch.
 
 It must not guess a layout: a config of a ``model_type`` outside ``DENSE_MODEL_TYPES`` and
 ``MOE_MODEL_TYPES`` (BERT, ViT, GPT-2, T5, DeepSeek-V3, Phi-3, ...) is refused, since planning it as
