@@ -46,6 +46,8 @@ class TrainConfig:
     forward_before_step: bool = False
     compile_backend: str | None = None  # torch.compile each layer after fully_shard
     clip_max_norm: float | None = None  # clip gradients before each step
+    clip_norm_type: float = 2.0
+    clip_foreach: bool | None = None
 
 
 def make_model(config: TrainConfig, frozen: tuple[str, ...] | None = None) -> TinyDecoder:
@@ -114,7 +116,13 @@ def train_step(model, optimizer, batch: torch.Tensor, config: TrainConfig) -> fl
             if isinstance(module, FSDPModule):
                 module.reshard()
     if config.clip_max_norm is not None:
-        dmuon.clip_grad_norm_(model, optimizer, config.clip_max_norm)
+        dmuon.clip_grad_norm_(
+            model,
+            optimizer,
+            config.clip_max_norm,
+            norm_type=config.clip_norm_type,
+            foreach=config.clip_foreach,
+        )
     optimizer.step()
     if config.two_steps_without_forward:
         optimizer.step()
@@ -140,7 +148,9 @@ def forward_backward(model, tokens: torch.Tensor, config: TrainConfig, parts: in
 def reference_step(reference, optimizer, batch: torch.Tensor, config: TrainConfig) -> float:
     loss = forward_backward(reference, batch, config)
     if config.clip_max_norm is not None:
-        torch.nn.utils.clip_grad_norm_(reference.parameters(), config.clip_max_norm)
+        torch.nn.utils.clip_grad_norm_(
+            reference.parameters(), config.clip_max_norm, norm_type=config.clip_norm_type
+        )
     optimizer.step()
     if config.two_steps_without_forward:
         optimizer.step()

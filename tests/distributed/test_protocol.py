@@ -5,9 +5,12 @@ dmuon.Muon on 2 or 4 real processes and, on every rank, the same model in one pr
 batch with the plain reference optimizer; parameters are compared after each step.
 """
 
+import math
+
 import pytest
 import torch
 
+from tests.distributed.models import TinyDecoder, proj_predicate
 from tests.distributed.scenarios_protocol import (
     count_step_communication,
     dedicate_option_mismatch,
@@ -144,12 +147,42 @@ def test_more_than_one_backward_or_forward_per_step_trains_like_the_reference(
     assert_matches_reference(results, FP32_TOLERANCE)
 
 
+# max_norm well below each norm of the gradients: every step is clipped, so a wrong norm (a
+# missed master, a shard counted twice, a maximum taken as a sum) changes the parameters.
+CLIP_MAX_NORM = {2.0: 0.05, 1.0: 0.5, 3.0: 0.02, math.inf: 0.002}
+
+
+@pytest.mark.parametrize(
+    ("norm_type", "foreach"),
+    [(2.0, None), (1.0, False), (3.0, True), (math.inf, None)],
+    ids=["l2", "l1-for-loop", "l3-foreach", "inf"],
+)
 @pytest.mark.parametrize(("world_size", "replicas"), [(2, 1), (4, 2)], ids=["1d-2", "hsdp-2x2"])
-def test_clip_grad_norm_clips_with_the_norm_of_the_full_model(gloo_pool, world_size, replicas):
-    # max_norm well below the gradient norm: every step is clipped, so a wrong norm (a missed
-    # master, a shard counted twice) changes the parameters.
+def test_clip_grad_norm_clips_with_the_norm_of_the_full_model(
+    gloo_pool, world_size, replicas, norm_type, foreach
+):
     results = gloo_pool(world_size).run(
-        train_against_reference, replicas=replicas, clip_max_norm=0.05, steps=4
+        train_against_reference,
+        replicas=replicas,
+        clip_max_norm=CLIP_MAX_NORM[norm_type],
+        clip_norm_type=norm_type,
+        clip_foreach=foreach,
+        steps=4,
+    )
+    assert_matches_reference(results, FP32_TOLERANCE)
+
+
+@pytest.mark.parametrize("norm_type", [2.0, math.inf], ids=["l2", "inf"])
+def test_clip_grad_norm_combines_the_owners_masters_over_ranks_by_the_norm_type(pool4, norm_type):
+    # Only the dedicated matrices train, so the largest gradient entry (the inf-norm) is on some
+    # owner's master: summing the owners' maxima instead of taking the largest would show.
+    frozen = tuple(n for n, p in TinyDecoder().named_parameters() if not proj_predicate(n, p))
+    results = pool4.run(
+        train_against_reference,
+        frozen=frozen,
+        clip_max_norm=CLIP_MAX_NORM[norm_type],
+        clip_norm_type=norm_type,
+        steps=3,
     )
     assert_matches_reference(results, FP32_TOLERANCE)
 

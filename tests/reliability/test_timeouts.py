@@ -6,6 +6,8 @@ stalls fails within it, with an error that names dmuon's collective, its root an
 peer that dies instead of stalling: ``test_rank_death.py``.)
 """
 
+import re
+
 import pytest
 
 from tests.distributed.pool import WorkerPool
@@ -77,5 +79,7 @@ def test_a_peer_stalled_before_a_step_check_fails_the_others_naming_the_all_redu
     )
     waited = results[0]
     assert waited["error"] is not None, waited
-    assert "dmuon: the all-reduce of 1 elements over ranks [0, 1]" in waited["error"], waited
+    # (the non-finite check reduces one flag; the clip, the norms of masters and TP chunks)
+    named = r"dmuon: the all-reduce of [12] elements over ranks \[0, 1\]"
+    assert re.search(named, waited["error"]), waited
     assert waited["seconds"] < 6 * STALL_PG_TIMEOUT_S, waited

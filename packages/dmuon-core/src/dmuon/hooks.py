@@ -80,6 +80,9 @@ class DedicatedState:
         self.profile = profile  # forward-unshard wait counters (DMUON_RECORD_FORWARD_PROFILE=1)
         self.requires_gradient_sync = True
         self.is_adopted = False
+        # Counts the changes of the gradients as a whole (completed backwards, zero_grad calls):
+        # a decision on them (see ``dmuon.step_group``) holds while it is unchanged.
+        self.gradient_generation = 0
         # Set by dmuon.checkpoint while it reads or loads the model (see ``module_state``).
         self.checkpoint_reading = False
         self.checkpoint_loading = False
@@ -129,6 +132,7 @@ class DedicatedState:
         object.__setattr__(self.model, "zero_grad", zero_grad)
 
     def zero_master_grads(self, set_to_none: bool = True) -> None:
+        self.gradient_generation += 1
         for p in self.params.values():
             if p.master is not None and p.master.grad is not None:
                 if set_to_none:
@@ -202,6 +206,7 @@ class DedicatedState:
     def _end_of_backward(self) -> None:
         self._end_of_backward_queued = False
         self._backward_since_forward = True
+        self.gradient_generation += 1
         forwarded = list(dict.fromkeys(self._forwarded))  # unique, in forward order
         # Boundaries whose inputs needed no grad never saw their post-backward: finish them in
         # reverse forward order, the same on every rank.

@@ -1,7 +1,8 @@
 """Non-finite gradients: the check ``dmuon.Muon(nonfinite=...)`` runs before a step.
 
-Owns finding which gradients hold a NaN or an infinity, agreed over every rank of the ownership
-grid (and of its TP ranks), so that all ranks take the same decision. It must not change gradients or weights.
+Owns finding which gradients hold a NaN or an infinity, agreed over every rank of the step (the
+ownership grids, their TP ranks and the pipeline stages: ``dmuon.step_group`` gives the groups),
+so that all ranks take the same decision. It must not change gradients or weights.
 
 The check is one ``torch._foreach_norm(..., inf)`` per gradient dtype and device (the max-abs
 norm is NaN or inf exactly when the tensor holds one; it cannot overflow) and one all-reduce of a

@@ -37,7 +37,7 @@ from dmuon.dedicate import route_overrides
 from dmuon.experts import ExpertStack, is_expert_piece
 from dmuon.hooks import get_dedicated_state
 from dmuon.muon_update import BATCH_BYTES, BATCHED_NUMEL, apply_updates_, normalized_inputs_
-from dmuon.nonfinite import check_policy, nonfinite_gradients
+from dmuon.nonfinite import check_policy
 from dmuon.param import MUON_ROUTE, DedicatedParam, is_dedicated
 from dmuon.routing import (
     ADJUST_LR,
@@ -55,6 +55,7 @@ from dmuon.routing import (
     route_summaries,
     routing_rows,
 )
+from dmuon.step_group import StepGroup
 from dmuon.tp import ChunkExchange
 from dmuon_kernels.coefficients import KELLER_COEFFICIENTS
 from dmuon_kernels.fused import (
@@ -89,7 +90,12 @@ class Muon(torch.optim.Optimizer):
             (the default, torch's behaviour: no check, no host synchronisation), ``"raise"``
             (RuntimeError naming the parameters, nothing updated) or ``"skip"`` (every rank
             skips the step, weights and state untouched, with a warning naming the step and the
-            parameters). The check costs one fused norm per gradient dtype and one all-reduce.
+            parameters). The check costs one fused norm per gradient dtype and one all-reduce,
+            nothing when ``dmuon.clip_grad_norm_`` found a finite norm for these gradients.
+        step_group: a ``dmuon.StepGroup`` shared by the optimizers of every part of a model
+            that trains in one step (pipeline stages, here and on the ranks of its ``pp_mesh``):
+            the non-finite decision, and ``dmuon.clip_grad_norm_``'s norm, then span them all.
+            None: this optimizer alone.
         adjust_lr: the Muon learning rate of an (m, n) matrix is ``lr`` times
             ``0.2 * sqrt(max(m, n))`` (``"match_rms_adamw"``, the default: the update's RMS is
             AdamW's), ``sqrt(max(1, m / n))`` (``"spectral"``, torch.optim.Muon's default) or 1
@@ -138,6 +144,7 @@ class Muon(torch.optim.Optimizer):
         adjust_lr: str | None = "match_rms_adamw",
         param_groups: list[dict] | None = None,
         no_decay: NoDecay = HF_NO_DECAY,
+        step_group: StepGroup | None = None,
     ) -> None:
         _check_hyperparameters(
             lr=lr,
@@ -205,6 +212,8 @@ class Muon(torch.optim.Optimizer):
         super().__init__(torch_groups, defaults={})
         self._groups_planned = True
         self._check_ranks_agree()
+        self.step_group = step_group if step_group is not None else StepGroup()
+        self.step_group.join(self)
         _log_route_summaries(self.routing())
 
     def add_param_group(self, param_group: dict) -> None:
@@ -297,21 +306,9 @@ class Muon(torch.optim.Optimizer):
         return loss
 
     def _skip_for_nonfinite_gradients(self) -> bool:
-        """Check every gradient this rank steps; True when the step must be skipped (all ranks
-        agree). Raises for ``nonfinite="raise"``."""
-        names = {id(p.master): p.fqn for p in self._dedicated.iter_owned_masters()}
-        names.update({id(param): name for name, param in self._dedicated.model.named_parameters()})
-        named_grads = [
-            (names.get(id(param), "?"), _local(param.grad))
-            for group in self.param_groups
-            for param in group["params"]
-            if param.grad is not None
-        ]
-        device = self._dedicated.boundaries[0].device if self._dedicated.boundaries else None
-        mesh = self._dedicated.mesh
-        bad = nonfinite_gradients(
-            named_grads, [mesh.world_group, mesh.tp_group], device or torch.device("cpu")
-        )
+        """True when the step must be skipped: a gradient of the step group (every optimizer of
+        it, on every rank) holds NaN or inf. Raises for ``nonfinite="raise"``."""
+        bad, decided_here = self.step_group.nonfinite_gradients(self)
         if not bad:
             return False
         where = f"step {self._steps_taken}: {len(bad)} parameters have NaN or inf gradients ({preview_names(bad)})"
@@ -320,6 +317,8 @@ class Muon(torch.optim.Optimizer):
                 f"dmuon.Muon: {where}. Nothing was updated. Find the source (loss scale, data, "
                 "learning rate), or pass nonfinite='skip' to skip such steps."
             )
+        if not decided_here:  # the optimizer that decided for the step group warned
+            return True
         warnings.warn(
             f"dmuon.Muon: {where}; the step is skipped on every rank (nonfinite='skip'): weights "
             "and optimizer state are unchanged. Call zero_grad() before the next backward.",
@@ -327,6 +326,17 @@ class Muon(torch.optim.Optimizer):
             stacklevel=3,
         )
         return True
+
+    def _named_gradients(self) -> list[tuple[str, torch.Tensor]]:
+        """(FQN, this rank's gradient) of every parameter this rank steps that has one."""
+        names = {id(p.master): p.fqn for p in self._dedicated.iter_owned_masters()}
+        names.update({id(param): name for name, param in self._dedicated.model.named_parameters()})
+        return [
+            (names.get(id(param), "?"), _local(param.grad))
+            for group in self.param_groups
+            for param in group["params"]
+            if param.grad is not None
+        ]
 
     def state_dict(self) -> dict:
         """This rank's state, keyed by index as in torch (same layout only); see below."""

@@ -58,15 +58,28 @@ PLACEHOLDER_USE_ERROR = (
 )
 
 
+PLACEHOLDER_WRITE_ERROR = (
+    "{name}() writes into the placeholder of a dedicated parameter, which holds no value: dmuon "
+    "adopted the weights when dmuon.Muon was constructed or the first forward ran, and since "
+    "then each lives in its owner's fp32 master, so this write would change nothing. Initialise "
+    "a model built on the meta device after model.to_empty(device=...) and before "
+    "dmuon.Muon(...) and the first forward (model.init_weights(), model.apply(...) and "
+    "nn.init.*_ then write into the real weights, which dmuon adopts). To set weights later use "
+    "dmuon.checkpoint.set_model_state_dict."
+)
+
 _DATA_GETTER = torch.Tensor.data.__get__  # type: ignore[attr-defined]
+# In-place methods that change metadata, not the (empty) value.
+_METADATA_WRITES = frozenset({"requires_grad_", "share_memory_"})
 
 
 class DedicatedPlaceholder(nn.Parameter):
     """The 0-element parameter a module holds for a dedicated parameter outside forward/backward.
 
     It answers metadata queries (dtype, device, requires_grad, grad) like any parameter, but
-    refuses to hand out or pickle its (empty) value: a ``named_parameters()``-based saver or a
-    cast of the model would otherwise go through with nothing, without a word.
+    refuses to hand out, pickle or overwrite its (empty) value: a ``named_parameters()``-based
+    saver, a cast of the model or an initialisation run after adoption (``nn.init.*_``) would
+    otherwise go through with nothing, without a word.
     """
 
     _VALUE_READS = frozenset(
@@ -101,6 +114,8 @@ class DedicatedPlaceholder(nn.Parameter):
         ):
             what = "reading .data" if func is _DATA_GETTER else f"{func.__name__}()"
             raise RuntimeError(PLACEHOLDER_VALUE_ERROR.format(what=what))
+        if _writes_into_placeholder(func, args):
+            raise RuntimeError(PLACEHOLDER_WRITE_ERROR.format(name=func.__name__))
         try:
             return torch._C._disabled_torch_function_impl(func, types, args, kwargs or {})
         except RuntimeError as error:  # most likely torch's shape error on the empty value
@@ -112,6 +127,18 @@ class DedicatedPlaceholder(nn.Parameter):
 
     def __deepcopy__(self, memo):
         raise RuntimeError(PLACEHOLDER_VALUE_ERROR.format(what="copy.deepcopy"))
+
+
+def _writes_into_placeholder(func, args: tuple) -> bool:
+    """An in-place method (``fill_``, ``normal_``, ``copy_``, ...) called on a placeholder; not
+    one on metadata, nor the placeholder loading itself, which ``load_state_dict`` does once
+    dmuon's hook has taken the value (see ``module_state``)."""
+    name = getattr(func, "__name__", "")
+    if not args or not isinstance(args[0], DedicatedPlaceholder):
+        return False
+    if not name.endswith("_") or name.startswith("_") or name in _METADATA_WRITES:
+        return False
+    return not (name == "copy_" and len(args) > 1 and args[1] is args[0])
 
 
 def make_placeholder(like: nn.Parameter) -> nn.Parameter:
