@@ -29,8 +29,8 @@ all in Python) cost about half of a warmed call's 106-201 µs of host time on th
 same kernel), so the adapter calls the function the op wraps (kept by torch as the op's
 ``_init_fn``) with the arguments ``gemm_symmetric`` passes it, when the probe finds it taking
 them; otherwise it calls ``gemm_symmetric``. Both launch the same compiled kernel on the same
-stream (tests/gpu/test_dispatch_cache_gpu.py checks the two give the same bits). The rest of a call is
-quack's own Python (operand views, its compile-cache lookup, launch arguments).
+stream (tests/gpu/test_dispatch_cache_gpu.py checks the two give the same bits). The rest of a
+call is quack's own Python (operand views, its compile-cache lookup, launch arguments).
 
 The first call of each kernel variant in a process (quack compiles per dtype, layout, with or
 without C and whether alpha and beta are 1) compiles it, or loads it from quack's disk cache: that
