@@ -155,6 +155,14 @@ def test_tensor_parallelism_divides_compute_by_the_tp_size():
     assert tp.bytes_per_kind["tp all-reduce"]["count"] > 0
 
 
+def test_under_tp_the_heaviest_owner_s_matrices_meet_on_their_runner_and_go_back():
+    simulation = simulate(SMALL, Layout(num_shards=2, tp=2), WORKLOAD, NO_FLOORS, ["dmuon-z3"])
+    exchange = simulation.predictions["dmuon-z3"].bytes_per_kind["tp exchange"]
+    # a gather and a scatter of its whole matrices, in the 2-byte NS dtype
+    assert exchange["count"] == 2
+    assert exchange["payload"] == 2 * 2 * simulation.owners.heaviest_numel
+
+
 def test_the_step_is_never_shorter_than_the_rank_s_own_work():
     for prediction in run(Layout(num_shards=8, num_replicas=2)).values():
         assert prediction.step_ms >= sum(prediction.compute_ms.values()) - 1e-6

@@ -28,6 +28,7 @@ class Owners:
     step_ms_per_slot: tuple[float, ...]  # NS + element-wise of each owner slot
     heaviest_slot: int
     heaviest_shard: int
+    heaviest_numel: int  # elements of the whole matrices the heaviest slot orthogonalises
     owned_numel_max: float  # per GPU (TP ranks split an owner's matrices)
     # per layer: numel of each segment (one per owner shard index), in shard order
     segments: tuple[tuple[int, ...], ...]
@@ -71,6 +72,7 @@ def plan_owners(model: ModelSizes, layout: Layout, machine: Machine) -> Owners:
         step_ms_per_slot=step_ms,
         heaviest_slot=heaviest,
         heaviest_shard=heaviest_shard,
+        heaviest_numel=sum(count * a * b for (a, b), count in counts[heaviest].items()),
         owned_numel_max=max(numel_per_owner.values(), default=0.0) / layout.tp,
         segments=tuple(tuple(v for _, v in sorted(layer.items())) for layer in segments),
         replica_pieces=tuple(tuple(v for _, v in sorted(layer.items())) for layer in pieces),

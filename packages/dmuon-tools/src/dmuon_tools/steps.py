@@ -10,11 +10,11 @@ Muon's all-gathers and redundant Newton-Schulz, and the TP all-reduces. The cost
 from __future__ import annotations
 
 import math
-from collections import Counter
 from dataclasses import dataclass
 
 from dmuon_tools.costs import (
     ADAMW_BYTES_PER_ELEMENT,
+    NS_INPUT_BYTES_PER_ELEMENT,
     REFERENCE_MUON_BYTES_PER_ELEMENT,
     collective_ms,
     elementwise_ms,
@@ -355,27 +355,22 @@ class StepBuilder:
             machine.copy_gbps,
         )
         owner_ms = self._owner_step_ms()
-        tp_deps = deps
-        if layout.tp > 1:
-            # The Muon inputs of the heaviest owner's matrices meet on their TP runner, and the
-            # results go back (NS dtype, 2 bytes).
-            numel = sum(
-                count * a * b for (a, b), count in self._slot_counts(owners.heaviest_slot).items()
-            )
-            gather = self._comm(
-                "tp gather Muon inputs", "compute", "tp exchange", "tp", "all_gather",
-                2 * numel, deps,
-            )  # fmt: skip
-            tp_deps = [After(gather)] if gather is not None else deps
-        step = self._compute("owner step", "optimizer", owner_ms + adamw_ms, tp_deps)
+        # Under TP the Muon inputs of the heaviest owner's matrices meet on their TP runner and
+        # the results go back (NS dtype, 2 bytes): a gather, then a scatter that moves what the
+        # gather moved (priced as an all-gather of the whole matrix each way).
+        exchanged = NS_INPUT_BYTES_PER_ELEMENT * owners.heaviest_numel
+        gather = self._comm(
+            "tp gather Muon inputs", "compute", "tp exchange", "tp", "all_gather", exchanged, deps
+        )
+        step = self._compute(
+            "owner step", "optimizer", owner_ms + adamw_ms, [After(gather)] if gather else deps
+        )
         ends = [After(step)]
-        if layout.tp > 1:
-            scatter = self._comm(
-                "tp scatter updates", "compute", "tp exchange", "tp", "reduce_scatter",
-                2 * numel * layout.tp, ends,
-            )  # fmt: skip
-            if scatter is not None:
-                ends = [After(scatter)]
+        scatter = self._comm(
+            "tp scatter updates", "compute", "tp exchange", "tp", "all_gather", exchanged, ends
+        )
+        if scatter is not None:
+            ends = [After(scatter)]
         publishes: dict[int, list[int]] = {}
         for layer, pieces in enumerate(owners.replica_pieces):
             for replica, numel_piece in enumerate(pieces):
@@ -395,15 +390,6 @@ class StepBuilder:
             self.pending_publish = publishes
             return ends
         return ends + [After(op) for ops in publishes.values() for op in ops]
-
-    def _slot_counts(self, slot: int) -> Counter[tuple[int, int]]:
-        counts: Counter[tuple[int, int]] = Counter()
-        plan = self.owners.plan
-        shapes = {name: dims for layer in self.model.layers for name, dims in layer}
-        for name, owner in plan.owners.items():
-            if plan.slot_of(owner) == slot:
-                counts[shape_key(shapes[name])] += 1
-        return counts
 
     def _owner_step_ms(self) -> float:
         """The heaviest owner's step: the step waits for it."""
@@ -428,12 +414,11 @@ class StepBuilder:
                 ms = ns_batch_ms(machine.reference_ns_ms, shape_key(dims), 1)
                 ms += machine.dtensor_host_ms_per_matrix
                 previous = [After(self._compute(f"Newton-Schulz {name}", "optimizer", ms, after))]
-        local = (model.dedicated_numel + model.other_numel) / (layout.num_shards * layout.tp)
+        local_share = 1 / (layout.num_shards * layout.tp)  # FSDP2's shard of each parameter
         ms = elementwise_ms(
-            model.dedicated_numel / (layout.num_shards * layout.tp),
-            REFERENCE_MUON_BYTES_PER_ELEMENT,
-            machine.copy_gbps,
-        ) + elementwise_ms(local - model.dedicated_numel / (layout.num_shards * layout.tp),
-                           ADAMW_BYTES_PER_ELEMENT, machine.copy_gbps)  # fmt: skip
+            model.dedicated_numel * local_share, REFERENCE_MUON_BYTES_PER_ELEMENT, machine.copy_gbps
+        ) + elementwise_ms(
+            model.other_numel * local_share, ADAMW_BYTES_PER_ELEMENT, machine.copy_gbps
+        )
         step = self._compute("Muon and AdamW updates", "optimizer", ms, previous)
         return [After(step)]
