@@ -26,9 +26,10 @@ MAX_GRAD_NORM = 0.5
 
 def _prepared():
     os.environ.setdefault("LOCAL_RANK", str(dist.get_rank()))
-    accelerator = DMuonAccelerator(
-        cpu=True, fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2)
+    plugin = FullyShardedDataParallelPlugin(
+        fsdp_version=2, auto_wrap_policy="transformer_based_wrap"
     )
+    accelerator = DMuonAccelerator(cpu=True, fsdp_plugin=plugin)
     model = accelerator.prepare(tiny_llama(seed=0))
     optimizer = dmuon.Muon(
         model,

@@ -53,7 +53,9 @@ class DMuonAccelerator(Accelerator):
 
         accelerator = DMuonAccelerator(
             mixed_precision="bf16",
-            fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2, reshard_after_forward=True),
+            fsdp_plugin=FullyShardedDataParallelPlugin(
+                fsdp_version=2, auto_wrap_policy="transformer_based_wrap"
+            ),
         )
         model = accelerator.prepare(model)  # dedicated (default_predicate) and sharded
         optimizer = dmuon.Muon(model, lr=0.02, adamw_lr=1e-4)

@@ -13,7 +13,8 @@ What each plugin field becomes:
 - ``auto_wrap_policy``: ``TRANSFORMER_BASED_WRAP`` shards every module whose class is named in
   ``transformer_cls_names_to_wrap`` (default: the model's ``_no_split_modules``),
   ``SIZE_BASED_WRAP`` every module with more than ``min_num_params`` parameters, ``NO_WRAP``
-  only the root; as ``fsdp2_prepare_auto_wrap_policy`` in Accelerate decides.
+  only the root; as ``fsdp2_prepare_auto_wrap_policy`` in Accelerate decides (where Accelerate
+  fails on a ``_no_split_modules`` class the model lacks, it is skipped here).
 - ``reshard_after_forward``: FSDP2's, and dmuon's Z3 (True) or Z2 (False).
 - mixed precision (``bf16``): the plugin's ``MixedPrecisionPolicy`` on every ``fully_shard``,
   and the same param/reduce dtypes for the dedicated weights (``param_policy``); trainable
@@ -186,16 +187,21 @@ def _wrap_policy(model: nn.Module, plugin) -> Callable[[nn.Module], bool]:
     if policy is None:
         return lambda module: False
     if policy is size_based_auto_wrap_policy:
-        limit = plugin.min_num_params or 0
+        limit = plugin.min_num_params
+        if not limit:  # Accelerate drops a size policy without a size (no units)
+            return lambda module: False
         return lambda module: sum(p.numel() for p in module.parameters()) > limit
     if policy is transformer_auto_wrap_policy:
         names = plugin.transformer_cls_names_to_wrap
         if isinstance(names, str):
             names = names.split(",")
+        named_by_user = bool(names)
+        # A model class declares _no_split_modules for all its configurations (Gemma 3 names
+        # SigLIP's text embeddings, absent from its vision tower): only named classes must exist.
         names = list(names or getattr(model, "_no_split_modules", None) or [])
         classes = {type(m) for m in model.modules() if type(m).__name__ in names}
         missing = sorted(set(names) - {cls.__name__ for cls in classes})
-        if missing:
+        if missing and named_by_user:
             raise ValueError(
                 f"dmuon_hf: transformer_layer_cls_to_wrap names {missing}, which "
                 f"{type(model).__name__} does not contain. Name its block classes (e.g. "
