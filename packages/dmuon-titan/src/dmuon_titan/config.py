@@ -1,0 +1,109 @@
+"""``DMuonConfig``: what the dmuon switch of a torchtitan job sets.
+
+Owns the options dmuon adds to a torchtitan ``Trainer.Config`` (its ``dmuon`` section, so
+``--dmuon.lr 0.02`` works on the command line) and the choice of the Muon parameters. It must
+not build anything: ``parallelize`` and ``optimizer`` read it.
+
+The AdamW route (embeddings, norms, the output head, routers) keeps the job's own AdamW
+settings: an AdamW hyperparameter left at None here is read from the job's optimizer config.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+
+from dmuon_kernels import (
+    KELLER_COEFFICIENTS,
+    POLAR_EXPRESS_COEFFICIENTS,
+    YOU_COEFFICIENTS,
+    NewtonSchulz,
+)
+
+COEFFICIENTS = {
+    "polar_express": POLAR_EXPRESS_COEFFICIENTS,
+    "you": YOU_COEFFICIENTS,
+    "keller": KELLER_COEFFICIENTS,
+}
+NS_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+@dataclass(kw_only=True, slots=True)
+class DMuonConfig:
+    lr: float = 0.02
+    """Muon learning rate (scaled per matrix by ``adjust_lr``)."""
+
+    momentum: float = 0.95
+    nesterov: bool = True
+    weight_decay: float = 0.0
+    """Decoupled weight decay of the Muon matrices."""
+
+    adjust_lr: str | None = "match_rms_adamw"
+    """'match_rms_adamw' (lr x 0.2 sqrt(max(m, n))), 'spectral' or None; see dmuon.Muon."""
+
+    ns_backend: str = "gram"
+    """Newton-Schulz algorithm: 'gram' or 'direct'."""
+
+    ns_kernel: str = "auto"
+    """SYRK kernel: 'auto', 'quack', 'cute' or 'cublas'."""
+
+    ns_coefficients: str = "polar_express"
+    """'polar_express', 'you' or 'keller' (torch.optim.Muon's)."""
+
+    ns_dtype: str = "float16"
+    """Iteration dtype: 'float16', 'bfloat16' (torch.optim.Muon's) or 'float32'."""
+
+    adamw_lr: float | None = None
+    adamw_betas: tuple[float, float] | None = None
+    adamw_eps: float | None = None
+    adamw_weight_decay: float | None = None
+    """The AdamW route's hyperparameters; None takes the job's AdamW optimizer setting."""
+
+    muon_params: str = r"^layers\.\d+\."
+    """Regex searched in each parameter's canonical FQN: matching parameters of 2 or more dims
+    take the Muon route (3-D ones are expert stacks). Default: the transformer blocks'."""
+
+    adamw_params: str = r"(^|\.)(router|norm|attention_norm|ffn_norm)(\.|$)|_norm\.|embed"
+    """Regex of parameters kept on AdamW even where ``muon_params`` matches them (routers,
+    norms, embeddings)."""
+
+    replicate_async: bool = True
+    """Under HSDP, publish new weights across replicas behind the next forward."""
+
+    nonfinite: str | None = None
+    """dmuon.Muon's non-finite gradient policy; None keeps dmuon's default."""
+
+    def __post_init__(self) -> None:
+        if self.ns_coefficients not in COEFFICIENTS:
+            raise ValueError(
+                f"dmuon.ns_coefficients={self.ns_coefficients!r} is not one of "
+                f"{sorted(COEFFICIENTS)}."
+            )
+        if self.ns_dtype not in NS_DTYPES:
+            raise ValueError(f"dmuon.ns_dtype={self.ns_dtype!r} is not one of {sorted(NS_DTYPES)}.")
+        for field_name in ("muon_params", "adamw_params"):
+            try:
+                re.compile(getattr(self, field_name))
+            except re.error as error:
+                raise ValueError(
+                    f"dmuon.{field_name}={getattr(self, field_name)!r} is not a regular "
+                    f"expression: {error}."
+                ) from error
+
+    def newton_schulz(self) -> NewtonSchulz:
+        return NewtonSchulz(
+            backend=self.ns_backend,
+            kernel=self.ns_kernel,
+            coefficients=COEFFICIENTS[self.ns_coefficients],
+            dtype=NS_DTYPES[self.ns_dtype],
+        )
+
+    def is_muon(self, canonical_name: str, param: torch.Tensor) -> bool:
+        """The Muon route for ``canonical_name``: a block matrix, not a router/norm/embedding."""
+        return (
+            param.ndim >= 2
+            and re.search(self.muon_params, canonical_name) is not None
+            and re.search(self.adamw_params, canonical_name) is None
+        )

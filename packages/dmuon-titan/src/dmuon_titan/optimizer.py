@@ -1,0 +1,143 @@
+"""``DMuonOptimizers``: torchtitan's optimizers container, holding one ``dmuon.Muon`` per model
+part.
+
+Owns the optimizers of a dmuon job: one ``dmuon.Muon`` per model part (pipeline stage chunk),
+all in one ``dmuon.StepGroup`` over the pipeline dim so that every stage takes or skips a step
+together; the AdamW route's hyperparameters read from the job's own AdamW config; and the
+container's state dict in torchtitan's flat, FQN-keyed checkpoint format
+(``state.<fqn>.<name>``, ``param_groups.<fqn>.<key>``), written through ``dmuon.checkpoint`` so
+that it loads on any layout. It must not touch the model's weights or the training loop.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Annotated, Any
+
+import tyro
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions
+from torch.distributed.device_mesh import DeviceMesh
+from torch.optim import Optimizer
+from torchtitan.components.optimizer import OptimizersContainer, ParamGroupConfig
+
+import dmuon
+import dmuon.checkpoint
+from dmuon_titan.config import DMuonConfig
+
+_FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
+# torchtitan's AdamW kwargs -> dmuon.Muon's AdamW route arguments.
+_ADAMW_ARGUMENTS = {
+    "lr": "adamw_lr",
+    "betas": "adamw_betas",
+    "eps": "adamw_eps",
+    "weight_decay": "adamw_weight_decay",
+}
+_ADAMW_NAMES = ("AdamW",)
+
+
+class DMuonOptimizers(OptimizersContainer):
+    """``dmuon.Muon`` for every model part: Muon on the dedicated matrices, AdamW (with the
+    job's AdamW settings) on everything else."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(OptimizersContainer.Config):
+        dmuon: DMuonConfig = field(default_factory=DMuonConfig)
+        # Set by DMuonTrainer once the meshes exist: the pipeline dim, None without a pipeline.
+        pp_mesh: Annotated[DeviceMesh | None, tyro.conf.Suppress] = None
+
+    def __init__(self, config: Config, *, model_parts: list[nn.Module]) -> None:
+        self.model_parts = model_parts
+        adamw, param_groups = adamw_route(config.param_groups, config.dmuon)
+        step_group = dmuon.StepGroup(pp_mesh=config.pp_mesh)
+        settings = config.dmuon
+        self.optimizers = [
+            dmuon.Muon(
+                part,
+                lr=settings.lr,
+                momentum=settings.momentum,
+                nesterov=settings.nesterov,
+                weight_decay=settings.weight_decay,
+                adjust_lr=settings.adjust_lr,
+                ns_backend=settings.newton_schulz(),
+                replicate_async=settings.replicate_async,
+                param_groups=param_groups,
+                # The job's param groups say what decays; dmuon's HF rule would exempt norms.
+                no_decay=None,
+                step_group=step_group,
+                **({"nonfinite": settings.nonfinite} if settings.nonfinite is not None else {}),
+                **adamw,
+            )
+            for part in model_parts
+        ]
+        all_params = [p for o in self.optimizers for g in o.param_groups for p in g["params"]]
+        # torch's Optimizer state (hooks such as MoE load balancing's step pre-hook).
+        Optimizer.__init__(self, all_params, {})
+
+    def state_dict(self) -> dict[str, Any]:
+        """Flat and FQN-keyed, like torchtitan's own container; collective."""
+        result: dict[str, Any] = {}
+        for part, optimizer in zip(self.model_parts, self.optimizers, strict=True):
+            result.update(dmuon.checkpoint.get_optimizer_state_dict(part, optimizer, options=_FLAT))
+        return result
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        for part, optimizer in zip(self.model_parts, self.optimizers, strict=True):
+            dmuon.checkpoint.set_optimizer_state_dict(part, optimizer, state_dict, options=_FLAT)
+
+
+def adamw_route(
+    param_groups: list[ParamGroupConfig], config: DMuonConfig
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """The AdamW route's arguments for ``dmuon.Muon`` and its ``param_groups``, from the job's
+    optimizer config: the last group (torchtitan's catch-all) gives the defaults, the groups
+    before it become param groups of the parameters they match off the Muon route; a value set in
+    ``config`` (``dmuon.adamw_*``) wins."""
+    if param_groups:
+        refused = [g for g in param_groups if g.optimizer_name not in _ADAMW_NAMES]
+        if refused:
+            raise ValueError(
+                f"dmuon_titan replaces the job's optimizer with dmuon.Muon, whose non-Muon "
+                f"parameters train with AdamW, but optimizer.param_groups asks for "
+                f"{sorted({g.optimizer_name for g in refused})} (patterns "
+                f"{[g.pattern for g in refused]}). Use AdamW for those groups, or train this job "
+                "without dmuon."
+            )
+    adamw: dict[str, Any] = {}
+    groups: list[dict[str, Any]] = []
+    if param_groups:
+        *specific, catch_all = param_groups
+        adamw = _adamw_arguments(catch_all.optimizer_kwargs)
+        for group in specific:
+            pattern = re.compile(group.pattern)
+            groups.append(
+                {
+                    "params": _off_muon_matching(pattern, config),
+                    **{
+                        key: value
+                        for key, value in group.optimizer_kwargs.items()
+                        if key in _ADAMW_ARGUMENTS
+                    },
+                }
+            )
+    for key, argument in _ADAMW_ARGUMENTS.items():
+        value = getattr(config, argument)
+        if value is not None:
+            adamw[argument] = tuple(value) if key == "betas" else value
+    return adamw, groups
+
+
+def _adamw_arguments(kwargs: dict[str, Any]) -> dict[str, Any]:
+    return {
+        argument: tuple(kwargs[key]) if key == "betas" else kwargs[key]
+        for key, argument in _ADAMW_ARGUMENTS.items()
+        if key in kwargs
+    }
+
+
+def _off_muon_matching(pattern: re.Pattern, config: DMuonConfig):
+    def matches(name: str, param) -> bool:
+        return pattern.search(name) is not None and not config.is_muon(name, param)
+
+    return matches

@@ -1,0 +1,140 @@
+"""``DMuonTrainer``: torchtitan's ``Trainer`` with dmuon switched on.
+
+Owns the three places where a dmuon job differs from a stock one, and nothing else:
+
+- the model spec's parallelize function dedicates the Muon matrices before the first
+  ``fully_shard`` (``parallelize``), on every pipeline stage;
+- the optimizers are ``DMuonOptimizers`` (``optimizer``);
+- the gradient clip of ``train_step`` is ``dmuon.clip_grad_norm_`` over every model part and
+  pipeline stage (see [Note: the train step's clip]).
+
+Settings dmuon cannot work with are set or refused here, with the reason: CUDA graphs of the
+forward/backward are turned off (dmuon's hooks issue collectives and host-side waits that a
+captured graph cannot replay); the default ``spmd_types`` backend becomes ``partial_dtensor``.
+
+[Note: the train step's clip]
+torchtitan's ``train_step`` clips with ``torchtitan.distributed.utils.clip_grad_norm_`` over
+``model.parameters()``, which never sees the owners' fp32 masters (they are not module
+parameters): the norm would leave out every Muon matrix, and clipping would not scale them.
+``train_step`` looks the function up on that module at call time, so for the duration of the
+step ``DMuonTrainer`` puts ``dmuon.clip_grad_norm_`` over its parts and optimizers in its place
+(same arguments, same returned total norm, logged by torchtitan as usual), rather than
+re-implementing the whole step. It is the one place dmuon-titan reaches into torchtitan's
+modules.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torchtitan.distributed.utils as titan_dist_utils
+from torchtitan.components.optimizer import OptimizersContainer
+from torchtitan.distributed import ParallelDims
+from torchtitan.tools.logging import logger
+from torchtitan.trainer import Trainer
+
+import dmuon
+from dmuon_titan.config import DMuonConfig
+from dmuon_titan.optimizer import DMuonOptimizers
+from dmuon_titan.parallelize import dedicating
+
+
+class DMuonTrainer(Trainer):
+    """torchtitan's ``Trainer``, training with dmuon: build it with ``enable(config).build()``
+    or ``--module dmuon_titan`` on the command line."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(Trainer.Config):
+        dmuon: DMuonConfig = field(default_factory=DMuonConfig)
+        """dmuon's settings (Muon hyperparameters, Newton-Schulz, which parameters)."""
+
+    def __init__(self, config: Config) -> None:
+        _switch_on(config)
+        super().__init__(config)
+
+    def init_distributed(self) -> ParallelDims:
+        parallel_dims = super().init_distributed()
+        self.config.optimizer.pp_mesh = parallel_dims.get_optional_mesh("pp")
+        return parallel_dims
+
+    def train_step(self, data_iterator) -> None:
+        with self._clipping_with_dmuon():
+            super().train_step(data_iterator)
+
+    @contextlib.contextmanager
+    def _clipping_with_dmuon(self) -> Iterator[None]:
+        """See [Note: the train step's clip]."""
+        stock = titan_dist_utils.clip_grad_norm_
+        titan_dist_utils.clip_grad_norm_ = self._clip_grad_norm
+        try:
+            yield
+        finally:
+            titan_dist_utils.clip_grad_norm_ = stock
+
+    def _clip_grad_norm(
+        self,
+        parameters: Any,
+        max_norm: float,
+        norm_type: float = 2.0,
+        error_if_nonfinite: bool = False,
+        foreach: bool | None = None,
+        pp_mesh: Any = None,
+        ep_enabled: bool = False,
+    ) -> torch.Tensor:
+        # ``parameters`` are the model parts' (placeholders included); the optimizers know
+        # where every gradient they update lives, and their step group spans the pipeline.
+        return dmuon.clip_grad_norm_(
+            self.model_parts,
+            self.optimizers.optimizers,
+            max_norm,
+            norm_type=norm_type,
+            error_if_nonfinite=error_if_nonfinite,
+            foreach=foreach,
+        )
+
+
+def enable(config: Trainer.Config, dmuon_config: DMuonConfig | None = None) -> DMuonTrainer.Config:
+    """``config`` (a torchtitan job) training with dmuon; ``config.build()`` then gives a
+    ``DMuonTrainer``. Every other setting stays as it was, but for the two the module docstring
+    names (each logged)."""
+    _settings_for_dmuon(config)
+    if isinstance(config, DMuonTrainer.Config):
+        return dataclasses.replace(config, dmuon=dmuon_config or config.dmuon)
+    values = {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.init}
+    return DMuonTrainer.Config(**values, dmuon=dmuon_config or DMuonConfig())
+
+
+def _switch_on(config: DMuonTrainer.Config) -> None:
+    """Runs on the trainer's own copy of the config (``Config.build`` copies it)."""
+    _settings_for_dmuon(config)
+    spec = config.model_spec
+    config.model_spec = dataclasses.replace(
+        spec, parallelize_fn=dedicating(spec.parallelize_fn, config.dmuon)
+    )
+    if not isinstance(config.optimizer, DMuonOptimizers.Config):
+        stock: OptimizersContainer.Config = config.optimizer
+        config.optimizer = DMuonOptimizers.Config(
+            param_groups=stock.param_groups, implementation=stock.implementation
+        )
+    config.optimizer.dmuon = config.dmuon
+
+
+def _settings_for_dmuon(config: Trainer.Config) -> None:
+    if not config.training.disable_cuda_graphs:
+        logger.info(
+            "dmuon_titan: CUDA graphs of the forward/backward turned off "
+            "(training.disable_cuda_graphs=True): dmuon's hooks issue collectives that a "
+            "captured graph cannot replay."
+        )
+        config.training.disable_cuda_graphs = True
+    if config.parallelism.spmd_backend == "spmd_types":
+        logger.info(
+            "dmuon_titan: parallelism.spmd_backend 'spmd_types' -> 'partial_dtensor' (dmuon "
+            "dedicates parameters before FSDP2 makes them DTensors)."
+        )
+        config.parallelism.spmd_backend = "partial_dtensor"

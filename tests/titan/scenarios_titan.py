@@ -1,0 +1,299 @@
+"""Scenarios of dmuon-titan on every rank of a gloo pool: torchtitan's own ``Trainer`` and its
+llama3 debug model (cut to two blocks), trained with dmuon switched on, or stock (AdamW).
+
+``train`` runs one job and returns, on rank 0, the full weights the first step started from
+and the final ones, each step's logged loss and gradient norm, and what a single-process
+reference needs to replay the job: ``train_reference`` is the same torchtitan model in one
+process, given those starting weights, on the full batch of every step, with the loss torchtitan
+computes (token sum over the global token count), the same learning-rate schedule, one global
+gradient clip, and ``torch.optim.Muon`` (or ``dmuon.testing``'s float32 oracle, for tight bounds)
+on the dedicated matrices next to ``torch.optim.AdamW`` on the rest. Under mixed precision the
+reference runs its forward and backward on a bfloat16 copy of its float32 weights, as FSDP2's
+``param_dtype`` does.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import tempfile
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torchtitan.models.llama3 import config_registry as llama3_registry
+
+import dmuon.checkpoint
+import dmuon_titan
+import tests.titan.titan_on_cpu as titan_on_cpu
+from dmuon.hooks import find_dedicated_state
+from dmuon.testing import ReferenceMuonAdamW
+from dmuon_kernels import KELLER_COEFFICIENTS
+from dmuon_kernels.newton_schulz import newton_schulz
+
+FULL = StateDictOptions(full_state_dict=True)
+LAYERS = 2
+SEQ_LEN = 16
+
+
+@dataclass(kw_only=True)
+class Job:
+    """One torchtitan run: its layout, precision and options."""
+
+    steps: int = 3
+    dp_shard: int = -1  # -1: every rank no other dim uses
+    dp_replicate: int = 1
+    pp: int = 1
+    tp: int = 1
+    local_batch: int = 2
+    dmuon: bool = True
+    mixed_precision: bool = False  # torchtitan's default: bf16 parameters, fp32 reduce
+    ns: str = "torch"  # "torch": torch.optim.Muon's NS (Keller, direct, bf16); "fp32": exact
+    max_norm: float = 1.0
+    # Checkpoints: saved every ``checkpoint_interval`` steps under ``checkpoint_folder``;
+    # ``load_step`` >= 0 resumes from that step (``load_model_only``: the weights alone).
+    checkpoint_folder: str | None = None
+    checkpoint_interval: int = 10_000
+    load_step: int = -1
+    load_model_only: bool = False
+    dmuon_options: dict = field(default_factory=dict)
+
+
+def make_config(job: Job, dump_folder: str):
+    config = titan_on_cpu.on_cpu(
+        llama3_registry.llama3_debugmodel(),
+        dump_folder=dump_folder,
+        steps=job.steps,
+        layers=LAYERS,
+        seq_len=SEQ_LEN,
+        batch=job.local_batch,
+    )
+    parallelism = config.parallelism
+    parallelism.data_parallel_shard_degree = job.dp_shard
+    parallelism.data_parallel_replicate_degree = job.dp_replicate
+    parallelism.pipeline_parallel_degree = job.pp
+    parallelism.tensor_parallel_degree = job.tp
+    if job.pp > 1:
+        parallelism.pipeline_parallel_schedule = "1F1B"
+        parallelism.pipeline_parallel_microbatch_size = 1
+    config.training.max_norm = job.max_norm
+    if not job.mixed_precision:
+        config.training.mixed_precision_param = "float32"
+    config.debug.seed = 0
+    _checkpointing(config.checkpoint, job)
+    if not job.dmuon:
+        parallelism.spmd_backend = "partial_dtensor"  # torch 2.13 runs no other (stock too)
+        config.training.disable_cuda_graphs = True
+        return config
+    options = {"ns_coefficients": "keller", "ns_backend": "direct", "ns_kernel": "cublas"}
+    options["ns_dtype"] = "bfloat16" if job.ns == "torch" else "float32"
+    return dmuon_titan.enable(config, dmuon_titan.DMuonConfig(**options, **job.dmuon_options))
+
+
+def _checkpointing(checkpoint, job: Job) -> None:
+    checkpoint.enable = job.checkpoint_folder is not None
+    if not checkpoint.enable:
+        return
+    checkpoint.folder = job.checkpoint_folder
+    checkpoint.interval = job.checkpoint_interval
+    checkpoint.last_save_model_only = False
+    checkpoint.keep_latest_k = 0
+    checkpoint.load_step = job.load_step
+    if job.load_model_only:
+        checkpoint.exclude_from_loading = ["optimizer", "lr_scheduler", "dataloader", "train_state"]
+
+
+def train(job_options: dict, checkpoint_root: str | None = None) -> dict:
+    """Run the job; on rank 0 return what ``train_reference`` and the tests read (see the
+    module docstring). ``checkpoint_root``: a folder the ranks share, for checkpoints that
+    outlive the run (``Job.checkpoint_folder`` is relative to it)."""
+    job = Job(**job_options)
+    with tempfile.TemporaryDirectory() as scratch:
+        dump_folder = checkpoint_root or _shared_folder(scratch)
+        trainer = make_config(job, dump_folder).build()
+        try:
+            logged: list[tuple[float, float]] = []
+            starts: list[dict[str, torch.Tensor]] = []
+            _record(trainer, logged, starts)
+            trainer.train()
+            final = full_weights(trainer)
+            lr_lambda = trainer.lr_schedulers.schedulers[0].lr_lambdas[0]
+            dedicated = _dedicated_names(trainer)
+            first_step = trainer.step - len(logged) + 1
+        finally:
+            trainer.close()
+    if dist.get_rank() != 0:
+        return {}
+    return {
+        "job": asdict(job),
+        "initial": starts[0],
+        "final": final,
+        "logged": logged,
+        "first_step": first_step,
+        "lr_factors": {step: lr_lambda(step - 1) for step in range(first_step, trainer.step + 1)},
+        "dedicated": dedicated,
+        "global_batch": job.local_batch * _batch_degree(job),
+        "optimizer": _optimizer_settings(trainer),
+    }
+
+
+def _batch_degree(job: Job) -> int:
+    others = job.dp_replicate * job.pp * job.tp
+    shard = dist.get_world_size() // others if job.dp_shard == -1 else job.dp_shard
+    return job.dp_replicate * shard
+
+
+def _shared_folder(scratch: str) -> str:
+    """One folder for every rank: rank 0's (the ranks share a file system)."""
+    folders = [None] * dist.get_world_size()
+    dist.all_gather_object(folders, scratch)
+    return folders[0]
+
+
+def _record(trainer, logged: list, starts: list) -> None:
+    """Each logged (loss, gradient norm), and the weights the first step starts from (after a
+    checkpoint load, which ``train()`` does first)."""
+    log = trainer.metrics_processor.log
+    train_step = trainer.train_step
+
+    def record_log(step, global_avg_loss, global_max_loss, grad_norm, *args, **kwargs):
+        logged.append((float(global_avg_loss), float(grad_norm)))
+        return log(step, global_avg_loss, global_max_loss, grad_norm, *args, **kwargs)
+
+    def record_start(data_iterator):
+        if not starts:
+            starts.append(full_weights(trainer))
+        return train_step(data_iterator)
+
+    trainer.metrics_processor.log = record_log
+    trainer.train_step = record_start
+
+
+def full_weights(trainer) -> dict[str, torch.Tensor]:
+    """Every weight of the model (all pipeline stages), full and in float32, keyed as the
+    model's state dict (torchtitan's fused-QKV hooks split ``wqkv`` into ``wq``/``wk``/``wv``).
+    Collective."""
+    mine: dict[str, torch.Tensor] = {}
+    for part in trainer.model_parts:
+        if isinstance(trainer, dmuon_titan.DMuonTrainer):
+            state = dmuon.checkpoint.get_model_state_dict(part, options=FULL)
+        else:
+            state = get_model_state_dict(part, options=FULL)
+        mine.update({key: value.detach().float().clone() for key, value in state.items()})
+    everyone: list[dict | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    return {key: value for part in everyone for key, value in part.items()}
+
+
+def _dedicated_names(trainer) -> list[str]:
+    names: list[str] = []
+    for part in trainer.model_parts:
+        state = find_dedicated_state(part)
+        names += [] if state is None else list(state.params)
+    everyone: list[list | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, names)
+    return sorted({name for part in everyone for name in part})
+
+
+def _optimizer_settings(trainer) -> dict:
+    config = trainer.config
+    (group,) = config.optimizer.param_groups
+    adamw = {key: group.optimizer_kwargs[key] for key in ("lr", "betas", "eps", "weight_decay")}
+    if not isinstance(trainer, dmuon_titan.DMuonTrainer):
+        return {"adamw": adamw, "muon": None}
+    settings = config.dmuon
+    muon = {
+        "lr": settings.lr,
+        "momentum": settings.momentum,
+        "nesterov": settings.nesterov,
+        "weight_decay": settings.weight_decay,
+    }
+    return {"adamw": adamw, "muon": muon}
+
+
+# ---- the single-process reference -----------------------------------------------------------
+
+
+def train_reference(run: dict, *, steps: int | None = None) -> dict:
+    """Replay ``run`` (what ``train`` returned on rank 0) in one process, from its starting
+    weights, for its steps (or the first ``steps``); the final weights and each step's loss and
+    gradient norm before clipping."""
+    job = Job(**run["job"])
+    torch.manual_seed(0)
+    spec = llama3_registry.llama3_debugmodel().model_spec
+    titan_on_cpu.small_model(spec, LAYERS)
+    with torch.device("meta"):
+        model = spec.model.build()
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        model.init_weights(buffer_device=None)  # the buffers (RoPE's), which no state dict holds
+    model.load_state_dict(run["initial"])
+    params = dict(model.named_parameters())
+    optimizers = _reference_optimizers(params, run, job.ns)
+    logged = []
+    for step in range(run["first_step"], run["first_step"] + (steps or len(run["logged"]))):
+        for optimizer, base_lr in optimizers:
+            _set_lr(optimizer, base_lr * run["lr_factors"][step])
+        tokens = titan_on_cpu.counting_batch(step - 1, run["global_batch"], SEQ_LEN)
+        computing = _bf16_copy(model) if job.mixed_precision else model
+        output = computing(tokens[:, :-1], positions=titan_on_cpu.positions_of(tokens))
+        labels = tokens[:, 1:]
+        loss = (
+            F.cross_entropy(output.float().flatten(0, 1), labels.flatten(), reduction="sum")
+            / labels.numel()
+        )
+        loss.backward()
+        if job.mixed_precision:
+            for param, low in zip(model.parameters(), computing.parameters(), strict=True):
+                param.grad = low.grad.float()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), job.max_norm)
+        for optimizer, _ in optimizers:
+            optimizer.step()
+        model.zero_grad(set_to_none=True)
+        logged.append((loss.item(), norm.item()))
+    final = {key: value.detach().float().clone() for key, value in model.state_dict().items()}
+    return {"final": final, "logged": logged}
+
+
+def _bf16_copy(model):
+    return copy.deepcopy(model).to(torch.bfloat16)
+
+
+def _reference_optimizers(params: dict, run: dict, ns: str):
+    settings = run["optimizer"]
+    adamw_kwargs = dict(settings["adamw"])
+    dedicated = set(run["dedicated"])
+    rest = [param for name, param in params.items() if name not in dedicated]
+    optimizers = [(torch.optim.AdamW(rest, foreach=False, **adamw_kwargs), adamw_kwargs["lr"])]
+    muon_kwargs = settings["muon"]
+    if muon_kwargs is None:  # a stock run: AdamW for everything
+        return optimizers
+    matrices = [(name, params[name]) for name in sorted(dedicated)]
+    if ns == "torch":
+        # torch.optim.Muon's own Newton-Schulz: Keller's coefficients, direct, in bf16.
+        muon = torch.optim.Muon(
+            [param for _, param in matrices], adjust_lr_fn="match_rms_adamw", **muon_kwargs
+        )
+    else:
+        muon = ReferenceMuonAdamW(
+            matrices,
+            lambda name, param: True,
+            **muon_kwargs,
+            orthogonalize=functools.partial(
+                newton_schulz,
+                backend="direct",
+                coefficients=KELLER_COEFFICIENTS,
+                dtype=torch.float32,
+            ),
+        )
+    return [*optimizers, (muon, muon_kwargs["lr"])]
+
+
+def _set_lr(optimizer, lr: float) -> None:
+    if isinstance(optimizer, ReferenceMuonAdamW):
+        optimizer.lr = lr
+        return
+    for group in optimizer.param_groups:
+        group["lr"] = lr

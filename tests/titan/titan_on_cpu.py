@@ -1,0 +1,211 @@
+"""torchtitan 0.3.0 on CPU processes (gloo), for dmuon-titan's tests: the one place that bends it.
+
+torchtitan targets GPUs and a newer torch than CI's. Each workaround below says what it bends
+and why; none is in the product. Importing this module applies the import-time ones, so import
+it before anything imports torchtitan (``tests/titan/scenarios_titan.py`` does it first).
+
+Also here: a dataloader and a tokenizer that need no files (the counting task of the README's
+demo, with the per-document positions torchtitan's data carry), and ``on_cpu(config)``, which
+makes a registry job config small and CPU-ready.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import types
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+import torch._utils
+import torch.distributed as dist
+
+# Device detection: torchtitan reads the accelerator once, when ``torchtitan.tools.utils`` is
+# imported, and takes "cuda" when there is none; on CPU it must find "cpu" and a device module
+# with the calls its memory monitor makes (torch.cpu lacks them). Patched only while torchtitan
+# is imported, so nothing else in the process sees it.
+_CPU_MEMORY = 24 << 30
+
+
+class _CpuDeviceProperties:
+    total_memory = _CPU_MEMORY
+
+
+_CPU_DEVICE_MODULE = types.SimpleNamespace(
+    get_device_name=lambda *args: "cpu",
+    current_device=lambda: 0,
+    get_device_properties=lambda *args: _CpuDeviceProperties,
+    reset_peak_memory_stats=lambda *args: None,
+    empty_cache=lambda: None,
+    memory_stats=lambda *args: {},
+    set_device=lambda *args: None,
+    device_count=lambda: 1,
+    synchronize=lambda *args: None,
+    is_available=lambda: True,
+)
+
+
+@contextlib.contextmanager
+def _cpu_as_the_accelerator() -> Iterator[None]:
+    saved = torch._utils._get_available_device_type, torch._utils._get_device_module
+    torch._utils._get_available_device_type = lambda: "cpu"
+    torch._utils._get_device_module = lambda device_type: _CPU_DEVICE_MODULE
+    try:
+        yield
+    finally:
+        torch._utils._get_available_device_type, torch._utils._get_device_module = saved
+
+
+if "torchtitan.tools.utils" in sys.modules:
+    raise RuntimeError(
+        "torchtitan was imported before tests/titan/titan_on_cpu.py: its device detection then "
+        "took 'cuda'. Import this module first."
+    )
+with _cpu_as_the_accelerator():
+    import torchtitan.components.metrics
+    import torchtitan.tools.utils  # noqa: F401
+
+import torchtitan.distributed.fsdp as titan_fsdp  # noqa: E402
+import torchtitan.distributed.utils as titan_dist_utils  # noqa: E402
+from torch.distributed.fsdp import FSDPModule  # noqa: E402
+from torchtitan.components.dataloader import BaseDataLoader  # noqa: E402
+from torchtitan.components.tokenizer import BaseTokenizer  # noqa: E402
+from torchtitan.models.common.attention import (  # noqa: E402
+    FlexAttention,
+    ScaledDotProductAttention,
+)
+
+# Reduction op: with the gradient divide factor torchtitan sets (1.0) and bf16 parameters,
+# FSDP2 reduces with ReduceOp.PREMUL_SUM, which gloo lacks; forcing plain sums makes it scale
+# before and after instead (same values).
+_stock_disable_division = titan_fsdp.disable_fsdp_gradient_division
+
+
+def _disable_division_with_plain_sums(model) -> None:
+    _stock_disable_division(model)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_force_sum_reduction_for_comms(True)
+
+
+titan_fsdp.disable_fsdp_gradient_division = _disable_division_with_plain_sums
+
+# Group timeouts: after the first step torchtitan shortens every group's timeout with
+# ``torch.distributed.set_timeout``, which torch 2.13 does not have (torchtitan 0.3 targets a
+# later nightly). The test pool's groups keep their own short timeout.
+titan_dist_utils.set_pg_timeouts = lambda **kwargs: None
+
+VOCAB = 2048  # the llama3 debug model's
+
+
+class CountingTokenizer(BaseTokenizer):
+    """A tokenizer of ``VOCAB`` ids that the counting data never need to encode."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(BaseTokenizer.Config):
+        vocab_size: int = VOCAB
+
+    def __init__(self, config: Config, **kwargs) -> None:
+        super().__init__()
+        self.vocab_size = config.vocab_size
+        self.eos_id = 0
+
+    def encode(self, *args, **kwargs) -> list[int]:
+        raise NotImplementedError("the counting data are made of ids")
+
+    def decode(self, *args, **kwargs) -> str:
+        raise NotImplementedError("the counting data are made of ids")
+
+    def get_vocab_size(self) -> int:
+        return self.vocab_size
+
+
+class CountingData(BaseDataLoader):
+    """Sequences that count up by one (mod VOCAB) from a random start, one document each.
+
+    Step ``s``'s global batch is ``counting_batch(s, global_batch)``; data-parallel rank ``r``
+    reads its ``r``-th block of rows. A single-process reference reads the whole batch, and a
+    run resumed on another layout (the same global batch) the same rows after its checkpoint.
+    """
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(BaseDataLoader.Config):
+        vocab_size: int = VOCAB
+
+    def __init__(
+        self,
+        config: Config,
+        *,
+        dp_world_size: int,
+        dp_rank: int,
+        seq_len: int,
+        local_batch_size: int,
+        **kwargs,
+    ) -> None:
+        self.vocab_size = config.vocab_size
+        self.rows = slice(dp_rank * local_batch_size, (dp_rank + 1) * local_batch_size)
+        self.global_batch = dp_world_size * local_batch_size
+        self.seq_len = seq_len
+        self.step = 0
+
+    def __iter__(self):
+        while True:
+            tokens = counting_batch(self.step, self.global_batch, self.seq_len, self.vocab_size)
+            tokens = tokens[self.rows]
+            self.step += 1
+            yield {"input": tokens[:, :-1], "positions": positions_of(tokens)}, tokens[:, 1:]
+
+    def state_dict(self) -> dict:
+        return {"step": self.step}  # the same on every rank: loads on any layout
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.step = state_dict["step"]
+
+
+def counting_batch(step: int, batch: int, seq_len: int, vocab: int = VOCAB) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(100_003 + step)
+    start = torch.randint(0, vocab, (batch, 1), generator=generator)
+    return (start + torch.arange(seq_len + 1)) % vocab  # (batch, seq_len + 1)
+
+
+def positions_of(tokens: torch.Tensor) -> torch.Tensor:
+    """Each input position's index in its document (one document per row)."""
+    batch, length = tokens[:, :-1].shape
+    return torch.arange(length).expand(batch, -1).contiguous()
+
+
+def on_cpu(
+    config, *, dump_folder: str, steps: int, layers: int = 2, seq_len: int = 16, batch: int = 2
+):
+    """A registry job config made small (``layers`` blocks) and CPU-ready, in place; returns it."""
+    # torchtitan picks its device by LOCAL_RANK, which torchrun sets; the test pool's workers
+    # are not started by torchrun.
+    os.environ["LOCAL_RANK"] = str(dist.get_rank())
+    small_model(config.model_spec, layers)
+    config.tokenizer = CountingTokenizer.Config()
+    config.dataloader = CountingData.Config()
+    config.training.steps = steps
+    config.training.seq_len = seq_len
+    config.training.local_batch_size = batch
+    config.validator.enable = False
+    config.dump_folder = dump_folder
+    config.metrics.log_freq = 1
+    return config
+
+
+def small_model(model_spec, layers: int) -> None:
+    """The model of ``model_spec`` cut to its first ``layers`` blocks, with SDPA attention."""
+    model_spec.model.layers = model_spec.model.layers[:layers]
+    sdpa_attention(model_spec)
+
+
+def sdpa_attention(model_spec) -> None:
+    """Attention backend: FlexAttention has no backward on CPU. One document per sequence makes
+    causal SDPA compute what block-causal flex attention would."""
+    for _, _, parent, attr in list(model_spec.model.traverse(FlexAttention.Config)):
+        if isinstance(parent, list):
+            parent[attr] = ScaledDotProductAttention.Config()
+        else:
+            setattr(parent, attr, ScaledDotProductAttention.Config())
