@@ -357,3 +357,17 @@ def test_the_first_use_of_each_quack_variant_is_timed_and_announced_once(
         ("compile", "quack gemm_symmetric kernel for float16"),
         ("compile", "quack gemm_symmetric kernel for float16 with C"),
     ]
+
+
+def test_an_invalid_progress_switch_never_makes_quack_unavailable(fake_quack, monkeypatch):
+    monkeypatch.setenv("DMUON_SYRK_AUTOTUNE_LOG", "sometimes")
+    fake_quack(KNOWN_GEMM_SYMMETRIC)
+    assert not isinstance(quack_backend._quack_api(), str)
+
+
+def test_an_invalid_progress_switch_raises_naming_it_before_a_first_use(torch_quack, monkeypatch):
+    fake = torch_quack()
+    monkeypatch.setenv("DMUON_SYRK_AUTOTUNE_LOG", "sometimes")
+    with pytest.raises(ValueError, match=r"DMUON_SYRK_AUTOTUNE_LOG='sometimes' is not an on/off"):
+        quack_backend.syrk(half(16, 24))
+    assert fake.calls == []

@@ -10,6 +10,7 @@ must not import anything from this package.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 NS_KERNEL_ENV = "DMUON_NS_KERNEL"  # a kernel name: the Newton-Schulz "auto" override
 NS_CUDA_GRAPH_ENV = "DMUON_NS_CUDA_GRAPH"  # flag, default on: CUDA-graph replay of NS
@@ -50,3 +51,12 @@ def progress_lines_enabled() -> bool:
     captures); read at every line. Compiles of dmuon's own CuTe kernels are announced regardless,
     so a long compile never looks like a hang."""
     return env_flag(SYRK_AUTOTUNE_LOG_ENV, default=True)
+
+
+def quietly(flag: Callable[[], bool]) -> bool:
+    """``flag()``, or False where its variable is not an on/off value: for a progress line in
+    an availability probe, which must not fail (the value raises at the next line elsewhere)."""
+    try:
+        return flag()
+    except ValueError:
+        return False

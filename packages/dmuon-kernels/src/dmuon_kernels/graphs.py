@@ -97,11 +97,12 @@ class GraphedFunction:
         if signature not in self._warmed:
             self._warmed.add(signature)
             return _cast(self.fn(x), out_dtype)
+        announce = progress_lines_enabled()  # an invalid switch raises before any work
         shape, _, dtype, _ = signature
         what = f"{self.name} shape={tuple(shape)} dtype={_dtype_name(dtype)}"
         with timed_phase(CAPTURE, what) as phase:
             output = self._capture(x, signature)
-        if signature in self._captured and progress_lines_enabled():
+        if announce and signature in self._captured:
             log_rank_tagged(f"captured a CUDA graph of {what} in {phase.seconds:.2f} s")
         return _fresh(output, out_dtype)
 

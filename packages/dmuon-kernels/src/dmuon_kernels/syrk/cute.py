@@ -50,7 +50,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from dmuon_kernels._env import progress_lines_enabled
+from dmuon_kernels._env import progress_lines_enabled, quietly
 from dmuon_kernels._log import IMPORT, log_rank_tagged, timed_phase
 from dmuon_kernels.syrk._cute_tiles import (
     DIRECT,
@@ -175,7 +175,7 @@ def _probe_cutlass() -> _CuteApi | str:
             "4.5.2)"
         )
     version = distribution_version("nvidia-cutlass-dsl")
-    if progress_lines_enabled():
+    if quietly(progress_lines_enabled):
         log_rank_tagged(
             f"imported nvidia-cutlass-dsl {version} for the CuTe SYRK kernels in "
             f"{phase.seconds:.1f} s, once per process"

@@ -48,7 +48,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from dmuon_kernels._env import progress_lines_enabled
+from dmuon_kernels._env import progress_lines_enabled, quietly
 from dmuon_kernels._log import COMPILE, IMPORT, log_rank_tagged, timed_phase
 from dmuon_kernels.syrk._operands import effective_c, one_batch
 from dmuon_kernels.syrk._requirements import (
@@ -107,7 +107,7 @@ def _probe_quack() -> _QuackApi | str:
             f"nvidia-cutlass-dsl 4.5.2): reinstall with {QUACK_INSTALL_HINT}"
         )
     quack_version = str(getattr(quack, "__version__", distribution_version("quack-kernels")))
-    if progress_lines_enabled():
+    if quietly(progress_lines_enabled):
         log_rank_tagged(
             f"imported quack-kernels {quack_version} (with nvidia-cutlass-dsl) in "
             f"{phase.seconds:.1f} s, once per process"
@@ -303,13 +303,14 @@ def _launch(
     variant = (op, A.dtype, A.device, C is None, alpha == 1.0, beta == 1.0, layouts)
     if variant in _ready_variants:
         return _call(api, op, A, B, C, alpha, beta)
+    announce = progress_lines_enabled()  # an invalid switch raises before any work
     entry = "gemm_symmetric" if op != MATMUL else "gemm" if C is None else "gemm_add"
     description = f"quack {entry} kernel for {str(A.dtype).removeprefix('torch.')}"
     description += " with C" if C is not None else ""
     with timed_phase(COMPILE, description) as phase:
         out = _call(api, op, A, B, C, alpha, beta)
     _ready_variants.add(variant)
-    if progress_lines_enabled():
+    if announce:
         log_rank_tagged(
             f"{description} ready in {phase.seconds:.1f} s (first use of this variant in the "
             "process: compiled, or loaded from quack's own cache)"
