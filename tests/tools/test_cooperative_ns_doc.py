@@ -9,6 +9,8 @@ import pytest
 
 from dmuon_tools.costs import cooperative_ns_ms, ns_batch_ms
 from dmuon_tools.machine import H200, Link
+from dmuon_tools.model_shapes import PRESETS
+from dmuon_tools.simulator import Layout, Workload, simulate
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "cooperative-newton-schulz.md"
 MATRICES = (
@@ -60,3 +62,23 @@ def test_cooperation_adds_the_gram_all_reduces_and_the_split_all_gathers_by_hand
         replicated
     )
     assert cooperative_ns_ms(table, (n, m), k, link, split_square_work=True) == pytest.approx(split)
+
+
+def test_the_design_pages_405b_table_is_what_the_simulator_predicts():
+    text = DOC.read_text()
+    for label, layout, digits in (
+        ("512 GPUs, G 64 x R 8", Layout(num_shards=64, num_replicas=8), 1),
+        ("2,048 GPUs, G 16 x R 16 x TP 8", Layout(num_shards=16, num_replicas=16, tp=8), 2),
+        ("4,096 GPUs, G 8 x R 64 x TP 8", Layout(num_shards=8, num_replicas=64, tp=8), 2),
+    ):
+        predictions = simulate(
+            PRESETS["llama3.1-405b"], layout, Workload(), H200, ["fsdp2-adamw", "dmuon-z3"]
+        ).predictions
+        fsdp2, dmuon = predictions["fsdp2-adamw"], predictions["dmuon-z3"]
+        fits = "" if fsdp2.fits else " (does not fit)"
+        row = (
+            f"| {label} | {fsdp2.step_ms / 1e3:.{digits}f} s{fits} | "
+            f"{dmuon.step_ms / 1e3:.{digits}f} s | "
+            f"{dmuon.optimizer_ms:.0f} ms ({dmuon.optimizer_share:.1%}) |"
+        )
+        assert row in text, row
