@@ -104,3 +104,31 @@ def test_a_result_missing_a_key_names_the_file_and_the_key(tmp_path):
     (tmp_path / E2E_FILE).write_text(json.dumps(broken))
     with pytest.raises(ValueError, match=f"{E2E_FILE}: no 'inputs' in the file"):
         calibrate(tmp_path)
+
+
+def test_multi_gpu_and_collective_results_are_compared_once_committed(tmp_path):
+    for path in RESULTS.glob("*.json"):
+        shutil.copy(path, tmp_path / path.name)
+    # What multi_gpu_session.sh will bring back, in the shape its scripts write.
+    e2e = json.loads((RESULTS / E2E_FILE).read_text())
+    e2e["world_size"] = 8
+    (tmp_path / "e2e-h200-w8-2027-01-01.json").write_text(json.dumps(e2e))
+    collectives = {
+        "benchmark": "bench_collectives",
+        "backend": "nccl",
+        "world_size": 8,
+        "nodes": 1,
+        "results": [
+            {"kind": "all_gather", "bytes": 2**26, "median_ms": 0.2},
+            {"kind": "broadcast", "bytes": 2**26, "error": "RuntimeError: not here"},
+        ],
+    }
+    (tmp_path / "collectives-h200-nccl-w8-2027-01-01.json").write_text(json.dumps(collectives))
+    rows = calibrate(tmp_path).rows
+    multi = [r for r in rows if r.source == "e2e-h200-w8-2027-01-01.json"]
+    assert {r.setting for r in multi} == {"NCCL, 8 GPUs"}
+    (gather,) = [r for r in rows if r.source.startswith("collectives-")]
+    # ring all-gather of 64 MiB over 8 ranks on the assumed NVLink
+    expected = 7 * H200.nvlink.latency_ms + 7 / 8 * 2**26 / (H200.nvlink.bandwidth_gbps * 1e6)
+    assert (gather.quantity, gather.setting) == ("all_gather 64 MiB", "nccl, 8 ranks")
+    assert gather.predicted == pytest.approx(expected)
