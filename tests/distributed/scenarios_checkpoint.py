@@ -138,7 +138,6 @@ def state_dict_shapes(replicas: int = 1, tp: int = 1) -> dict:
         "owned": sorted(p.fqn for p in get_dedicated_state(model).iter_owned_masters()),
     }
     for name, attempt in {
-        "state_dict": lambda: model.state_dict(),
         "torch_get_model_state_dict": lambda: _torch_get_model_state_dict(model),
         "torch_get_optimizer_state_dict": lambda: _torch_get_optimizer_state_dict(model, optimizer),
         "named_parameters_save": lambda: torch.save(dict(model.named_parameters()), "/dev/null"),

@@ -128,15 +128,14 @@ def test_sharded_state_dict_holds_each_dedicated_matrix_on_its_owner_only(pool4)
 
 
 @pytest.mark.parametrize("layout", ["1d-2", "dp1-tp2"])
-def test_plain_saving_paths_raise_naming_dmuon_checkpoint_instead_of_saving_empty_tensors(
-    gloo_pool, layout
-):
-    # dp1-tp2: one owner slot, yet each rank holds only its TP chunk of a matrix, so a plain
-    # state_dict must raise rather than return a chunk.
+def test_plain_saving_paths_that_need_full_values_raise_naming_dmuon_checkpoint(gloo_pool, layout):
+    # dp1-tp2: one owner slot, yet each rank holds only its TP chunk of a matrix, so torch's full
+    # state dict must raise rather than return a chunk. (A plain model.state_dict() is sharded:
+    # tests/distributed/test_model_state_dict.py.)
     result = run(gloo_pool, layout, scenarios.state_dict_shapes)
-    for path in ("state_dict", "torch_get_model_state_dict"):
-        assert "dmuon.checkpoint.get_model_state_dict" in result[path], path
-        assert "RuntimeError" in result[path]
+    path = result["torch_get_model_state_dict"]
+    assert "dmuon.checkpoint.get_model_state_dict" in path and "RuntimeError" in path
+    assert "get_model_state_dict(full_state_dict=True) asks model.state_dict()" in path
     assert "dmuon.checkpoint.get_optimizer_state_dict" in result["torch_get_optimizer_state_dict"]
     for path in ("named_parameters_save", "detach"):
         assert "placeholder of a dedicated parameter" in result[path], path

@@ -28,10 +28,12 @@ def group_by_boundary(
     reshard_after_forward: bool,
 ) -> list[BoundaryGroup]:
     modules = dict(model.named_modules())
+    # The module's own path (with any wrapper segments): ``p.fqn`` is canonical.
+    module_names = {id(module): name for name, module in modules.items()}
     by_boundary: dict[str, list[DedicatedParam]] = {}
     fallback: list[str] = []
     for name, p in params.items():
-        module_name = name.rpartition(".")[0]
+        module_name = module_names[id(p.module)]
         boundary = _boundary_of(module_name, modules, hook_boundary_predicate)
         if boundary is None:
             boundary = module_name

@@ -30,6 +30,7 @@ from dmuon.experts import (
     expert_stack_names,
     make_expert_stack,
 )
+from dmuon.fqn import canonical_fqn
 from dmuon.hooks import DedicatedState, attach_state, find_dedicated_state, get_dedicated_state
 from dmuon.mesh import build_ownership_mesh, resolve_ownership_layout
 from dmuon.module_state import register_state_dict_hooks
@@ -92,7 +93,14 @@ def dedicate_params(
     the process groups are created collectively; each rank's ownership spans its own slice.
 
     Args:
-        predicate: ``(name, param) -> bool`` choosing the dedicated parameters.
+        predicate: ``(name, param) -> bool`` choosing the dedicated parameters. ``name`` is
+            the canonical FQN, as on the plain model: the segments that activation-checkpoint
+            and ``torch.compile`` wrappers insert (``_checkpoint_wrapped_module``,
+            ``_orig_mod``) are left out (see [Note: canonical FQNs] in ``dmuon.fqn``), so a
+            predicate written for the plain model selects the same parameters with them on.
+            Every name dmuon returns, logs or writes (owners, ``optimizer.routing()``,
+            checkpoint keys) is canonical too, and so must be the names given to it
+            (``routes=``, ``param_groups``; spellings with wrapper segments are accepted).
         reshard_after_forward: True (Z3) frees the broadcast weights after forward and
             broadcasts them again for backward; False (Z2) keeps them through backward.
         hook_boundary_predicate: picks, for each parameter, the lowest ancestor module for
@@ -104,7 +112,7 @@ def dedicate_params(
         compute_dtype: legacy spelling of ``param_policy.defaults.param_dtype``.
         process_group_policy: ``"isolated"`` clones the mesh's process groups so dmuon's
             asynchronous collectives never interleave with the trainer's; ``"shared"`` reuses them.
-        layer_id_fn: ``name -> layer id`` for models whose names the default
+        layer_id_fn: ``canonical name -> layer id`` for models whose names the default
             ``(layers|blocks|layer|h|block).N`` rule does not understand.
         timeout: timeout of the process groups dmuon creates (default: the default group's).
         routes: per-parameter route overrides, ``{fqn: route}`` or ``(name, param) -> route |
@@ -419,13 +427,14 @@ def _select(model: nn.Module, predicate: Predicate, routes: Routes | None):
     the route overrides (FQN -> route) ``routes`` gave."""
     names_of: dict[int, list[str]] = {}
     for name, param in model.named_parameters(remove_duplicate=False):
-        names_of.setdefault(id(param), []).append(name)
+        names_of.setdefault(id(param), []).append(canonical_fqn(name))
+    routes = _canonical_routes(routes)
     _check_routes_mapping(routes, names_of)
     selected = []
     overrides: dict[str, str] = {}
     for module_name, module in model.named_modules():
         for attr, param in module.named_parameters(recurse=False):
-            name = f"{module_name}.{attr}" if module_name else attr
+            name = canonical_fqn(f"{module_name}.{attr}" if module_name else attr)
             if names_of[id(param)][0] != name:
                 continue
             route = _route_override(name, param, routes)
@@ -444,6 +453,13 @@ def _select(model: nn.Module, predicate: Predicate, routes: Routes | None):
                 continue
             selected.append((name, module, attr, param))
     return selected, overrides
+
+
+def _canonical_routes(routes: Routes | None) -> Routes | None:
+    """``routes`` keyed by canonical FQNs (a name spelled with wrapper segments is accepted)."""
+    if routes is None or callable(routes) or not isinstance(routes, Mapping):
+        return routes
+    return {canonical_fqn(name): route for name, route in routes.items()}
 
 
 def _check_routes_mapping(routes: Routes | None, names_of: dict[int, list[str]]) -> None:

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import functools
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -83,9 +83,12 @@ class DedicatedState:
         # Counts the changes of the gradients as a whole (completed backwards, zero_grad calls):
         # a decision on them (see ``dmuon.step_group``) holds while it is unchanged.
         self.gradient_generation = 0
-        # Set by dmuon.checkpoint while it reads or loads the model (see ``module_state``).
-        self.checkpoint_reading = False
+        # Set by dmuon.checkpoint while it reads (its entry maker) or loads the model, and by a
+        # plain load_state_dict, whose masters the next forward publishes (see
+        # [Note: loading into a dedicated parameter] in ``module_state``).
+        self.checkpoint_reading: Callable[[Any], torch.Tensor | None] | None = None
         self.checkpoint_loading = False
+        self.masters_loaded = False
         # Forward order of the boundaries, recorded during the first forward; prefetch uses it.
         self._forward_order: list[BoundaryGroup] = []
         # Position of each boundary in the forward order, once the first forward has closed it.
@@ -239,6 +242,14 @@ class DedicatedState:
             group.publish()
             group.wait_for_publish()
 
+    def publish_loaded_masters(self) -> None:
+        """Publish the masters a plain ``load_state_dict`` changed, if it did (collective: every
+        rank calls it at the same point, the next forward or ``dmuon.checkpoint`` call)."""
+        if self.masters_loaded:
+            self.masters_loaded = False
+            self.reshard_all()  # a boundary left unsharded holds the weights of before
+            self.publish_masters()
+
     # ---- user-facing drains ---------------------------------------------------------------------
 
     def reshard_all(self) -> None:
@@ -274,6 +285,7 @@ def _pre_forward(
         group.register_unsharded()
         return None
     state.ensure_adopted()
+    state.publish_loaded_masters()
     if state._forward_position is None:  # the first forward: look once, cheaply
         _warn_on_mixed_input_dtype(group, args, kwargs)
     state._record_forward(group)

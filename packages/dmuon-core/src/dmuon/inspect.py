@@ -22,6 +22,10 @@ Must not: change what it reads, issue collectives, or hand out tensors other tha
 ``ParamView.master`` (the identity of what the optimizer updates) and the CUDA events of
 ``ForwardWaitsView``.
 
+Every name in a view is a canonical FQN (``canonical_fqn``, re-exported here): a name of
+``model.named_parameters()`` less the segments activation-checkpoint and ``torch.compile``
+wrappers insert; look a parameter's view up with ``view.params[canonical_fqn(name)]``.
+
 What-ifs without a model use the partition itself, re-exported here: ``plan_ownership``,
 ``make_param_specs``, ``ns_cost``, ... are the very functions ``dedicate_params`` runs (pure: no
 tensors, no process group; fast for 10,000 owner slots), and ``what_if_grid(G, R)`` gives the
@@ -54,6 +58,7 @@ from types import MappingProxyType
 import torch
 from torch import nn
 
+from dmuon.fqn import canonical_fqn
 from dmuon.group import BoundaryGroup, Segment
 from dmuon.hooks import get_dedicated_state
 from dmuon.mesh import OwnershipMesh
@@ -155,7 +160,7 @@ def what_if_grid(num_shards: int, num_replicas: int = 1) -> OwnerGrid:
 class ParamView:
     """One dedicated parameter: its owner, route and dtypes, as seen from this rank."""
 
-    name: str  # fully-qualified name, as in model.named_parameters()
+    name: str  # canonical FQN: as in model.named_parameters(), less wrapper segments (fqn)
     shape: tuple[int, ...]  # the full shape
     route: str  # MUON_ROUTE (>= 2-D: orthogonalised) or ADAMW_ROUTE, on its owner
     requires_grad: bool
@@ -486,6 +491,7 @@ __all__ = [
     "ParamSpec",
     "ParamView",
     "SegmentView",
+    "canonical_fqn",
     "forward_waits",
     "is_prepared",
     "layer_id_of",

@@ -35,6 +35,7 @@ from dmuon.data_parallel import check_data_parallel_layout
 from dmuon.ddp import check_gradients_are_averaged
 from dmuon.dedicate import route_overrides
 from dmuon.experts import ExpertStack, is_expert_piece
+from dmuon.fqn import canonical_fqn
 from dmuon.hooks import get_dedicated_state
 from dmuon.muon_update import BATCH_BYTES, BATCHED_NUMEL, apply_updates_, normalized_inputs_
 from dmuon.nonfinite import check_policy
@@ -556,6 +557,7 @@ def _param_facts(model: nn.Module, dedicated) -> tuple[list[ParamFacts], dict[st
     facts: list[ParamFacts] = []
     local: dict[str, torch.Tensor] = {}
     for name, param in model.named_parameters():
+        name = canonical_fqn(name)  # as dedicate_params names them: see ``dmuon.fqn``
         stack = dedicated.stacks.get(name)
         if stack is not None:  # one row for the stack; this rank's tensors: its owned pieces
             if stack.requires_grad:

@@ -103,15 +103,9 @@ class DedicatedPlaceholder(nn.Parameter):
         }
     )
 
-    # True while the module's own state_dict() runs: it detaches every parameter, and dmuon's
-    # state-dict hook then replaces the placeholder's entry (see ``module_state``).
-    in_state_dict: bool = False
-
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
-        if func in cls._VALUE_READS and not (
-            func is torch.Tensor.detach and getattr(args[0], "in_state_dict", False)
-        ):
+        if func in cls._VALUE_READS:
             what = "reading .data" if func is _DATA_GETTER else f"{func.__name__}()"
             raise RuntimeError(PLACEHOLDER_VALUE_ERROR.format(what=what))
         if _writes_into_placeholder(func, args):

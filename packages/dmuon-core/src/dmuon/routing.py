@@ -13,7 +13,9 @@ for a dedicated parameter, a meta tensor of its full shape, dtype and ``requires
 "stand-in"), and FSDP2's parameters as they are (DTensors with the full shape). Every rank then
 plans the same groups, in the same order, with the same hyperparameters; only the tensors a group
 holds on a rank differ (the masters it owns, FSDP2's local shards). ``Muon`` checks that
-agreement once at construction, with its other facts.
+agreement once at construction, with its other facts. Every FQN here is canonical (wrapper
+segments such as ``_checkpoint_wrapped_module`` and ``_orig_mod`` left out, see ``dmuon.fqn``):
+predicates receive canonical names, and ``param_groups`` FQN lists may spell a name either way.
 
 [Note: torch groups]
 Each torch group has one update rule (its ``"route"`` key: ``"muon"`` or ``"adamw"``; the
@@ -37,6 +39,7 @@ import torch
 from torch import nn
 
 from dmuon._text import preview_names
+from dmuon.fqn import canonical_fqn
 
 MUON_ROUTE = "muon"
 ADAMW_ROUTE = "adamw"
@@ -149,15 +152,15 @@ def plan_groups(
     ``no_decay`` holds the FQNs the no-decay rule selects. Raises ValueError or TypeError for a
     malformed ``param_groups`` entry, naming it and the fix.
     """
-    user_groups = list(param_groups or ())
     if param_groups is not None and not isinstance(param_groups, (list, tuple)):
         raise TypeError(
             f"dmuon.Muon: param_groups must be a list of dicts, got {type(param_groups).__name__}"
             ': param_groups=[{"params": ["lm_head.weight"], "lr": 1e-4}, ...].'
         )
     known = {f.fqn for f in facts}
-    for index, spec in enumerate(user_groups):
+    for index, spec in enumerate(param_groups or ()):
         _check_group_spec(index, spec, known)
+    user_groups = [_with_canonical_names(spec) for spec in param_groups or ()]
 
     members: dict[str, int | None] = {f.fqn: _first_match(f, user_groups) for f in facts}
     for index, spec in enumerate(user_groups):
@@ -269,7 +272,7 @@ def no_decay_fqns(model: nn.Module, no_decay: NoDecay, facts: Sequence[ParamFact
         )
     patterns = [re.compile(pattern) for pattern in HF_NO_DECAY_NAME_PATTERNS]
     norm_prefixes = [
-        f"{name}." if name else ""
+        f"{canonical_fqn(name)}." if name else ""
         for name, module in model.named_modules()
         if isinstance(module, HF_NO_DECAY_LAYER_TYPES)
     ]
@@ -282,6 +285,14 @@ def no_decay_fqns(model: nn.Module, no_decay: NoDecay, facts: Sequence[ParamFact
 
 
 # ---- user groups ------------------------------------------------------------------------------
+
+
+def _with_canonical_names(spec: Mapping[str, Any]) -> Mapping[str, Any]:
+    """A group whose FQN list may spell names with wrapper segments, listing canonical ones."""
+    params = spec["params"]
+    if callable(params):
+        return spec
+    return {**spec, "params": [canonical_fqn(name) for name in params]}
 
 
 def _first_match(f: ParamFacts, user_groups: Sequence[Mapping[str, Any]]) -> int | None:
@@ -355,7 +366,7 @@ def _check_group_spec(index: int, spec: Any, known: set[str]) -> None:
                 f"{where}['params'] must be a list of FQNs or a predicate (name, param) -> bool, "
                 f"got {type(params).__name__}: {params!r}.{hint}"
             )
-        missing = [name for name in params if name not in known]
+        missing = [name for name in params if canonical_fqn(name) not in known]
         if missing:
             raise ValueError(
                 f"{where}['params'] names {len(missing)} parameters the optimizer does not "

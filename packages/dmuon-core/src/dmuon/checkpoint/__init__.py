@@ -1,7 +1,8 @@
 """Save, resume, export and reshard a dmuon model and its ``dmuon.Muon`` optimizer.
 
 The functions and semantics of ``torch.distributed.checkpoint.state_dict``, for dmuon models
-(torch's own functions raise on them: the dedicated weights live on their owners)::
+(torch's own cannot serve them: the optimizer's state lives on the owners' fp32 masters, and a
+full state dict needs each dedicated weight from its owner; they raise, naming these)::
 
     from torch.distributed.checkpoint.state_dict import StateDictOptions
     import dmuon.checkpoint as dckpt

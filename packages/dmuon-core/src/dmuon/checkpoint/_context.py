@@ -133,6 +133,7 @@ def checkpoint_context(model: nn.Module, options: StateDictOptions | None) -> Ch
     # A publish in flight still writes the replicas' copies: let it land before reading or
     # overwriting any weight.
     state.wait_all_replicate_broadcasts()
+    state.publish_loaded_masters()
     mesh = state.mesh
     rank = dist.get_rank() if dist.is_initialized() else 0
     grid_lowest = min(rank for row in mesh.rank_grid for rank in row)

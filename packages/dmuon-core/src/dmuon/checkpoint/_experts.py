@@ -5,40 +5,26 @@ A stack is dedicated as expert pieces with different owners ([Note: expert stack
 dict and for each tensor of its optimizer state (Muon's momentum, AdamW's moments):
 
 - sharded: a value of the stack's full shape whose local shards are the pieces' tensors this
-  rank owns, ``[start, stop)`` along the expert dim (see [Note: sharded stacks]). Every owner
-  writes its experts once, and ``torch.distributed.checkpoint.load`` reads the experts of any
-  saved layout (other slices, one process) straight into them. A stack of one piece (one owner
-  slot) is its plain tensor. A 0-dim entry (AdamW's ``step``, the same for every piece) is the
-  first owned piece's.
+  rank owns, ``[start, stop)`` along the expert dim (see [Note: sharded stacks] in
+  ``dmuon.module_state``: it is the model's own state-dict entry, built here from offloaded
+  tensors when the options ask). Every owner writes its experts once, and
+  ``torch.distributed.checkpoint.load`` reads the experts of any saved layout (other slices, one
+  process) straight into them. A rank that owns every piece holds the plain tensor. A 0-dim
+  entry (AdamW's ``step``, the same for every piece) is the first owned piece's.
 - full: each piece gathered from its owner (one piece in flight at a time), concatenated on the
   ranks that keep full tensors.
 
 It must not know the layout of the state dicts around the entries (``_model`` and ``_optim``).
-
-[Note: sharded stacks]
-The pieces of a stack are contiguous expert ranges placed by the partition, not the even chunks
-of a ``Shard(0)`` placement, so a plain DTensor cannot describe them, and ``ShardedTensor`` is
-deprecated (every torch function on it warns). A sharded stack is a ``DTensor`` over the
-ownership grid's ranks whose local tensor is torch's ``LocalShardsWrapper`` (the checkpoint
-protocol's holder of arbitrary local chunks): DCP takes its chunks, offsets included, from the
-wrapper, writes and reads them in place, and sees the DTensor's global shape. Nothing but DCP
-and ``piece_value`` should compute with it. torch's wrapper takes the identity view that
-``DTensor.from_local`` makes only for 1-D and 2-D chunks when a rank holds several, so stacks use
-``_ExpertShards``, which takes it for (e, m, n) chunks too.
 """
 
 from __future__ import annotations
 
 import torch
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard
-from torch.distributed.tensor._shards_wrapper import LocalShardsWrapper
 
 from dmuon.checkpoint._context import CheckpointContext
 from dmuon.experts import ExpertStack
+from dmuon.module_state import piece_value, stack_entry
 from dmuon.param import DedicatedParam
-
-aten = torch.ops.aten
 
 # ---- the model's weights --------------------------------------------------------------------
 
@@ -131,23 +117,6 @@ def load_piece_state(piece: DedicatedParam, target: dict, entries: dict) -> None
         tensor.copy_(value if tensor.ndim == 0 else piece_value(piece, value))
 
 
-def piece_value(piece: DedicatedParam, value: torch.Tensor) -> torch.Tensor:
-    """Experts ``[start, stop)`` of a stack's value: a slice of a full tensor, or this rank's
-    shard of a sharded value ``dmuon.checkpoint`` built on this layout."""
-    start, stop = piece.experts
-    local = value._local_tensor if isinstance(value, DTensor) else None
-    if not isinstance(local, LocalShardsWrapper):
-        return value[start:stop]
-    for shard, offsets in zip(local.local_shards(), local.local_offsets()):
-        if offsets[0] == start and len(shard) == stop - start:
-            return shard
-    raise ValueError(
-        f"dmuon.checkpoint: the sharded value given for {piece.stack.fqn} holds no shard of "
-        f"experts [{start}, {stop}) on this rank; load sharded checkpoints into the state dict "
-        "dmuon.checkpoint.get_state_dict returns on this layout, or pass a full tensor."
-    )
-
-
 # ---- building the values --------------------------------------------------------------------
 
 
@@ -175,39 +144,8 @@ def _gathered(
 def _sharded(
     ctx: CheckpointContext, stack: ExpertStack, owned: dict[DedicatedParam, torch.Tensor]
 ) -> torch.Tensor | None:
-    """The (E, ...) value whose local shards are ``owned`` (piece -> its tensor); see [Note:
-    sharded stacks]."""
-    if not owned:
-        return None
-    if len(stack.pieces) == 1:
-        return ctx.offloaded(owned[stack.pieces[0]])
-    pieces = sorted(owned, key=lambda piece: piece.experts[0])
-    tensors = [ctx.offloaded(owned[piece]) for piece in pieces]
-    trailing = (0,) * (tensors[0].ndim - 1)
-    local = _ExpertShards(tensors, [(piece.experts[0], *trailing) for piece in pieces])
-    mesh = DeviceMesh.from_group(ctx.group, tensors[0].device.type)
-    shape = torch.Size([stack.num_experts, *tensors[0].shape[1:]])
-    return DTensor.from_local(
-        local, mesh, [Shard(0)], run_check=False, shape=shape, stride=_contiguous_strides(shape)
+    """The (E, ...) value whose local shards are ``owned`` (piece -> its tensor), offloaded as
+    the options say."""
+    return stack_entry(
+        stack, {piece: ctx.offloaded(tensor) for piece, tensor in owned.items()}, ctx.group
     )
-
-
-class _ExpertShards(LocalShardsWrapper):
-    """torch's ``LocalShardsWrapper``, plus the identity view of several (e, m, n) chunks."""
-
-    @staticmethod
-    def handle_view(args, kwargs) -> LocalShardsWrapper:
-        wrapper, shape = args[0], args[1]
-        if len(wrapper.local_shards()) > 1 and tuple(shape) == tuple(wrapper.shape):
-            # DTensor.from_local's view_as(itself): a view of each chunk, as torch does in 2-D.
-            views = [aten.view.default(shard, shard.shape) for shard in wrapper.local_shards()]
-            return _ExpertShards(views, wrapper.local_offsets())
-        return LocalShardsWrapper.handle_view(args, kwargs)
-
-
-def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
-    strides, step = [], 1
-    for size in reversed(shape):
-        strides.append(step)
-        step *= size
-    return tuple(reversed(strides))

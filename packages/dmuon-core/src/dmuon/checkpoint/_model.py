@@ -1,11 +1,17 @@
 """The model half of ``dmuon.checkpoint``: a dmuon model's weights as a state dict, and back.
 
-Keys are the model's own FQNs, exactly those of ``model.state_dict()`` on the un-wrapped model.
-Values by mode:
+Keys are canonical FQNs (``dmuon.fqn``): those of ``model.state_dict()`` on the plain model,
+with no wrapper segment (``_checkpoint_wrapped_module``, ``_orig_mod``), so a checkpoint moves
+between runs with activation checkpointing or ``torch.compile`` on and off, and to and from a
+stock (non-dmuon) model's ``torch.distributed.checkpoint.state_dict``. The dict is read through
+``model.state_dict()`` and written through ``model.load_state_dict()``, so other modules'
+state-dict hooks (a fused projection split into ``wq`` / ``wk`` / ``wv`` keys, say) apply as
+they do on a stock model. Values by mode:
 
 - sharded (default): a dedicated matrix appears on its owner rank only, as its fp32 master (the
-  tensor itself, so ``torch.distributed.checkpoint.load`` writes into it); FSDP2's parameters
-  are their DTensors; everything else is the plain tensor every rank holds.
+  tensor itself, so ``torch.distributed.checkpoint.load`` writes into it; see [Note: a dedicated
+  parameter's state-dict entry] in ``dmuon.module_state``); FSDP2's parameters are their
+  DTensors; everything else is the plain tensor every rank holds.
 - ``full_state_dict=True``: every value is the full tensor in the parameter's own dtype, on
   every rank, or with ``cpu_offload=True`` on the CPU of the receiving rank only (the lowest
   rank of the ownership grid; rank 0 for a mesh over all ranks), the others getting ``{}``.
@@ -13,16 +19,20 @@ Values by mode:
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions
 from torch.distributed.tensor import DTensor, distribute_tensor
-from torch.nn.modules.module import _IncompatibleKeys
+from torch.distributed.tensor._shards_wrapper import LocalShardsWrapper
+from torch.nn.modules.module import _EXTRA_STATE_KEY_SUFFIX, _IncompatibleKeys
 
 from dmuon.checkpoint._context import CheckpointContext, checkpoint_context
 from dmuon.checkpoint._experts import load_stack_values, stack_model_entry, stack_value_error
 from dmuon.experts import ExpertStack
-from dmuon.module_state import DedicatedEntry, dedicated_entries_applied, entries_as_markers
+from dmuon.fqn import canonical_fqn, state_dict_key
+from dmuon.module_state import loading_elsewhere, read_with
 from dmuon.param import DedicatedParam
 
 
@@ -35,34 +45,41 @@ def get_model_state_dict(
     ``dmuon.checkpoint`` calls.
     """
     ctx = checkpoint_context(model, options)
-    with entries_as_markers(ctx.state):
+    with read_with(ctx.state, lambda p: _dedicated_entry(ctx, p)):
         raw = model.state_dict()
     frozen = _frozen_names(model) if ctx.options.ignore_frozen_params else set()
     result: dict[str, object] = {}
     for key, value in raw.items():
-        if key in frozen:
+        fqn = canonical_fqn(key)
+        if fqn in frozen:
             continue
         value = _entry(ctx, value)
         if value is not None:
-            result[key] = value
+            result[fqn] = value
     return result if not ctx.full or ctx.keeps_full else {}
 
 
+def _dedicated_entry(ctx: CheckpointContext, p: DedicatedParam | ExpertStack) -> object | None:
+    """What ``model.state_dict()`` holds for ``p`` on this rank in this mode (None: no key).
+    Full values are gathered from the owner here, in module order on every rank."""
+    if isinstance(p, ExpertStack):
+        return stack_model_entry(ctx, p)  # one (E, m, n) entry, see ``_experts``
+    owned = _owned_value(p)
+    if not ctx.full:
+        return owned
+    if owned is not None:
+        owned = owned.to(p.placeholder.dtype)
+        owned = owned.full_tensor() if isinstance(owned, DTensor) else owned
+    return ctx.full_from_owner(ctx.owner_rank(p), owned, tuple(p.shape), p.placeholder.dtype)
+
+
 def _entry(ctx: CheckpointContext, value: object) -> object | None:
-    if isinstance(value, DedicatedEntry) and isinstance(value.param, ExpertStack):
-        return stack_model_entry(ctx, value.param)  # one (E, m, n) entry, see ``_experts``
-    if isinstance(value, DedicatedEntry):
-        p = value.param
-        owned = _owned_value(p)
-        if ctx.full:
-            if owned is not None:
-                owned = owned.to(p.placeholder.dtype)
-                owned = owned.full_tensor() if isinstance(owned, DTensor) else owned
-            return ctx.full_from_owner(
-                ctx.owner_rank(p), owned, tuple(p.shape), p.placeholder.dtype
-            )
-        return ctx.offloaded(owned) if owned is not None else None
+    """A value of ``model.state_dict()`` (after every module's hooks) as this mode holds it."""
+    if isinstance(value, DTensor) and isinstance(value._local_tensor, LocalShardsWrapper):
+        return value  # a sharded expert stack, offloaded as it was built
     if isinstance(value, DTensor):
+        # In a full state dict every DTensor left is FSDP2's (or a value hooks made of one), on
+        # every rank: the gathers pair up. Dedicated values were gathered by the entry maker.
         return ctx.full_from_shards(value) if ctx.full else ctx.offloaded(value)
     if ctx.full and not ctx.keeps_full:
         return None
@@ -86,58 +103,58 @@ def set_model_state_dict(
 ) -> _IncompatibleKeys:
     """Load ``model_state_dict`` (sharded or full) into every copy of the weights.
 
-    Dedicated values go into the owners' fp32 masters, then to every copy that serves forward
-    (local segments, HSDP replicas) before this returns; FSDP2's parameters take their local
-    shards. Collective. With ``strict`` (the default) missing, unexpected or mis-shaped keys raise
-    on every rank, naming them, before any weight changes.
+    The dict goes through ``model.load_state_dict``, so other modules' load hooks (a fused
+    projection merging ``wq`` / ``wk`` / ``wv``) apply first; every value they leave is then
+    checked before any weight changes. Dedicated values go into the owners' fp32 masters, then to
+    every copy that serves forward (local segments, HSDP replicas) before this returns; FSDP2's
+    parameters take their local shards. Collective. With ``strict`` (the default) missing,
+    unexpected or mis-shaped keys raise on every rank, naming them, before any weight changes.
     """
     ctx = checkpoint_context(model, options)
-    with entries_as_markers(ctx.state):
-        current = model.state_dict()
+    found = _Found(dedicated=_dedicated_by_placeholder(ctx))
+    keyed = {state_dict_key(model, key): value for key, value in model_state_dict.items()}
+    handles = [
+        module.register_load_state_dict_pre_hook(found.take_values)
+        for module in model.modules()
+        if module._parameters or module._buffers or _has_extra_state(module)
+    ]
+    try:
+        with loading_elsewhere(ctx.state):
+            incompatible = model.load_state_dict(keyed, strict=False)
+    finally:
+        for handle in handles:
+            handle.remove()
+
     frozen = _frozen_names(model) if ctx.options.ignore_frozen_params else set()
-    to_load: dict[str, object] = {}
     masters: list[tuple[DedicatedParam, torch.Tensor]] = []
-    missing, unexpected, errors = [], [], []
     stacks: list[tuple[ExpertStack, torch.Tensor]] = []
-    for key, target in current.items():
-        value = model_state_dict.get(key)
-        if isinstance(target, DedicatedEntry) and isinstance(target.param, ExpertStack):
-            stack = target.param
-            to_load[key] = stack.placeholder  # keeps load_state_dict's strict check quiet
-            if not stack.owned_pieces():
-                continue  # the owners of its pieces load it
-            if value is None:
-                if key not in frozen:
-                    missing.append(key)
-            elif (error := stack_value_error(key, stack, value)) is not None:
+    copies: list[tuple[torch.Tensor, torch.Tensor]] = []
+    missing, errors = [], []
+    for key, target, value in found.values:
+        p = found.dedicated.get(id(target))
+        if value is None:
+            # Only a dedicated value's owner looks for it (a sharded dict is per rank).
+            if key not in frozen and (p is None or _owns_part(p)):
+                missing.append(key)
+        elif isinstance(p, ExpertStack):
+            if (error := stack_value_error(key, p, value)) is not None:
                 errors.append(error)
-            else:
-                stacks.append((stack, value))
-            continue
-        if isinstance(target, DedicatedEntry):
-            p = target.param
-            to_load[key] = p.placeholder  # keeps load_state_dict's strict check quiet
-            if p.master is None:
-                continue  # the owner loads it
-            if value is None:
-                if key not in frozen:
-                    missing.append(key)
-                continue
+            elif p.owned_pieces():
+                stacks.append((p, value))
+        elif p is not None:
             if _global_shape(value) != tuple(p.shape):
                 errors.append(_shape_error(key, value, p.shape))
-                continue
-            masters.append((p, value))
-        elif value is None:
-            if key not in frozen:
-                missing.append(key)
+            elif p.master is not None:
+                masters.append((p, value))
         elif _global_shape(value) != _global_shape(target):
             errors.append(_shape_error(key, value, _global_shape(target)))
         else:
-            to_load[key] = _shard_like(target, value)
-    unexpected = [key for key in model_state_dict if key not in current]
-    # Only a dedicated value's owner looks for it: every rank reports what any rank missed.
-    missed_anywhere = {key for found in ctx.all_gather(missing) for key in found}
-    missing_everywhere = [key for key in current if key in missed_anywhere]
+            copies.append((target, _shard_like(target, value)))
+    missing += [key for key, value in found.extra_states if value is None]
+    unexpected = list(dict.fromkeys(canonical_fqn(key) for key in incompatible.unexpected_keys))
+    # Every rank reports what any rank missed, in the model's order.
+    missed_anywhere = {key for found_here in ctx.all_gather(missing) for key in found_here}
+    missing_everywhere = [key for key in found.order if key in missed_anywhere]
     if ctx.options.strict:
         errors += [f"missing key {key}" for key in missing]
         errors += [f"unexpected key {key}" for key in unexpected]
@@ -146,15 +163,81 @@ def set_model_state_dict(
     with torch.no_grad():
         for p, value in masters:
             p.master.copy_(p.local_value(value))
-    load_stack_values(stacks)
-    with dedicated_entries_applied(ctx.state):
-        model.load_state_dict(to_load, strict=False)
+        load_stack_values(stacks)
+        for target, value in copies:
+            target.copy_(value)
+    for key, value in found.extra_states:
+        if value is not None:
+            found.extra_state_modules[key].set_extra_state(value)
     ctx.state.publish_masters()
     return _IncompatibleKeys(missing_everywhere, unexpected)
 
 
+@dataclass(slots=True)
+class _Found:
+    """Every value ``load_state_dict`` would load, by canonical key, taken from it instead (so
+    that nothing changes before every value is checked)."""
+
+    dedicated: dict[int, DedicatedParam | ExpertStack]  # id(placeholder) -> what it stands for
+    values: list[tuple[str, torch.Tensor, object | None]] = field(default_factory=list)
+    extra_states: list[tuple[str, object | None]] = field(default_factory=list)
+    extra_state_modules: dict[str, nn.Module] = field(default_factory=dict)
+    order: list[str] = field(default_factory=list)
+
+    def take_values(
+        self,
+        module: nn.Module,
+        state_dict: dict,
+        prefix: str,
+        local_metadata: dict,
+        strict: bool,
+        missing_keys: list[str],
+        unexpected_keys: list[str],
+        error_msgs: list[str],
+    ) -> None:
+        """A load pre-hook, registered last on ``module``: after the module's own hooks, take
+        the values of its parameters and persistent buffers out of ``state_dict``."""
+        local = [*module._parameters.items()]
+        local += [
+            (name, buffer)
+            for name, buffer in module._buffers.items()
+            if name not in module._non_persistent_buffers_set
+        ]
+        for name, target in local:
+            if target is None:
+                continue
+            key = canonical_fqn(prefix + name)
+            self.order.append(key)
+            self.values.append((key, target, state_dict.pop(prefix + name, None)))
+        if _has_extra_state(module):
+            key = canonical_fqn(prefix + _EXTRA_STATE_KEY_SUFFIX)
+            self.order.append(key)
+            self.extra_states.append((key, state_dict.pop(prefix + _EXTRA_STATE_KEY_SUFFIX, None)))
+            self.extra_state_modules[key] = module
+
+
+def _dedicated_by_placeholder(ctx: CheckpointContext) -> dict[int, DedicatedParam | ExpertStack]:
+    dedicated: dict[int, DedicatedParam | ExpertStack] = {}
+    for p in ctx.state.params.values():
+        dedicated[id(p.placeholder)] = p.stack if p.stack is not None else p
+    return dedicated
+
+
+def _owns_part(p: DedicatedParam | ExpertStack) -> bool:
+    if isinstance(p, ExpertStack):
+        return bool(p.owned_pieces())
+    return p.master is not None
+
+
+def _has_extra_state(module: nn.Module) -> bool:
+    """Whether torch would load an ``_extra_state`` entry into ``module``."""
+    return type(module).set_extra_state is not nn.Module.set_extra_state
+
+
 def _frozen_names(model: nn.Module) -> set[str]:
-    return {name for name, param in model.named_parameters() if not param.requires_grad}
+    return {
+        canonical_fqn(name) for name, param in model.named_parameters() if not param.requires_grad
+    }
 
 
 def _global_shape(value: object) -> tuple[int, ...] | None:

@@ -9,7 +9,9 @@ or, with ``flatten_optimizer_state_dict=True``, ``{"state.<fqn>.<name>": ..., "p
 <key>": ...}``. A Muon momentum has the parameter's shape. Where a tensor lives follows the model
 state dict's rules (``_model``): sharded, an owner's entries on the owner only and FSDP2's as
 DTensors; full, every tensor whole. Each group's ``params`` lists the FQNs of the whole model
-(not only this rank's), identical on every rank, so a checkpoint loads on any layout.
+(not only this rank's), identical on every rank, so a checkpoint loads on any layout. FQNs are
+canonical (``dmuon.fqn``): no wrapper segment, so a checkpoint written with activation
+checkpointing or ``torch.compile`` wrappers on loads with them off, and the other way.
 
 [Note: state starts fresh on a change of route]
 A parameter's entries are loaded only when the checkpoint has every entry its route needs here.
@@ -31,6 +33,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from dmuon._text import preview_names
 from dmuon.checkpoint._context import CheckpointContext, checkpoint_context
 from dmuon.checkpoint._experts import load_piece_state, stack_optimizer_entries
+from dmuon.fqn import canonical_fqn
 from dmuon.optim import Muon
 from dmuon.tp import TensorParallelLayout
 
@@ -139,6 +142,7 @@ class _ParamIndex:
         self.fqn_of: dict[int, str] = {}
         self.canonical_order: list[str] = []
         for name, param in model.named_parameters():
+            name = canonical_fqn(name)
             self.canonical_order.append(name)
             if name in self.stacks:
                 for piece in self.stacks[name].owned_pieces():
