@@ -103,6 +103,15 @@ def test_an_asynchronous_publish_is_hidden_behind_the_next_forward_and_a_synchro
     assert asynchronous.step_ms < synchronous.step_ms
 
 
+def test_the_timeline_shows_the_previous_steps_publish_running_into_the_step():
+    layout = Layout(num_shards=2, num_replicas=4, gpus_per_node=2)
+    prediction = run(layout, systems=("dmuon-z3",))["dmuon-z3"]
+    carried = [span for span in prediction.spans if span["step"] == -1]
+    assert carried and {span["kind"] for span in carried} == {"replicate publish"}
+    assert all(span["end_ms"] > 0 for span in carried)
+    assert all(span["start_ms"] < prediction.step_ms for span in prediction.spans)
+
+
 def test_a_publish_longer_than_the_next_forward_delays_it():
     slow_network = dataclasses.replace(
         NO_FLOORS, network=Link(bandwidth_gbps=0.05, latency_us=10.0)

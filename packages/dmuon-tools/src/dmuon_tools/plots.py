@@ -133,6 +133,14 @@ def plot_comm_bytes(
     return _save(figure, path)
 
 
+# Rows of a timeline, top to bottom; streams not listed follow in the order they appear.
+_STREAM_ORDER = (
+    "compute",
+    "fsdp2 all-gather",
+    "dmuon shard",
+    "fsdp2 reduce-scatter",
+    "dmuon replicate",
+)
 # One colour per kind of operation in a timeline; kinds not listed are grey.
 _KIND_COLOURS = {
     "forward": "tab:blue",
@@ -166,7 +174,9 @@ def plot_timeline(simulation: Simulation, path: str | Path, *, title: str | None
     axes_list = figure.subplots(len(predictions), 1, sharex=True, squeeze=False)[:, 0]
     seen: dict[str, object] = {}
     for axes, prediction in zip(axes_list, predictions):
-        streams = list(dict.fromkeys(span["stream"] for span in prediction.spans))
+        present = dict.fromkeys(span["stream"] for span in prediction.spans)
+        streams = [s for s in _STREAM_ORDER if s in present]
+        streams += [s for s in present if s not in streams]
         for row, stream in enumerate(streams):
             spans = [s for s in prediction.spans if s["stream"] == stream]
             for kind in dict.fromkeys(s["kind"] for s in spans):

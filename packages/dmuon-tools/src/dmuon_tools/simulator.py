@@ -144,6 +144,8 @@ def simulate_system(
             entry["count"] += 1
     optimizer_start = min((op.start_ms for op in ops if op.phase == "step"), default=second_end)
     memory = memory_gib(_memory_inputs(system, model, layout, workload, owners.owned_numel_max))
+    # The timeline shows what runs inside the step's window: its own operations and what the
+    # step before left running into it (an asynchronous publish), the latter with "step": -1.
     spans = tuple(
         {
             "name": op.name,
@@ -151,10 +153,13 @@ def simulate_system(
             "resource": op.resource,
             "kind": op.kind,
             "layer": op.layer,
+            "step": op.step - 1,
             "start_ms": op.start_ms - first_end,
             "end_ms": op.end_ms - first_end,
         }
-        for op in ops
+        for op in timeline.ops
+        if op.start_ms < second_end
+        and (op.step == 1 or (op.kind == "replicate publish" and op.end_ms > first_end))
     )
     return Prediction(
         system=system.name,
