@@ -263,7 +263,7 @@ def train_save_and_resume(*, output_dir: str) -> dict:
 
 
 def _fsdp_arguments(
-    output_dir: str, fsdp_config: dict | None = None, **overrides
+    output_dir: str, fsdp_config: dict | None = None, *, fsdp: bool = True, **overrides
 ) -> TrainingArguments:
     settings = dict(
         output_dir=output_dir,
@@ -275,9 +275,9 @@ def _fsdp_arguments(
         dataloader_num_workers=0,
         disable_tqdm=True,
         seed=0,
-        fsdp=True,
-        fsdp_config={"fsdp_version": 2, **(fsdp_config or {})},
     )
+    if fsdp:
+        settings.update(fsdp=True, fsdp_config={"fsdp_version": 2, **(fsdp_config or {})})
     settings.update(overrides)
     return TrainingArguments(**settings)
 
@@ -301,10 +301,26 @@ def train_with_fsdp_arguments(
     fsdp_config: dict | None = None,
     gradient_checkpointing: bool = False,
     replicas: int = 1,
+    launcher_environment: dict[str, str] | None = None,
+    fsdp: bool = True,
 ) -> dict:
     """A plain tiny Llama through DMuonTrainer with TrainingArguments(fsdp=...): what the trainer
     made of the model, and the run against the single-process reference. ``replicas`` > 1: HSDP
-    through ``parallelism_config``."""
+    through ``parallelism_config``. ``launcher_environment``: no fsdp argument, the FSDP2 config
+    in the variables ``accelerate launch`` sets (restored afterwards)."""
+    if launcher_environment is not None:
+        saved = {name: os.environ.get(name) for name in launcher_environment}
+        os.environ.update(launcher_environment)
+        try:
+            return train_with_fsdp_arguments(
+                steps=steps, per_device_batch=per_device_batch, fsdp=False
+            )
+        finally:
+            for name, value in saved.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
     from accelerate import ParallelismConfig
 
     os.environ.setdefault("LOCAL_RANK", str(dist.get_rank()))
@@ -321,6 +337,7 @@ def train_with_fsdp_arguments(
         args = _fsdp_arguments(
             output_dir,
             fsdp_config,
+            fsdp=fsdp,
             **hsdp,
             max_steps=steps,
             per_device_train_batch_size=per_device_batch,

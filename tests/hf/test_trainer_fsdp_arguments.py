@@ -73,3 +73,24 @@ def test_hsdp_from_parallelism_config_matches_the_reference_on_four_ranks(pool4)
     for result in results:
         assert result["owner_grid"] == (2, 2)
         assert_matches_reference(result)
+
+
+def test_an_accelerate_launch_fsdp2_config_is_taken_over_like_the_training_arguments(pool2):
+    # What `accelerate launch --config_file fsdp2.yaml` puts in the environment, no fsdp argument.
+    launcher = {
+        "ACCELERATE_USE_FSDP": "true",
+        "FSDP_VERSION": "2",
+        "FSDP_AUTO_WRAP_POLICY": "TRANSFORMER_BASED_WRAP",
+        "FSDP_RESHARD_AFTER_FORWARD": "false",
+    }
+    results = pool2.run(
+        scenarios_hf.train_with_fsdp_arguments,
+        steps=STEPS,
+        per_device_batch=2,
+        launcher_environment=launcher,
+    )
+    for result in results:
+        assert result["fsdp_units"] == ["", "model.layers.0", "model.layers.1"]
+        assert result["reshard_after_forward"] == {False}
+        assert result["accelerator_distributed_type"] == "DistributedType.MULTI_CPU"
+        assert_matches_reference(result)
