@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 import dmuon
 from dmuon.testing import dedicate_and_shard
 from dmuon_kernels.newton_schulz import NewtonSchulz
-from tests.distributed.models import TinyDecoder, batches, proj_predicate
+from tests.distributed.models import DIM, FFN, TinyDecoder, batches, proj_predicate
 from tests.distributed.scenarios_protocol import (
     TrainConfig,
     build_reference,
@@ -141,9 +141,18 @@ def _mean_over_ranks(value: float) -> float:
     return total.item() / dist.get_world_size()
 
 
-def init_after_adoption(adopt_by: str) -> str:
+# Ways user code writes into a weight after ``to_empty``, each on a dedicated matrix.
+LATE_INITS = {
+    "nn.init.normal_": lambda block: nn.init.normal_(block.up_proj.weight, std=0.1),
+    "reset_parameters": lambda block: block.up_proj.reset_parameters(),  # kaiming_uniform_
+    "copy_": lambda block: block.up_proj.weight.copy_(torch.ones(FFN, DIM)),
+    "fill_": lambda block: block.q_proj.weight.fill_(0.5),
+}
+
+
+def init_after_adoption(adopt_by: str) -> dict[str, str]:
     """The weights initialised only after dmuon adopted them (``adopt_by``: constructing
-    ``dmuon.Muon``, or a first forward): the error the initialisation raises."""
+    ``dmuon.Muon``, or a first forward): the error each way of initialising raises."""
     with torch.device("meta"):
         model = TinyDecoder()
     dedicate_and_shard(model, "cpu", 1, True)
@@ -153,8 +162,12 @@ def init_after_adoption(adopt_by: str) -> str:
     else:
         with torch.no_grad():
             model(torch.zeros(1, 4, dtype=torch.long))
-    try:
-        init_weights(model, "apply")
-    except RuntimeError as error:
-        return str(error)
-    return "no error"
+    messages = {}
+    for way, init in LATE_INITS.items():
+        try:
+            with torch.no_grad():
+                init(model.layers[0])
+            messages[way] = "no error"
+        except RuntimeError as error:
+            messages[way] = str(error)
+    return messages

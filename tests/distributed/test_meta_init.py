@@ -30,9 +30,12 @@ def test_a_meta_built_model_initialised_after_to_empty_trains_like_the_reference
 
 @pytest.mark.parametrize("adopt_by", ["muon", "forward"])
 def test_initialising_after_dmuon_adopted_the_weights_raises_with_the_fix(pool2, adopt_by):
-    for message in pool2.run(init_after_adoption, adopt_by=adopt_by):
-        assert "writes into the placeholder of a dedicated parameter" in message
-        assert "after model.to_empty(device=...) and before dmuon.Muon(...)" in message
+    for messages in pool2.run(init_after_adoption, adopt_by=adopt_by):
+        # nn.init's functions, Linear.reset_parameters and in-place tensor methods alike.
+        assert set(messages) == {"nn.init.normal_", "reset_parameters", "copy_", "fill_"}
+        for way, message in messages.items():
+            assert "writes into the placeholder of a dedicated parameter" in message, way
+            assert "after model.to_empty(device=...) and before dmuon.Muon(...)" in message, way
 
 
 @pytest.mark.parametrize(

@@ -108,7 +108,7 @@ class DedicatedPlaceholder(nn.Parameter):
         if func in cls._VALUE_READS:
             what = "reading .data" if func is _DATA_GETTER else f"{func.__name__}()"
             raise RuntimeError(PLACEHOLDER_VALUE_ERROR.format(what=what))
-        if _writes_into_placeholder(func, args):
+        if _writes_into_placeholder(func, args, kwargs or {}):
             raise RuntimeError(PLACEHOLDER_WRITE_ERROR.format(name=func.__name__))
         try:
             return torch._C._disabled_torch_function_impl(func, types, args, kwargs or {})
@@ -123,12 +123,13 @@ class DedicatedPlaceholder(nn.Parameter):
         raise RuntimeError(PLACEHOLDER_VALUE_ERROR.format(what="copy.deepcopy"))
 
 
-def _writes_into_placeholder(func, args: tuple) -> bool:
-    """An in-place method (``fill_``, ``normal_``, ``copy_``, ...) called on a placeholder; not
-    one on metadata, nor the placeholder loading itself, which ``load_state_dict`` does once
-    dmuon's hook has taken the value (see ``module_state``)."""
+def _writes_into_placeholder(func, args: tuple, kwargs: dict) -> bool:
+    """An in-place function (``fill_``, ``copy_``, ``nn.init.normal_``, ...) called on a
+    placeholder; not one on metadata, nor the placeholder loading itself, which
+    ``load_state_dict`` does once dmuon's hook has taken the value (see ``module_state``)."""
     name = getattr(func, "__name__", "")
-    if not args or not isinstance(args[0], DedicatedPlaceholder):
+    target = args[0] if args else kwargs.get("tensor")  # nn.init's functions pass it by name
+    if not isinstance(target, DedicatedPlaceholder):
         return False
     if not name.endswith("_") or name.startswith("_") or name in _METADATA_WRITES:
         return False
