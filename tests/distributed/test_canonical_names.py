@@ -57,9 +57,8 @@ def checkpoints(gloo_pool, tmp_path_factory):
     ("saved_with", "resumed_with", "via"),
     [
         ("ac", "", "dckpt"),
-        ("ac", "", "dcp"),
-        ("compile", "", "dckpt"),
-        ("", "ac+compile", "dcp"),
+        ("compile", "", "dcp"),
+        ("", "ac+compile", "dckpt"),
     ],
 )
 def test_a_checkpoint_resumes_with_other_wrappers_bit_identically(

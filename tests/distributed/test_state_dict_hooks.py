@@ -62,9 +62,15 @@ def checkpoints(gloo_pool, tmp_path_factory):
     return checkpoint_of
 
 
-@pytest.mark.parametrize("full", [False, True], ids=["sharded", "full"])
 @pytest.mark.parametrize(
-    ("saved_on", "resumed_on"), [("1d-2", "1d-2"), ("1d-2", "hsdp-2x2"), ("hsdp-2x2", "1d-3")]
+    ("saved_on", "resumed_on", "full"),
+    [
+        ("1d-2", "1d-2", False),
+        ("1d-2", "1d-2", True),
+        ("1d-2", "hsdp-2x2", True),
+        ("hsdp-2x2", "1d-3", False),
+    ],
+    ids=["1d-2-sharded", "1d-2-full", "to-hsdp-full", "hsdp-to-1d-3-sharded"],
 )
 def test_a_checkpoint_resumes_like_the_uninterrupted_run_and_the_reference(
     gloo_pool, checkpoints, saved_on, resumed_on, full

@@ -22,7 +22,8 @@ drops too (its ``_get_fqns``):
 - ``_fsdp_wrapped_module``: FSDP1's ``FullyShardedDataParallel``.
 
 DDP's ``module`` is not dropped: it is an ordinary name elsewhere, and dmuon is given the model
-inside ``DistributedDataParallel``, never the wrapper.
+inside ``DistributedDataParallel``, never the wrapper. Nor is a child that a module names in
+its own ``_fqn_modifiers()`` (torch's hook for modules whose state-dict hooks rename keys).
 """
 
 from __future__ import annotations
