@@ -52,7 +52,7 @@ _MIXED_PRECISION = {"no": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 @dataclass(frozen=True, slots=True)
 class ShardingRequest:
     """What the user asked for: the FSDP2 plugin, the optional HSDP layout, the mixed precision
-    (``"no"``, ``"bf16"`` or ``"fp16"``) and the predicate (None: ``default_predicate``)."""
+    (Accelerate's name: ``"no"`` or ``"bf16"``) and the predicate (None: ``default_predicate``)."""
 
     plugin: Any  # accelerate.utils.FullyShardedDataParallelPlugin
     parallelism_config: Any = None  # accelerate.ParallelismConfig or None
