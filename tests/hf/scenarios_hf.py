@@ -303,6 +303,7 @@ def train_with_fsdp_arguments(
     replicas: int = 1,
     launcher_environment: dict[str, str] | None = None,
     fsdp: bool = True,
+    bf16: bool = False,
 ) -> dict:
     """A plain tiny Llama through DMuonTrainer with TrainingArguments(fsdp=...): what the trainer
     made of the model, and the run against the single-process reference. ``replicas`` > 1: HSDP
@@ -344,6 +345,7 @@ def train_with_fsdp_arguments(
             gradient_accumulation_steps=accumulation,
             max_grad_norm=max_grad_norm,
             gradient_checkpointing=gradient_checkpointing,
+            bf16=bf16,
         )
         trainer = DMuonTrainer(
             model=model,
@@ -355,6 +357,17 @@ def train_with_fsdp_arguments(
         units = sorted(
             name for name, module in model.named_modules() if isinstance(module, FSDPModule)
         )
+        dtypes = {
+            "dedicated_compute": {p.param_dtype for p in view.params.values()},
+            "dedicated_reduce": {p.reduce_dtype for p in view.params.values()},
+            "masters": {p.master_dtype for p in view.params.values() if p.is_owner},
+            "fsdp_compute": {
+                module._get_fsdp_state()._mp_policy.param_dtype
+                for module in model.modules()
+                if isinstance(module, FSDPModule)
+            },
+            "fsdp_sharded": {p.dtype for p in model.parameters() if p.numel() > 0},
+        }
         trainer.train()
         # What save_pretrained gets: the full model on the first rank, keyed by canonical names
         # (no checkpoint-wrapper segments), every parameter of the reference present.
@@ -371,6 +384,7 @@ def train_with_fsdp_arguments(
     dist.broadcast_object_list(worst, src=0)
     return {
         "owner_grid": (view.grid.num_shards, view.grid.num_replicas),
+        "dtypes": {key: sorted(str(d) for d in value) for key, value in dtypes.items()},
         "dedicated": sorted(view.params),
         "reshard_after_forward": {b.reshard_after_forward for b in view.boundaries},
         "fsdp_units": units,
