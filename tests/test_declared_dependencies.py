@@ -26,6 +26,7 @@ DISTRIBUTION_OF = {
     "torch": "torch",
     "numpy": "numpy",
     "transformers": "transformers",
+    "accelerate": "accelerate",
     "safetensors": "safetensors",
     "matplotlib": "matplotlib",
     "triton": "triton",
@@ -40,7 +41,6 @@ DISTRIBUTION_OF = {
 # Needed at run time without an import of ours: distribution -> why.
 UNIMPORTED_REQUIREMENTS = {
     "dmuon-core": {"numpy": "torch.distributed.all_gather_object fails without numpy"},
-    "dmuon-hf": {"accelerate": "transformers.Trainer needs it"},
 }
 
 
