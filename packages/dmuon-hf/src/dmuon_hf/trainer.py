@@ -42,9 +42,9 @@ What a stock ``Trainer`` does, and what this subclass does instead:
 - ``place_model_on_device``: ``model.to(device)`` is never called; the model must already be on
   ``args.device``. ``Trainer._wrap_model`` (DataParallel when one process sees several GPUs)
   returns the model unchanged.
-- saving: ``model.state_dict()`` raises on a distributed dmuon model (the dedicated weights live
-  on their owners), and ``torch.save(optimizer.state_dict())`` on one rank would hold one rank's
-  share. Here ``_save`` (``save_model`` and the model of every checkpoint) gathers the full model
+- saving: ``model.state_dict()`` of a distributed dmuon model is sharded as FSDP2's is (each
+  dedicated weight only on its owner), so saving the first rank's would write part of the model,
+  and ``torch.save(optimizer.state_dict())`` on one rank would hold one rank's share. Here ``_save`` (``save_model`` and the model of every checkpoint) gathers the full model
   onto the first rank with ``dmuon.checkpoint`` on every rank and writes it with
   ``save_pretrained(state_dict=...)``; each checkpoint also holds ``dmuon_state/``, one sharded
   ``dmuon.checkpoint`` of the model (the fp32 masters) and the optimizer, written by every rank.
