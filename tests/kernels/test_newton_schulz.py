@@ -6,6 +6,8 @@ bf16 iterations to twice the error of a plain loop in the same dtype.
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from torch.optim._muon import _zeropower_via_newtonschulz
@@ -18,6 +20,13 @@ from dmuon_kernels import (
     NewtonSchulz,
     newton_schulz,
     reference,
+)
+from dmuon_kernels.coefficients import (
+    POLAR_EXPRESS_4_COEFFICIENTS,
+    POLAR_EXPRESS_4_LOWER_BOUND,
+    POLAR_EXPRESS_4_RAW_COEFFICIENTS,
+    POLAR_EXPRESS_RAW_COEFFICIENTS,
+    polar_express_rows,
 )
 from dmuon_kernels.newton_schulz import direct_iteration, gram_iteration, uses_gram_form
 from tests.kernels.ns_matrices import (
@@ -75,6 +84,32 @@ def test_polar_express_recurrence_maps_every_value_in_its_band_into_0_729_to_1_1
     assert mapped.max().item() <= 1.124
     # the band is tight: both ends are nearly reached
     assert mapped.min().item() < 0.7291 and mapped.max().item() > 1.1235
+
+
+def test_the_polar_express_construction_reproduces_the_published_rows():
+    for got, want in zip(polar_express_rows(5), POLAR_EXPRESS_RAW_COEFFICIENTS, strict=True):
+        assert got == pytest.approx(want, rel=1e-13)
+
+
+def test_the_four_step_table_is_the_construction_from_its_lower_bound_with_the_safety_factor():
+    rows = polar_express_rows(4, POLAR_EXPRESS_4_LOWER_BOUND)
+    for got, want in zip(rows, POLAR_EXPRESS_4_RAW_COEFFICIENTS, strict=True):
+        assert got == pytest.approx(want, rel=1e-13)
+    # one step from its lower bound lands where the five-step table's second step lands
+    assert POLAR_EXPRESS_4_RAW_COEFFICIENTS[1:] == POLAR_EXPRESS_RAW_COEFFICIENTS[2:]
+    expected = [(a / 1.05, b / 1.05**3, c / 1.05**5) for a, b, c in rows]
+    for got, want in zip(POLAR_EXPRESS_4_COEFFICIENTS, expected, strict=True):
+        assert got == pytest.approx(want, rel=1e-13)
+
+
+def test_the_four_step_table_keeps_the_default_band_on_its_narrower_interval():
+    sigma = torch.logspace(math.log10(POLAR_EXPRESS_4_LOWER_BOUND), 0, 100_001, dtype=torch.float64)
+    mapped = reference.scalar_recurrence(sigma, POLAR_EXPRESS_4_COEFFICIENTS)
+    assert mapped.min().item() >= 0.729 and mapped.max().item() <= 1.124
+    below = reference.scalar_recurrence(
+        torch.tensor(1e-3, dtype=torch.float64), POLAR_EXPRESS_4_COEFFICIENTS
+    )
+    assert below.item() < 0.5  # the price of a step: 1e-3 is out of its band
 
 
 # --- quality against float64 oracles -----------------------------------------------------------

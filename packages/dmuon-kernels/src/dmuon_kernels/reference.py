@@ -1,11 +1,14 @@
-"""Slow, readable float64 twins of the Newton-Schulz pieces, used as test oracles.
+"""Slow, readable float64 twins of the Newton-Schulz pieces, used as test oracles, and the
+matrices with controlled spectra they are checked on.
 
 Everything here runs in float64 on the input's device with plain matmuls and SVDs; nothing is
-tuned for speed, and the fast modules must never call into this one.
+tuned for speed, and the fast modules must never call into this one. ``SPECTRUM_CASES`` are the
+test suite's matrices (tests/kernels) and the rows of ``benchmarks/bench_ns_schedules.py``.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -65,3 +68,38 @@ def direct_newton_schulz(
         A = X @ X.mT
         X = a * X + (b * A + c * A @ A) @ X
     return (X.mT if transposed else X).to(torch.float64)
+
+
+def matrix_with_spectrum(rows: int, cols: int, singular_values, *, seed: int = 0) -> Tensor:
+    """A float32 (rows, cols) matrix U·diag(s)·Vᵀ with random orthonormal U, V (float64 QR)."""
+    generator = torch.Generator().manual_seed(seed)
+    rank_bound = min(rows, cols)
+    U, _ = torch.linalg.qr(torch.randn(rows, rank_bound, dtype=torch.float64, generator=generator))
+    V, _ = torch.linalg.qr(torch.randn(cols, rank_bound, dtype=torch.float64, generator=generator))
+    s = torch.as_tensor(singular_values, dtype=torch.float64)
+    assert s.numel() == rank_bound
+    return ((U * s) @ V.T).to(torch.float32)
+
+
+def log_spectrum(size: int, smallest: float, *, rank: int | None = None) -> Tensor:
+    """``rank`` values from 1 down to ``smallest`` (log-spaced), then zeros up to ``size``."""
+    rank = size if rank is None else rank
+    values = torch.logspace(0, math.log10(smallest), rank, dtype=torch.float64)
+    return torch.cat([values, torch.zeros(size - rank, dtype=torch.float64)])
+
+
+# name -> (rows, cols, singular values): the shapes Muon meets, in both orientations.
+SPECTRUM_CASES = {
+    "square": (64, 64, log_spectrum(64, 1e-3)),
+    "wide": (48, 160, log_spectrum(48, 1e-3)),
+    "tall": (160, 48, log_spectrum(48, 1e-3)),
+    "very_wide": (32, 256, log_spectrum(32, 1e-4)),
+    "single_row": (1, 100, [3.0]),
+    "rank_deficient": (64, 128, log_spectrum(64, 1e-2, rank=16)),
+}
+
+
+def spectrum_case(name: str, seed: int = 0) -> Tensor:
+    """The float32 matrix of ``SPECTRUM_CASES[name]``."""
+    rows, cols, spectrum = SPECTRUM_CASES[name]
+    return matrix_with_spectrum(rows, cols, spectrum, seed=seed)
