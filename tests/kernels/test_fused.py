@@ -1,4 +1,5 @@
-"""The fused Muon step pieces (torch fallbacks here; Triton against them in tests/gpu).
+"""The fused Muon step pieces (torch fallbacks here; the Triton kernels against them in
+test_fused_triton_interpreted and tests/gpu).
 
 Each function is checked against the SPEC formulas written out in float64.
 """
@@ -10,9 +11,11 @@ import torch
 
 from dmuon_kernels.fused import (
     muon_apply_update_,
+    muon_apply_updates_,
     muon_momentum_,
-    muon_momentum_normalize_,
     muon_normalize,
+    muon_normalized_inputs_,
+    normalize_frobenius,
 )
 from tests.numerics import momentum_inputs, relative_error
 
@@ -37,8 +40,8 @@ def test_momentum_updates_the_buffer_and_returns_the_update_and_its_squared_norm
     update, sq_norm = muon_momentum_(grad, buf, MOMENTUM, nesterov, first_step)
     assert relative_error(buf, expected_buf) < FP32_RTOL
     assert relative_error(update, expected_update) < FP32_RTOL
-    assert sq_norm.shape == () and sq_norm.dtype == torch.float32
-    assert sq_norm.item() == pytest.approx(expected_update.square().sum().item(), rel=1e-5)
+    assert sq_norm.shape == () and sq_norm.dtype == torch.float64
+    assert sq_norm.item() == pytest.approx(expected_update.square().sum().item(), rel=1e-6)
     if not nesterov:
         assert update is buf
 
@@ -52,9 +55,16 @@ def test_momentum_reads_a_bf16_gradient_into_an_fp32_buffer():
     assert relative_error(update, expected_update) < FP32_RTOL
 
 
-def test_normalize_divides_by_the_frobenius_norm_plus_eps_and_casts():
+def test_the_squared_norm_of_a_huge_update_is_finite():
+    grad, buf = momentum_inputs((16, 48))
+    _, sq_norm = muon_momentum_(grad * 2.0**70, buf * 2.0**70, MOMENTUM)
+    assert sq_norm.isfinite() and sq_norm.item() > torch.finfo(torch.float32).max
+
+
+@pytest.mark.parametrize("given", [True, False], ids=["given_norm", "computed_norm"])
+def test_normalize_divides_by_the_frobenius_norm_plus_eps_and_casts(given):
     update = torch.randn(40, 96, generator=torch.Generator().manual_seed(1))
-    sq_norm = update.double().square().sum().float()
+    sq_norm = update.double().square().sum() if given else None
     for dtype in (torch.float16, torch.bfloat16, torch.float32):
         out = muon_normalize(update, sq_norm, dtype, eps=1e-7)
         expected = update.double() / (update.double().norm() + 1e-7)
@@ -64,22 +74,57 @@ def test_normalize_divides_by_the_frobenius_norm_plus_eps_and_casts():
 
 def test_normalize_writes_into_a_transposed_output_for_rows_le_cols():
     update = torch.randn(96, 40, generator=torch.Generator().manual_seed(2))  # tall
-    sq_norm = update.square().sum()
+    sq_norm = update.double().square().sum()
     storage = torch.empty(40, 96, dtype=torch.float16)  # Newton-Schulz wants (40, 96) rows
     out = muon_normalize(update, sq_norm, torch.float16, out=storage.mT)
     assert out.data_ptr() == storage.data_ptr()
     assert torch.equal(storage, muon_normalize(update, sq_norm, torch.float16).mT)
 
 
+@pytest.mark.parametrize("transposed", [False, True], ids=["wide", "tall"])
 @pytest.mark.parametrize("nesterov", [True, False], ids=["nesterov", "plain"])
-def test_momentum_normalize_equals_momentum_then_normalize(nesterov):
-    grad, buf = momentum_inputs((24, 80), seed=3)
-    buf_two_calls = buf.clone()
-    X, sq_norm = muon_momentum_normalize_(grad, buf, MOMENTUM, nesterov, dtype=torch.float16)
-    update, sq_two = muon_momentum_(grad, buf_two_calls, MOMENTUM, nesterov)
-    assert torch.equal(buf, buf_two_calls)
-    assert torch.equal(sq_norm, sq_two)
-    assert torch.equal(X, muon_normalize(update, sq_two, torch.float16))
+def test_normalized_inputs_of_a_batch_are_momentum_then_the_normalised_update_of_each(
+    nesterov, transposed
+):
+    shape = (48, 20) if transposed else (20, 48)
+    pairs = [momentum_inputs(shape, seed=seed) for seed in range(3)]
+    grads = [g for g, _ in pairs]
+    momenta = [b for _, b in pairs]
+    first_steps = [False, True, False]
+    expected = [spec_momentum(g, b, nesterov, first) for (g, b), first in zip(pairs, first_steps)]
+    out = torch.empty(3, 20, 48, dtype=torch.float16)  # rows <= cols, as Newton-Schulz takes it
+    muon_normalized_inputs_(grads, momenta, first_steps, MOMENTUM, nesterov, out, eps=1e-7)
+    for index, (expected_buf, expected_update) in enumerate(expected):
+        assert relative_error(momenta[index], expected_buf) < FP32_RTOL
+        X = expected_update / (expected_update.norm() + 1e-7)
+        got = out[index].mT if transposed else out[index]
+        assert relative_error(got, X) < torch.finfo(torch.float16).eps
+
+
+def test_normalized_inputs_of_a_gradient_whose_squared_norm_overflows_are_still_normalised():
+    grad, buf = momentum_inputs((20, 48))
+    grads, momenta = [grad * 2.0**70, grad], [buf * 2.0**70, buf.clone()]
+    out = torch.empty(2, 20, 48)
+    muon_normalized_inputs_(grads, momenta, [False, False], MOMENTUM, True, out)
+    assert relative_error(out[0], out[1]) < 1e-6  # scale-free, up to eps
+
+
+def test_normalized_inputs_refuse_mismatched_lists_and_outputs_with_the_sizes():
+    grad, buf = momentum_inputs((4, 6))
+    with pytest.raises(ValueError, match=r"got 1, 2, 1 and an output of shape \(1, 4, 6\)"):
+        muon_normalized_inputs_([grad], [buf, buf], [False], MOMENTUM, True, torch.empty(1, 4, 6))
+    with pytest.raises(ValueError, match=r"gradients of shape \(4, 6\); got \(1, 4, 4\)"):
+        muon_normalized_inputs_([grad], [buf], [False], MOMENTUM, True, torch.empty(1, 4, 4))
+
+
+def test_normalize_frobenius_equals_the_quotient_rounded_once_and_survives_any_scale():
+    X = torch.randn(3, 24, 40, generator=torch.Generator().manual_seed(6))
+    norm = X.double().square().sum(dim=(-2, -1), keepdim=True).sqrt()
+    expected = X / (norm + 1e-7).float()  # fp32(||X|| + eps), one IEEE quotient
+    assert torch.equal(normalize_frobenius(X, eps=1e-7, dtype=torch.float32), expected)
+    for scale in (2.0**-100, 2.0**64, 2.0**124):
+        out = normalize_frobenius(X * scale, eps=0.0, dtype=torch.float16)
+        assert torch.equal(out, normalize_frobenius(X, eps=0.0, dtype=torch.float16))
 
 
 @pytest.mark.parametrize("weight_decay", [0.0, 0.1])
@@ -92,6 +137,18 @@ def test_apply_update_decays_then_subtracts_the_scaled_update(weight_decay):
     result = muon_apply_update_(master, ortho, lr, weight_decay, scale)
     assert result is master
     assert relative_error(master, expected) < FP32_RTOL
+
+
+def test_apply_updates_of_a_batch_update_every_master():
+    generator = torch.Generator().manual_seed(5)
+    masters = [torch.randn(16, 40, generator=generator) for _ in range(3)]
+    ns_output = torch.randn(3, 16, 40, generator=generator).half()
+    expected = [
+        m.double() * (1 - 0.02 * 0.1) - 0.02 * 2.0 * o.double() for m, o in zip(masters, ns_output)
+    ]
+    muon_apply_updates_(masters, list(ns_output), 0.02, 0.1, 2.0)
+    for master, want in zip(masters, expected):
+        assert relative_error(master, want) < FP32_RTOL
 
 
 def test_parameters_with_trailing_dims_are_handled_as_matrices():
@@ -110,8 +167,9 @@ def test_parameters_with_trailing_dims_are_handled_as_matrices():
         lambda: muon_momentum_(torch.zeros(4, 5), torch.zeros(5, 4), 0.9),
         lambda: muon_apply_update_(torch.zeros(4, 5), torch.zeros(5, 4), 0.1),
         lambda: muon_normalize(torch.zeros(4, 5), torch.ones(()), out=torch.zeros(5, 4)),
+        lambda: muon_apply_updates_([torch.zeros(4, 5)], [torch.zeros(5, 4)], 0.1, 0.0, 1.0),
     ],
-    ids=["momentum", "apply_update", "normalize"],
+    ids=["momentum", "apply_update", "normalize", "apply_updates"],
 )
 def test_mismatched_shapes_are_rejected_with_both_shapes(call):
     with pytest.raises(ValueError, match=r"shapes must match, got \(4, 5\) and \(5, 4\)"):

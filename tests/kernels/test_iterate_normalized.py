@@ -13,7 +13,7 @@ def test_iterating_a_normalised_input_equals_the_full_call(shape):
     G = torch.randn(shape, generator=torch.Generator().manual_seed(0))
     X = ns.normalized_buffer(shape, G.device)
     for index, matrix in enumerate(G):
-        muon_normalize(matrix, matrix.square().sum(), torch.float32, out=X[index])
+        muon_normalize(matrix, dtype=torch.float32, out=X[index])
     expected = ns(G)
     torch.testing.assert_close(ns.iterate_normalized(X), expected, rtol=1e-5, atol=1e-6)
 

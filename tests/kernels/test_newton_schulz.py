@@ -28,7 +28,12 @@ from dmuon_kernels.coefficients import (
     POLAR_EXPRESS_RAW_COEFFICIENTS,
     polar_express_rows,
 )
-from dmuon_kernels.newton_schulz import direct_iteration, gram_iteration, uses_gram_form
+from dmuon_kernels.newton_schulz import (
+    direct_iteration,
+    gram_iteration,
+    normalized_input,
+    uses_gram_form,
+)
 from tests.kernels.ns_matrices import (
     LOW_PRECISION_RATIO,
     SPECTRUM_CASES,
@@ -183,21 +188,56 @@ def test_outputs_are_finite_for_extreme_scales_and_spectra(backend, dtype):
         assert torch.isfinite(out).all()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="known issue, CPU and CUDA alike: normalized_input takes the fp32 Frobenius norm, "
-    "whose sum of squares overflows to inf once ||G||_F > ~1.8e19, so G/(inf + eps) is zero. "
-    "The fix (norm of G/max|G| times max|G|) changes the CUDA pipeline; it waits for a GPU.",
-)
+# 2^64: the squared norm overflows fp32, the norm does not; 2^124: the norm itself is over fp32's
+# largest value (3.4e38) while every entry is finite.
+HUGE_SCALES = {"squared_norm_overflows": 2.0**64, "norm_overflows": 2.0**124}
+
+
+@pytest.mark.parametrize("scale", HUGE_SCALES.values(), ids=HUGE_SCALES.keys())
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_a_finite_input_whose_squared_norm_overflows_fp32_is_still_orthogonalised(backend):
+def test_a_finite_input_whose_squared_norm_overflows_fp32_is_still_orthogonalised(backend, scale):
     G = case_matrix("wide")
-    huge = G * 2.0**64  # finite, and so is its Frobenius norm; the sum of squares is not
-    norm = torch.linalg.matrix_norm(huge.double()).item()
-    assert huge.isfinite().all() and 2.0**64 < norm < torch.finfo(torch.float32).max
-    out = newton_schulz(huge, backend=backend, dtype=torch.float32)
+    huge = G * scale
+    assert huge.isfinite().all() and huge.square().sum().isinf()
     exact = reference.newton_schulz_by_svd(G, POLAR_EXPRESS_COEFFICIENTS)  # scale-free
-    assert relative_error(out, exact) <= fp32_tolerance(POLAR_EXPRESS_COEFFICIENTS)
+    batch = torch.stack([huge, G, huge.flip(0)])
+    ns = NewtonSchulz(backend, dtype=torch.float32)
+    for out in (
+        ns(huge),
+        ns(huge.T).T,
+        ns(batch)[0],
+        ns(batch)[2].flip(0),
+        ns(batch[:, :, ::2])[0],
+    ):
+        expected = (
+            exact
+            if out.shape == exact.shape
+            else reference.newton_schulz_by_svd(G[:, ::2], POLAR_EXPRESS_COEFFICIENTS)
+        )
+        assert relative_error(out, expected) <= fp32_tolerance(POLAR_EXPRESS_COEFFICIENTS)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, *LOW_PRECISION], ids=str)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_scaling_the_input_by_a_power_of_two_changes_no_bit_of_the_output(backend, dtype):
+    # Without eps the quotient G / ||G|| is scale-free, and the normalisation scales by powers of
+    # two exactly: a huge G gives the very same iteration input, so the very same output.
+    G = case_matrix("wide")
+    expected = newton_schulz(G, backend=backend, dtype=dtype, eps=0.0)
+    for scale in (2.0**-40, *HUGE_SCALES.values()):
+        assert torch.equal(
+            newton_schulz(G * scale, backend=backend, dtype=dtype, eps=0.0), expected
+        )
+
+
+def test_the_norm_is_taken_without_rounding_the_quotient_twice():
+    # The power-of-two scaling of [Note: overflow-safe normalisation] is exact: the fp32 input
+    # is G / fp32(||G|| + eps) bit for bit, the norm accumulated in float64.
+    G = case_matrix("tall")
+    norm = G.double().norm()
+    expected = (G.T / (norm + 1e-7).float()).contiguous()
+    X = normalized_input(G, eps=1e-7, dtype=torch.float32)
+    assert torch.equal(X, expected)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

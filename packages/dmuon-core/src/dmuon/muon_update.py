@@ -1,34 +1,37 @@
-"""The Muon update of a batch of same-shape matrices, issued as a few multi-tensor kernels.
+"""The Muon update of a batch of same-shape matrices: the step's one road to the fused kernels.
 
-Owns the element-wise parts of the Muon route around Newton-Schulz: momentum and Nesterov into
-the normalised Newton-Schulz input, and the decayed, scaled update of the fp32 masters. A batch
-of B (rows, cols) matrices costs a constant number of kernel launches (torch's ``_foreach_`` ops,
-one norm, one normalise-and-cast pass) instead of two or three per matrix: a model of many small
-matrices spends a step's host time launching them (GPT-2-small-shaped: 84 matrices, 252 Triton
-launches). It must not choose which matrices form a batch (``optim`` does) nor run the iteration.
+Owns the element-wise parts of the Muon route around Newton-Schulz, as ``optim`` calls them:
+momentum and Nesterov into the normalised Newton-Schulz input, and the decayed, scaled update of
+the fp32 masters, both through ``dmuon_kernels.fused``. On CUDA with Triton a batch of B
+(rows, cols) matrices costs a constant number of launches, whatever B: the input in two passes
+(one over g and the momentum, one over the Newton-Schulz buffer), the update in one; the torch
+fallback (CPU) uses multi-tensor ``_foreach_`` ops. It must not choose which matrices form
+a batch (``optim`` does) nor run the iteration.
 
-A matrix of more than ``BATCHED_NUMEL`` elements is a batch alone and takes the fused
-per-matrix kernels instead (``dmuon_kernels.fused``): its step is bound by memory traffic, which
-they keep to the minimum, not by launches. Memory: the fp32 Muon inputs of one batch exist at
-once; ``optim`` keeps a batch under ``BATCH_BYTES``.
+The tensor-parallel path takes the same kernels one matrix at a time (``momentum_``,
+``normalized_input_``, ``apply_update_``).
+
+Batches: a matrix of more than ``BATCHED_NUMEL`` elements is a batch alone; otherwise ``optim``
+keeps a batch under ``BATCH_BYTES`` of fp32 Muon inputs, which the torch fallback materialises
+at once (the fused kernels never materialise them).
 """
 
 from __future__ import annotations
 
-import torch
 from torch import Tensor
 
 from dmuon_kernels.fused import (
     DEFAULT_NS_EPS,
-    muon_apply_update_,
-    muon_momentum_normalize_,
-    normalize_cast,
+    muon_apply_updates_,
+    muon_momentum_,
+    muon_normalize,
+    muon_normalized_inputs_,
 )
 
 BATCH_BYTES = 256 * 2**20
-"""fp32 Muon inputs held at once by one batch."""
+"""fp32 Muon inputs held at once by one batch (the torch fallback materialises them)."""
 BATCHED_NUMEL = 2**22
-"""Matrices up to this size are batched; a larger one is a batch alone (fused kernels)."""
+"""Matrices up to this size are batched; a larger one is a batch alone."""
 
 
 def normalized_inputs_(
@@ -44,33 +47,7 @@ def normalized_inputs_(
     input ``u = g + momentum·buf`` (Nesterov) or ``u = buf``, each divided by its Frobenius norm
     (+ ``eps``) and written into ``out``: (B, rows, cols), or its ``.mT`` for tall matrices, in
     the Newton-Schulz dtype. ``grads`` and ``momenta`` are B fp32 (rows, cols) matrices."""
-    rows, cols = grads[0].shape
-    if len(grads) == 1:
-        oriented = out[0] if out.shape[-2:] == (rows, cols) else out[0].mT
-        muon_momentum_normalize_(
-            grads[0], momenta[0], momentum, nesterov=nesterov, first_step=first_steps[0],
-            dtype=out.dtype, eps=eps, out=oriented,
-        )  # fmt: skip
-        return
-    continuing = [i for i, first in enumerate(first_steps) if not first]
-    starting = [i for i, first in enumerate(first_steps) if first]
-    if continuing:
-        buffers = [momenta[i] for i in continuing]
-        torch._foreach_mul_(buffers, momentum)
-        torch._foreach_add_(buffers, [grads[i] for i in continuing])
-    if starting:
-        torch._foreach_copy_([momenta[i] for i in starting], [grads[i] for i in starting])
-    update = torch.empty((len(grads), rows, cols), dtype=torch.float32, device=grads[0].device)
-    updates = list(update.unbind(0))
-    if nesterov:
-        torch._foreach_copy_(updates, grads)
-        torch._foreach_add_(updates, momenta, alpha=momentum)
-    else:
-        torch._foreach_copy_(updates, momenta)
-    norm = torch.linalg.vector_norm(update, dim=(-2, -1), keepdim=True)
-    normalize_cast(
-        update if out.shape[-2:] == (rows, cols) else update.mT, norm, eps, out.dtype, out
-    )
+    muon_normalized_inputs_(grads, momenta, first_steps, momentum, nesterov, out, eps)
 
 
 def apply_updates_(
@@ -78,10 +55,29 @@ def apply_updates_(
 ) -> None:
     """``master = master·(1 − lr·weight_decay) − lr·scale·ortho`` for every pair (fp32 masters,
     Newton-Schulz outputs in any float dtype and strides)."""
-    if len(masters) == 1:
-        muon_apply_update_(masters[0], orthogonal[0], lr, weight_decay, scale)
-        return
-    decay = 1.0 - lr * weight_decay
-    if decay != 1.0:
-        torch._foreach_mul_(masters, decay)
-    torch._foreach_add_(masters, orthogonal, alpha=-lr * scale)
+    muon_apply_updates_(masters, orthogonal, lr, weight_decay, scale)
+
+
+# ---- one matrix at a time: the tensor-parallel path (momentum per chunk, the gathered matrix
+# normalised and orthogonalised on its runner, the update per chunk; see ``dmuon.tp``)
+
+
+def momentum_(
+    grad: Tensor, buf: Tensor, first_step: bool, momentum: float, nesterov: bool
+) -> Tensor:
+    """Momentum of one chunk in place; returns its Muon input ``u`` (unnormalised)."""
+    update, _ = muon_momentum_(grad, buf, momentum, nesterov=nesterov, first_step=first_step)
+    return update
+
+
+def normalized_input_(update: Tensor, out: Tensor, eps: float = DEFAULT_NS_EPS) -> None:
+    """``u / (‖u‖_F + eps)`` of one whole matrix into ``out`` (its shape, any strides, the
+    Newton-Schulz dtype); overflow-safe for any finite ``u``."""
+    muon_normalize(update, None, out.dtype, eps, out)
+
+
+def apply_update_(
+    master: Tensor, orthogonal: Tensor, lr: float, weight_decay: float, scale: float
+) -> None:
+    """``master = master·(1 − lr·weight_decay) − lr·scale·ortho`` for one chunk."""
+    muon_apply_updates_([master], [orthogonal], lr, weight_decay, scale)

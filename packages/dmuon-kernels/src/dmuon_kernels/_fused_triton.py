@@ -1,62 +1,133 @@
 """Triton kernels behind ``dmuon_kernels.fused`` (imported only when Triton is installed).
 
-Owns the kernels and their launch geometry. Validation, fallbacks and the public names live in
-``fused``; this module assumes CUDA tensors of matching shapes, as ``fused`` guarantees.
-Arithmetic is fp32 throughout; square roots and divisions are IEEE-rounded (``sqrt_rn``,
-``div_rn``) to match the torch fallback.
+Owns the kernels, their launch geometry and the offset tables that let one launch cover a list
+of tensors. Validation, fallbacks and the public names live in ``fused``; this module assumes
+CUDA tensors of the shapes, dtypes and row-contiguous layouts ``fused`` checked.
+
+Every kernel walks (rows, cols) matrices in square tiles (``TILE_ROWS`` x ``TILE_COLS``) on a
+grid (tiles, matrices), so a transposed operand is read or written in whole lines. A list of B
+same-shape tensors reaches a kernel as its first tensor plus a table of element offsets from it
+(``offset_table``): one launch for the list, whatever B. Offsets are stored in units of ``VEC``
+elements (16 bytes) when every tensor is 16-byte aligned, which tells Triton that the rows it
+loads are aligned (vector loads) without trusting anything it cannot see.
+
+Arithmetic is fp32 (sums of squares in fp64); quotients are IEEE-rounded (``div_rn``) to match
+the torch fallback. See [Note: overflow-safe normalisation] in ``fused`` for the power-of-two
+scales.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
-# 1-D passes: elements per program (16 per thread with 8 warps: four 16-byte fp32 accesses).
-BLOCK_1D = 4096
-WARPS_1D = 8
-# 2-D passes: square tiles so a transposed operand is read and written in whole lines.
 TILE_ROWS, TILE_COLS = 64, 64
-WARPS_2D = 4
+WARPS = 4
+VECTOR_BYTES = 16
+# Device offset tables kept per (device, stream, offsets): the gradients of a step usually sit at
+# the same offsets from each other every step, so a table is built once (bound: see below).
+_tables: dict[tuple, Tensor] = {}
+MAX_CACHED_TABLES = 512
+
+
+@triton.jit
+def _tile(rows, cols, TILE_R: tl.constexpr, TILE_C: tl.constexpr):
+    """This program's tile: its index in the matrix, row and column indices, bounds mask."""
+    tile = tl.program_id(0)
+    tiles_per_row = tl.cdiv(cols, TILE_C)
+    r = ((tile // tiles_per_row).to(tl.int64) * TILE_R + tl.arange(0, TILE_R))[:, None]
+    c = ((tile % tiles_per_row).to(tl.int64) * TILE_C + tl.arange(0, TILE_C))[None, :]
+    return tile, r, c, (r < rows) & (c < cols)
+
+
+@triton.jit
+def _sum_of_squares(x):  # fp32 tile -> fp64 scalar
+    x64 = x.to(tl.float64)
+    return tl.sum(tl.sum(x64 * x64, axis=1), axis=0)
 
 
 @triton.jit
 def _momentum_kernel(
-    grad_ptr,  # (n,) any float dtype
-    buf_ptr,  # (n,) updated in place
-    update_ptr,  # (n,) written when WRITE_UPDATE
-    partial_ptr,  # (programs,) fp32 partial sums of update²
-    n,
+    grad_ptr,  # first of B gradients (rows, cols), rows contiguous, any float dtype
+    buf_ptr,  # first of B momentum buffers (rows, cols), rows contiguous; updated in place
+    table_ptr,  # int64 (3, B): gradient offsets / GRAD_VEC, buffer offsets / BUF_VEC, first-step flags
+    out_ptr,  # (B, rows, cols) at strides (out_bs, out_rs, out_cs): u, or u scaled per tile
+    exponent_ptr,  # int32 (B, tiles): the tile's scale is 2^-exponent (OUT_MODE 2)
+    partial_ptr,  # fp64 (B, tiles): the tile's sum of u²
+    batch,
+    rows,
+    cols,
+    out_bs,
+    out_rs,
+    out_cs,
     momentum,
     NESTEROV: tl.constexpr,
-    FIRST_STEP: tl.constexpr,
-    WRITE_UPDATE: tl.constexpr,
-    BLOCK: tl.constexpr,
+    OUT_MODE: tl.constexpr,  # 0: no output (u is the buffer), 1: u, 2: u scaled per tile
+    GRAD_VEC: tl.constexpr,
+    BUF_VEC: tl.constexpr,
+    TILE_R: tl.constexpr,
+    TILE_C: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    offsets = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offsets < n
-    g = tl.load(grad_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-    if FIRST_STEP:
-        b = g
-    else:
-        b = tl.load(buf_ptr + offsets, mask=mask, other=0.0).to(tl.float32) * momentum + g
-    tl.store(buf_ptr + offsets, b.to(buf_ptr.dtype.element_ty), mask=mask)
+    matrix = tl.program_id(1)
+    tile, r, c, mask = _tile(rows, cols, TILE_R, TILE_C)
+    element = r * cols + c
+    grad_at = grad_ptr + tl.load(table_ptr + matrix) * GRAD_VEC + element
+    buf_at = buf_ptr + tl.load(table_ptr + batch + matrix) * BUF_VEC + element
+    first_step = tl.load(table_ptr + 2 * batch + matrix) != 0
+    g = tl.load(grad_at, mask=mask, other=0.0).to(tl.float32)
+    # A first step's buffer is uninitialised: loaded, then discarded by the where.
+    b = tl.load(buf_at, mask=mask, other=0.0).to(tl.float32)
+    b = tl.where(first_step, g, b * momentum + g)
+    tl.store(buf_at, b.to(buf_ptr.dtype.element_ty), mask=mask)
     if NESTEROV:  # noqa: SIM108 (a constexpr branch, resolved at compile time)
         u = g + b * momentum
     else:
         u = b
-    if WRITE_UPDATE:
-        tl.store(update_ptr + offsets, u.to(update_ptr.dtype.element_ty), mask=mask)
-    tl.store(partial_ptr + pid, tl.sum(u * u, axis=0))
+    tiles = tl.cdiv(rows, TILE_R) * tl.cdiv(cols, TILE_C)
+    tl.store(partial_ptr + matrix * tiles + tile, _sum_of_squares(u))
+    if OUT_MODE == 2:
+        # u / 2^e with 2^(e-1) <= max|u| < 2^e: the tile fits the output dtype's range whatever
+        # the gradient's scale, rounded once; the second pass multiplies 2^e back.
+        peak = tl.max(tl.max(tl.abs(u), axis=1), axis=0)
+        field = (peak.to(tl.int32, bitcast=True) >> 23) & 0xFF  # biased exponent of the peak
+        field = tl.minimum(tl.maximum(field, 1), 252)
+        tl.store(exponent_ptr + matrix * tiles + tile, field - 126)
+        u = u * ((253 - field) << 23).to(tl.float32, bitcast=True)  # 2^(126 - field)
+    if OUT_MODE != 0:
+        out_at = out_ptr + matrix.to(tl.int64) * out_bs + r * out_rs + c * out_cs
+        tl.store(out_at, u.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _square_sum_kernel(
+    src_ptr,  # (B, rows, cols) at strides (src_bs, src_rs, src_cs)
+    partial_ptr,  # fp64 (B, tiles): the tile's sum of squares
+    rows,
+    cols,
+    src_bs,
+    src_rs,
+    src_cs,
+    TILE_R: tl.constexpr,
+    TILE_C: tl.constexpr,
+):
+    matrix = tl.program_id(1)
+    tile, r, c, mask = _tile(rows, cols, TILE_R, TILE_C)
+    src_at = src_ptr + matrix.to(tl.int64) * src_bs + r * src_rs + c * src_cs
+    x = tl.load(src_at, mask=mask, other=0.0).to(tl.float32)
+    tiles = tl.cdiv(rows, TILE_R) * tl.cdiv(cols, TILE_C)
+    tl.store(partial_ptr + matrix * tiles + tile, _sum_of_squares(x))
 
 
 @triton.jit
 def _normalize_kernel(
-    src_ptr,  # (batch, rows, cols), strides (src_bs, src_rs, src_cs)
-    dst_ptr,  # (batch, rows, cols), strides (dst_bs, dst_rs, dst_cs)
-    norm_ptr,  # (batch,) fp32, stride norm_bs: the norm, or its square when SQUARED
+    src_ptr,  # (B, rows, cols) at strides (src_bs, src_rs, src_cs)
+    dst_ptr,  # (B, rows, cols) at strides (dst_bs, dst_rs, dst_cs); may be src itself
+    sq_ptr,  # fp64 (B,): each matrix's sum of squares (of the unscaled values)
+    exponent_ptr,  # int32 (B, tiles): src holds x / 2^exponent per tile (TILE_SCALED)
     rows,
     cols,
     src_bs,
@@ -65,147 +136,181 @@ def _normalize_kernel(
     dst_bs,
     dst_rs,
     dst_cs,
-    norm_bs,
     eps,
-    SQUARED: tl.constexpr,
+    TILE_SCALED: tl.constexpr,
     TILE_R: tl.constexpr,
     TILE_C: tl.constexpr,
 ):
-    batch = tl.program_id(2).to(tl.int64)
-    r = (tl.program_id(0).to(tl.int64) * TILE_R + tl.arange(0, TILE_R))[:, None]
-    c = (tl.program_id(1).to(tl.int64) * TILE_C + tl.arange(0, TILE_C))[None, :]
-    mask = (r < rows) & (c < cols)
-    norm = tl.load(norm_ptr + batch * norm_bs).to(tl.float32)
-    if SQUARED:
-        norm = tl.sqrt_rn(norm)
-    src = src_ptr + batch * src_bs + r * src_rs + c * src_cs
-    x = tl.load(src, mask=mask, other=0.0).to(tl.float32)
-    y = tl.div_rn(x, norm + eps)
-    dst = dst_ptr + batch * dst_bs + r * dst_rs + c * dst_cs
-    tl.store(dst, y.to(dst_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _recompute_normalize_kernel(
-    grad_ptr,  # (rows, cols) contiguous
-    buf_ptr,  # (rows, cols) contiguous, already updated
-    dst_ptr,  # (rows, cols), strides (dst_rs, dst_cs)
-    sq_norm_ptr,  # () fp32
-    rows,
-    cols,
-    dst_rs,
-    dst_cs,
-    momentum,
-    eps,
-    NESTEROV: tl.constexpr,
-    TILE_R: tl.constexpr,
-    TILE_C: tl.constexpr,
-):
-    r = (tl.program_id(0).to(tl.int64) * TILE_R + tl.arange(0, TILE_R))[:, None]
-    c = (tl.program_id(1).to(tl.int64) * TILE_C + tl.arange(0, TILE_C))[None, :]
-    mask = (r < rows) & (c < cols)
-    denominator = tl.sqrt_rn(tl.load(sq_norm_ptr)) + eps
-    b = tl.load(buf_ptr + r * cols + c, mask=mask, other=0.0).to(tl.float32)
-    if NESTEROV:
-        g = tl.load(grad_ptr + r * cols + c, mask=mask, other=0.0).to(tl.float32)
-        u = g + b * momentum
+    matrix = tl.program_id(1)
+    tile, r, c, mask = _tile(rows, cols, TILE_R, TILE_C)
+    # x / (norm + eps) as (x·2^-k) / ((norm + eps)·2^-k), 2^(k-1) <= norm < 2^k: the same
+    # rounded quotient, and no overflow whatever the norm.
+    norm = tl.sqrt(tl.load(sq_ptr + matrix))  # fp64
+    k = ((norm.to(tl.int64, bitcast=True) >> 52) & 0x7FF) - 1022
+    k = tl.minimum(tl.maximum(k, -126), 126)
+    scale64 = ((1023 - k) << 52).to(tl.float64, bitcast=True)  # 2^-k
+    denominator = ((norm + eps) * scale64).to(tl.float32)
+    src_at = src_ptr + matrix.to(tl.int64) * src_bs + r * src_rs + c * src_cs
+    x = tl.load(src_at, mask=mask, other=0.0).to(tl.float32)
+    if TILE_SCALED:
+        tiles = tl.cdiv(rows, TILE_R) * tl.cdiv(cols, TILE_C)
+        shift = tl.load(exponent_ptr + matrix * tiles + tile) - k  # <= 1: max|x| <= norm
+        bits = ((127 + tl.maximum(shift, -126)) << 23).to(tl.int32)
+        factor = bits.to(tl.float32, bitcast=True)
+        factor = tl.where(shift >= -126, factor, 0.0)  # below 2^-126 of the norm: flushed
     else:
-        u = b
-    y = tl.div_rn(u, denominator)
-    tl.store(dst_ptr + r * dst_rs + c * dst_cs, y.to(dst_ptr.dtype.element_ty), mask=mask)
+        factor = scale64.to(tl.float32)
+    y = tl.div_rn(x * factor, denominator)
+    dst_at = dst_ptr + matrix.to(tl.int64) * dst_bs + r * dst_rs + c * dst_cs
+    tl.store(dst_at, y.to(dst_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def _apply_update_kernel(
-    master_ptr,  # (rows, cols) contiguous, updated in place
-    ortho_ptr,  # (rows, cols), strides (ortho_rs, ortho_cs)
+    master_ptr,  # first of B masters (rows, cols), rows contiguous; updated in place
+    ortho_ptr,  # first of B updates (rows, cols) at strides (ortho_rs, ortho_cs)
+    table_ptr,  # int64 (2, B): master offsets / MASTER_VEC, update offsets / ORTHO_VEC
+    batch,
     rows,
     cols,
     ortho_rs,
     ortho_cs,
     decay,
     step,
+    MASTER_VEC: tl.constexpr,
+    ORTHO_VEC: tl.constexpr,
     TILE_R: tl.constexpr,
     TILE_C: tl.constexpr,
 ):
-    r = (tl.program_id(0).to(tl.int64) * TILE_R + tl.arange(0, TILE_R))[:, None]
-    c = (tl.program_id(1).to(tl.int64) * TILE_C + tl.arange(0, TILE_C))[None, :]
-    mask = (r < rows) & (c < cols)
-    w = tl.load(master_ptr + r * cols + c, mask=mask, other=0.0).to(tl.float32)
-    o = tl.load(ortho_ptr + r * ortho_rs + c * ortho_cs, mask=mask, other=0.0).to(tl.float32)
+    matrix = tl.program_id(1)
+    _, r, c, mask = _tile(rows, cols, TILE_R, TILE_C)
+    master_at = master_ptr + tl.load(table_ptr + matrix) * MASTER_VEC + r * cols + c
+    ortho_at = ortho_ptr + tl.load(table_ptr + batch + matrix) * ORTHO_VEC
+    ortho_at += r * ortho_rs + c * ortho_cs
+    w = tl.load(master_at, mask=mask, other=0.0).to(tl.float32)
+    o = tl.load(ortho_at, mask=mask, other=0.0).to(tl.float32)
     w = w * decay - o * step
-    tl.store(master_ptr + r * cols + c, w.to(master_ptr.dtype.element_ty), mask=mask)
+    tl.store(master_at, w.to(master_ptr.dtype.element_ty), mask=mask)
 
 
-def _grid_2d(rows: int, cols: int) -> tuple[int, int]:
-    return triton.cdiv(rows, TILE_ROWS), triton.cdiv(cols, TILE_COLS)
+# ---- host side ----------------------------------------------------------------------------------
 
 
-def _momentum_pass(
-    grad: Tensor, buf: Tensor, momentum: float, nesterov: bool, first_step: bool, update: Tensor
-) -> Tensor:
-    n = grad.numel()
-    programs = max(1, triton.cdiv(n, BLOCK_1D))
-    partial = torch.empty(programs, dtype=torch.float32, device=grad.device)
-    if n == 0:
-        return partial.zero_().sum()
-    _momentum_kernel[(programs,)](
-        grad, buf, update, partial, n, momentum,
-        NESTEROV=nesterov, FIRST_STEP=first_step, WRITE_UPDATE=update is not buf,
-        BLOCK=BLOCK_1D, num_warps=WARPS_1D,
-    )  # fmt: skip
-    return partial.sum()  # fixed-order reduction: deterministic
+def tile_count(rows: int, cols: int) -> int:
+    return triton.cdiv(rows, TILE_ROWS) * triton.cdiv(cols, TILE_COLS)
 
 
-def momentum(
-    grad: Tensor, buf: Tensor, momentum: float, nesterov: bool, first_step: bool
-) -> tuple[Tensor, Tensor]:
-    update = torch.empty_like(buf) if nesterov else buf
-    return update, _momentum_pass(grad, buf, momentum, nesterov, first_step, update)
+def vector_width(tensors: Sequence[Tensor]) -> int:
+    """Elements per 16 bytes when every tensor starts 16-byte aligned, else 1."""
+    if all(t.data_ptr() % VECTOR_BYTES == 0 for t in tensors):
+        return VECTOR_BYTES // tensors[0].element_size()
+    return 1
 
 
-def normalize(src: Tensor, norm: Tensor, eps: float, out: Tensor, *, squared: bool) -> None:
-    """out = src / (norm + eps) (sqrt(norm) when ``squared``); src/out (rows, cols) or
-    (batch, rows, cols), norm one value per matrix."""
-    if src.numel() == 0:
-        return
-    src3, out3 = (t if t.dim() == 3 else t.unsqueeze(0) for t in (src, out))
-    batch, rows, cols = src3.shape
-    norm = norm.float().reshape(-1)
-    if norm.numel() != batch:
-        norm = norm.expand(batch)
-    norm_stride = norm.stride(0) if batch > 1 else 0
-    _normalize_kernel[(*_grid_2d(rows, cols), batch)](
-        src3, out3, norm, rows, cols, *src3.stride(), *out3.stride(), norm_stride, eps,
-        SQUARED=squared, TILE_R=TILE_ROWS, TILE_C=TILE_COLS, num_warps=WARPS_2D,
-    )  # fmt: skip
+def offsets(tensors: Sequence[Tensor], vec: int) -> list[int]:
+    """Each tensor's offset from the first, in units of ``vec`` elements."""
+    base, unit = tensors[0].data_ptr(), tensors[0].element_size() * vec
+    return [(t.data_ptr() - base) // unit for t in tensors]
 
 
-def momentum_normalize(
-    grad: Tensor,
-    buf: Tensor,
+def offset_table(values: list[int], device: torch.device) -> Tensor | None:
+    """``values`` as an int64 tensor on ``device``, cached per stream; None while a CUDA graph is
+    being captured and the table is not cached yet (a copy from host memory cannot be captured
+    safely: the caller falls back to torch)."""
+    if device.type != "cuda":  # Triton's interpreter (tests on the CPU)
+        return torch.tensor(values, dtype=torch.int64, device=device)
+    key = (device, torch.cuda.current_stream(device).cuda_stream, tuple(values))
+    table = _tables.get(key)
+    if table is None:
+        if torch.cuda.is_current_stream_capturing():
+            return None
+        if len(_tables) >= MAX_CACHED_TABLES:
+            _tables.clear()  # the caching allocator reuses the memory in stream order: safe
+        host = torch.tensor(values, dtype=torch.int64).pin_memory()
+        table = _tables[key] = host.to(device, non_blocking=True)
+    return table
+
+
+def momentum_pass(
+    grads: Sequence[Tensor],  # B (rows, cols), rows contiguous, one dtype
+    buffers: Sequence[Tensor],  # B (rows, cols), rows contiguous, one dtype
+    first_steps: Sequence[bool],
     momentum: float,
     nesterov: bool,
-    first_step: bool,
-    eps: float,
-    out: Tensor,
-) -> Tensor:
-    # Pass 1 updates buf and sums u² without storing u (the update aliases buf: no extra write).
-    sq_norm = _momentum_pass(grad, buf, momentum, nesterov, first_step, buf)
-    rows, cols = grad.shape
-    if grad.numel():
-        _recompute_normalize_kernel[_grid_2d(rows, cols)](
-            grad, buf, out, sq_norm, rows, cols, *out.stride(), momentum, eps,
-            NESTEROV=nesterov, TILE_R=TILE_ROWS, TILE_C=TILE_COLS, num_warps=WARPS_2D,
-        )  # fmt: skip
-    return sq_norm
-
-
-def apply_update(master: Tensor, ortho: Tensor, decay: float, step: float) -> None:
-    rows, cols = master.shape
-    if master.numel() == 0:
-        return
-    _apply_update_kernel[_grid_2d(rows, cols)](
-        master, ortho, rows, cols, *ortho.stride(), decay, step,
-        TILE_R=TILE_ROWS, TILE_C=TILE_COLS, num_warps=WARPS_2D,
+    out: Tensor | None,  # (B, rows, cols), any strides; None: u is the buffer (no Nesterov)
+    scaled: bool,
+) -> tuple[Tensor, Tensor | None] | None:
+    """Pass 1: buffers updated, u (or u scaled per tile) into ``out``; returns each matrix's sum
+    of u² (fp64 (B,)) and the tile exponents (int32 (B, tiles); None unless ``scaled``), or None
+    when no table can be made now."""
+    batch = len(grads)
+    rows, cols = grads[0].shape
+    device = grads[0].device
+    grad_vec, buf_vec = vector_width(grads), vector_width(buffers)
+    table = offset_table(
+        [*offsets(grads, grad_vec), *offsets(buffers, buf_vec), *map(int, first_steps)], device
+    )
+    if table is None:
+        return None
+    tiles = tile_count(rows, cols)
+    partial = torch.empty((batch, tiles), dtype=torch.float64, device=device)
+    exponents = torch.empty((batch, tiles), dtype=torch.int32, device=device) if scaled else None
+    mode = 0 if out is None else (2 if scaled else 1)
+    target = buffers[0] if out is None else out
+    strides = (0, 0, 0) if out is None else out.stride()
+    _momentum_kernel[(tiles, batch)](
+        grads[0], buffers[0], table, target, partial if exponents is None else exponents, partial,
+        batch, rows, cols, *strides, momentum,
+        NESTEROV=nesterov, OUT_MODE=mode, GRAD_VEC=grad_vec, BUF_VEC=buf_vec,
+        TILE_R=TILE_ROWS, TILE_C=TILE_COLS, num_warps=WARPS,
     )  # fmt: skip
+    return partial.sum(dim=1), exponents
+
+
+def square_sums(src: Tensor) -> Tensor:
+    """Each matrix's sum of squares of src (B, rows, cols), any strides: fp64 (B,)."""
+    batch, rows, cols = src.shape
+    tiles = tile_count(rows, cols)
+    partial = torch.empty((batch, tiles), dtype=torch.float64, device=src.device)
+    _square_sum_kernel[(tiles, batch)](
+        src, partial, rows, cols, *src.stride(),
+        TILE_R=TILE_ROWS, TILE_C=TILE_COLS, num_warps=WARPS,
+    )  # fmt: skip
+    return partial.sum(dim=1)
+
+
+def normalize(
+    src: Tensor, out: Tensor, square_sum: Tensor, eps: float, exponents: Tensor | None = None
+) -> None:
+    """out = src / (sqrt(square_sum) + eps) per matrix of (B, rows, cols) src and out (any
+    strides; out may be src); with ``exponents``, src holds each tile divided by 2^exponent."""
+    batch, rows, cols = src.shape
+    tiles = tile_count(rows, cols)
+    scaled = exponents is not None
+    _normalize_kernel[(tiles, batch)](
+        src, out, square_sum, exponents if scaled else square_sum,
+        rows, cols, *src.stride(), *out.stride(), eps,
+        TILE_SCALED=scaled, TILE_R=TILE_ROWS, TILE_C=TILE_COLS, num_warps=WARPS,
+    )  # fmt: skip
+
+
+def apply_update(
+    masters: Sequence[Tensor],  # B (rows, cols), rows contiguous, one dtype
+    updates: Sequence[Tensor],  # B (rows, cols), one dtype and one set of strides
+    decay: float,
+    step: float,
+) -> bool:
+    """master = master·decay − update·step for every pair; False when no table can be made now."""
+    rows, cols = masters[0].shape
+    master_vec, ortho_vec = vector_width(masters), vector_width(updates)
+    table = offset_table(
+        [*offsets(masters, master_vec), *offsets(updates, ortho_vec)], masters[0].device
+    )
+    if table is None:
+        return False
+    _apply_update_kernel[(tile_count(rows, cols), len(masters))](
+        masters[0], updates[0], table, len(masters), rows, cols, *updates[0].stride(),
+        decay, step, MASTER_VEC=master_vec, ORTHO_VEC=ortho_vec,
+        TILE_R=TILE_ROWS, TILE_C=TILE_COLS, num_warps=WARPS,
+    )  # fmt: skip
+    return True

@@ -1,38 +1,54 @@
-"""The elementwise parts of a Muon step, fused into as few passes over memory as the math allows.
+"""The element-wise parts of a Muon step, fused into as few passes over memory as the math allows.
 
-Owns momentum + Nesterov, normalisation + cast to the Newton-Schulz dtype, and decoupled weight
-decay + the scaled update. On CUDA with Triton installed each function is one Triton kernel over
-the tensors; elsewhere (CPU, no Triton, layouts the kernels do not take) a plain-torch fallback
-computes the same values up to rounding (the kernels may fuse a multiply-add). It must not run
-Newton-Schulz, know about parameters or optimizers, or synchronise with the host.
+Owns momentum + Nesterov, the division by the Frobenius norm + cast to the Newton-Schulz dtype,
+and decoupled weight decay + the scaled update; Newton-Schulz's own input stage
+(``normalize_frobenius``) too. On CUDA with Triton each pass is one Triton launch for a whole
+list of same-shape matrices; elsewhere (CPU, no Triton, layouts the kernels do not take) a
+plain-torch fallback computes the same values up to rounding. It must not run Newton-Schulz,
+know about parameters or optimizers, or synchronise with the host.
 
-The math (SPEC "The optimizer math"), with μ the momentum and g the gradient:
+The math (SPEC "The optimizer math"), with μ the momentum and g the gradient of a matrix:
+first step ``buf = g``, then ``buf = μ·buf + g``; the update is ``u = g + μ·buf`` with Nesterov,
+else ``u = buf``; Newton-Schulz's input is ``u / (‖u‖_F + eps)`` in its dtype; after it,
+``W = W·(1 − lr·wd) − lr·scale·O`` into the fp32 master.
 
-- ``muon_momentum_``: first step ``buf = g``, then ``buf = μ·buf + g``; the update is
-  ``u = g + μ·buf`` with Nesterov, else ``u = buf``; also returns ``Σu²`` (partial sums per block,
-  added in a fixed order, so it is deterministic). One pass: reads g and buf, writes buf and u.
-- ``muon_normalize``: ``u / (sqrt(Σu²) + eps)`` cast to the iteration dtype, into any layout (e.g.
-  transposed, so Newton-Schulz gets rows <= cols contiguous). One pass; the norm stays on the GPU.
-- ``muon_momentum_normalize_``: both of the above without materialising u: the second pass
-  recomputes u from g and the new buf (the same bytes as reading u back, one buffer less).
-- ``muon_apply_update_``: ``W = W·(1 − lr·wd) − lr·scale·O`` into the fp32 master, any layout of
-  O (Newton-Schulz returns tall matrices as transposed views). One pass.
-- ``normalize_cast``: ``(X / (norm + eps)).to(dtype)`` per matrix of a batch, one pass (Newton-
-  Schulz's input stage; bit-identical to the torch expression).
+The step, a batch of B same-shape matrices at a time:
 
-The norm needs every element of u before any can be scaled, so two passes is the minimum for the
-first three; the update is one.
+- ``muon_normalized_inputs_``: two passes. The first reads g and buf once, writes buf and u into
+  the Newton-Schulz input buffer, each 64x64 tile divided by a power of two near its largest
+  value (so it fits fp16 whatever the gradient's scale), and sums u² per tile; the second
+  rescales that buffer in place to ``u / (‖u‖ + eps)`` (2 bytes read and written per element
+  instead of reading g and buf again). In fp16 or bf16 the tile's value is rounded twice (at
+  most one unit in the last place instead of half); the torch fallback rounds once.
+- ``muon_apply_updates_``: one pass, the decay and the scaled update together.
+
+Single matrices (the tensor-parallel path normalises a matrix gathered from momentum chunks):
+``muon_momentum_`` (one pass: buf, u and Σu²), ``muon_normalize`` (one pass, given Σu²),
+``muon_apply_update_``.
+
+[Note: overflow-safe normalisation]
+A finite gradient can have a Frobenius norm whose square overflows fp32 (‖u‖ > ~1.8e19): an
+fp32 sum of squares is then inf and u / (inf + eps) is zero, so Newton-Schulz would return zeros.
+Every norm here is accumulated in float64 (squares of any finite fp32 value and sums of 2^40 of
+them are finite), and the quotient is taken as ``(u·2^-k) / ((‖u‖ + eps)·2^-k)`` in fp32 with
+2^(k-1) <= ‖u‖ < 2^k: scaling by a power of two is exact, so this is the IEEE quotient
+``u / fp32(‖u‖ + eps)`` bit for bit wherever that one does not overflow, and it never overflows
+(k is clamped to [-126, 126], so 2^-k is a normal fp32). The fused first pass uses the same idea
+per tile. No extra pass over memory: the sums ride on the pass that reads u anyway.
 """
 
 from __future__ import annotations
 
 import importlib.util
-import math
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
 
 DEFAULT_NS_EPS = 1e-7
+# A CUDA grid's second dimension, which the kernels give to the matrices of a batch.
+MAX_KERNEL_BATCH = 65535
+_EXPONENT_BOUND = 126  # 2^±126 are normal fp32 numbers
 
 _triton_module: object | None = None
 _triton_checked = False
@@ -60,6 +76,9 @@ def _kernels(*tensors: Tensor | None):  # -> the Triton module, or None for the 
     return _triton_module if triton_available() else None
 
 
+# ---- validation and layouts ---------------------------------------------------------------------
+
+
 def _as_matrix(t: Tensor) -> Tensor:
     """A 2-D view (rows, cols) of ``t``: leading dim kept, trailing dims flattened (as Muon does)."""
     if t.dim() == 2:
@@ -75,6 +94,173 @@ def _check_same_shape(label: str, a: Tensor, b: Tensor) -> None:
             f"{label}: shapes must match, got {tuple(a.shape)} and {tuple(b.shape)}; pass the "
             "momentum buffer / update of the same parameter"
         )
+
+
+def _rows_contiguous(tensors: Sequence[Tensor], shape: tuple[int, ...]) -> bool:
+    """Every tensor is a (rows, cols) matrix of the first one's dtype with contiguous rows."""
+    dtype = tensors[0].dtype
+    return all(
+        t.shape == shape
+        and t.dtype == dtype
+        and t.stride(-1) == 1
+        and (shape[0] == 1 or t.stride(0) == shape[1])
+        for t in tensors
+    )
+
+
+# ---- the torch side of [Note: overflow-safe normalisation] --------------------------------------
+
+
+def _square_sums(X: Tensor) -> Tensor:
+    """Σx² of each matrix of X (..., rows, cols), accumulated in float64: (..., 1, 1)."""
+    return X.to(torch.float64).square().sum(dim=(-2, -1), keepdim=True)
+
+
+def _power_of_two(exponent: Tensor) -> Tensor:
+    """2**exponent as float64, exactly (an integer tensor in [-1022, 1023])."""
+    return ((exponent.to(torch.int64) + 1023) << 52).view(torch.float64)
+
+
+def _divided_by_norm(X: Tensor, square_sum: Tensor, eps: float) -> Tensor:
+    """X / (sqrt(square_sum) + eps) in fp32 per matrix (square_sum float64, broadcastable)."""
+    norm = square_sum.to(torch.float64).sqrt()
+    exponent = torch.frexp(norm).exponent.clamp_(-_EXPONENT_BOUND, _EXPONENT_BOUND)
+    scale = _power_of_two(-exponent)
+    denominator = ((norm + eps) * scale).to(torch.float32)
+    return (X.to(torch.float32) * scale.to(torch.float32)).div_(denominator)
+
+
+# ---- Newton-Schulz's input stage ----------------------------------------------------------------
+
+
+def normalize_frobenius(
+    X: Tensor,  # (n, m) or (B, n, m), any strides, any float dtype
+    *,
+    eps: float,
+    dtype: torch.dtype,
+    out: Tensor | None = None,  # X's shape, ``dtype``, any strides
+) -> Tensor:  # ``out``, else a new contiguous tensor
+    """``X / (‖X‖_F + eps)`` per matrix, cast to ``dtype``: two passes (the norm, the quotient),
+    overflow-safe for every finite X ([Note: overflow-safe normalisation])."""
+    kernels = _kernels(X)
+    if kernels is None or X.dim() not in (2, 3) or X.numel() == 0:
+        result = _divided_by_norm(X, _square_sums(X), eps).to(dtype)
+        return result if out is None else out.copy_(result)
+    if out is None:
+        out = torch.empty(X.shape, dtype=dtype, device=X.device)
+    X3, out3 = (t if t.dim() == 3 else t.unsqueeze(0) for t in (X, out))
+    if X3.shape[0] > MAX_KERNEL_BATCH:
+        return out.copy_(_divided_by_norm(X, _square_sums(X), eps))
+    kernels.normalize(X3, out3, kernels.square_sums(X3), eps)
+    return out
+
+
+# ---- the step: batches of same-shape matrices ---------------------------------------------------
+
+
+def muon_normalized_inputs_(
+    grads: Sequence[Tensor],  # B (rows, cols) gradients, any float dtype
+    momenta: Sequence[Tensor],  # B (rows, cols) momentum buffers (fp32); updated in place
+    first_steps: Sequence[bool],
+    momentum: float,
+    nesterov: bool,
+    out: Tensor,  # (B, rows, cols), or (B, cols, rows) for the transposed matrices
+    eps: float = DEFAULT_NS_EPS,
+) -> None:
+    """Momentum, then each matrix's Muon input ``u`` divided by its Frobenius norm (+ ``eps``)
+    and cast to ``out``'s dtype, into ``out``: ``buf = momentum·buf + g`` (``buf = g`` where
+    ``first_steps`` says so), ``u = g + momentum·buf`` with ``nesterov``, else ``u = buf``.
+
+    ``out`` holds the matrices as they are, or transposed (Newton-Schulz takes rows <= cols);
+    any strides. Two passes on CUDA (see the module docstring); no host synchronisation.
+    """
+    batch = len(grads)
+    if not batch or len(momenta) != batch or len(first_steps) != batch or out.shape[0] != batch:
+        raise ValueError(
+            "muon_normalized_inputs_ takes B >= 1 gradients, momentum buffers and first-step "
+            f"flags and an output of B matrices; got {len(grads)}, {len(momenta)}, "
+            f"{len(first_steps)} and an output of shape {tuple(out.shape)}"
+        )
+    shape = tuple(grads[0].shape)
+    if len(shape) != 2 or out.shape[-2:] not in (shape, shape[::-1]):
+        raise ValueError(
+            f"muon_normalized_inputs_: the output must be (B, rows, cols) or (B, cols, rows) for "
+            f"gradients of shape {shape}; got {tuple(out.shape)}"
+        )
+    oriented = out if out.shape[-2:] == shape else out.mT  # (B, rows, cols)
+    kernels = _kernels(grads[0], momenta[0], out)
+    if (
+        kernels is not None
+        and batch <= MAX_KERNEL_BATCH
+        and grads[0].numel() > 0
+        and _rows_contiguous(grads, shape)
+        and _rows_contiguous(momenta, shape)
+    ):
+        summed = kernels.momentum_pass(
+            grads, momenta, first_steps, float(momentum), nesterov, oriented, scaled=True
+        )
+        if summed is not None:
+            square_sums, exponents = summed
+            kernels.normalize(oriented, oriented, square_sums, float(eps), exponents)
+            return
+    for grad, buf in zip(grads, momenta, strict=True):
+        _check_same_shape("muon_normalized_inputs_", grad, buf)
+    continuing = [i for i, first in enumerate(first_steps) if not first]
+    starting = [i for i, first in enumerate(first_steps) if first]
+    if continuing:
+        buffers = [momenta[i] for i in continuing]
+        torch._foreach_mul_(buffers, momentum)
+        torch._foreach_add_(buffers, [grads[i] for i in continuing])
+    if starting:
+        torch._foreach_copy_([momenta[i] for i in starting], [grads[i] for i in starting])
+    update = torch.empty((batch, *shape), dtype=torch.float32, device=grads[0].device)
+    updates = list(update.unbind(0))
+    if nesterov:
+        torch._foreach_copy_(updates, grads)
+        torch._foreach_add_(updates, momenta, alpha=momentum)
+    else:
+        torch._foreach_copy_(updates, momenta)
+    oriented.copy_(_divided_by_norm(update, _square_sums(update), eps))
+
+
+def muon_apply_updates_(
+    masters: Sequence[Tensor],  # B fp32 master weights; updated in place
+    updates: Sequence[Tensor],  # B Newton-Schulz outputs of the masters' shapes, any strides
+    lr: float,
+    weight_decay: float,
+    scale: float,
+) -> None:
+    """``master = master·(1 − lr·weight_decay) − lr·scale·update`` for every pair, one pass on
+    CUDA. ``scale`` is Muon's ``0.2·sqrt(max(m, n))``."""
+    if len(masters) != len(updates):
+        raise ValueError(
+            f"muon_apply_updates_: {len(masters)} masters but {len(updates)} updates; pass one "
+            "Newton-Schulz output per master"
+        )
+    if not masters:
+        return
+    for master, update in zip(masters, updates, strict=True):
+        _check_same_shape("muon_apply_update_", master, update)
+    decay, step = 1.0 - float(lr) * float(weight_decay), float(lr) * float(scale)
+    kernels = _kernels(masters[0], updates[0])
+    if kernels is not None and len(masters) <= MAX_KERNEL_BATCH and masters[0].numel() > 0:
+        master_views = [_as_matrix(m) for m in masters]
+        update_views = [_as_matrix(u) for u in updates]
+        shape = tuple(master_views[0].shape)
+        strides, dtype = update_views[0].stride(), update_views[0].dtype
+        if (
+            _rows_contiguous(master_views, shape)
+            and all(u.stride() == strides and u.dtype == dtype for u in update_views)
+            and all(m.data_ptr() == v.data_ptr() for m, v in zip(masters, master_views))
+            and kernels.apply_update(master_views, update_views, decay, step)
+        ):
+            return
+    if decay != 1.0:
+        torch._foreach_mul_(list(masters), decay)
+    torch._foreach_add_(list(masters), list(updates), alpha=-step)
+
+
+# ---- single matrices ----------------------------------------------------------------------------
 
 
 def muon_momentum_(
@@ -95,98 +281,59 @@ def muon_momentum_(
 
     Returns:
         ``update``: u in buf's dtype (``buf`` itself when ``nesterov=False``); ``sq_norm``: a
-        0-dim fp32 tensor on the same device holding Σu² (no host synchronisation).
+        0-dim float64 tensor on the same device holding Σu² (no host synchronisation).
     """
     _check_same_shape("muon_momentum_", grad, buf)
     kernels = _kernels(grad, buf)
-    if kernels is not None and grad.is_contiguous() and buf.is_contiguous():
-        return kernels.momentum(grad, buf, float(momentum), nesterov, first_step)
+    if kernels is not None and grad.numel() > 0 and grad.is_contiguous() and buf.is_contiguous():
+        g, b = _as_matrix(grad), _as_matrix(buf)
+        update = torch.empty_like(buf) if nesterov else buf
+        summed = kernels.momentum_pass(
+            [g], [b], [first_step], float(momentum), nesterov,
+            _as_matrix(update).unsqueeze(0) if nesterov else None, scaled=False,
+        )  # fmt: skip
+        if summed is not None:
+            return update, summed[0].reshape(())
     if first_step:
         buf.copy_(grad)
     else:
         buf.mul_(momentum).add_(grad)
     update = torch.add(grad, buf, alpha=momentum).to(buf.dtype) if nesterov else buf
-    return update, _sum_of_squares(update)
-
-
-def _sum_of_squares(t: Tensor) -> Tensor:
-    flat = t.reshape(-1).float()
-    return torch.dot(flat, flat) if flat.numel() else flat.new_zeros(())
+    return update, update.to(torch.float64).square().sum()
 
 
 def muon_normalize(
     update: Tensor,
-    sq_norm: Tensor,
+    sq_norm: Tensor | None = None,
     dtype: torch.dtype = torch.float16,
     eps: float = DEFAULT_NS_EPS,
     out: Tensor | None = None,
 ) -> Tensor:
     """``update / (sqrt(sq_norm) + eps)`` cast to ``dtype``, written into ``out`` if given.
 
-    ``out`` may have any strides (e.g. ``torch.empty(n, m, dtype=...).mT`` for a transposed,
-    row-contiguous result) and must have update's shape; it defaults to a contiguous tensor.
+    ``sq_norm`` is Σu² (as ``muon_momentum_`` returns it; converted to float64), or None to
+    compute it here (one more pass). ``out`` may have any strides (e.g.
+    ``torch.empty(n, m, dtype=...).mT`` for a transposed, row-contiguous result) and must have
+    update's shape; it defaults to a contiguous tensor.
     """
     if out is None:
         out = torch.empty(update.shape, dtype=dtype, device=update.device)
     _check_same_shape("muon_normalize", update, out)
     kernels = _kernels(update, out, sq_norm)
-    if kernels is not None:
-        kernels.normalize(_as_matrix(update), sq_norm, float(eps), _as_matrix(out), squared=True)
-        return out
-    out.copy_(update.float() / (sq_norm.sqrt() + eps))
+    if kernels is not None and update.numel() > 0:
+        src, dst = _as_matrix(update).unsqueeze(0), _as_matrix(out).unsqueeze(0)
+        if dst.data_ptr() == out.data_ptr():  # a view, not a copy, of ``out``
+            square_sum = (
+                kernels.square_sums(src)
+                if sq_norm is None
+                else sq_norm.to(torch.float64).reshape(1)
+            )
+            kernels.normalize(src, dst, square_sum, float(eps))
+            return out
+    matrix = _as_matrix(update)
+    square_sum = _square_sums(matrix) if sq_norm is None else sq_norm.reshape(1, 1)
+    out.copy_(_divided_by_norm(matrix, square_sum, eps).reshape(update.shape))
     return out
-
-
-def normalize_cast(
-    X: Tensor,  # (n, m) or (B, n, m), any strides
-    norm: Tensor,  # one Frobenius norm per matrix: (1, 1) or (B, 1, 1)
-    eps: float,
-    dtype: torch.dtype,
-    out: Tensor | None = None,  # X's shape, ``dtype``
-) -> Tensor:  # ``out``, else a new contiguous tensor
-    """``(X / (norm + eps)).to(dtype)`` in one pass on CUDA (Newton-Schulz's input stage).
-
-    Equal to the torch expression bit for bit: the sum and the quotient are IEEE-rounded fp32,
-    then rounded once to ``dtype``.
-    """
-    kernels = _kernels(X, norm)
-    if kernels is None or X.dim() not in (2, 3) or norm.numel() not in (1, math.prod(X.shape[:-2])):
-        result = (X / (norm + eps)).to(dtype)
-        return result if out is None else out.copy_(result)
-    if out is None:
-        out = torch.empty(X.shape, dtype=dtype, device=X.device)
-    kernels.normalize(X, norm, float(eps), out, squared=False)
-    return out
-
-
-def muon_momentum_normalize_(
-    grad: Tensor,
-    buf: Tensor,
-    momentum: float,
-    nesterov: bool = True,
-    first_step: bool = False,
-    dtype: torch.dtype = torch.float16,
-    eps: float = DEFAULT_NS_EPS,
-    out: Tensor | None = None,
-) -> tuple[Tensor, Tensor]:
-    """``muon_momentum_`` then ``muon_normalize`` in two passes, without materialising u.
-
-    Returns ``(X, sq_norm)`` with X the normalised update in ``dtype`` (in ``out`` if given).
-    """
-    _check_same_shape("muon_momentum_normalize_", grad, buf)
-    if out is None:
-        out = torch.empty(grad.shape, dtype=dtype, device=grad.device)
-    _check_same_shape("muon_momentum_normalize_", grad, out)
-    kernels = _kernels(grad, buf, out)
-    if kernels is not None and grad.is_contiguous() and buf.is_contiguous():
-        sq_norm = kernels.momentum_normalize(
-            _as_matrix(grad), _as_matrix(buf), float(momentum), nesterov, first_step,
-            float(eps), _as_matrix(out),
-        )  # fmt: skip
-        return out, sq_norm
-    update, sq_norm = muon_momentum_(grad, buf, momentum, nesterov, first_step)
-    muon_normalize(update, sq_norm, dtype, eps, out)
-    return out, sq_norm
 
 
 def muon_apply_update_(
@@ -202,22 +349,17 @@ def muon_apply_update_(
     the Newton-Schulz output. ``scale`` is Muon's ``0.2·sqrt(max(m, n))``.
     """
     _check_same_shape("muon_apply_update_", master, ortho)
-    decay, step = 1.0 - float(lr) * float(weight_decay), float(lr) * float(scale)
-    kernels = _kernels(master, ortho)
-    if kernels is not None and master.is_contiguous():
-        kernels.apply_update(_as_matrix(master), _as_matrix(ortho), decay, step)
-        return master
-    if decay != 1.0:
-        master.mul_(decay)
-    return master.add_(ortho, alpha=-step)
+    muon_apply_updates_([master], [ortho], lr, weight_decay, scale)
+    return master
 
 
 __all__ = [
     "DEFAULT_NS_EPS",
     "muon_apply_update_",
+    "muon_apply_updates_",
     "muon_momentum_",
-    "muon_momentum_normalize_",
     "muon_normalize",
-    "normalize_cast",
+    "muon_normalized_inputs_",
+    "normalize_frobenius",
     "triton_available",
 ]

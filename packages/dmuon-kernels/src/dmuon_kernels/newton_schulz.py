@@ -3,7 +3,8 @@
 ``newton_schulz(G)`` maps G = U·diag(σ)·Vᵀ to approximately U·Vᵀ: each singular value goes
 through the scalar recurrence ``x <- a·x + b·x³ + c·x⁵`` (one coefficient row per iteration),
 starting from σ / ||G||_F. Pipeline: cast to fp32, orient so rows <= cols, divide each matrix by
-its own Frobenius norm (+eps), iterate in ``dtype``, transpose back, cast to G's dtype. Batched
+its own Frobenius norm (+eps; accumulated in float64, so no finite G overflows it), iterate in
+``dtype``, transpose back, cast to G's dtype. Batched
 inputs (..., m, n) run as one batched matmul per step. ``dtype=None`` (the default) iterates in
 fp16 on CUDA, where tensor cores make it fast, and in fp32 elsewhere: CPUs without matrix units
 run fp16 and bf16 matmuls tens of times slower than fp32 (minutes for one 1024 x 4096 matrix).
@@ -55,7 +56,7 @@ from dmuon_kernels._env import NS_CUDA_GRAPH_ENV, NS_KERNEL_ENV
 from dmuon_kernels._log import is_rank_zero, log_rank_tagged
 from dmuon_kernels.coefficients import CoefficientTable, validate_coefficients
 from dmuon_kernels.fused import DEFAULT_NS_EPS as DEFAULT_EPS
-from dmuon_kernels.fused import normalize_cast
+from dmuon_kernels.fused import normalize_frobenius
 from dmuon_kernels.graphs import GraphedFunction
 from dmuon_kernels.syrk import matmul, symmetric_product, syrk
 from dmuon_kernels.syrk.dispatch import (
@@ -210,15 +211,16 @@ def normalized_input(
     G: Tensor, *, eps: float, dtype: torch.dtype, out: Tensor | None = None
 ) -> Tensor:
     """Stage 1: G (..., m, n) -> X (n', m') or (B, n', m') in ``dtype`` with rows <= cols, each
-    matrix divided by its own Frobenius norm + eps (one fused pass on CUDA with Triton), written
-    into ``out`` when given (contiguous, ``normalized_shape(G)``)."""
-    X = G.to(torch.float32)
+    matrix divided by its own Frobenius norm + eps, written into ``out`` when given (contiguous,
+    ``normalized_shape(G)``). Overflow-safe for every finite G (the norm accumulates in float64;
+    see [Note: overflow-safe normalisation] in ``dmuon_kernels.fused``); two passes over G on
+    CUDA with Triton (the norm, then the quotient and cast)."""
+    X = G if G.dtype in (torch.float16, torch.bfloat16, torch.float32) else G.to(torch.float32)
     if G.shape[-2] > G.shape[-1]:
         X = X.mT
     if G.dim() > 3:
         X = X.reshape(-1, *X.shape[-2:])
-    norm = torch.linalg.matrix_norm(X, keepdim=True)  # Frobenius, one per matrix
-    return normalize_cast(X, norm, eps, dtype, out)
+    return normalize_frobenius(X, eps=eps, dtype=dtype, out=out)
 
 
 def iterate(
