@@ -19,15 +19,19 @@ import functools
 import tempfile
 from dataclasses import asdict, dataclass, field
 
+# First: its import-time workarounds must precede torchtitan's own import (see its docstring).
+import tests.titan.titan_on_cpu as titan_on_cpu
+
+# isort: split
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions
+from torch.distributed.tensor import DTensor
 from torchtitan.models.llama3 import config_registry as llama3_registry
 
 import dmuon.checkpoint
 import dmuon_titan
-import tests.titan.titan_on_cpu as titan_on_cpu
 from dmuon.hooks import find_dedicated_state
 from dmuon.testing import ReferenceMuonAdamW
 from dmuon_kernels import KELLER_COEFFICIENTS
@@ -35,7 +39,6 @@ from dmuon_kernels.newton_schulz import newton_schulz
 
 FULL = StateDictOptions(full_state_dict=True)
 LAYERS = 2
-SEQ_LEN = 16
 
 
 @dataclass(kw_only=True)
@@ -48,6 +51,7 @@ class Job:
     pp: int = 1
     tp: int = 1
     local_batch: int = 2
+    seq_len: int = 16
     dmuon: bool = True
     mixed_precision: bool = False  # torchtitan's default: bf16 parameters, fp32 reduce
     ns: str = "torch"  # "torch": torch.optim.Muon's NS (Keller, direct, bf16); "fp32": exact
@@ -67,7 +71,7 @@ def make_config(job: Job, dump_folder: str):
         dump_folder=dump_folder,
         steps=job.steps,
         layers=LAYERS,
-        seq_len=SEQ_LEN,
+        seq_len=job.seq_len,
         batch=job.local_batch,
     )
     parallelism = config.parallelism
@@ -118,6 +122,7 @@ def train(job_options: dict, checkpoint_root: str | None = None) -> dict:
             starts: list[dict[str, torch.Tensor]] = []
             _record(trainer, logged, starts)
             trainer.train()
+            logged = _from_a_last_stage(trainer, logged)
             final = full_weights(trainer)
             lr_lambda = trainer.lr_schedulers.schedulers[0].lr_lambdas[0]
             dedicated = _dedicated_names(trainer)
@@ -137,6 +142,14 @@ def train(job_options: dict, checkpoint_root: str | None = None) -> dict:
         "global_batch": job.local_batch * _batch_degree(job),
         "optimizer": _optimizer_settings(trainer),
     }
+
+
+def _from_a_last_stage(trainer, logged: list) -> list:
+    """The losses a last pipeline stage logged (the others log a placeholder)."""
+    last = not trainer.parallel_dims.pp_enabled or trainer.pp_has_last_stage
+    everyone: list[tuple | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, (last, logged))
+    return next(values for is_last, values in everyone if is_last)
 
 
 def _batch_degree(job: Job) -> int:
@@ -180,7 +193,12 @@ def full_weights(trainer) -> dict[str, torch.Tensor]:
         if isinstance(trainer, dmuon_titan.DMuonTrainer):
             state = dmuon.checkpoint.get_model_state_dict(part, options=FULL)
         else:
-            state = get_model_state_dict(part, options=FULL)
+            # torch's get_model_state_dict cannot follow keys another module's hook makes up
+            # (the fused QKV's wq/wk/wv): gather FSDP2's shards of the model's own state dict.
+            state = {
+                key: value.full_tensor() if isinstance(value, DTensor) else value
+                for key, value in part.state_dict().items()
+            }
         mine.update({key: value.detach().float().clone() for key, value in state.items()})
     everyone: list[dict | None] = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
@@ -236,7 +254,7 @@ def train_reference(run: dict, *, steps: int | None = None) -> dict:
     for step in range(run["first_step"], run["first_step"] + (steps or len(run["logged"]))):
         for optimizer, base_lr in optimizers:
             _set_lr(optimizer, base_lr * run["lr_factors"][step])
-        tokens = titan_on_cpu.counting_batch(step - 1, run["global_batch"], SEQ_LEN)
+        tokens = titan_on_cpu.step_rows(step - 1, run["global_batch"], job.seq_len)
         computing = _bf16_copy(model) if job.mixed_precision else model
         output = computing(tokens[:, :-1], positions=titan_on_cpu.positions_of(tokens))
         labels = tokens[:, 1:]
@@ -258,7 +276,12 @@ def train_reference(run: dict, *, steps: int | None = None) -> dict:
 
 
 def _bf16_copy(model):
-    return copy.deepcopy(model).to(torch.bfloat16)
+    """The model with bfloat16 parameters and its buffers as they are, as FSDP2's
+    ``param_dtype`` computes (RoPE's tables stay float32)."""
+    low = copy.deepcopy(model)
+    for param in low.parameters():
+        param.data = param.data.to(torch.bfloat16)
+    return low
 
 
 def _reference_optimizers(params: dict, run: dict, ns: str):

@@ -19,32 +19,57 @@ NORM_TOLERANCE = 1e-3  # see [Note: norms in float32 on the CPU]
 # fp32 Newton-Schulz: the runs differ by the order of float additions in the gradients (sums
 # over 512 tokens and the ranks); measured 1.2e-5 after 3 steps on the 256 x 768 matrices.
 FP32_TOLERANCE = 5e-5
-# bf16 Newton-Schulz (torch.optim.Muon's): inputs that differ by an fp32 rounding can flip bf16
-# roundings inside the iteration, so each step's orthogonal factor may differ by ~u (relative);
-# a step moves a matrix by a few percent of its norm: after k steps, 4 * k * 5% * u.
-BF16_UNIT_ROUNDOFF = 2.0**-8
+# bf16 in the update's path (torch.optim.Muon's bf16 Newton-Schulz, or a bf16 forward): two
+# runs whose inputs differ by roundings agree on a matrix's update (its change over the run) to a
+# few bf16 ulps, as tests/core/test_torch_compatible.py measures (3%, 4 ulps, with full-rank
+# gradients); 8 ulps of room. Compared on the updates: Muon moves these matrices by tens of
+# percent a step, so their weights alone would hide nothing and show everything.
+BF16_UPDATE_TOLERANCE = 8 * 2.0**-7
+# Full-rank gradients need more tokens a step than a matrix has rows (256): with fewer, both
+# runs turn the rounding noise in the gradient's null space into different junk.
+FULL_RANK = {"seq_len": 64, "local_batch": 4}
 
 
-def bf16_tolerance(steps: int) -> float:
-    return 4 * steps * 0.05 * BF16_UNIT_ROUNDOFF
+def relative_error(value, expected) -> float:
+    return ((value - expected).norm() / expected.norm().clamp_min(1e-30)).item()
 
 
-def relative_errors(weights: dict, expected: dict) -> dict[str, float]:
-    assert weights.keys() == expected.keys()
-    return {
-        name: ((value - expected[name]).norm() / expected[name].norm().clamp_min(1e-30)).item()
-        for name, value in weights.items()
-    }
-
-
-def assert_like_reference(run: dict, reference: dict, *, weights: float, losses: float) -> None:
+def assert_like_reference(
+    run: dict,
+    reference: dict,
+    *,
+    weights: float,
+    losses: float,
+    matrix_updates: float | None = None,
+) -> None:
+    """Losses, logged norms and final weights as the reference's; with ``matrix_updates``, the
+    dedicated matrices are compared by their updates (final minus initial) at that bound."""
     assert len(run["logged"]) == len(reference["logged"])
     for (loss, norm), (ref_loss, ref_norm) in zip(run["logged"], reference["logged"]):
         assert loss == pytest.approx(ref_loss, rel=losses)
         assert norm == pytest.approx(ref_norm, rel=NORM_TOLERANCE)
-    errors = relative_errors(run["final"], reference["final"])
-    worst = sorted(errors.items(), key=lambda item: -item[1])[:3]
-    assert worst[0][1] < weights, worst
+    assert run["final"].keys() == reference["final"].keys()
+    by_update = set(run["dedicated"]) if matrix_updates is not None else set()
+    by_update = {key for key in run["final"] if _of_dedicated(key, by_update)}
+    errors, update_errors = {}, {}
+    for name, value in run["final"].items():
+        expected = reference["final"][name]
+        if name in by_update:
+            start = run["initial"][name]
+            update_errors[name] = relative_error(value - start, expected - start)
+        else:
+            errors[name] = relative_error(value, expected)
+    worst = max(errors.items(), key=lambda item: item[1])
+    assert worst[1] < weights, worst
+    if update_errors:
+        worst = max(update_errors.items(), key=lambda item: item[1])
+        assert worst[1] < matrix_updates, worst
+
+
+def _of_dedicated(key: str, dedicated: set[str]) -> bool:
+    """``key`` holds (part of) a dedicated matrix: the fused QKV's split keys belong to it."""
+    module = key.rsplit(".", 2)[0]
+    return key in dedicated or any(name.startswith(module + ".") for name in dedicated)
 
 
 def test_dmuon_in_torchtitan_trains_like_the_float32_reference_in_one_process(pool2):
@@ -59,9 +84,12 @@ def test_dmuon_in_torchtitan_trains_like_the_float32_reference_in_one_process(po
 
 
 def test_hsdp_with_torchtitans_dim_names_trains_like_torch_muon_and_adamw(pool4):
-    run = pool4.run(train, job_options={"dp_replicate": 2, "dp_shard": 2, "ns": "torch"})[0]
+    job = {"dp_replicate": 2, "dp_shard": 2, "ns": "torch", **FULL_RANK, "local_batch": 2}
+    run = pool4.run(train, job_options=job)[0]
     reference = train_reference(run)
-    assert_like_reference(run, reference, weights=bf16_tolerance(3), losses=1e-5)
+    assert_like_reference(
+        run, reference, weights=FP32_TOLERANCE, losses=1e-4, matrix_updates=BF16_UPDATE_TOLERANCE
+    )
 
 
 def test_pipeline_stages_with_one_clip_train_like_the_unpipelined_reference(pool4):
@@ -80,6 +108,9 @@ def test_torchtitans_mixed_precision_trains_like_a_bf16_forward_of_the_reference
     # bf16 parameters and fp32 reduction, as torchtitan's defaults: each rank's gradient is
     # rounded to bf16 before the sum, the reference's full-batch one once, so the runs agree to
     # bf16 rounding, not to fp32's.
-    run = pool2.run(train, job_options={"mixed_precision": True, "ns": "fp32"})[0]
+    job = {"mixed_precision": True, "ns": "fp32", **FULL_RANK}
+    run = pool2.run(train, job_options=job)[0]
     reference = train_reference(run)
-    assert_like_reference(run, reference, weights=1e-2, losses=1e-2)
+    assert_like_reference(
+        run, reference, weights=1e-2, losses=1e-2, matrix_updates=BF16_UPDATE_TOLERANCE
+    )

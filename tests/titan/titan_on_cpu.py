@@ -12,6 +12,7 @@ makes a registry job config small and CPU-ready.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import sys
 import types
@@ -70,6 +71,10 @@ with _cpu_as_the_accelerator():
 import torchtitan.distributed.fsdp as titan_fsdp  # noqa: E402
 import torchtitan.distributed.utils as titan_dist_utils  # noqa: E402
 from torch.distributed.fsdp import FSDPModule  # noqa: E402
+from torch.distributed.pipelining.schedules import (  # noqa: E402
+    PipelineScheduleMulti,
+    PipelineScheduleSingle,
+)
 from torchtitan.components.dataloader import BaseDataLoader  # noqa: E402
 from torchtitan.components.tokenizer import BaseTokenizer  # noqa: E402
 from torchtitan.models.common.attention import (  # noqa: E402
@@ -97,6 +102,36 @@ titan_fsdp.disable_fsdp_gradient_division = _disable_division_with_plain_sums
 # later nightly). The test pool's groups keep their own short timeout.
 titan_dist_utils.set_pg_timeouts = lambda **kwargs: None
 
+
+def _steps_given_microbatches(step):
+    """Pipeline schedules: torchtitan 0.3 hands ``step`` its microbatches already split
+    (``arg_mbs=``, ``kwarg_mbs=``, ``target_mbs=``), an API of a later torch nightly; torch
+    2.13's ``step`` takes the whole batch and splits it itself. Given microbatches, this does
+    what 2.13's ``step`` does after its split."""
+
+    @functools.wraps(step)
+    def step_microbatches(self, *args, arg_mbs=None, kwarg_mbs=None, target_mbs=None, **kwargs):
+        if arg_mbs is None and kwarg_mbs is None and target_mbs is None:
+            return step(self, *args, **kwargs)
+        for stage in getattr(self, "_stages", None) or [self._stage]:
+            stage.has_backward = self._has_backward
+            stage.clear_runtime_states()
+        self._step_microbatches(
+            arg_mbs,
+            kwarg_mbs,
+            target_mbs,
+            kwargs.get("losses"),
+            kwargs.get("return_outputs", True),
+            loss_kwargs=kwargs.get("loss_kwargs"),
+        )
+        return None
+
+    return step_microbatches
+
+
+for _schedule in (PipelineScheduleSingle, PipelineScheduleMulti):
+    _schedule.step = _steps_given_microbatches(_schedule.step)
+
 VOCAB = 2048  # the llama3 debug model's
 
 
@@ -123,16 +158,19 @@ class CountingTokenizer(BaseTokenizer):
 
 
 class CountingData(BaseDataLoader):
-    """Sequences that count up by one (mod VOCAB) from a random start, one document each.
+    """Sequences that count up by one (mod VOCAB), one document each, from an endless stream of
+    rows: row ``i`` starts at ``row_start(i)``.
 
-    Step ``s``'s global batch is ``counting_batch(s, global_batch)``; data-parallel rank ``r``
-    reads its ``r``-th block of rows. A single-process reference reads the whole batch, and a
-    run resumed on another layout (the same global batch) the same rows after its checkpoint.
+    Step ``s`` reads rows ``[s * B, (s + 1) * B)`` of the stream, ``B`` the global batch (the
+    data-parallel degree times ``rows_per_step``), data-parallel rank ``r`` its ``r``-th block of
+    ``rows_per_step`` rows, in pieces of the size torchtitan asks for (a pipeline's
+    microbatches). So a single-process reference reads step ``s``'s rows whole, and a run resumed
+    on another layout the same rows after its checkpoint.
     """
 
     @dataclass(kw_only=True, slots=True)
     class Config(BaseDataLoader.Config):
-        vocab_size: int = VOCAB
+        rows_per_step: int = 2  # the local batch, which torchtitan gives a pipeline as microbatches
 
     def __init__(
         self,
@@ -144,30 +182,49 @@ class CountingData(BaseDataLoader):
         local_batch_size: int,
         **kwargs,
     ) -> None:
-        self.vocab_size = config.vocab_size
-        self.rows = slice(dp_rank * local_batch_size, (dp_rank + 1) * local_batch_size)
-        self.global_batch = dp_world_size * local_batch_size
+        if config.rows_per_step % local_batch_size:
+            raise ValueError(
+                f"rows_per_step {config.rows_per_step} is not a multiple of the "
+                f"{local_batch_size} rows torchtitan asks for at a time"
+            )
         self.seq_len = seq_len
-        self.step = 0
+        self.global_batch = dp_world_size * config.rows_per_step
+        self.first_row = dp_rank * config.rows_per_step
+        self.rows_per_item = local_batch_size
+        self.items_per_step = config.rows_per_step // local_batch_size
+        self.items = 0
 
     def __iter__(self):
         while True:
-            tokens = counting_batch(self.step, self.global_batch, self.seq_len, self.vocab_size)
-            tokens = tokens[self.rows]
-            self.step += 1
+            step, piece = divmod(self.items, self.items_per_step)
+            first = step * self.global_batch + self.first_row + piece * self.rows_per_item
+            tokens = counting_rows(range(first, first + self.rows_per_item), self.seq_len)
+            self.items += 1
             yield {"input": tokens[:, :-1], "positions": positions_of(tokens)}, tokens[:, 1:]
 
     def state_dict(self) -> dict:
-        return {"step": self.step}  # the same on every rank: loads on any layout
+        step, piece = divmod(self.items, self.items_per_step)
+        assert piece == 0, "torchtitan checkpoints between steps"
+        return {"step": step}  # the same on every rank: loads on any layout
 
     def load_state_dict(self, state_dict: dict) -> None:
-        self.step = state_dict["step"]
+        self.items = state_dict["step"] * self.items_per_step
 
 
-def counting_batch(step: int, batch: int, seq_len: int, vocab: int = VOCAB) -> torch.Tensor:
-    generator = torch.Generator().manual_seed(100_003 + step)
-    start = torch.randint(0, vocab, (batch, 1), generator=generator)
-    return (start + torch.arange(seq_len + 1)) % vocab  # (batch, seq_len + 1)
+def row_start(index: torch.Tensor) -> torch.Tensor:
+    """Where row ``index`` of the data stream starts counting (a fixed scramble of the index)."""
+    return (index * 7919 + 104_729) % VOCAB
+
+
+def counting_rows(indices, seq_len: int) -> torch.Tensor:
+    """Rows ``indices`` of the data stream: (len(indices), seq_len + 1) token ids."""
+    index = torch.as_tensor(list(indices), dtype=torch.int64)[:, None]
+    return (row_start(index) + torch.arange(seq_len + 1)) % VOCAB
+
+
+def step_rows(step: int, global_batch: int, seq_len: int) -> torch.Tensor:
+    """The rows of training step ``step`` (counted from 0) of every data-parallel rank."""
+    return counting_rows(range(step * global_batch, (step + 1) * global_batch), seq_len)
 
 
 def positions_of(tokens: torch.Tensor) -> torch.Tensor:
@@ -185,7 +242,7 @@ def on_cpu(
     os.environ["LOCAL_RANK"] = str(dist.get_rank())
     small_model(config.model_spec, layers)
     config.tokenizer = CountingTokenizer.Config()
-    config.dataloader = CountingData.Config()
+    config.dataloader = CountingData.Config(rows_per_step=batch)
     config.training.steps = steps
     config.training.seq_len = seq_len
     config.training.local_batch_size = batch
