@@ -165,3 +165,23 @@ def test_a_huge_input_orthogonalises_on_the_gpu_exactly_as_its_unscaled_self(nee
     yardstick = plain_loop_error(G.cpu(), NewtonSchulz().coefficients, torch.float16)
     out = newton_schulz(G * HUGE_SCALES[0], backend=backend)
     assert relative_error(out.cpu(), exact) <= LOW_PRECISION_RATIO * yardstick
+
+
+def test_dmuon_fused_triton_0_runs_the_torch_path_on_cuda_with_the_kernels_numbers(
+    needs_triton, monkeypatch
+):
+    pairs = [momentum_inputs((512, 1536), seed=seed) for seed in range(2)]
+    outputs = []
+    for switch in ("1", "0"):
+        monkeypatch.setenv("DMUON_FUSED_TRITON", switch)
+        momenta = [b.cuda() for _, b in pairs]
+        out = torch.empty(2, 512, 1536, dtype=torch.float16, device="cuda")
+        muon_normalized_inputs_(
+            [g.cuda() for g, _ in pairs], momenta, [False, False], MOMENTUM, True, out
+        )
+        outputs.append((momenta, out))
+    (kernel_momenta, kernel_out), (torch_momenta, torch_out) = outputs
+    for kernel, plain in zip(kernel_momenta, torch_momenta):
+        assert relative_error(kernel, plain) < 1e-6
+    for index in range(2):
+        assert relative_error(kernel_out[index], torch_out[index]) < torch.finfo(torch.float16).eps

@@ -6,9 +6,12 @@ Each function is checked against the SPEC formulas written out in float64.
 
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
 
+from dmuon_kernels import fused
 from dmuon_kernels.fused import (
     muon_apply_update_,
     muon_apply_updates_,
@@ -174,3 +177,17 @@ def test_parameters_with_trailing_dims_are_handled_as_matrices():
 def test_mismatched_shapes_are_rejected_with_both_shapes(call):
     with pytest.raises(ValueError, match=r"shapes must match, got \(4, 5\) and \(5, 4\)"):
         call()
+
+
+def test_dmuon_fused_triton_0_sends_cuda_tensors_to_the_torch_fallback(monkeypatch):
+    cuda_like = types.SimpleNamespace(is_cuda=True)
+    monkeypatch.setattr(fused, "triton_available", lambda: True)
+    monkeypatch.setattr(fused, "_triton_module", "the kernels")
+    monkeypatch.delenv("DMUON_FUSED_TRITON", raising=False)
+    assert fused._kernels(cuda_like) == "the kernels"
+    assert fused._kernels(cuda_like, types.SimpleNamespace(is_cuda=False)) is None
+    monkeypatch.setenv("DMUON_FUSED_TRITON", "0")
+    assert fused._kernels(cuda_like) is None
+    monkeypatch.setenv("DMUON_FUSED_TRITON", "disabled")
+    with pytest.raises(ValueError, match="DMUON_FUSED_TRITON='disabled' is not an on/off value"):
+        fused._kernels(cuda_like)

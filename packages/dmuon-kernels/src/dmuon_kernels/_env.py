@@ -18,6 +18,7 @@ NS_CUDA_GRAPH_ENV = "DMUON_NS_CUDA_GRAPH"  # flag, default on: CUDA-graph replay
 # captures)
 SYRK_AUTOTUNE_LOG_ENV = "DMUON_SYRK_AUTOTUNE_LOG"
 KERNEL_CACHE_ENV = "DMUON_KERNEL_CACHE"  # flag, default on: compiled kernels kept on disk
+FUSED_TRITON_ENV = "DMUON_FUSED_TRITON"  # flag, default on: Triton kernels of the fused Muon step
 
 TRUE_SPELLINGS = ("1", "true", "yes", "on")
 FALSE_SPELLINGS = ("0", "false", "no", "off")

@@ -4,7 +4,8 @@ Owns momentum + Nesterov, the division by the Frobenius norm + cast to the Newto
 and decoupled weight decay + the scaled update; Newton-Schulz's own input stage
 (``normalize_frobenius``) too. On CUDA with Triton each pass is one Triton launch for a whole
 list of same-shape matrices; elsewhere (CPU, no Triton, layouts the kernels do not take) a
-plain-torch fallback computes the same values up to rounding. It must not run Newton-Schulz,
+plain-torch fallback computes the same values up to rounding (``DMUON_FUSED_TRITON=0`` sends CUDA
+tensors there too, e.g. to rule the kernels out). It must not run Newton-Schulz,
 know about parameters or optimizers, or synchronise with the host.
 
 The math (SPEC "The optimizer math"), with μ the momentum and g the gradient of a matrix:
@@ -45,6 +46,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from dmuon_kernels._env import FUSED_TRITON_ENV, env_flag
+
 DEFAULT_NS_EPS = 1e-7
 # A CUDA grid's second dimension, which the kernels give to the matrices of a batch.
 MAX_KERNEL_BATCH = 65535
@@ -72,6 +75,8 @@ def triton_available() -> bool:
 
 def _kernels(*tensors: Tensor | None):  # -> the Triton module, or None for the torch fallback
     if not all(t is None or t.is_cuda for t in tensors):
+        return None
+    if not env_flag(FUSED_TRITON_ENV, default=True):  # read per call, like the other switches
         return None
     return _triton_module if triton_available() else None
 
