@@ -19,6 +19,7 @@ SOURCES = {
     "dmuon-core": "dmuon",
     "dmuon-hf": "dmuon_hf",
     "dmuon-tools": "dmuon_tools",
+    "dmuon-titan": "dmuon_titan",
 }
 
 # top-level import name -> the distribution that provides it
@@ -36,6 +37,7 @@ DISTRIBUTION_OF = {
     "tvm_ffi": "apache-tvm-ffi",
     "dmuon": "dmuon-core",
     "dmuon_kernels": "dmuon-kernels",
+    "torchtitan": "torchtitan",
 }
 
 # Needed at run time without an import of ours: distribution -> why.

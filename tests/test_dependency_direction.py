@@ -1,4 +1,4 @@
-"""The packages depend on each other only downward: hf, tools -> core -> kernels -> torch.
+"""The packages depend on each other only downward: hf, tools, titan -> core -> kernels -> torch.
 
 Above core, only its public surface: dmuon-tools, dmuon-hf and the benchmarks use ``dmuon``'s
 public modules and the names in their ``__all__``, never an internal module (``dmuon.hooks``,
@@ -18,10 +18,11 @@ CORE = PACKAGES / "dmuon-core/src/dmuon"
 
 # package source folder -> imports it must never make
 FORBIDDEN = {
-    "dmuon-kernels/src/dmuon_kernels": {"dmuon", "dmuon_hf", "dmuon_tools"},
-    "dmuon-core/src/dmuon": {"dmuon_hf", "dmuon_tools"},
-    "dmuon-tools/src/dmuon_tools": {"dmuon_hf"},
-    "dmuon-hf/src/dmuon_hf": {"dmuon_tools"},
+    "dmuon-kernels/src/dmuon_kernels": {"dmuon", "dmuon_hf", "dmuon_tools", "dmuon_titan"},
+    "dmuon-core/src/dmuon": {"dmuon_hf", "dmuon_tools", "dmuon_titan"},
+    "dmuon-tools/src/dmuon_tools": {"dmuon_hf", "dmuon_titan"},
+    "dmuon-hf/src/dmuon_hf": {"dmuon_tools", "dmuon_titan"},
+    "dmuon-titan/src/dmuon_titan": {"dmuon_hf", "dmuon_tools"},
 }
 
 # dmuon's public modules (their public names are their ``__all__``); every other module is
@@ -38,6 +39,7 @@ PUBLIC_MODULES = {
 PUBLIC_USERS = (
     PACKAGES / "dmuon-tools/src/dmuon_tools",
     PACKAGES / "dmuon-hf/src/dmuon_hf",
+    PACKAGES / "dmuon-titan/src/dmuon_titan",
     REPOSITORY / "benchmarks",
 )
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dmuon_kernels import (
+from dmuon import (
     KELLER_COEFFICIENTS,
     POLAR_EXPRESS_COEFFICIENTS,
     YOU_COEFFICIENTS,

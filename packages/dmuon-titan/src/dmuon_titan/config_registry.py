@@ -2,35 +2,55 @@
 
 ``torchtitan.train --module dmuon_titan --config llama3_8b`` runs torchtitan's own ``llama3_8b``
 job (from ``torchtitan.models.llama3.config_registry``) with ``dmuon_titan.enable``: any config
-function of torchtitan's models is found by its name, and ``--dmuon.*`` flags set dmuon's
-options. It owns that lookup and nothing else.
+function of torchtitan's model registries is found by its name (and listed by ``dir()``, which
+torchtitan shows when a name is unknown), and ``--dmuon.*`` flags set dmuon's options. It owns
+that lookup and nothing else.
 """
 
 from __future__ import annotations
 
 import importlib
+import inspect
 from collections.abc import Callable
+from types import ModuleType
 
-from dmuon_titan.trainer import DMuonTrainer, enable
+from dmuon_titan import trainer as _trainer
 
 # torchtitan's model packages whose config_registry this module looks through, in order.
-MODEL_PACKAGES = ("llama3", "qwen3", "deepseek_v3", "gpt_oss", "qwen3_5", "kimi_k2_7")
+_MODEL_PACKAGES = ("llama3", "qwen3", "deepseek_v3", "gpt_oss", "qwen3_5", "kimi_k2_7")
 
 
-def __getattr__(name: str) -> Callable[[], DMuonTrainer.Config]:
-    if name.startswith("_"):
-        raise AttributeError(name)
-    for package in MODEL_PACKAGES:
-        try:
-            registry = importlib.import_module(f"torchtitan.models.{package}.config_registry")
-        except ImportError:
+def __getattr__(name: str) -> Callable[[], _trainer.DMuonTrainer.Config]:
+    job = _jobs().get(name) if not name.startswith("_") else None
+    if job is None:
+        raise AttributeError(
+            f"dmuon_titan has no config {name!r}: it runs torchtitan's own job configs with "
+            f"dmuon on, and none of torchtitan.models.{{{', '.join(_MODEL_PACKAGES)}}}."
+            "config_registry defines it; or call dmuon_titan.enable(config) in a config_registry "
+            "of your own."
+        )
+    return lambda: _trainer.enable(job())
+
+
+def __dir__() -> list[str]:
+    return sorted(_jobs())
+
+
+def _jobs() -> dict[str, Callable]:
+    """Every job config function of torchtitan's model registries that import here."""
+    jobs: dict[str, Callable] = {}
+    for package in _MODEL_PACKAGES:
+        registry = _registry(package)
+        if registry is None:
             continue
-        job = getattr(registry, name, None)
-        if callable(job):
-            return lambda: enable(job())
-    raise AttributeError(
-        f"dmuon_titan has no config {name!r}: it runs torchtitan's own job configs with dmuon "
-        f"on, and none of torchtitan.models.{{{', '.join(MODEL_PACKAGES)}}}.config_registry "
-        "defines it. Use a config name of those modules (e.g. llama3_8b), or call "
-        "dmuon_titan.enable(config) in your own config_registry."
-    )
+        for name, function in inspect.getmembers(registry, inspect.isfunction):
+            if function.__module__ == registry.__name__ and not name.startswith("_"):
+                jobs.setdefault(name, function)
+    return jobs
+
+
+def _registry(package: str) -> ModuleType | None:
+    try:
+        return importlib.import_module(f"torchtitan.models.{package}.config_registry")
+    except ImportError:
+        return None

@@ -13,9 +13,8 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Annotated, Any
+from typing import Any
 
-import tyro
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions
 from torch.distributed.device_mesh import DeviceMesh
@@ -45,12 +44,13 @@ class DMuonOptimizers(OptimizersContainer):
     class Config(OptimizersContainer.Config):
         dmuon: DMuonConfig = field(default_factory=DMuonConfig)
         # Set by DMuonTrainer once the meshes exist: the pipeline dim, None without a pipeline.
-        pp_mesh: Annotated[DeviceMesh | None, tyro.conf.Suppress] = None
+        # Not an option (the leading underscore keeps it out of the logged config).
+        _pp_mesh: DeviceMesh | None = None
 
     def __init__(self, config: Config, *, model_parts: list[nn.Module]) -> None:
         self.model_parts = model_parts
         adamw, param_groups = adamw_route(config.param_groups, config.dmuon)
-        step_group = dmuon.StepGroup(pp_mesh=config.pp_mesh)
+        step_group = dmuon.StepGroup(pp_mesh=config._pp_mesh)
         settings = config.dmuon
         self.optimizers = [
             dmuon.Muon(

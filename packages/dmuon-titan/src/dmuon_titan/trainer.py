@@ -59,7 +59,7 @@ class DMuonTrainer(Trainer):
 
     def init_distributed(self) -> ParallelDims:
         parallel_dims = super().init_distributed()
-        self.config.optimizer.pp_mesh = parallel_dims.get_optional_mesh("pp")
+        self.config.optimizer._pp_mesh = parallel_dims.get_optional_mesh("pp")
         return parallel_dims
 
     def train_step(self, data_iterator) -> None:

@@ -1,0 +1,115 @@
+"""The dmuon-titan switch itself, in one process: which parameters it gives Muon, the settings it
+changes, and every setting it refuses, with the fix in the message."""
+
+# First: its import-time workarounds must precede torchtitan's own import (see its docstring).
+import tests.titan.titan_on_cpu as titan_on_cpu
+
+# isort: split
+import pytest
+import torch
+from torchtitan.components.optimizer import ParamGroupConfig, default_adamw
+from torchtitan.config import ConfigManager
+from torchtitan.distributed import ParallelDims
+from torchtitan.models.llama3 import config_registry as llama3_registry
+
+import dmuon_titan
+from dmuon.inspect import canonical_fqn
+from dmuon_titan.optimizer import adamw_route
+from dmuon_titan.parallelize import check_supported
+
+
+def test_the_default_muon_parameters_are_the_blocks_matrices_not_norms_embeddings_or_head():
+    spec = llama3_registry.llama3_debugmodel().model_spec
+    titan_on_cpu.small_model(spec, layers=2)
+    with torch.device("meta"):
+        model = spec.model.build()
+    config = dmuon_titan.DMuonConfig()
+    muon = sorted(n for n, p in model.named_parameters() if config.is_muon(canonical_fqn(n), p))
+    per_block = [
+        "attention.qkv_linear.wqkv.weight",
+        "attention.wo.weight",
+        "feed_forward.w1.weight",
+        "feed_forward.w2.weight",
+        "feed_forward.w3.weight",
+    ]
+    assert muon == sorted(f"layers.{i}.{name}" for i in range(2) for name in per_block)
+
+
+def test_the_command_line_switch_runs_torchtitans_own_job_with_dmuon_options():
+    config = ConfigManager().parse_args(
+        ["--module", "dmuon_titan", "--config", "llama3_debugmodel", "--dmuon.lr", "0.01"]
+    )
+    stock = llama3_registry.llama3_debugmodel()
+    assert isinstance(config, dmuon_titan.DMuonTrainer.Config)
+    assert config.dmuon.lr == 0.01
+    assert config.training.steps == stock.training.steps  # the job as torchtitan defines it
+    # The two settings the switch changes (module docstring of dmuon_titan.trainer).
+    assert config.parallelism.spmd_backend == "partial_dtensor"
+    assert config.training.disable_cuda_graphs
+
+
+def test_an_unknown_config_name_lists_torchtitans_own_configs():
+    with pytest.raises(ValueError, match=r"'llama9_debugmodel' not found.*'llama3_debugmodel'"):
+        ConfigManager().parse_args(["--module", "dmuon_titan", "--config", "llama9_debugmodel"])
+
+
+def test_the_adamw_route_keeps_the_jobs_adamw_settings():
+    config = dmuon_titan.DMuonConfig()
+    job = default_adamw(lr=3e-4, weight_decay=0.05).param_groups
+    adamw, groups = adamw_route(job, config)
+    assert adamw == {
+        "adamw_lr": 3e-4,
+        "adamw_betas": (0.9, 0.95),
+        "adamw_eps": 1e-8,
+        "adamw_weight_decay": 0.05,
+    }
+    assert groups == []
+    # A group before the catch-all applies to what it matches off the Muon route; dmuon.adamw_*
+    # wins over the job's value.
+    specific = ParamGroupConfig(
+        pattern=r"\.bias$", optimizer_name="AdamW", optimizer_kwargs={"weight_decay": 0.0}
+    )
+    adamw, (group,) = adamw_route([specific, *job], dmuon_titan.DMuonConfig(adamw_lr=1e-3))
+    assert adamw["adamw_lr"] == 1e-3 and group["weight_decay"] == 0.0
+    assert group["params"]("layers.0.ffn_norm.bias", torch.empty(4))
+    assert not group["params"]("layers.0.attention.wo.weight", torch.empty(4, 4))
+
+
+def test_an_optimizer_other_than_adamw_in_the_job_is_refused_with_the_fix():
+    job = [ParamGroupConfig(pattern=".*", optimizer_name="Adam", optimizer_kwargs={"lr": 1e-3})]
+    with pytest.raises(ValueError, match=r"asks for \['Adam'\].*Use AdamW for those groups"):
+        adamw_route(job, dmuon_titan.DMuonConfig())
+
+
+@pytest.mark.parametrize(
+    ("dims", "message"),
+    [
+        (
+            {"dp_shard": 2, "ep": 2, "spmd_backend": "partial_dtensor"},
+            r"expert parallelism.*--parallelism.expert_parallel_degree 1",
+        ),
+        (
+            {"dp_shard": 2, "ep": 1, "spmd_backend": "full_dtensor"},
+            r"needs parallelism.spmd_backend='partial_dtensor', got 'full_dtensor'.*"
+            r"--parallelism.spmd_backend partial_dtensor",
+        ),
+    ],
+    ids=["expert-parallel", "full-dtensor"],
+)
+def test_layouts_dmuon_does_not_dedicate_are_refused_with_the_fix(dims, message):
+    parallel_dims = ParallelDims(dp_replicate=1, cp=1, tp=1, pp=1, world_size=2, **dims)
+    with pytest.raises(ValueError, match=message):
+        check_supported(parallel_dims)
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"ns_coefficients": "newton"}, r"dmuon.ns_coefficients='newton' is not one of"),
+        ({"ns_dtype": "float8"}, r"dmuon.ns_dtype='float8' is not one of"),
+        ({"muon_params": "layers.(["}, r"dmuon.muon_params='layers.\(\[' is not a regular"),
+    ],
+)
+def test_bad_dmuon_options_are_refused_naming_the_option(options, message):
+    with pytest.raises(ValueError, match=message):
+        dmuon_titan.DMuonConfig(**options)
