@@ -29,6 +29,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.optim.adamw import adamw
 
+from dmuon import muon_update
 from dmuon._text import preview_names
 from dmuon.consistency import check_ranks_agree
 from dmuon.data_parallel import check_data_parallel_layout
@@ -59,11 +60,6 @@ from dmuon.routing import (
 from dmuon.step_group import StepGroup
 from dmuon.tp import ChunkExchange
 from dmuon_kernels.coefficients import KELLER_COEFFICIENTS
-from dmuon_kernels.fused import (
-    muon_apply_update_,
-    muon_momentum_,
-    muon_normalize,
-)
 from dmuon_kernels.newton_schulz import NewtonSchulz
 
 # Muon's update is scaled by 0.2 * sqrt(max(m, n)) so its RMS matches AdamW's.
@@ -442,10 +438,9 @@ class Muon(torch.optim.Optimizer):
         inputs = []
         for p in params:
             first_step, momentum = _momentum_of(self.state[p.master], p.master, None)
-            update, _ = muon_momentum_(
-                _matrix(p.master.grad, None), momentum, mu,
-                nesterov=group["nesterov"], first_step=first_step,
-            )  # fmt: skip
+            update = muon_update.momentum_(
+                _matrix(p.master.grad, None), momentum, first_step, mu, group["nesterov"]
+            )
             inputs.append(update.view(p.local_shape))
         mesh = self._dedicated.mesh
         exchange = ChunkExchange(
@@ -461,7 +456,7 @@ class Muon(torch.optim.Optimizer):
         for p, chunk in zip(params, chunks):
             rows, cols = _matrix_shape_of(p.shape)
             scale = _lr_scale(group["adjust_lr"], rows, cols)
-            muon_apply_update_(p.master, chunk, group["lr"], group["weight_decay"], scale)
+            muon_update.apply_update_(p.master, chunk, group["lr"], group["weight_decay"], scale)
 
     def _orthogonalized(
         self, updates: dict[int, tuple[torch.Tensor, tuple[int, ...]]]
@@ -480,11 +475,9 @@ class Muon(torch.optim.Optimizer):
             for i, ns_input in zip(indices, inputs):
                 update, shape = updates[i]
                 rows, cols = _matrix_shape_of(shape)
-                matrix = update.reshape(rows, cols)
-                muon_normalize(
-                    matrix, matrix.square().sum(), ns_input.dtype,
-                    out=_oriented(ns_input, rows > cols),
-                )  # fmt: skip
+                muon_update.normalized_input_(
+                    update.reshape(rows, cols), out=_oriented(ns_input, rows > cols)
+                )
             orthogonal = newton_schulz.iterate_normalized(inputs)
             for i, ortho in zip(indices, orthogonal):
                 rows, cols = _matrix_shape_of(updates[i][1])
