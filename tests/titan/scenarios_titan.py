@@ -54,6 +54,7 @@ class Job:
     seq_len: int = 16
     dmuon: bool = True
     mixed_precision: bool = False  # torchtitan's default: bf16 parameters, fp32 reduce
+    compile: bool = False  # torchtitan's per-block torch.compile (fullgraph), eager backend
     ns: str = "torch"  # "torch": torch.optim.Muon's NS (Keller, direct, bf16); "fp32": exact
     max_norm: float = 1.0
     # Checkpoints: saved every ``checkpoint_interval`` steps under ``checkpoint_folder``;
@@ -83,6 +84,10 @@ def make_config(job: Job, dump_folder: str):
         parallelism.pipeline_parallel_schedule = "1F1B"
         parallelism.pipeline_parallel_microbatch_size = 1
     config.training.max_norm = job.max_norm
+    if job.compile:
+        config.compile.enable = True
+        config.compile.components = ["model"]
+        config.compile.backend = "eager"  # dynamo's capture, without inductor's C++ build
     if not job.mixed_precision:
         config.training.mixed_precision_param = "float32"
     config.debug.seed = 0

@@ -114,3 +114,11 @@ def test_torchtitans_mixed_precision_trains_like_a_bf16_forward_of_the_reference
     assert_like_reference(
         run, reference, weights=1e-2, losses=1e-2, matrix_updates=BF16_UPDATE_TOLERANCE
     )
+
+
+def test_blocks_compiled_with_full_graphs_train_like_the_reference(pool2):
+    # torchtitan's per-block torch.compile(fullgraph=True), dmuon's hooks kept outside the graph
+    # (dmuon_titan.parallelize [Note: compiled blocks]); eager backend: dynamo's capture alone.
+    run = pool2.run(train, job_options={"ns": "fp32", "compile": True})[0]
+    reference = train_reference(run)
+    assert_like_reference(run, reference, weights=FP32_TOLERANCE, losses=1e-6)

@@ -1,17 +1,30 @@
 """The parallelize hook: a model's parallelize function with dmuon's ``dedicate_params`` inside.
 
-Owns where dmuon enters torchtitan's model set-up: after tensor parallelism, activation
-checkpointing and ``torch.compile`` have wrapped the blocks, before the first ``fully_shard``
+Owns where dmuon enters torchtitan's model set-up: after tensor parallelism and activation
+checkpointing have wrapped the blocks, before the first ``fully_shard``
 (``dmuon.dedicate_before_fully_shard``), on each pipeline stage's part, with the meshes and
-mixed precision the job configured for FSDP2. It must not build optimizers.
+mixed precision the job configured for FSDP2; and where ``torch.compile`` goes when the job
+compiles its blocks (see [Note: compiled blocks]). It must not build optimizers.
+
+[Note: compiled blocks]
+torchtitan compiles each block in place with ``block.compile(fullgraph=True)``, which compiles
+the block's whole ``__call__``: its module hooks too. dmuon's hooks issue collectives and wait on
+their work handles, which dynamo cannot put in a graph, so a full graph of such a block fails to
+compile. dmuon-titan therefore runs the model's parallelize function with compile off and then
+compiles, with the job's backend and ``fullgraph=True``, the ``forward`` of each block's
+innermost module (below the activation-checkpoint wrapper): every computation of the block is
+compiled as before, while the hooks (dmuon's and FSDP2's) and the checkpoint wrapper run eagerly
+around it. Names are unchanged (no ``_orig_mod`` segment).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torchtitan.config import TORCH_DTYPE_MAP
@@ -31,6 +44,12 @@ def dedicating(parallelize_fn: Callable[..., nn.Module], config: DMuonConfig):
     def parallelize(model: nn.Module, *, parallel_dims: ParallelDims, **kwargs: Any) -> nn.Module:
         check_supported(parallel_dims)
         training, parallelism = kwargs["training"], kwargs["parallelism"]
+        compile_config = kwargs["compile_config"]
+        compiling = compile_config.enable and "model" in compile_config.components
+        if compiling:  # see [Note: compiled blocks]
+            kwargs["compile_config"] = dataclasses.replace(
+                compile_config, components=[c for c in compile_config.components if c != "model"]
+            )
         mesh, replicate_mesh = data_parallel_meshes(parallel_dims)
         with dmuon.dedicate_before_fully_shard(
             model,
@@ -47,9 +66,23 @@ def dedicating(parallelize_fn: Callable[..., nn.Module], config: DMuonConfig):
                 }
             },
         ):
-            return parallelize_fn(model, parallel_dims=parallel_dims, **kwargs)
+            model = parallelize_fn(model, parallel_dims=parallel_dims, **kwargs)
+        if compiling:
+            compile_block_forwards(model, compile_config.backend)
+        return model
 
     return parallelize
+
+
+def compile_block_forwards(model: nn.Module, backend: str) -> None:
+    """``torch.compile`` (full graph) of each block's innermost ``forward``; see
+    [Note: compiled blocks]."""
+    # As torchtitan's own per-block compile: data-dependent shapes of token-choice MoE dispatch.
+    torch._dynamo.config.capture_scalar_outputs = True
+    for block in model.layers.values():
+        while isinstance(inner := getattr(block, "_checkpoint_wrapped_module", None), nn.Module):
+            block = inner  # below torch's checkpoint_wrapper
+        block.forward = torch.compile(block.forward, backend=backend, fullgraph=True)
 
 
 def data_parallel_meshes(parallel_dims: ParallelDims) -> tuple[DeviceMesh, DeviceMesh | None]:
