@@ -1,9 +1,11 @@
 """The setup of a model for dmuon: ``dedicate_params`` and its companions.
 
-Owns selecting the dedicated parameters (predicate and routes) and wiring the three independent
-decisions for one model: partition (``partition``: who owns each parameter), hook boundary
-(``boundaries``: which module's hooks move it) and the owner step (``optim``). The protocol's
-state lives in ``hooks`` (``DedicatedState``, looked up with ``get_dedicated_state``).
+Only wires. It checks the arguments, asks the three independent decisions for one model —
+the routes (``routing.select_dedicated``: which parameters, on which route), the partition
+(``partition``: who owns each) and the hook boundaries (``boundaries``: which module's hooks
+move each) — checks that every rank decided alike, builds the dedicated parameters (expert
+pieces in ``experts``) and hands them to the protocol's state (``hooks.DedicatedState``, looked
+up with ``get_dedicated_state``), which the owner step (``optim``) then asks.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import warnings
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 
 import torch
@@ -24,21 +26,15 @@ from dmuon._text import preview_names
 from dmuon.boundaries import group_by_boundary
 from dmuon.consistency import check_ranks_agree, ranks_fail_together
 from dmuon.ddp import ddp_wrappers, ignore_dedicated_in_ddp
-from dmuon.experts import (
-    ExpertStackPredicate,
-    expert_original,
-    expert_stack_names,
-    make_expert_stack,
-)
-from dmuon.fqn import canonical_fqn
+from dmuon.experts import ExpertStackPredicate, expert_stack_names, make_expert_pieces
 from dmuon.hooks import DedicatedState, attach_state, find_dedicated_state, get_dedicated_state
 from dmuon.mesh import build_ownership_mesh, resolve_ownership_layout
 from dmuon.module_state import register_state_dict_hooks
 from dmuon.param import DedicatedParam, is_dedicated, make_placeholder, mark_dedicated
-from dmuon.partition import OwnerCoord, ParamSpec, expert_piece_name, layer_id_of, plan_ownership
+from dmuon.partition import OwnerCoord, ParamSpec, layer_id_of, plan_ownership
 from dmuon.policy import resolve_param_policy
 from dmuon.profile import ForwardUnshardProfile, forward_profile_requested
-from dmuon.routing import MUON_ROUTE, ROUTES, SHARDED_ADAMW_ROUTE
+from dmuon.routing import Predicate, Routes, select_dedicated
 from dmuon.tp import (
     TensorParallelLayout,
     exchange_mesh,
@@ -49,9 +45,6 @@ from dmuon_kernels._log import rank_tag
 
 logger = logging.getLogger("dmuon")
 
-Predicate = Callable[[str, nn.Parameter], bool]
-Routes = Mapping[str, str] | Callable[[str, nn.Parameter], str | None]
-
 NO_MATCH_WARNING = (
     "dedicate_params: no parameters matched the predicate. Print the 2-D parameters to see their "
     "names and adjust the predicate:\n"
@@ -59,8 +52,6 @@ NO_MATCH_WARNING = (
     "        if param.ndim == 2:\n"
     "            print(name, param.shape)"
 )
-
-_ROUTES_ATTR = "_dmuon_route_overrides"
 
 
 def dedicate_params(
@@ -136,7 +127,7 @@ def dedicate_params(
         _check_timeout(timeout)
         _check_call_order(model, mesh)
         policy = resolve_param_policy(param_policy, compute_dtype)
-        selected, overrides = _select(model, predicate, routes)
+        selected, overrides = select_dedicated(model, predicate, routes)
         stacked = expert_stack_names(selected, expert_stacks)
         tp_layouts, parallel_dims = _tensor_parallel_layouts(model, selected, mesh, replicate_mesh)
         tp_mesh = exchange_mesh(tp_layouts)
@@ -190,7 +181,16 @@ def dedicate_params(
     for name, module, attr, param in selected:
         if name in plan.expert_slices:
             params.update(
-                _expert_pieces(name, module, attr, param, plan, ownership_mesh, policy, overrides)
+                make_expert_pieces(
+                    name=name,
+                    module=module,
+                    attr=attr,
+                    param=param,
+                    plan=plan,
+                    mesh=ownership_mesh,
+                    policy=policy,
+                    route_override=overrides.get(name),
+                )
             )
             continue
         owner = plan.owners[name]
@@ -241,13 +241,14 @@ def dedicate_params(
         plan=plan,
         params=params,
         boundaries=boundaries,
+        route_overrides=overrides,
+        gradient_divisor=data_parallel.gradient_divisor,
         profile=ForwardUnshardProfile() if forward_profile_requested() else None,
     )
     state.register_hooks()
     register_state_dict_hooks(state)
     ignore_dedicated_in_ddp(model, params)
     attach_state(model, state)
-    object.__setattr__(model, _ROUTES_ATTR, overrides)
     if not any(p.original.is_meta for p in params.values()):
         state.ensure_adopted()
     return dict(plan.owners)
@@ -268,46 +269,6 @@ def _check_timeout(timeout: object) -> None:
         )
 
 
-def _expert_pieces(
-    name: str, module: nn.Module, attr: str, param: nn.Parameter, plan, mesh, policy, overrides
-) -> dict[str, DedicatedParam]:
-    """The expert pieces of the stack ``name``, by piece name (see [Note: expert stacks are
-    pieces] in ``dmuon.experts``)."""
-    mark_dedicated(param)
-    param_dtype = policy.defaults.param_dtype or param.dtype
-    stack = make_expert_stack(
-        name=name,
-        module=module,
-        attr=attr,
-        param=param,
-        param_dtype=param_dtype,
-        placeholder=make_placeholder(param),
-    )
-    pieces = {}
-    for start, stop in plan.expert_slices[name]:
-        piece_name = expert_piece_name(name, start, stop)
-        owner = plan.owners[piece_name]
-        piece = DedicatedParam(
-            fqn=piece_name,
-            module=module,
-            attr=attr,
-            shape=torch.Size((stop - start, *param.shape[1:])),
-            param_dtype=param_dtype,
-            reduce_dtype=policy.defaults.reduce_dtype,
-            requires_grad=param.requires_grad,
-            owner=owner,
-            is_owner=mesh.is_me(owner),
-            placeholder=stack.placeholder,
-            original=expert_original(param, start, stop),
-            route_override=overrides.get(name),
-            stack=stack,
-            experts=(start, stop),
-        )
-        stack.pieces.append(piece)
-        pieces[piece_name] = piece
-    return pieces
-
-
 def _check_call_order(model: nn.Module, mesh) -> None:
     if find_dedicated_state(model) is not None:
         raise RuntimeError(
@@ -321,11 +282,6 @@ def _check_call_order(model: nn.Module, mesh) -> None:
         )
     if mesh is not None:
         fsdp2.require_fully_shard_integration()
-
-
-def route_overrides(model: nn.Module) -> dict[str, str]:
-    """FQN -> route for every parameter ``dedicate_params(..., routes=...)`` routed."""
-    return dict(getattr(model, _ROUTES_ATTR, {}))
 
 
 def dedicated_parameters(model: nn.Module) -> set[nn.Parameter]:
@@ -419,83 +375,7 @@ def dedicate_params_ddp(
     return DistributedDataParallel(model, **ddp_kwargs)
 
 
-# ---- selection and hook boundaries ------------------------------------------------------------
-
-
-def _select(model: nn.Module, predicate: Predicate, routes: Routes | None):
-    """(name, module, attr, param) for each selected parameter, in registration order, and
-    the route overrides (FQN -> route) ``routes`` gave."""
-    names_of: dict[int, list[str]] = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        names_of.setdefault(id(param), []).append(canonical_fqn(name))
-    routes = _canonical_routes(routes)
-    _check_routes_mapping(routes, names_of)
-    selected = []
-    overrides: dict[str, str] = {}
-    for module_name, module in model.named_modules():
-        for attr, param in module.named_parameters(recurse=False):
-            name = canonical_fqn(f"{module_name}.{attr}" if module_name else attr)
-            if names_of[id(param)][0] != name:
-                continue
-            route = _route_override(name, param, routes)
-            if route is not None:
-                overrides[name] = route
-            if route == SHARDED_ADAMW_ROUTE or (route is None and not predicate(name, param)):
-                continue
-            if len(names_of[id(param)]) > 1:
-                warnings.warn(
-                    f"dedicate_params: {name} is tied to {names_of[id(param)][1:]}; tied "
-                    "parameters are left to FSDP2 (AdamW route).",
-                    UserWarning,
-                    stacklevel=3,
-                )
-                overrides.pop(name, None)
-                continue
-            selected.append((name, module, attr, param))
-    return selected, overrides
-
-
-def _canonical_routes(routes: Routes | None) -> Routes | None:
-    """``routes`` keyed by canonical FQNs (a name spelled with wrapper segments is accepted)."""
-    if routes is None or callable(routes) or not isinstance(routes, Mapping):
-        return routes
-    return {canonical_fqn(name): route for name, route in routes.items()}
-
-
-def _check_routes_mapping(routes: Routes | None, names_of: dict[int, list[str]]) -> None:
-    if routes is None or callable(routes):
-        return
-    if not isinstance(routes, Mapping):
-        raise TypeError(
-            f"dedicate_params: routes must be a dict {{fqn: route}} or a function (name, param) "
-            f"-> route | None, got {type(routes).__name__}: {routes!r}."
-        )
-    known = {name for names in names_of.values() for name in names}
-    unknown = [name for name in routes if name not in known]
-    if unknown:
-        raise ValueError(
-            f"dedicate_params: routes names {len(unknown)} parameters the model does not have: "
-            f"{preview_names(unknown)}. Use the names of model.named_parameters(), e.g. "
-            "routes={'lm_head.weight': 'adamw'}."
-        )
-
-
-def _route_override(name: str, param: nn.Parameter, routes: Routes | None) -> str | None:
-    if routes is None:
-        return None
-    route = routes(name, param) if callable(routes) else routes.get(name)
-    if route is not None and route not in ROUTES:
-        raise ValueError(
-            f"dedicate_params: routes gives {name} the route {route!r}; the routes are "
-            f"{list(ROUTES)} (or None from a function: the predicate decides)."
-        )
-    if route == MUON_ROUTE and param.ndim < 2:
-        raise ValueError(
-            f"dedicate_params: routes puts {name} of shape {tuple(param.shape)} on the Muon "
-            "route, but Muon orthogonalises matrices (2 or more dims). Route it to 'adamw' "
-            "(owner-side AdamW) or 'sharded_adamw' (left to FSDP2), or leave it out of routes."
-        )
-    return route
+# ---- tensor parallelism -----------------------------------------------------------------------
 
 
 def _tensor_parallel_layouts(

@@ -35,7 +35,10 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from dmuon.param import DedicatedParam
+from dmuon.mesh import OwnershipMesh
+from dmuon.param import DedicatedParam, make_placeholder, mark_dedicated
+from dmuon.partition import OwnershipPlan, expert_piece_name
+from dmuon.policy import ParamPolicy
 from dmuon.storage import allocate_storage, free_storage, tensor_over
 
 ExpertStackPredicate = Callable[[str, nn.Parameter], bool]
@@ -105,12 +108,6 @@ class ExpertStack:
             piece.unsharded.grad = grad[start:stop]
         self.unsharded.grad = None
 
-    def register_unsharded(self) -> None:
-        self.module._parameters[self.attr] = self.unsharded
-
-    def register_placeholder(self) -> None:
-        self.module._parameters[self.attr] = self.placeholder
-
     def owned_pieces(self) -> list[DedicatedParam]:
         """The pieces whose fp32 master this rank holds."""
         return [piece for piece in self.pieces if piece.master is not None]
@@ -149,24 +146,53 @@ def expert_stack_names(
     return names
 
 
-def make_expert_stack(
+def make_expert_pieces(
     *,
     name: str,
     module: nn.Module,
     attr: str,
     param: nn.Parameter,
-    param_dtype: torch.dtype,
-    placeholder: nn.Parameter,
-) -> ExpertStack:
-    return ExpertStack(
+    plan: OwnershipPlan,
+    mesh: OwnershipMesh,
+    policy: ParamPolicy,
+    route_override: str | None,
+) -> dict[str, DedicatedParam]:
+    """The expert pieces of the stack ``name`` as the partition cut it, by piece name (see
+    [Note: expert stacks are pieces])."""
+    mark_dedicated(param)
+    param_dtype = policy.defaults.param_dtype or param.dtype
+    stack = ExpertStack(
         fqn=name,
         module=module,
         attr=attr,
         shape=param.shape,
         param_dtype=param_dtype,
         requires_grad=param.requires_grad,
-        placeholder=placeholder,
+        placeholder=make_placeholder(param),
     )
+    pieces = {}
+    for start, stop in plan.expert_slices[name]:
+        piece_name = expert_piece_name(name, start, stop)
+        owner = plan.owners[piece_name]
+        piece = DedicatedParam(
+            fqn=piece_name,
+            module=module,
+            attr=attr,
+            shape=torch.Size((stop - start, *param.shape[1:])),
+            param_dtype=param_dtype,
+            reduce_dtype=policy.defaults.reduce_dtype,
+            requires_grad=param.requires_grad,
+            owner=owner,
+            is_owner=mesh.is_me(owner),
+            placeholder=stack.placeholder,
+            original=expert_original(param, start, stop),
+            route_override=route_override,
+            stack=stack,
+            experts=(start, stop),
+        )
+        stack.pieces.append(piece)
+        pieces[piece_name] = piece
+    return pieces
 
 
 def expert_original(stack_value: torch.Tensor, start: int, stop: int) -> torch.Tensor:

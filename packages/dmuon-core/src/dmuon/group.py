@@ -35,7 +35,13 @@ from dmuon import collectives
 from dmuon.collectives import Handle
 from dmuon.experts import stacks_of
 from dmuon.mesh import OwnershipMesh
-from dmuon.param import DedicatedParam
+from dmuon.param import (
+    DedicatedParam,
+    ParameterSlot,
+    follow_requires_grad,
+    register_placeholder,
+    register_unsharded,
+)
 from dmuon.partition import OwnerCoord
 from dmuon.storage import allocate_storage, free_storage
 
@@ -84,6 +90,8 @@ class BoundaryGroup:
         self.params = params
         # Expert stacks among them: see [Note: expert stacks are pieces] in ``dmuon.experts``.
         self.stacks = list(stacks_of(params).values())
+        # The module parameters the boundary swaps: each plain one, and each stack once.
+        self.slots: list[ParameterSlot] = [p for p in params if p.stack is None] + self.stacks
         self.mesh = mesh
         self.reshard_after_forward = reshard_after_forward
         self.segments: list[Segment] = []
@@ -240,16 +248,16 @@ class BoundaryGroup:
         self.is_unsharded = False
 
     def follow_requires_grad(self) -> None:
-        for p in self.params:
-            p.follow_requires_grad()
+        for slot in self.slots:
+            follow_requires_grad(slot)
 
     def register_unsharded(self) -> None:
-        for p in self.params:
-            p.register_unsharded()
+        for slot in self.slots:
+            register_unsharded(slot)
 
     def register_placeholders(self) -> None:
-        for p in self.params:
-            p.register_placeholder()
+        for slot in self.slots:
+            register_placeholder(slot)
 
     # ---- backward: gradients to the owners --------------------------------------------------
 

@@ -40,7 +40,6 @@ from torch import nn
 from torch.autograd import Variable
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from dmuon.data_parallel import gradient_divisor
 from dmuon.experts import expert_original, mark_expert_piece, stacks_of
 from dmuon.group import BoundaryGroup, accumulate_into_masters
 from dmuon.mesh import OwnershipMesh
@@ -69,6 +68,8 @@ class DedicatedState:
         plan: OwnershipPlan,
         params: dict[str, DedicatedParam],
         boundaries: list[BoundaryGroup],
+        route_overrides: dict[str, str],
+        gradient_divisor: Callable[[DedicatedState], float],
         profile: ForwardUnshardProfile | None = None,
     ) -> None:
         self.model = model
@@ -76,6 +77,11 @@ class DedicatedState:
         self.plan = plan
         self.params = params
         self.boundaries = boundaries
+        # FQN -> route for every parameter ``dedicate_params(..., routes=...)`` routed.
+        self.route_overrides = route_overrides
+        # What the owners divide the gradients summed over the grid by, read at each end of
+        # backward (``dmuon.data_parallel.gradient_divisor``: the mean, or the model's factor).
+        self._gradient_divisor = gradient_divisor
         self.stacks = stacks_of(params.values())  # FQN -> expert stack (see ``dmuon.experts``)
         self.profile = profile  # forward-unshard wait counters (DMUON_RECORD_FORWARD_PROFILE=1)
         self.requires_gradient_sync = True
@@ -102,6 +108,11 @@ class DedicatedState:
         self._reduced: list[BoundaryGroup] = []
         self._end_of_backward_queued = False
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
+
+    @property
+    def device(self) -> torch.device:
+        """Where the dedicated weights live (the CPU when nothing is dedicated)."""
+        return self.boundaries[0].device if self.boundaries else torch.device("cpu")
 
     # ---- setup --------------------------------------------------------------------------------
 
@@ -223,7 +234,7 @@ class DedicatedState:
             group.in_backward = group.reduced_this_backward = False
             group.backward_count = 0
         self._reduced.clear()
-        accumulate_into_masters(received, divisor=gradient_divisor(self))
+        accumulate_into_masters(received, divisor=self._gradient_divisor(self))
 
     # ---- loading weights ------------------------------------------------------------------------
 

@@ -34,7 +34,6 @@ from dmuon._text import preview_names
 from dmuon.consistency import check_ranks_agree
 from dmuon.data_parallel import check_data_parallel_layout
 from dmuon.ddp import check_gradients_are_averaged
-from dmuon.dedicate import route_overrides
 from dmuon.experts import ExpertStack, is_expert_piece
 from dmuon.fqn import canonical_fqn
 from dmuon.hooks import get_dedicated_state
@@ -57,7 +56,7 @@ from dmuon.routing import (
     route_summaries,
     routing_rows,
 )
-from dmuon.step_group import StepGroup
+from dmuon.step_group import StepGroup, StepMember
 from dmuon.tp import ChunkExchange
 from dmuon_kernels.coefficients import KELLER_COEFFICIENTS
 from dmuon_kernels.newton_schulz import NewtonSchulz
@@ -210,7 +209,9 @@ class Muon(torch.optim.Optimizer):
         self._groups_planned = True
         self._check_ranks_agree()
         self.step_group = step_group if step_group is not None else StepGroup()
-        self.step_group.join(self)
+        self.step_group.join(
+            StepMember(self, self._dedicated, self.nonfinite, self._named_gradients)
+        )
         _log_route_summaries(self.routing())
 
     def add_param_group(self, param_group: dict) -> None:
@@ -546,7 +547,7 @@ class Muon(torch.optim.Optimizer):
 def _param_facts(model: nn.Module, dedicated) -> tuple[list[ParamFacts], dict[str, torch.Tensor]]:
     """What every rank knows of each trainable parameter, and this rank's tensor of each (an
     owned master, or FSDP2's parameter); see ``dmuon.routing``."""
-    overrides = route_overrides(model)
+    overrides = dedicated.route_overrides
     facts: list[ParamFacts] = []
     local: dict[str, torch.Tensor] = {}
     for name, param in model.named_parameters():

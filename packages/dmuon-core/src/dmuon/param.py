@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -28,9 +28,6 @@ from dmuon.partition import OwnerCoord
 from dmuon.routing import ADAMW_ROUTE, MUON_ROUTE
 from dmuon.storage import tensor_over
 from dmuon.tp import TensorParallelLayout
-
-if TYPE_CHECKING:
-    from dmuon.experts import ExpertStack
 
 # Attribute set on every placeholder (and on a dedicated parameter awaiting adoption) so that
 # FSDP2 and the optimizer leave it alone.
@@ -153,6 +150,47 @@ def is_dedicated(param: torch.Tensor) -> bool:
     return getattr(param, DEDICATED_TAG, False)
 
 
+class ParameterSlot(Protocol):
+    """A module parameter that dmuon fills in turn with a placeholder (outside forward and
+    backward) and an unsharded parameter (inside): a dedicated parameter's own, or an expert
+    stack's (``dmuon.experts.ExpertStack``), which all its expert pieces share."""
+
+    fqn: str
+    module: nn.Module
+    attr: str  # name of the parameter on ``module``
+    requires_grad: bool  # when ``dedicate_params`` ran
+    placeholder: nn.Parameter
+    unsharded: nn.Parameter | None
+
+
+def register_unsharded(slot: ParameterSlot) -> None:
+    slot.module._parameters[slot.attr] = slot.unsharded
+
+
+def register_placeholder(slot: ParameterSlot) -> None:
+    slot.module._parameters[slot.attr] = slot.placeholder
+
+
+def follow_requires_grad(slot: ParameterSlot) -> None:
+    """Give the unsharded parameter the placeholder's ``requires_grad``.
+
+    User code freezes a dedicated parameter through the module's parameter, which is the
+    placeholder outside forward. One frozen when ``dedicate_params`` ran has no state in the
+    optimizer, so unfreezing it is refused rather than ignored.
+    """
+    wanted = slot.placeholder.requires_grad
+    if wanted == slot.unsharded.requires_grad:
+        return
+    if wanted and not slot.requires_grad:
+        raise RuntimeError(
+            f"{slot.fqn} was frozen (requires_grad=False) when dmuon.dedicate_params ran, "
+            "so dmuon.Muon keeps no state for it and cannot train it. Unfreeze it before "
+            "dmuon.dedicate_params; to freeze it for a while, freeze it after "
+            "dedicate_params (requires_grad_ then works both ways)."
+        )
+    slot.unsharded.requires_grad_(wanted)
+
+
 @dataclass(eq=False, slots=True, kw_only=True)
 class DedicatedParam:
     fqn: str
@@ -177,10 +215,11 @@ class DedicatedParam:
     # ``dedicate_params(..., routes=...)``: "muon" or "adamw" chosen for this parameter (None:
     # by its shape).
     route_override: str | None = None
-    # An expert piece (see [Note: expert stacks are pieces] in ``dmuon.experts``): the stack
-    # whose experts [start, stop) it holds; ``module``/``attr`` and ``placeholder`` are the
-    # stack's, ``shape`` is (stop - start, m, n), ``original`` its experts of the stack's weight.
-    stack: ExpertStack | None = field(default=None, repr=False)
+    # An expert piece (see [Note: expert stacks are pieces] in ``dmuon.experts``): the slot of
+    # the stack whose experts [start, stop) it holds (a ``dmuon.experts.ExpertStack``);
+    # ``module``/``attr`` and ``placeholder`` are the stack's, ``shape`` is (stop - start, m, n),
+    # ``original`` its experts of the stack's weight.
+    stack: ParameterSlot | None = field(default=None, repr=False)
     experts: tuple[int, int] | None = None
     # A DTensor of ``parallelize_module``: this rank stores, reduces and updates its TP chunk
     # (``local_shape``); ``shape`` stays the global shape (see ``dmuon.tp``).
@@ -204,38 +243,6 @@ class DedicatedParam:
             return self.route_override
         # Muon orthogonalises matrices; trailing dims of >2-D weights are flattened into columns.
         return MUON_ROUTE if len(self.shape) >= 2 else ADAMW_ROUTE
-
-    def register_unsharded(self) -> None:
-        if self.stack is not None:  # an expert piece: the module holds the whole stack
-            self.stack.register_unsharded()
-            return
-        self.module._parameters[self.attr] = self.unsharded
-
-    def follow_requires_grad(self) -> None:
-        """Give the unsharded parameter the placeholder's ``requires_grad``.
-
-        User code freezes a dedicated parameter through the module's parameter, which is the
-        placeholder outside forward. One frozen when ``dedicate_params`` ran has no state in the
-        optimizer, so unfreezing it is refused rather than ignored.
-        """
-        holder = self.stack if self.stack is not None else self  # a piece follows its stack
-        wanted = holder.placeholder.requires_grad
-        if wanted == holder.unsharded.requires_grad:
-            return
-        if wanted and not holder.requires_grad:
-            raise RuntimeError(
-                f"{holder.fqn} was frozen (requires_grad=False) when dmuon.dedicate_params ran, "
-                "so dmuon.Muon keeps no state for it and cannot train it. Unfreeze it before "
-                "dmuon.dedicate_params; to freeze it for a while, freeze it after "
-                "dedicate_params (requires_grad_ then works both ways)."
-            )
-        holder.unsharded.requires_grad_(wanted)
-
-    def register_placeholder(self) -> None:
-        if self.stack is not None:
-            self.stack.register_placeholder()
-            return
-        self.module._parameters[self.attr] = self.placeholder
 
     def bind_unsharded(self, segment: torch.Tensor) -> None:
         """Create the unsharded parameter over ``segment[offset : offset + numel]`` (a DTensor

@@ -1,10 +1,14 @@
-"""Which optimizer group each parameter of ``dmuon.Muon`` is in, with which hyperparameters, and why.
+"""Routes: which parameters dmuon dedicates, and which optimizer group each parameter of
+``dmuon.Muon`` is in, with which hyperparameters, and why.
 
-Owns the decision as a function of facts every rank holds (FQNs, full shapes, routes, owners, the
-module tree): the route defaults, the ``no_decay`` rule (HF Trainer's by default), the user's
+Owns two decisions. At ``dedicate_params``, the selection (``select_dedicated``): the
+predicate and the ``routes=`` overrides, tied parameters left out. At ``dmuon.Muon``, the
+grouping, as a function of facts every rank holds (FQNs, full shapes, routes, owners, the module
+tree): the route defaults, the ``no_decay`` rule (HF Trainer's by default), the user's
 ``param_groups`` (first match wins), the torch param groups they become, and the routing table.
-Must not: read parameter values, issue collectives or build optimizer state. ``optim`` turns
-the planned groups into torch param groups holding this rank's tensors.
+Must not: read parameter values (only the user's predicates see parameters), issue collectives
+or build optimizer state. ``optim`` turns the planned groups into torch param groups holding
+this rank's tensors.
 
 [Note: deciding identically on every rank]
 A dedicated parameter's value lives on its owner only; every other rank holds a 0-element
@@ -77,6 +81,10 @@ HF_NO_DECAY_NAME_PATTERNS = (
 HF_NO_DECAY_LAYER_TYPES = (nn.LayerNorm,)
 
 NoDecay = str | Callable[[str, torch.Tensor], bool] | None | bool
+Predicate = Callable[[str, nn.Parameter], bool]
+"""``dedicate_params``'s predicate: ``(canonical name, param) -> bool``."""
+Routes = Mapping[str, str] | Callable[[str, nn.Parameter], str | None]
+"""``dedicate_params(routes=...)``: ``{fqn: route}`` or ``(name, param) -> route | None``."""
 
 
 class ExpertSliceOwner(NamedTuple):
@@ -416,3 +424,88 @@ def _check_keys_apply(index: int, spec: Mapping[str, Any], members: Sequence[Par
                 ". Narrow the group's params to one route (e.g. lambda name, p: ... and "
                 "p.ndim >= 2), or split it into one group per route."
             )
+
+
+# ---- which parameters are dedicated, and on which route (``dedicate_params``) ------------------
+
+
+def select_dedicated(
+    model: nn.Module, predicate: Predicate, routes: Routes | None
+) -> tuple[list[tuple[str, nn.Module, str, nn.Parameter]], dict[str, str]]:
+    """(name, module, attr, param) for each parameter ``dedicate_params`` dedicates, in
+    registration order, and the route overrides (canonical FQN -> route) ``routes`` gave.
+
+    A parameter is dedicated when ``routes`` sends it to ``"muon"`` or ``"adamw"``, or gives
+    it no route and ``predicate`` selects it; a tied parameter is left to FSDP2, with a warning.
+    """
+    names_of: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names_of.setdefault(id(param), []).append(canonical_fqn(name))
+    routes = _canonical_routes(routes)
+    _check_routes_mapping(routes, names_of)
+    selected = []
+    overrides: dict[str, str] = {}
+    for module_name, module in model.named_modules():
+        for attr, param in module.named_parameters(recurse=False):
+            name = canonical_fqn(f"{module_name}.{attr}" if module_name else attr)
+            if names_of[id(param)][0] != name:
+                continue
+            route = _route_override(name, param, routes)
+            if route is not None:
+                overrides[name] = route
+            if route == SHARDED_ADAMW_ROUTE or (route is None and not predicate(name, param)):
+                continue
+            if len(names_of[id(param)]) > 1:
+                warnings.warn(
+                    f"dedicate_params: {name} is tied to {names_of[id(param)][1:]}; tied "
+                    "parameters are left to FSDP2 (AdamW route).",
+                    UserWarning,
+                    stacklevel=3,
+                )
+                overrides.pop(name, None)
+                continue
+            selected.append((name, module, attr, param))
+    return selected, overrides
+
+
+def _canonical_routes(routes: Routes | None) -> Routes | None:
+    """``routes`` keyed by canonical FQNs (a name spelled with wrapper segments is accepted)."""
+    if routes is None or callable(routes) or not isinstance(routes, Mapping):
+        return routes
+    return {canonical_fqn(name): route for name, route in routes.items()}
+
+
+def _check_routes_mapping(routes: Routes | None, names_of: dict[int, list[str]]) -> None:
+    if routes is None or callable(routes):
+        return
+    if not isinstance(routes, Mapping):
+        raise TypeError(
+            f"dedicate_params: routes must be a dict {{fqn: route}} or a function (name, param) "
+            f"-> route | None, got {type(routes).__name__}: {routes!r}."
+        )
+    known = {name for names in names_of.values() for name in names}
+    unknown = [name for name in routes if name not in known]
+    if unknown:
+        raise ValueError(
+            f"dedicate_params: routes names {len(unknown)} parameters the model does not have: "
+            f"{preview_names(unknown)}. Use the names of model.named_parameters(), e.g. "
+            "routes={'lm_head.weight': 'adamw'}."
+        )
+
+
+def _route_override(name: str, param: nn.Parameter, routes: Routes | None) -> str | None:
+    if routes is None:
+        return None
+    route = routes(name, param) if callable(routes) else routes.get(name)
+    if route is not None and route not in ROUTES:
+        raise ValueError(
+            f"dedicate_params: routes gives {name} the route {route!r}; the routes are "
+            f"{list(ROUTES)} (or None from a function: the predicate decides)."
+        )
+    if route == MUON_ROUTE and param.ndim < 2:
+        raise ValueError(
+            f"dedicate_params: routes puts {name} of shape {tuple(param.shape)} on the Muon "
+            "route, but Muon orthogonalises matrices (2 or more dims). Route it to 'adamw' "
+            "(owner-side AdamW) or 'sharded_adamw' (left to FSDP2), or leave it out of routes."
+        )
+    return route

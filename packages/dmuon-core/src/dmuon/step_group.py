@@ -27,6 +27,8 @@ schedule has no send or receive in flight, so nothing interleaves with them.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -38,7 +40,18 @@ from dmuon.consistency import check_ranks_agree
 from dmuon.nonfinite import nonfinite_gradients
 
 if TYPE_CHECKING:
-    from dmuon.optim import Muon
+    from dmuon.hooks import DedicatedState
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class StepMember:
+    """What the step group knows of one optimizer (one part of the model)."""
+
+    optimizer: object  # the ``dmuon.Muon``: its identity only
+    state: DedicatedState  # the part's model: gradient generations, grids, device
+    nonfinite: str  # its ``nonfinite=`` policy
+    # (canonical FQN, this rank's gradient) of everything it steps that has a gradient.
+    named_gradients: Callable[[], list[tuple[str, torch.Tensor]]]
 
 
 class StepGroup:
@@ -67,7 +80,7 @@ class StepGroup:
 
     def __init__(self, pp_mesh: DeviceMesh | dist.ProcessGroup | None = None) -> None:
         self.pp_group = _pipeline_group(pp_mesh)
-        self.members: list[Muon] = []
+        self.members: list[StepMember] = []
         # (gradient generations, names of non-finite gradients) of the last verdict, and the
         # optimizers that have used it.
         self._verdict: tuple[tuple[int, ...], list[str]] | None = None
@@ -75,15 +88,15 @@ class StepGroup:
         # (gradient generations, the clipped norm is finite) of the last clip over the group.
         self._clip_norm: tuple[tuple[int, ...], torch.Tensor] | None = None
 
-    def join(self, optimizer: Muon) -> None:
-        """Add ``optimizer`` (``dmuon.Muon`` does it at construction); collective over the
+    def join(self, member: StepMember) -> None:
+        """Add an optimizer (``dmuon.Muon`` does it at construction); collective over the
         pipeline group, whose ranks must add their optimizers in the same order."""
-        if any(member._dedicated is optimizer._dedicated for member in self.members):
+        if any(joined.state is member.state for joined in self.members):
             raise ValueError(
                 "dmuon.StepGroup: this model already has an optimizer in the step group; give "
                 "each part of the model (each pipeline stage on this rank) one dmuon.Muon."
             )
-        policies = {member.nonfinite for member in self.members} | {optimizer.nonfinite}
+        policies = {joined.nonfinite for joined in self.members} | {member.nonfinite}
         if len(policies) > 1:
             raise ValueError(
                 f"dmuon.StepGroup: its optimizers use different nonfinite policies "
@@ -95,7 +108,7 @@ class StepGroup:
             {
                 "nonfinite": (
                     "nonfinite policies across pipeline stages (dmuon.Muon(nonfinite=...))",
-                    optimizer.nonfinite,
+                    member.nonfinite,
                 ),
                 "part": (
                     "numbers of optimizers in the step group (one per stage a rank holds)",
@@ -103,11 +116,11 @@ class StepGroup:
                 ),
             },
         )
-        self.members.append(optimizer)
+        self.members.append(member)
 
     # ---- the verdict on this step's gradients ----------------------------------------------
 
-    def nonfinite_gradients(self, optimizer: Muon) -> tuple[list[str], bool]:
+    def nonfinite_gradients(self, optimizer: object) -> tuple[list[str], bool]:
         """The names of the gradients holding NaN or inf anywhere in the step (sorted; [] if
         none), and whether this call decided it (False: another optimizer of the group did, for
         these same gradients). Collective over the group's ranks when it decides."""
@@ -124,7 +137,7 @@ class StepGroup:
             names: list[str] = []  # the clipped norm, over every stage, was finite
         else:
             names = nonfinite_gradients(
-                [pair for member in self.members for pair in member._named_gradients()],
+                [pair for member in self.members for pair in member.named_gradients()],
                 self._check_groups(),
                 self._device(),
             )
@@ -144,24 +157,22 @@ class StepGroup:
     # ---- internals --------------------------------------------------------------------------
 
     def _generations(self) -> tuple[int, ...]:
-        return tuple(member._dedicated.gradient_generation for member in self.members)
+        return tuple(member.state.gradient_generation for member in self.members)
 
     def _check_groups(self) -> list[dist.ProcessGroup | None]:
         """Groups that together span every rank of the step: each distinct ownership grid and
         TP group of the members (once each, in one order on every rank), then the pipeline."""
         grids: dict[tuple[int, ...], dist.ProcessGroup | None] = {}
         for member in self.members:
-            mesh = member._dedicated.mesh
+            mesh = member.state.mesh
             for group in (mesh.world_group, mesh.tp_group):
                 if group is not None:
                     grids.setdefault(tuple(dist.get_process_group_ranks(group)), group)
         return [grids[ranks] for ranks in sorted(grids)] + [self.pp_group]
 
     def _device(self) -> torch.device:
-        for member in self.members:
-            if member._dedicated.boundaries:
-                return member._dedicated.boundaries[0].device
-        return torch.device("cpu")
+        devices = [member.state.device for member in self.members]
+        return next((d for d in devices if d.type != "cpu"), torch.device("cpu"))
 
 
 def _pipeline_group(

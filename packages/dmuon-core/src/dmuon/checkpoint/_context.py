@@ -137,7 +137,7 @@ def checkpoint_context(model: nn.Module, options: StateDictOptions | None) -> Ch
     mesh = state.mesh
     rank = dist.get_rank() if dist.is_initialized() else 0
     grid_lowest = min(rank for row in mesh.rank_grid for rank in row)
-    device = state.boundaries[0].device if state.boundaries else torch.device("cpu")
+    device = state.device
     receiver = grid_lowest
     if options.full_state_dict and options.cpu_offload and mesh.tp_group is not None:
         lowest = torch.tensor([grid_lowest], device=device)
