@@ -98,6 +98,11 @@ def test_triton_normalized_inputs_of_a_batch_match_the_fallback(
         assert relative_error(gpu, cpu) < 1e-6
     bound = torch.finfo(dtype).eps if dtype != torch.float32 else 1e-6
     for index in range(3):
+        if not expected[index].any():
+            # The 2^-70 gradient: its norm is far below eps = 1e-7, so u / (||u|| + eps) is of
+            # order 1e-14 and underflows fp16 to zero, on both paths.
+            assert not out[index].any()
+            continue
         assert relative_error(out[index], expected[index]) < bound
 
 
