@@ -1,9 +1,19 @@
 """A hook boundary's dedicated parameters, packed into per-owner segments, and their collectives.
 
-Owns the memory layout of one boundary and the four data movements of the protocol on it:
-unshard (broadcast from owners), reshard (free), reduce (gradients to owners) and publish (the
-new weights across the replicate axis). It must not decide when these happen (``hooks`` and
-``optim`` do) nor do any optimizer math.
+Owns the memory layout of one boundary, the four data movements of the protocol on it: unshard
+(broadcast from owners), reshard (free), reduce (gradients to owners) and publish (the new
+weights across the replicate axis), and the boundary's own place in a forward and backward pass,
+which it advances itself as FSDP2's ``FSDPParamGroup`` does: ``pre_forward``, ``post_forward``,
+``pre_backward``, ``post_backward``, ``finish_backward``, ``finalize_backward``. It must not
+decide when a pass begins or ends (the hooks and the model's state do: ``hooks``) nor do any
+optimizer math.
+
+[Note: backward passes of one forward]
+A boundary's post-backward fires once per use in forward, so it reduces when it has seen
+``forward_count`` of them; the end of backward finishes the boundaries it did not reach. A graph
+kept with ``retain_graph=True`` can be backpropagated again: each pass through it must reduce its
+own gradients, so the forward counts (and the model's list of forwarded boundaries) outlive a
+backward and are reset only when the next grad-enabled forward begins (``forget_forward_pass``).
 
 [Note: segments]
 A boundary's parameters are grouped by the shard index of their owner: segment ``s`` holds, in a
@@ -99,14 +109,14 @@ class BoundaryGroup:
         self._pending_unshard: list[Handle] = []
         self._pending_publish: list[Handle] = []
         self._pending_reduce: list[GradientMessage] = []
-        # Backward bookkeeping, driven by ``hooks``: grad-enabled forwards in this forward pass,
-        # post-backwards seen in this backward, and whether this backward already reduced (see
-        # [Note: backward passes of one forward] in ``hooks``).
-        self.in_backward = False
-        self.forward_count = 0
-        self.backward_count = 0
-        self.reduced_this_backward = False
-        self.warned_input_dtype = False  # see hooks._warn_on_mixed_input_dtype
+        # Where the boundary is in the pass (see [Note: backward passes of one forward]), moved
+        # only by the pass methods below: grad-enabled forwards in this forward pass,
+        # post-backwards seen in this backward, whether its backward began, and whether this
+        # backward has finished it (freed, and its gradients on their way to the owners).
+        self._forward_count = 0
+        self._backward_count = 0
+        self._in_backward = False
+        self._finished_backward = False
 
     # ---- layout ----------------------------------------------------------------------------
 
@@ -259,6 +269,72 @@ class BoundaryGroup:
         for slot in self.slots:
             register_placeholder(slot)
 
+    # ---- one forward and backward pass --------------------------------------------------------
+
+    def pre_forward(self, *, backward_follows: bool) -> None:
+        """Its forward begins: the weights land and the module holds them. ``backward_follows``
+        (grad enabled) counts one more use whose post-backward to expect."""
+        self.wait_for_unshard()
+        self.follow_requires_grad()
+        self.register_unsharded()
+        if backward_follows:
+            self._forward_count += 1
+
+    def recompute_forward(self) -> None:
+        """Its forward re-runs inside backward (activation checkpointing): the weights, already
+        unsharded by its pre-backward, are registered again; nothing is counted."""
+        self.wait_for_unshard()
+        self.register_unsharded()
+
+    def post_forward(self, *, backward_follows: bool) -> None:
+        """Its forward ended: placeholders back; the weights freed under Z3, or when no backward
+        will come through this use (outputs that need no grad)."""
+        self.register_placeholders()
+        if self.reshard_after_forward or not backward_follows:
+            self.reshard()
+
+    def pre_backward(self) -> bool:
+        """A gradient reached its outputs. True the first time in this backward: the weights are
+        then unsharded again and registered (the caller prefetches the previous boundary)."""
+        if self._in_backward:
+            return False
+        self._in_backward = True
+        self.wait_for_unshard()
+        self.register_unsharded()
+        return True
+
+    def post_backward(self) -> bool:
+        """One use's backward is done; True when it was the last use of the forward pass and
+        the boundary's backward is not finished yet (the caller finishes it)."""
+        self._backward_count += 1
+        return self._backward_count == self._forward_count and not self._finished_backward
+
+    @property
+    def finished_backward(self) -> bool:
+        return self._finished_backward
+
+    def finish_backward(self, *, reduce: bool) -> None:
+        """Placeholders back, weights freed, and (``reduce``) this rank's gradients on their way
+        to the owners; without ``reduce`` (``no_sync``) they stay on the unsharded parameters."""
+        self._in_backward = False
+        self.register_placeholders()
+        self.reshard()
+        if reduce:
+            self.reduce_gradients()
+        self._finished_backward = True
+
+    def finalize_backward(self, *, reduce: bool) -> list[GradientMessage]:
+        """At the end of backward: wait for the reduces (``reduce``) and get ready for another
+        backward through the same forward; returns the reduced messages of the local segments."""
+        received = self.finish_reduce() if reduce else []
+        self._in_backward = self._finished_backward = False
+        self._backward_count = 0
+        return received
+
+    def forget_forward_pass(self) -> None:
+        """A new forward pass begins after a backward: no use of the last one is expected."""
+        self._forward_count = 0
+
     # ---- backward: gradients to the owners --------------------------------------------------
 
     def reduce_gradients(self) -> None:
@@ -274,7 +350,6 @@ class BoundaryGroup:
             self._pending_reduce.append(
                 GradientMessage(segment, message, handle, produced if alone else None)
             )
-        self.reduced_this_backward = True
 
     def retire_sent_reduces(self) -> None:
         """Wait for the reduces of the segments this rank does not own and drop their messages.

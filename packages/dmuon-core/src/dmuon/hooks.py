@@ -4,22 +4,25 @@ Owns the per-model protocol state (the boundaries, their forward order, the end-
 callback, gradient-sync on/off) and the hook functions. What moves is ``group``'s concern; this
 module only decides when.
 
-One training step, as the hooks see it::
+One training step, as the hooks see it (each boundary ``b`` advances itself: ``group``)::
 
-    pre-forward(b)   unshard b (wait for its broadcast), register its unsharded params,
-                     prefetch the next boundary, wrap b's inputs to detect b's post-backward
-    post-forward(b)  placeholders back; Z3: free; hook b's outputs for pre-backward
-    pre-backward(b)  unshard b again (Z3), register params, prefetch the previous boundary
-    post-backward(b) placeholders back, free, reduce b's gradients to their owners; the sent
-                     messages of boundaries REDUCES_IN_FLIGHT back are waited for and freed
-    end of backward  reduce boundaries whose inputs needed no grad; wait; gradients to masters
+    pre-forward(b)   b.pre_forward: unshard b (wait for its broadcast), register its unsharded
+                     params; prefetch the next boundary, wrap b's inputs to detect b's
+                     post-backward
+    post-forward(b)  b.post_forward: placeholders back; Z3: free; hook b's outputs for
+                     pre-backward
+    pre-backward(b)  b.pre_backward: unshard b again (Z3), register params; prefetch the
+                     previous boundary
+    post-backward(b) b.finish_backward after its last use: placeholders back, free, reduce b's
+                     gradients to their owners; the sent messages of boundaries
+                     REDUCES_IN_FLIGHT back are waited for and freed
+    end of backward  finish boundaries whose inputs needed no grad; b.finalize_backward: wait;
+                     gradients to masters
+    step             the optimizer asks the state: before_step (drain publishes, free),
+                     after_step (refresh from the masters and publish)
 
-[Note: backward passes of one forward]
-A boundary's post-backward fires once per use in forward, so it reduces when it has seen
-``forward_count`` of them; the end of backward finishes the boundaries it did not reach. A graph
-kept with ``retain_graph=True`` can be backpropagated again: each pass through it must reduce its
-own gradients, so the forward counts and the list of forwarded boundaries outlive a backward and
-are reset only when the next grad-enabled forward begins.
+A boundary used k times in one forward expects k post-backwards: see [Note: backward passes of
+one forward] in ``group``.
 
 [Note: activation checkpointing]
 With non-reentrant checkpointing a boundary's forward re-runs inside backward. Its outputs'
@@ -107,6 +110,8 @@ class DedicatedState:
         # Boundaries that reduced in this backward, in order (see REDUCES_IN_FLIGHT).
         self._reduced: list[BoundaryGroup] = []
         self._end_of_backward_queued = False
+        # Boundaries whose input dtypes the first forward looked at (_warn_on_mixed_input_dtype).
+        self._dtypes_checked: set[BoundaryGroup] = set()
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
 
     @property
@@ -214,8 +219,15 @@ class DedicatedState:
         if self._backward_since_forward:
             self._backward_since_forward = False
             for group in self._forwarded:
-                group.forward_count = 0
+                group.forget_forward_pass()
             self._forwarded.clear()
+
+    def _finish_backward(self, group: BoundaryGroup) -> None:
+        group.finish_backward(reduce=self.requires_gradient_sync)
+        if self.requires_gradient_sync:
+            self._reduced.append(group)
+            if len(self._reduced) > REDUCES_IN_FLIGHT:
+                self._reduced[-1 - REDUCES_IN_FLIGHT].retire_sent_reduces()
 
     def _end_of_backward(self) -> None:
         self._end_of_backward_queued = False
@@ -225,16 +237,27 @@ class DedicatedState:
         # Boundaries whose inputs needed no grad never saw their post-backward: finish them in
         # reverse forward order, the same on every rank.
         for group in reversed(forwarded):
-            if not group.reduced_this_backward:
-                _finish_backward(self, group)
+            if not group.finished_backward:
+                self._finish_backward(group)
         received = []
         for group in reversed(forwarded):
-            if self.requires_gradient_sync:
-                received += group.finish_reduce()
-            group.in_backward = group.reduced_this_backward = False
-            group.backward_count = 0
+            received += group.finalize_backward(reduce=self.requires_gradient_sync)
         self._reduced.clear()
         accumulate_into_masters(received, divisor=self._gradient_divisor(self))
+
+    # ---- the optimizer step ---------------------------------------------------------------------
+
+    def before_step(self) -> None:
+        """The masters are about to change: a publish still in flight from the previous step
+        reads the weights (two steps without a forward in between stay correct), and a copy
+        left unsharded would serve the next forward the weights of before (``reshard_all``)."""
+        self.wait_all_replicate_broadcasts()
+        self.reshard_all()
+
+    def after_step(self, *, asynchronous: bool) -> None:
+        """The masters changed: every copy of the weights follows (collective). Asynchronous:
+        the HSDP publish is waited for by the next forward (or ``before_step``)."""
+        self.publish_masters(wait=not asynchronous)
 
     # ---- loading weights ------------------------------------------------------------------------
 
@@ -246,12 +269,13 @@ class DedicatedState:
         self.wait_all_replicate_broadcasts()
         self.boundary_of(p).load_full_value(p, value)
 
-    def publish_masters(self) -> None:
-        """After masters changed outside a step: every copy of the weights follows (collective)."""
+    def publish_masters(self, *, wait: bool = True) -> None:
+        """After the masters changed: every copy of the weights follows (collective)."""
         for group in self.boundaries:
             group.refresh_from_masters()
             group.publish()
-            group.wait_for_publish()
+            if wait:
+                group.wait_for_publish()
 
     def publish_loaded_masters(self) -> None:
         """Publish the masters a plain ``load_state_dict`` changed, if it did (collective: every
@@ -292,37 +316,36 @@ def _pre_forward(
     state: DedicatedState, group: BoundaryGroup, module: nn.Module, args: tuple, kwargs: dict
 ) -> tuple[tuple, dict] | None:
     if _in_backward():  # activation-checkpoint recompute: see [Note: activation checkpointing]
-        group.wait_for_unshard()
-        group.register_unsharded()
+        group.recompute_forward()
         return None
     state.ensure_adopted()
     state.publish_loaded_masters()
     if state._forward_position is None:  # the first forward: look once, cheaply
-        _warn_on_mixed_input_dtype(group, args, kwargs)
+        _warn_on_mixed_input_dtype(state, group, args, kwargs)
     state._record_forward(group)
     if state.profile is not None:
         state.profile.record(group.name, group.is_unsharding, group.device, group.wait_for_unshard)
-    else:
-        group.wait_for_unshard()
-    group.follow_requires_grad()
-    group.register_unsharded()
+    backward_follows = torch.is_grad_enabled()
+    if backward_follows:
+        state._start_forward_pass()
+    group.pre_forward(backward_follows=backward_follows)
     following = state._neighbour(group, +1)
     if following is not None:
         following.unshard()
-    if not torch.is_grad_enabled():
+    if not backward_follows:
         return None
-    state._start_forward_pass()
-    group.forward_count += 1
     return _attach_post_backward(state, group, args, kwargs)
 
 
-def _warn_on_mixed_input_dtype(group: BoundaryGroup, args: tuple, kwargs: dict) -> None:
+def _warn_on_mixed_input_dtype(
+    state: DedicatedState, group: BoundaryGroup, args: tuple, kwargs: dict
+) -> None:
     """Dedicated weights computing in a lower precision than the boundary's floating inputs
     (``param_dtype=bf16`` without FSDP2's ``MixedPrecisionPolicy`` or autocast) make the first
     matmul fail with torch's bare dtype error: say why just before."""
-    if group.warned_input_dtype or torch.is_autocast_enabled():
+    if group in state._dtypes_checked or torch.is_autocast_enabled():
         return
-    group.warned_input_dtype = True
+    state._dtypes_checked.add(group)
     inputs = {t.dtype for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
     weights = {p.param_dtype for p in group.params}
     wider = sorted(
@@ -348,50 +371,31 @@ def _post_forward(
 ) -> None:
     if _in_backward():
         return None
-    group.register_placeholders()
     grad_tensors = [
         t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad
     ]
+    group.post_forward(backward_follows=bool(grad_tensors))
     if grad_tensors:
         state._forwarded.append(group)
         hook = functools.partial(_pre_backward, state, group)
         for tensor in grad_tensors:
             tensor.register_hook(hook)
-    if group.reshard_after_forward or not grad_tensors:
-        group.reshard()
     return None  # the output object is returned untouched (ModelOutput, dataclasses, ...)
 
 
 def _pre_backward(state: DedicatedState, group: BoundaryGroup, grad: torch.Tensor) -> None:
     state._queue_end_of_backward()
-    if not group.in_backward:
-        group.in_backward = True
-        group.wait_for_unshard()
-        group.register_unsharded()
+    if group.pre_backward():
         previous = state._neighbour(group, -1)
         if previous is not None and previous in state._forwarded:
             previous.unshard()
     return None
 
 
-def _finish_backward(state: DedicatedState, group: BoundaryGroup) -> None:
-    group.in_backward = False
-    group.register_placeholders()
-    group.reshard()
-    if state.requires_gradient_sync:
-        group.reduce_gradients()
-        state._reduced.append(group)
-        if len(state._reduced) > REDUCES_IN_FLIGHT:
-            state._reduced[-1 - REDUCES_IN_FLIGHT].retire_sent_reduces()
-    else:
-        group.reduced_this_backward = True
-
-
 def _on_post_backward(state: DedicatedState, group: BoundaryGroup) -> None:
-    group.backward_count += 1
-    # A boundary used k times in one forward sees k post-backwards; reduce after the last.
-    if group.backward_count == group.forward_count and not group.reduced_this_backward:
-        _finish_backward(state, group)
+    # A boundary used k times in one forward sees k post-backwards; it finishes after the last.
+    if group.post_backward():
+        state._finish_backward(group)
 
 
 class _PostBackward(torch.autograd.Function):

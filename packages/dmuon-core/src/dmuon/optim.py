@@ -1,7 +1,8 @@
 """``dmuon.Muon``: Muon on the matrices this rank owns, AdamW on everything else.
 
-Owns the update math of the owner step and the two routes; it must not move data itself beyond
-asking each boundary to refresh and publish its weights after the step.
+Owns the update math of the owner step and the two routes; it must not move data itself: it
+asks the model's state before the step (``before_step``) and after it (``after_step``: the
+weights follow the masters, published across replicas).
 
 Routes (``dmuon.routing`` decides each parameter's route, group and hyperparameters):
 - ``"muon"``: the fp32 masters of the dedicated matrices this rank owns (the master of an
@@ -287,20 +288,13 @@ class Muon(torch.optim.Optimizer):
         self._steps_taken += 1
         if self.nonfinite != "ignore" and self._skip_for_nonfinite_gradients():
             return loss
-        # A publish still in flight from the previous step reads the weights we are about to
-        # change: drain it first (two steps without a forward in between stay correct).
-        self._dedicated.wait_all_replicate_broadcasts()
-        self._dedicated.reshard_all()
+        self._dedicated.before_step()
         for group in self.param_groups:
             if group["route"] == MUON_ROUTE:
                 self._muon_step(group)
             else:
                 self._adamw_step(group)
-        for boundary in self._dedicated.boundaries:
-            boundary.refresh_from_masters()
-            boundary.publish()
-            if not self.replicate_async:
-                boundary.wait_for_publish()
+        self._dedicated.after_step(asynchronous=self.replicate_async)
         return loss
 
     def _skip_for_nonfinite_gradients(self) -> bool:
