@@ -6,7 +6,9 @@ import torch
 
 from tests.titan.scenarios_titan import train
 
-FP32_TOLERANCE = 5e-5  # as in test_titan_training
+# fp32 Newton-Schulz; the runs differ by the order of float additions after the load (2 ranks
+# against HSDP 2 x 2): within 1e-5 relative, the bound a resume on another layout must meet.
+FP32_TOLERANCE = 1e-5
 
 
 def assert_equal_weights(weights: dict, expected: dict) -> None:
