@@ -104,11 +104,11 @@ def test_tensor_parallel_blocks_train_like_the_reference(pool4):
     assert_like_reference(run, reference, weights=FP32_TOLERANCE, losses=1e-6)
 
 
-def test_torchtitans_mixed_precision_trains_like_a_bf16_forward_of_the_reference(pool2):
-    # bf16 parameters and fp32 reduction, as torchtitan's defaults: each rank's gradient is
-    # rounded to bf16 before the sum, the reference's full-batch one once, so the runs agree to
-    # bf16 rounding, not to fp32's.
-    job = {"mixed_precision": True, "ns": "fp32", **FULL_RANK}
+def test_torchtitans_mixed_precision_trains_like_torch_muon_on_a_bf16_forward(pool2):
+    # bf16 parameters and fp32 reduction, as torchtitan's defaults, and torch.optim.Muon's bf16
+    # Newton-Schulz: each rank's gradient is rounded to bf16 before the sum, the reference's
+    # full-batch one once, so the runs agree to bf16 rounding, not to fp32's.
+    job = {"mixed_precision": True, "ns": "torch", **FULL_RANK}
     run = pool2.run(train, job_options=job)[0]
     reference = train_reference(run)
     assert_like_reference(
