@@ -44,6 +44,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn.utils import clip_grads_with_norm_, get_total_norm
 
 from dmuon import collectives
+from dmuon._torch_internals import tensor_parallel_layout
 from dmuon.hooks import DedicatedState, get_dedicated_state
 from dmuon.optim import Muon
 
@@ -257,7 +258,7 @@ def _raised(norm: torch.Tensor, p: float) -> torch.Tensor:
 def _tensor_parallel_spec(param: torch.Tensor):
     """The DTensor layout of a TP parameter that torch's DDP + TP recipe made a plain tensor
     (None for any other parameter, and for a replicated one, counted once as it is)."""
-    spec = getattr(param, "_st_info", None)
+    spec = tensor_parallel_layout(param)
     if spec is None or not any(placement.is_shard() for placement in spec.placements):
         return None
     return spec

@@ -12,10 +12,10 @@ Owns three things for models that ``fully_shard`` does not wrap:
   would step AdamW on its own local gradient and the copies would drift apart silently;
 - the DDP wrappers around a model, for ``dmuon.no_sync``.
 
-It reads two attributes of a DDP instance (``module``, ``require_backward_grad_sync``, both
-public) and two that every torch since 1.x sets in ``__init__`` (``_module_parameters``: what its
-reducer averages; ``process_group``), and writes only the documented ignore list. It must not
-issue collectives outside ``check_gradients_are_averaged``.
+It reads two public attributes of a DDP instance (``module``, ``require_backward_grad_sync``)
+and ``process_group``, and, through ``_torch_internals``, what its reducer averages and the
+ignore list DDP reads at construction, which it writes. It must not issue collectives outside
+``check_gradients_are_averaged``.
 
 [Note: finding the DDP around a model]
 ``dmuon.Muon`` takes the inner module (the one ``dedicate_params`` prepared), so it cannot see the
@@ -41,13 +41,16 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from dmuon._text import preview_names
+from dmuon._torch_internals import (
+    composable_api_names,
+    ddp_ignored_names,
+    ddp_reduced_parameters,
+    set_ddp_ignored,
+)
 from dmuon.param import DedicatedParam, is_dedicated
 
 if TYPE_CHECKING:
     from dmuon.hooks import DedicatedState
-
-# The name list DistributedDataParallel.__init__ reads from the module it wraps.
-DDP_IGNORE_ATTR = "_ddp_params_and_buffers_to_ignore"
 
 NOT_AVERAGED = (
     "dmuon.Muon: {count} trainable parameters are neither sharded by fully_shard nor averaged by "
@@ -94,20 +97,18 @@ _wrappers: weakref.WeakKeyDictionary[nn.Module, list[weakref.ref]] = weakref.Wea
 def ignore_dedicated_in_ddp(model: nn.Module, params: dict[str, DedicatedParam]) -> None:
     """Make a later ``DistributedDataParallel(model)`` skip the dedicated parameters.
 
-    Adds their names to the model's DDP ignore list (kept: the names already there), through
-    DDP's own ``_set_params_and_buffers_to_ignore_for_model``, and marks the placeholders
-    ``_ddp_ignored`` as that function marks what is registered now (compiled DDP reads the
-    mark). DDP compares a root module's parameter both as ``"weight"`` and as ``".weight"`` (its
-    reducer joins an empty module name with a dot), so root-level names are listed both ways.
+    Adds their names to the model's DDP ignore list (kept: the names already there) and marks
+    the placeholders as DDP marks what it ignores. DDP compares a root module's parameter both
+    as ``"weight"`` and as ``".weight"`` (its reducer joins an empty module name with a dot), so
+    root-level names are listed both ways.
     """
-    ignored = list(getattr(model, DDP_IGNORE_ATTR, ()))
+    ignored = ddp_ignored_names(model)
     for name, p in params.items():
-        p.placeholder._ddp_ignored = True
         name = p.stack.fqn if p.stack is not None else name  # an expert piece: its stack's FQN
         for form in (name, "." + name) if "." not in name else (name,):
             if form not in ignored:
                 ignored.append(form)
-    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, ignored)
+    set_ddp_ignored(model, ignored, [p.placeholder for p in params.values()])
 
 
 def check_gradients_are_averaged(state: DedicatedState) -> None:
@@ -179,7 +180,7 @@ def _local_problem(state: DedicatedState) -> str | None:
     averaged: set[int] = set()
     placeholders = {id(p.placeholder): p.fqn for p in state.params.values()}
     for ddp in ddp_wrappers(model):
-        reduced = [p for p in _reduced_parameters(ddp) if p.requires_grad]
+        reduced = [p for p in ddp_reduced_parameters(ddp) if p.requires_grad]
         current = {id(p) for p in ddp.module.parameters()}
         gone = [p for p in reduced if id(p) not in current]
         if gone:
@@ -200,23 +201,9 @@ def _local_problem(state: DedicatedState) -> str | None:
     )
 
 
-def _reduced_parameters(ddp: DistributedDataParallel) -> list[nn.Parameter]:
-    """What the DDP's reducer averages: the parameters it collected at construction."""
-    parameters = getattr(ddp, "_module_parameters", None)
-    if parameters is not None:
-        return list(parameters)
-    ignored = getattr(ddp, "parameters_to_ignore", set())
-    return [p for name, p in ddp.module.named_parameters() if name not in ignored]
-
-
 def _composably_replicated(model: nn.Module) -> str | None:
     """The name of a module of ``model`` that ``_composable.replicate`` wraps, if any."""
-    try:
-        from torch.distributed._composable.contract import _get_registry
-    except ImportError:  # a torch without composable APIs cannot have used them
-        return None
     for name, module in model.named_modules():
-        registry = _get_registry(module)
-        if registry is not None and "replicate" in registry:
+        if "replicate" in composable_api_names(module):
             return f"module {name!r}" if name else "the model"
     return None

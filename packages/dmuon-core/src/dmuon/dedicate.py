@@ -23,6 +23,7 @@ from torch.distributed.tensor import DTensor
 
 from dmuon import data_parallel, fsdp2
 from dmuon._text import preview_names
+from dmuon._torch_internals import prepare_tensor_parallel_model_for_ddp
 from dmuon.boundaries import group_by_boundary
 from dmuon.consistency import check_ranks_agree, ranks_fail_together
 from dmuon.ddp import ddp_wrappers, ignore_dedicated_in_ddp
@@ -195,13 +196,14 @@ def dedicate_params(
             continue
         owner = plan.owners[name]
         mark_dedicated(param)
+        param_dtype, reduce_dtype = policy.defaults.dtypes_of(param)
         params[name] = DedicatedParam(
             fqn=name,
             module=module,
             attr=attr,
             shape=param.shape,
-            param_dtype=policy.defaults.param_dtype or param.dtype,
-            reduce_dtype=policy.defaults.reduce_dtype,
+            param_dtype=param_dtype,
+            reduce_dtype=reduce_dtype,
             requires_grad=param.requires_grad,
             owner=owner,
             is_owner=ownership_mesh.is_me(owner),
@@ -366,9 +368,7 @@ def dedicate_params_ddp(
         )
     dedicate_params(model, mesh, predicate, **kwargs)
     if any(isinstance(param, DTensor) for param in model.parameters()):
-        from torch.distributed.tensor.parallel.ddp import _pre_dp_module_transform
-
-        _pre_dp_module_transform(model)
+        prepare_tensor_parallel_model_for_ddp(model)
     ddp_kwargs = dict(ddp_kwargs or {})
     if mesh is not None:
         ddp_kwargs.setdefault("process_group", mesh.get_group())

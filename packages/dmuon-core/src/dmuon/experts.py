@@ -35,6 +35,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from dmuon._torch_internals import ConvNd
 from dmuon.mesh import OwnershipMesh
 from dmuon.param import DedicatedParam, make_placeholder, mark_dedicated
 from dmuon.partition import OwnershipPlan, expert_piece_name
@@ -46,7 +47,7 @@ ExpertStackPredicate = Callable[[str, nn.Parameter], bool]
 # Set on the fp32 master of an expert piece: the optimizer sees it as (k, m, n) = k matrices.
 EXPERT_PIECE_TAG = "_dmuon_expert_piece"
 
-_CONVOLUTIONS = (nn.modules.conv._ConvNd,)
+_CONVOLUTIONS = (ConvNd,)
 
 
 @dataclass(eq=False, slots=True, kw_only=True)
@@ -160,7 +161,7 @@ def make_expert_pieces(
     """The expert pieces of the stack ``name`` as the partition cut it, by piece name (see
     [Note: expert stacks are pieces])."""
     mark_dedicated(param)
-    param_dtype = policy.defaults.param_dtype or param.dtype
+    param_dtype, reduce_dtype = policy.defaults.dtypes_of(param)
     stack = ExpertStack(
         fqn=name,
         module=module,
@@ -180,7 +181,7 @@ def make_expert_pieces(
             attr=attr,
             shape=torch.Size((stop - start, *param.shape[1:])),
             param_dtype=param_dtype,
-            reduce_dtype=policy.defaults.reduce_dtype,
+            reduce_dtype=reduce_dtype,
             requires_grad=param.requires_grad,
             owner=owner,
             is_owner=mesh.is_me(owner),

@@ -1,12 +1,13 @@
-"""The one place that touches FSDP2 internals: ``fully_shard`` skips dedicated parameters, and
-dmuon learns the gradient divide factor of each FSDP module.
+"""dmuon's FSDP2 integration: ``fully_shard`` skips dedicated parameters, and dmuon learns the
+gradient divide factor of each FSDP module.
 
-FSDP2 (torch 2.11 to 2.13) collects the parameters it manages in
-``torch.distributed.fsdp._fully_shard._fsdp_init._get_managed_states(modules, ignored_params)``.
-On import, dmuon wraps that function so that parameters tagged as dedicated join
-``ignored_params``: the user's own ``fully_shard`` calls need no extra argument. If a torch
-release changes that internal, the wrap is not installed and ``dedicate_params`` fails with an
-explanation instead of letting FSDP2 shard dedicated parameters silently.
+FSDP2 (torch 2.11 to 2.13) collects the parameters it manages in a private function,
+``_fsdp_init._get_managed_states(modules, ignored_params)``. On import, dmuon replaces it
+(through ``_torch_internals``, the one place with torch's private APIs) by a wrap that adds the
+parameters tagged as dedicated to ``ignored_params``: the user's own ``fully_shard`` calls need
+no extra argument. If a torch release changes that internal, the wrap is not installed and
+``dedicate_params`` fails with an explanation instead of letting FSDP2 shard dedicated
+parameters silently.
 
 [Note: following FSDP2's gradient divide factor]
 ``FSDPModule.set_gradient_divide_factor(factor)`` makes FSDP2 divide the gradients it sums over
@@ -31,9 +32,9 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from dmuon._torch_internals import replace_fsdp_managed_states
 from dmuon.param import is_dedicated
 
-_EXPECTED_PARAMETERS = ["modules", "ignored_params"]
 _DIVIDE_FACTOR_PARAMETERS = ["self", "factor"]
 _DIVIDE_FACTOR_ATTR = "_dmuon_gradient_divide_factor"
 
@@ -47,23 +48,9 @@ divide_factor_error: str | None = None
 fully_shard_listeners: list[Callable[[list[nn.Module]], None]] = []
 
 
-def _install() -> None:
-    global install_error
-    try:
-        from torch.distributed.fsdp._fully_shard import _fsdp_init
-    except ImportError as error:
-        install_error = f"cannot import FSDP2's _fsdp_init ({error})"
-        return
-    original = getattr(_fsdp_init, "_get_managed_states", None)
-    if original is None:
-        install_error = "torch.distributed.fsdp._fully_shard._fsdp_init has no _get_managed_states"
-        return
-    if getattr(original, "_dmuon_wrapped", False):
-        return
-    names = list(inspect.signature(original).parameters)
-    if names != _EXPECTED_PARAMETERS:
-        install_error = f"_get_managed_states takes {names}, expected {_EXPECTED_PARAMETERS}"
-        return
+def _skipping_dedicated(original: Callable) -> Callable:
+    """FSDP2's ``_get_managed_states`` with the dedicated parameters joining ``ignored_params``
+    (after telling the ``fully_shard_listeners``)."""
 
     @functools.wraps(original)
     def get_managed_states(modules: list[nn.Module], ignored_params=None):
@@ -76,8 +63,7 @@ def _install() -> None:
             ignored_params = set(ignored_params or ()) | dedicated
         return original(modules, ignored_params)
 
-    get_managed_states._dmuon_wrapped = True  # type: ignore[attr-defined]
-    _fsdp_init._get_managed_states = get_managed_states
+    return get_managed_states
 
 
 def _install_divide_factor_record() -> None:
@@ -104,7 +90,7 @@ def _install_divide_factor_record() -> None:
         original(self, factor)
         object.__setattr__(self, _DIVIDE_FACTOR_ATTR, factor)
 
-    set_gradient_divide_factor._dmuon_wrapped = True  # type: ignore[attr-defined]
+    set_gradient_divide_factor.__dict__["_dmuon_wrapped"] = True
     FSDPModule.set_gradient_divide_factor = set_gradient_divide_factor
 
 
@@ -143,5 +129,5 @@ def is_fully_sharded(model: nn.Module) -> bool:
     return any(isinstance(module, FSDPModule) for module in model.modules())
 
 
-_install()
+install_error = replace_fsdp_managed_states(_skipping_dedicated)
 _install_divide_factor_record()

@@ -42,6 +42,7 @@ import torch
 from torch import nn
 
 from dmuon import collectives
+from dmuon._torch_internals import foreach_add_, foreach_div_
 from dmuon.collectives import Handle
 from dmuon.experts import stacks_of
 from dmuon.mesh import OwnershipMesh
@@ -59,7 +60,9 @@ from dmuon.storage import allocate_storage, free_storage
 @dataclass(eq=False, slots=True, kw_only=True)
 class Segment:
     shard: int  # shard index of the root
-    dtype: torch.dtype
+    dtype: torch.dtype  # compute dtype: the broadcast buffer's
+    # The gradient message's: the widest of its parameters' reduce dtypes, fixed at layout.
+    reduce_dtype: torch.dtype
     params: list[DedicatedParam]  # sorted by owner replica
     is_local: bool  # this rank is the segment's root in its replica
     buffer: torch.Tensor  # (numel,) in the compute dtype
@@ -141,6 +144,7 @@ class BoundaryGroup:
         segment = Segment(
             shard=shard,
             dtype=dtype,
+            reduce_dtype=max((p.reduce_dtype for p in members), key=lambda d: d.itemsize),
             params=members,
             is_local=is_local,
             buffer=torch.empty(numel, dtype=dtype, device=device),
@@ -343,7 +347,7 @@ class BoundaryGroup:
             stack.split_gradient()
         alone = self.mesh.num_slots == 1
         for segment in self.segments:
-            message, produced = _pack_gradients(segment.params)
+            message, produced = _pack_gradients(segment)
             handle = collectives.reduce_sum(
                 message, self._root_rank(segment), self.mesh.shard_group
             )
@@ -405,13 +409,13 @@ class BoundaryGroup:
         self._pending_publish.clear()
 
 
-def _pack_gradients(params: list[DedicatedParam]) -> tuple[torch.Tensor, list[bool]]:
-    """[grad_0 (flattened), flag_0, grad_1, flag_1, ...] in the reduce dtype, and which
-    gradients this rank produced; clears the grads."""
+def _pack_gradients(segment: Segment) -> tuple[torch.Tensor, list[bool]]:
+    """[grad_0 (flattened), flag_0, grad_1, flag_1, ...] in the segment's reduce dtype, and
+    which gradients this rank produced; clears the grads."""
+    dtype = segment.reduce_dtype
     pieces, produced = [], []
-    for p in params:
+    for p in segment.params:
         grad = p.local_grad()
-        dtype = p.reduce_dtype or (grad.dtype if grad is not None else p.param_dtype)
         device = p.unsharded.device
         produced.append(grad is not None)
         if grad is None:
@@ -419,10 +423,6 @@ def _pack_gradients(params: list[DedicatedParam]) -> tuple[torch.Tensor, list[bo
         else:
             pieces += [grad.reshape(-1).to(dtype), _flag(1, dtype, device)]
             p.unsharded.grad = None
-    dtypes = {piece.dtype for piece in pieces}
-    if len(dtypes) > 1:  # mixed gradient dtypes within one segment: reduce in the widest
-        widest = max(dtypes, key=lambda d: torch.finfo(d).bits)
-        pieces = [piece.to(widest) for piece in pieces]
     return torch.cat(pieces), produced
 
 
@@ -452,7 +452,7 @@ def accumulate_into_masters(received: list[GradientMessage], divisor: float) -> 
         host_flags = torch.cat(flags).tolist()  # before the division below changes the flags
     averaged = [item.message.to(torch.float32) for item in received]  # no copy when fp32
     if divisor != 1:  # a sum over the ranks (divide factor 1.0) is kept as it is
-        torch._foreach_div_(averaged, divisor)
+        foreach_div_(averaged, divisor)
     new, existing = [], []
     for (p, index, start), produced in zip(owned, host_flags):
         if produced:
@@ -461,7 +461,7 @@ def accumulate_into_masters(received: list[GradientMessage], divisor: float) -> 
     for p, grad in new:
         p.master.grad = grad
     if existing:
-        torch._foreach_add_([p.master.grad for p, _ in existing], [g for _, g in existing])
+        foreach_add_([p.master.grad for p, _ in existing], [g for _, g in existing])
 
 
 _FLAGS: dict[tuple[int, torch.dtype, torch.device], torch.Tensor] = {}

@@ -40,9 +40,8 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.autograd import Variable
-from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from dmuon._torch_internals import in_backward, queue_end_of_backward, tree_flatten, tree_unflatten
 from dmuon.experts import expert_original, mark_expert_piece, stacks_of
 from dmuon.group import BoundaryGroup, accumulate_into_masters
 from dmuon.mesh import OwnershipMesh
@@ -54,10 +53,6 @@ from dmuon.profile import ForwardUnshardProfile
 # does not own kept alive for them; older ones are waited for and freed (as FSDP2 bounds its
 # reduce-scatters), so backward holds O(1) boundaries of sent gradients, not all of them.
 REDUCES_IN_FLIGHT = 2
-
-
-def _in_backward() -> bool:
-    return torch._C._current_graph_task_id() != -1
 
 
 class DedicatedState:
@@ -212,7 +207,7 @@ class DedicatedState:
     def _queue_end_of_backward(self) -> None:
         if not self._end_of_backward_queued:
             self._end_of_backward_queued = True
-            Variable._execution_engine.queue_callback(self._end_of_backward)
+            queue_end_of_backward(self._end_of_backward)
 
     def _start_forward_pass(self) -> None:
         """Forget the previous pass's boundaries once a backward has consumed it."""
@@ -315,7 +310,7 @@ class DedicatedState:
 def _pre_forward(
     state: DedicatedState, group: BoundaryGroup, module: nn.Module, args: tuple, kwargs: dict
 ) -> tuple[tuple, dict] | None:
-    if _in_backward():  # activation-checkpoint recompute: see [Note: activation checkpointing]
+    if in_backward():  # activation-checkpoint recompute: see [Note: activation checkpointing]
         group.recompute_forward()
         return None
     state.ensure_adopted()
@@ -369,7 +364,7 @@ def _warn_on_mixed_input_dtype(
 def _post_forward(
     state: DedicatedState, group: BoundaryGroup, module: nn.Module, args: tuple, output: Any
 ) -> None:
-    if _in_backward():
+    if in_backward():
         return None
     grad_tensors = [
         t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad

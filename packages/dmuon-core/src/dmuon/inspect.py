@@ -382,7 +382,7 @@ def _param_view(p: DedicatedParam, grid: OwnerGrid, boundary: str) -> ParamView:
         is_owner=p.is_owner,
         boundary=boundary,
         param_dtype=p.param_dtype,
-        reduce_dtype=_gradient_dtype(p),
+        reduce_dtype=p.reduce_dtype,
         master_dtype=_master_dtype(p),
         master=p.master,
         master_region=_tp_region(p),
@@ -419,7 +419,7 @@ def _planned_layout(group: BoundaryGroup) -> BoundaryGroup:
 
 
 def _segment_view(segment: Segment, group: BoundaryGroup, grid: OwnerGrid) -> SegmentView:
-    reduce_dtype = _message_dtype(segment.params)
+    reduce_dtype = segment.reduce_dtype
     slices = []
     for replicate, (start, end) in segment.value_ranges.items():
         message_start, message_end = segment.message_ranges[replicate]
@@ -451,16 +451,6 @@ def _master_dtype(p: DedicatedParam) -> torch.dtype | None:
     if p.master is not None:
         return p.master.dtype
     return _MASTER_DTYPE if p.is_owner else None  # not adopted yet: the owner will hold one
-
-
-def _gradient_dtype(p: DedicatedParam) -> torch.dtype:
-    # The policy's reduce dtype, else the gradient's own: that of the unsharded parameter.
-    return p.reduce_dtype or p.param_dtype
-
-
-def _message_dtype(params: list[DedicatedParam]) -> torch.dtype:
-    # A segment mixing gradient dtypes is reduced in the widest (``group._pack_gradients``).
-    return max((_gradient_dtype(p) for p in params), key=lambda d: torch.finfo(d).bits)
 
 
 def _waits_view(name: str, waits: BoundaryWaits) -> ForwardWaitsView:

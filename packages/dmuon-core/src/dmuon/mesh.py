@@ -76,6 +76,12 @@ from datetime import timedelta
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from dmuon._torch_internals import (
+    default_group,
+    nccl_high_priority_options,
+    process_group_timeout,
+    root_mesh,
+)
 from dmuon.partition import OwnerCoord
 
 atexit.register(gc.collect)  # see [Note: groups end before the interpreter does]
@@ -268,7 +274,7 @@ def _hsdp_rank_grid(mesh: DeviceMesh, replicate_mesh: DeviceMesh) -> RankGrid:
             f"replicate_mesh must be a DeviceMesh, got {type(replicate_mesh).__name__}.\n"
             + HSDP_MESH_FIX
         )
-    root = replicate_mesh._get_root_mesh()
+    root = root_mesh(replicate_mesh)
     problem = None
     if replicate_mesh.mesh_dim_names is None:
         problem = "replicate_mesh has no mesh_dim_names"
@@ -288,7 +294,7 @@ def _hsdp_rank_grid(mesh: DeviceMesh, replicate_mesh: DeviceMesh) -> RankGrid:
             f"replicate_mesh (dims {replicate_mesh.mesh_dim_names}) is a whole 1-D mesh, not a "
             "dim of a larger mesh"
         )
-    elif mesh._get_root_mesh() is not root:
+    elif root_mesh(mesh) is not root:
         problem = (
             f"mesh (dims {mesh.mesh_dim_names}) and replicate_mesh (dims "
             f"{replicate_mesh.mesh_dim_names}) are not dims of the same DeviceMesh"
@@ -361,7 +367,7 @@ def build_ownership_mesh(
     num_replicas, num_shards = len(rank_grid), len(rank_grid[0])
     grids, tp_meshes = _gather_rank_grids(layout)
     if timeout is None:
-        timeout = process_group_timeout(dist.distributed_c10d._get_default_group())
+        timeout = process_group_timeout(default_group())
     if layout.process_group_policy == "isolated":
         shard_group, replicate_group, world_group = _create_isolated_groups(
             grids, rank_grid, timeout
@@ -394,25 +400,6 @@ def build_ownership_mesh(
         ),
         model_parallel_dims=layout.model_parallel_dims,
     )
-
-
-def process_group_timeout(group: dist.ProcessGroup) -> timedelta | None:
-    """The timeout torch applies to ``group``'s collectives, as its backend reports it.
-
-    None where no backend of the group says (torch then gives new groups its own default).
-    """
-    # ProcessGroupGloo and ProcessGroupNCCL keep the timeout they were created with in
-    # ``options._timeout`` (torch 2.11 to 2.13); ``init_process_group`` passes its ``timeout``
-    # there. No public API returns it.
-    for device in getattr(group, "_device_types", ()):
-        try:
-            backend = group._get_backend(device)
-        except (RuntimeError, AttributeError):
-            continue
-        timeout = getattr(getattr(backend, "options", None), "_timeout", None)
-        if isinstance(timeout, timedelta):
-            return timeout
-    return None
 
 
 def _gather_rank_grids(layout: OwnershipLayout) -> tuple[list[RankGrid], list[tuple[int, ...]]]:
@@ -471,7 +458,7 @@ def _create_isolated_groups(
         # group gets a high-priority stream; the replicate axis (publish, second-stage reduce)
         # keeps the default priority, as FSDP2 splits intra- and inter-node traffic.
         for row in grid:
-            group = _new_group(row, timeout, "dmuon_shard", _high_priority_options(timeout))
+            group = _new_group(row, timeout, "dmuon_shard", nccl_high_priority_options(timeout))
             if grid == mine and rank in row:
                 shard_group = group
         for column in columns:
@@ -523,17 +510,6 @@ def _new_group(
     return dist.new_group(
         list(ranks), timeout=timeout, pg_options=pg_options, group_desc=description
     )
-
-
-def _high_priority_options(timeout: timedelta | None) -> object | None:
-    # A fresh Options object per group: new_group writes the group's name and ranks into it.
-    if dist.get_backend() != "nccl" or not hasattr(dist, "ProcessGroupNCCL"):
-        return None
-    options = dist.ProcessGroupNCCL.Options()
-    options.is_high_priority_stream = True
-    if timeout is not None:
-        options._timeout = timeout
-    return options
 
 
 def _ranks_of(grid: RankGrid) -> tuple[int, ...]:

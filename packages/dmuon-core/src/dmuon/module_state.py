@@ -66,7 +66,7 @@ even chunks of a ``Shard(0)`` placement, so a plain DTensor cannot describe them
 included, from the wrapper, writes and reads them in place, and sees the DTensor's global shape.
 Nothing but DCP and ``piece_value`` should compute with it. torch's wrapper takes the identity
 view that ``DTensor.from_local`` makes only for 1-D and 2-D chunks when a rank holds several, so
-stacks use ``_ExpertShards``, which takes it for (e, m, n) chunks too.
+stacks use ``_torch_internals.ExpertShards``, which takes it for (e, m, n) chunks too.
 """
 
 from __future__ import annotations
@@ -84,15 +84,13 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor._shards_wrapper import LocalShardsWrapper
 
+from dmuon._torch_internals import ExpertShards, local_shards
 from dmuon.experts import ExpertStack
 from dmuon.param import DedicatedParam
 
 if TYPE_CHECKING:
     from dmuon.hooks import DedicatedState
-
-aten = torch.ops.aten
 
 Dedicated = DedicatedParam | ExpertStack
 EntryMaker = Callable[[Dedicated], "torch.Tensor | None"]
@@ -251,7 +249,7 @@ def stack_entry(
     pieces = sorted(owned, key=lambda piece: piece.experts[0])
     tensors = [owned[piece] for piece in pieces]
     trailing = (0,) * (tensors[0].ndim - 1)
-    local = _ExpertShards(tensors, [(piece.experts[0], *trailing) for piece in pieces])
+    local = ExpertShards(tensors, [(piece.experts[0], *trailing) for piece in pieces])
     mesh = DeviceMesh.from_group(group, tensors[0].device.type)
     shape = torch.Size([stack.num_experts, *tensors[0].shape[1:]])
     return DTensor.from_local(
@@ -263,8 +261,8 @@ def piece_value(piece: DedicatedParam, value: torch.Tensor) -> torch.Tensor:
     """Experts ``[start, stop)`` of a stack's value: a slice of a full tensor, or this rank's
     shard of a sharded value built on this layout."""
     start, stop = piece.experts
-    local = value._local_tensor if isinstance(value, DTensor) else None
-    if not isinstance(local, LocalShardsWrapper):
+    local = local_shards(value)
+    if local is None:
         if isinstance(value, DTensor):
             value = value.to_local()  # replicated: the whole stack
         return value[start:stop]
@@ -276,19 +274,6 @@ def piece_value(piece: DedicatedParam, value: torch.Tensor) -> torch.Tensor:
         f"experts [{start}, {stop}) on this rank; load sharded checkpoints into the state dict "
         "dmuon.checkpoint.get_state_dict returns on this layout, or pass a full tensor."
     )
-
-
-class _ExpertShards(LocalShardsWrapper):
-    """torch's ``LocalShardsWrapper``, plus the identity view of several (e, m, n) chunks."""
-
-    @staticmethod
-    def handle_view(args, kwargs) -> LocalShardsWrapper:
-        wrapper, shape = args[0], args[1]
-        if len(wrapper.local_shards()) > 1 and tuple(shape) == tuple(wrapper.shape):
-            # DTensor.from_local's view_as(itself): a view of each chunk, as torch does in 2-D.
-            views = [aten.view.default(shard, shard.shape) for shard in wrapper.local_shards()]
-            return _ExpertShards(views, wrapper.local_offsets())
-        return LocalShardsWrapper.handle_view(args, kwargs)
 
 
 def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
@@ -357,7 +342,7 @@ def value_error(key: str, p: Dedicated, value: object) -> str | None:
     if not isinstance(value, DTensor) or _is_replicated(value):
         return None
     if isinstance(p, ExpertStack):
-        fits = isinstance(value._local_tensor, LocalShardsWrapper)
+        fits = local_shards(value) is not None
     else:  # this rank's TP chunk, as ``state_dict()`` gave it
         fits = p.tp is not None and value.device_mesh == p.tp.mesh
         fits = fits and tuple(value.placements) == (p.tp.placement,)

@@ -4,15 +4,13 @@ Owns finding which gradients hold a NaN or an infinity, agreed over every rank o
 ownership grids, their TP ranks and the pipeline stages: ``dmuon.step_group`` gives the groups),
 so that all ranks take the same decision. It must not change gradients or weights.
 
-The check is one ``torch._foreach_norm(..., inf)`` per gradient dtype and device (the max-abs
-norm is NaN or inf exactly when the tensor holds one; it cannot overflow) and one all-reduce of a
-flag; the host waits for that flag only here, and only when the policy is not ``"ignore"``.
+The check is one fused max-abs norm per gradient dtype and device (NaN or inf exactly when the
+tensor holds one; it cannot overflow) and one all-reduce of a flag; the host waits for that flag only here, and only when the policy is not ``"ignore"``.
 Parameter names are exchanged only when something was found.
 """
 
 from __future__ import annotations
 
-import math
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 
@@ -20,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from dmuon import collectives
+from dmuon._torch_internals import foreach_max_abs
 
 NONFINITE_POLICIES = ("ignore", "raise", "skip")
 
@@ -50,7 +49,7 @@ def nonfinite_gradients(
     checked = [
         (
             [name for name, _ in members],
-            torch.stack(torch._foreach_norm([g for _, g in members], math.inf)).isfinite(),
+            torch.stack(foreach_max_abs([g for _, g in members])).isfinite(),
         )
         for members in by_kind.values()
     ]

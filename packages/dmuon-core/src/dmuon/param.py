@@ -24,6 +24,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from dmuon._torch_internals import disabled_torch_function_impl
 from dmuon.partition import OwnerCoord
 from dmuon.routing import ADAMW_ROUTE, MUON_ROUTE
 from dmuon.storage import tensor_over
@@ -108,7 +109,7 @@ class DedicatedPlaceholder(nn.Parameter):
         if _writes_into_placeholder(func, args, kwargs or {}):
             raise RuntimeError(PLACEHOLDER_WRITE_ERROR.format(name=func.__name__))
         try:
-            return torch._C._disabled_torch_function_impl(func, types, args, kwargs or {})
+            return disabled_torch_function_impl(func, types, args, kwargs or {})
         except RuntimeError as error:  # most likely torch's shape error on the empty value
             name = getattr(func, "__name__", repr(func))
             raise RuntimeError(PLACEHOLDER_USE_ERROR.format(name=name, error=error)) from error
@@ -198,7 +199,7 @@ class DedicatedParam:
     attr: str  # name of the parameter on ``module``
     shape: torch.Size
     param_dtype: torch.dtype  # forward compute dtype
-    reduce_dtype: torch.dtype | None  # None: the gradient's dtype
+    reduce_dtype: torch.dtype  # of its gradient on the way to the owner (ParamDefaults.dtypes_of)
     requires_grad: bool
     owner: OwnerCoord
     is_owner: bool

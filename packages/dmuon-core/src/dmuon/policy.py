@@ -44,6 +44,13 @@ class ParamDefaults:
             value = getattr(self, name)
             object.__setattr__(self, name, _parse_dtype(value, f"ParamDefaults.{name}"))
 
+    def dtypes_of(self, param: torch.Tensor) -> tuple[torch.dtype, torch.dtype]:
+        """(compute dtype, gradient reduce dtype) of a dedicated parameter: the policy's, else
+        the parameter's own; its gradient has its compute dtype, so that is the default reduce
+        dtype. The one place these are resolved."""
+        param_dtype = self.param_dtype or param.dtype
+        return param_dtype, self.reduce_dtype or param_dtype
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ParamPolicy:

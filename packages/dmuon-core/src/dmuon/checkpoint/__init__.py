@@ -34,8 +34,8 @@ from collections.abc import Iterable
 
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions
-from torch.nn.modules.module import _IncompatibleKeys
 
+from dmuon._torch_internals import IncompatibleKeys
 from dmuon.checkpoint._model import get_model_state_dict, set_model_state_dict
 from dmuon.checkpoint._optim import get_optimizer_state_dict, set_optimizer_state_dict
 from dmuon.checkpoint._storage import load, save
@@ -62,7 +62,7 @@ def set_state_dict(
     model_state_dict: dict[str, object],
     optim_state_dict: dict[str, object],
     options: StateDictOptions | None = None,
-) -> _IncompatibleKeys:
+) -> IncompatibleKeys:
     """Load both; the model first, so the weights every copy serves are the loaded ones."""
     result = set_model_state_dict(model, model_state_dict, options=options)
     set_optimizer_state_dict(model, optimizers, optim_state_dict, options=options)

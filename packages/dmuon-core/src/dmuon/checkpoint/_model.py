@@ -25,9 +25,8 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions
 from torch.distributed.tensor import DTensor, distribute_tensor
-from torch.distributed.tensor._shards_wrapper import LocalShardsWrapper
-from torch.nn.modules.module import _EXTRA_STATE_KEY_SUFFIX, _IncompatibleKeys
 
+from dmuon._torch_internals import EXTRA_STATE_KEY_SUFFIX, IncompatibleKeys, local_shards
 from dmuon.checkpoint._context import CheckpointContext, checkpoint_context
 from dmuon.checkpoint._experts import load_stack_values, stack_model_entry, stack_value_error
 from dmuon.experts import ExpertStack
@@ -75,7 +74,7 @@ def _dedicated_entry(ctx: CheckpointContext, p: DedicatedParam | ExpertStack) ->
 
 def _entry(ctx: CheckpointContext, value: object) -> object | None:
     """A value of ``model.state_dict()`` (after every module's hooks) as this mode holds it."""
-    if isinstance(value, DTensor) and isinstance(value._local_tensor, LocalShardsWrapper):
+    if local_shards(value) is not None:
         return value  # a sharded expert stack, offloaded as it was built
     if isinstance(value, DTensor):
         # In a full state dict every DTensor left is FSDP2's (or a value hooks made of one), on
@@ -100,7 +99,7 @@ def set_model_state_dict(
     model_state_dict: dict[str, object],
     *,
     options: StateDictOptions | None = None,
-) -> _IncompatibleKeys:
+) -> IncompatibleKeys:
     """Load ``model_state_dict`` (sharded or full) into every copy of the weights.
 
     The dict goes through ``model.load_state_dict``, so other modules' load hooks (a fused
@@ -170,7 +169,7 @@ def set_model_state_dict(
         if value is not None:
             found.extra_state_modules[key].set_extra_state(value)
     ctx.state.publish_masters()
-    return _IncompatibleKeys(missing_everywhere, unexpected)
+    return IncompatibleKeys(missing_everywhere, unexpected)
 
 
 @dataclass(slots=True)
@@ -210,9 +209,9 @@ class _Found:
             self.order.append(key)
             self.values.append((key, target, state_dict.pop(prefix + name, None)))
         if _has_extra_state(module):
-            key = canonical_fqn(prefix + _EXTRA_STATE_KEY_SUFFIX)
+            key = canonical_fqn(prefix + EXTRA_STATE_KEY_SUFFIX)
             self.order.append(key)
-            self.extra_states.append((key, state_dict.pop(prefix + _EXTRA_STATE_KEY_SUFFIX, None)))
+            self.extra_states.append((key, state_dict.pop(prefix + EXTRA_STATE_KEY_SUFFIX, None)))
             self.extra_state_modules[key] = module
 
 

@@ -24,8 +24,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from dmuon._torch_internals import flatten_state_dict
 
 INCOMPLETE_PREFIX = "."
 INCOMPLETE_SUFFIX = ".incomplete"

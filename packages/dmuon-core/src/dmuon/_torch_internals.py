@@ -1,0 +1,274 @@
+"""The one place dmuon-core uses torch's private APIs.
+
+Some of what dmuon needs torch keeps private (a leading underscore, or a private module), so a
+release may change it without notice. Every such use in dmuon-core goes through this module,
+each function one private call with the reason no public API serves, so a new torch release is
+checked here and only here; ``tests/core/test_torch_internals.py`` keeps it the one place.
+dmuon-core is tested with torch ``TESTED_TORCH``. The internals that dmuon needs whatever the
+model are looked up when dmuon is imported: a missing one raises ImportError there, naming it,
+the installed torch and the tested range (``missing_internal``), instead of an AttributeError
+inside a step. Those of optional paths are looked up when first used, with the same message;
+FSDP2's parameter collection, which only ``fully_shard`` needs, is replaced by
+``replace_fsdp_managed_states``, which returns why it cannot be on this torch rather than raise
+(``dmuon.fsdp2`` then refuses with that reason).
+
+Not wrapped, by decision: ``nn.Module``'s slot dictionaries (``_parameters``, ``_modules``,
+``_buffers``, ``_non_persistent_buffers_set``). Every torch release has had them, torch's own
+``parametrize`` and FSDP2 write them the same way, and dmuon swaps a module's parameters there
+on every forward, where a wrapper would cost a call for nothing.
+
+Must not: hold dmuon's logic. What is here is the private call and the least glue around it.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import math
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel
+
+TESTED_TORCH = "2.11 to 2.13"
+
+
+def missing_internal(what: str, error: BaseException | str) -> ImportError:
+    """The error for an internal this torch lacks: what, which torch, the tested range, the fix."""
+    return ImportError(
+        f"dmuon-core uses torch's private {what}, which torch {torch.__version__} does not have "
+        f"({error}). dmuon-core is tested with torch {TESTED_TORCH}: install one of those "
+        "(pip install 'torch>=2.11,<2.14'), or a dmuon-core release that supports this torch."
+    )
+
+
+def _load(module: str, name: str) -> Any:
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as error:
+        raise missing_internal(f"{module}.{name}", error) from error
+
+
+def _member(owner: type, name: str) -> Any:
+    try:
+        return getattr(owner, name)
+    except AttributeError as error:
+        raise missing_internal(f"{owner.__qualname__}.{name}", error) from error
+
+
+# ---- autograd: pytrees, the backward pass, tensor subclasses ----------------------------------
+
+# Walking module inputs and outputs of any structure (tuples, dicts, dataclasses, HF ModelOutput)
+# without rebuilding them; torch has no public pytree module yet.
+tree_flatten = _load("torch.utils._pytree", "tree_flatten")
+tree_unflatten = _load("torch.utils._pytree", "tree_unflatten")
+
+# What a ``__torch_function__`` override runs to call the op on the plain tensor.
+disabled_torch_function_impl = _load("torch._C", "_disabled_torch_function_impl")
+
+_current_graph_task_id = _load("torch._C", "_current_graph_task_id")
+_execution_engine = _member(torch.autograd.Variable, "_execution_engine")
+
+
+def in_backward() -> bool:
+    """True while autograd runs a backward on this thread (activation-checkpoint recomputes)."""
+    return _current_graph_task_id() != -1
+
+
+def queue_end_of_backward(callback: Callable[[], None]) -> None:
+    """Run ``callback`` once the current backward has finished (as FSDP2's root does)."""
+    _execution_engine.queue_callback(callback)
+
+
+# ---- multi-tensor ops (one kernel launch for a list; no public API) ----------------------------
+
+foreach_div_ = _load("torch", "_foreach_div_")  # (tensors, scalar): each divided in place
+foreach_add_ = _load("torch", "_foreach_add_")  # (tensors, others): pairwise sums in place
+_foreach_norm = _load("torch", "_foreach_norm")
+
+
+def foreach_max_abs(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``max |t|`` of each tensor: NaN or inf exactly when it holds one (it cannot overflow)."""
+    return list(_foreach_norm(tensors, math.inf))
+
+
+# ---- meshes and process groups ------------------------------------------------------------------
+
+
+_get_root_mesh = _member(DeviceMesh, "_get_root_mesh")
+_get_default_group = _load("torch.distributed.distributed_c10d", "_get_default_group")
+
+
+def root_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The mesh ``mesh`` was sliced or flattened from (itself for a root)."""
+    return _get_root_mesh(mesh)
+
+
+def default_group() -> dist.ProcessGroup:
+    """The default process group itself (``dist.group.WORLD`` is a sentinel in some releases)."""
+    return _get_default_group()
+
+
+def process_group_timeout(group: dist.ProcessGroup) -> timedelta | None:
+    """The timeout torch applies to ``group``'s collectives, as its backend reports it.
+
+    None where no backend of the group says (torch then gives new groups its own default).
+    """
+    # ProcessGroupGloo and ProcessGroupNCCL keep the timeout they were created with in
+    # ``options._timeout`` (torch 2.11 to 2.13); ``init_process_group`` passes its ``timeout``
+    # there. No public API returns it.
+    for device in getattr(group, "_device_types", ()):
+        try:
+            backend = group._get_backend(device)
+        except (RuntimeError, AttributeError):
+            continue
+        timeout = getattr(getattr(backend, "options", None), "_timeout", None)
+        if isinstance(timeout, timedelta):
+            return timeout
+    return None
+
+
+def nccl_high_priority_options(timeout: timedelta | None) -> object | None:
+    """Fresh NCCL options for a group on a high-priority stream, with ``timeout`` (None off
+    NCCL). A new object per group: ``new_group`` writes the group's name and ranks into it."""
+    if dist.get_backend() != "nccl" or not hasattr(dist, "ProcessGroupNCCL"):
+        return None
+    options = dist.ProcessGroupNCCL.Options()
+    options.is_high_priority_stream = True
+    if timeout is not None:
+        options._timeout = timeout  # the public constructor argument of Options has no timeout
+    return options
+
+
+# ---- DistributedDataParallel ---------------------------------------------------------------------
+
+# The name list ``DistributedDataParallel.__init__`` reads from the module it wraps, and DDP's
+# own setter of it.
+DDP_IGNORE_ATTR = "_ddp_params_and_buffers_to_ignore"
+_set_ddp_ignore_list = _member(
+    DistributedDataParallel, "_set_params_and_buffers_to_ignore_for_model"
+)
+
+
+def ddp_ignored_names(module: nn.Module) -> list[str]:
+    """The names a later ``DistributedDataParallel(module)`` will skip."""
+    return list(getattr(module, DDP_IGNORE_ATTR, ()))
+
+
+def set_ddp_ignored(module: nn.Module, names: list[str], params: list[nn.Parameter]) -> None:
+    """Make a later ``DistributedDataParallel(module)`` skip ``names``, through DDP's own setter,
+    and mark ``params`` (registered later under those names) as that setter marks what is
+    registered now: compiled DDP reads the mark."""
+    for param in params:
+        param._ddp_ignored = True
+    _set_ddp_ignore_list(module, names)
+
+
+def ddp_reduced_parameters(ddp: DistributedDataParallel) -> list[nn.Parameter]:
+    """What the DDP's reducer averages: the parameters it collected at construction (set by
+    ``__init__`` in every torch since 1.x; the ignore list as the fallback)."""
+    parameters = getattr(ddp, "_module_parameters", None)
+    if parameters is not None:
+        return list(parameters)
+    ignored = getattr(ddp, "parameters_to_ignore", set())
+    return [p for name, p in ddp.module.named_parameters() if name not in ignored]
+
+
+def composable_api_names(module: nn.Module) -> set[str]:
+    """The composable APIs (``replicate``, ``fully_shard``, ...) applied to ``module``."""
+    try:
+        from torch.distributed._composable.contract import _get_registry
+    except ImportError:  # a torch without composable APIs cannot have used them
+        return set()
+    registry = _get_registry(module)
+    return set(registry) if registry is not None else set()
+
+
+def prepare_tensor_parallel_model_for_ddp(model: nn.Module) -> None:
+    """torch's DDP + TP recipe: the DTensor parameters become local tensors that remember their
+    layout (``tensor_parallel_layout``), since DDP cannot hold DTensors."""
+    _load("torch.distributed.tensor.parallel.ddp", "_pre_dp_module_transform")(model)
+
+
+def tensor_parallel_layout(param: torch.Tensor):
+    """The DTensor layout a TP parameter made a local tensor by the DDP + TP recipe remembers
+    (None for any other parameter)."""
+    return getattr(param, "_st_info", None)
+
+
+# ---- state dicts and checkpoints ----------------------------------------------------------------
+
+# ``load_state_dict``'s result type, and the key suffix of a module's extra state.
+IncompatibleKeys = _load("torch.nn.modules.module", "_IncompatibleKeys")
+EXTRA_STATE_KEY_SUFFIX = _load("torch.nn.modules.module", "_EXTRA_STATE_KEY_SUFFIX")
+
+# The checkpoint protocol's holder of arbitrary local chunks of a tensor (DCP reads chunks and
+# their offsets from it); ``ShardedTensor``, the public one, is deprecated.
+LocalShardsWrapper = _load("torch.distributed.tensor._shards_wrapper", "LocalShardsWrapper")
+
+
+def local_shards(value: torch.Tensor):
+    """The ``LocalShardsWrapper`` a DTensor holds as its local tensor, else None."""
+    local = value._local_tensor if isinstance(value, DTensor) else None
+    return local if isinstance(local, LocalShardsWrapper) else None
+
+
+class ExpertShards(LocalShardsWrapper):
+    """torch's ``LocalShardsWrapper``, plus the identity view of several (e, m, n) chunks: torch's
+    takes the view ``DTensor.from_local`` makes of it only for 1-D and 2-D chunks."""
+
+    @staticmethod
+    def handle_view(args, kwargs):
+        wrapper, shape = args[0], args[1]
+        if len(wrapper.local_shards()) > 1 and tuple(shape) == tuple(wrapper.shape):
+            # DTensor.from_local's view_as(itself): a view of each chunk, as torch does in 2-D.
+            views = [
+                torch.ops.aten.view.default(shard, shard.shape) for shard in wrapper.local_shards()
+            ]
+            return ExpertShards(views, wrapper.local_offsets())
+        return LocalShardsWrapper.handle_view(args, kwargs)
+
+
+def flatten_state_dict(state_dict: dict) -> tuple[dict, dict]:
+    """DCP's own flattening of a nested state dict (the keys it saves), and the paths back."""
+    return _load("torch.distributed.checkpoint._nested_dict", "flatten_state_dict")(state_dict)
+
+
+# ---- modules ----------------------------------------------------------------------------------
+
+# The base class of torch's convolutions (a Conv1d weight is (out, in, k): one matrix, not a stack).
+ConvNd = _load("torch.nn.modules.conv", "_ConvNd")
+
+
+# ---- FSDP2 ----------------------------------------------------------------------------------------
+
+_FSDP_INIT = "torch.distributed.fsdp._fully_shard._fsdp_init"
+_MANAGED_STATES_PARAMETERS = ["modules", "ignored_params"]
+
+
+def replace_fsdp_managed_states(wrap: Callable[[Callable], Callable]) -> str | None:
+    """Replace FSDP2's ``_get_managed_states(modules, ignored_params)``, which ``fully_shard``
+    calls to collect the parameters it will manage, by ``wrap(original)``. Returns None when
+    replaced (or already), else why it cannot be on this torch."""
+    try:
+        fsdp_init = importlib.import_module(_FSDP_INIT)
+    except ImportError as error:
+        return f"cannot import FSDP2's _fsdp_init ({error})"
+    original = getattr(fsdp_init, "_get_managed_states", None)
+    if original is None:
+        return f"{_FSDP_INIT} has no _get_managed_states"
+    if getattr(original, "_dmuon_wrapped", False):
+        return None
+    names = list(inspect.signature(original).parameters)
+    if names != _MANAGED_STATES_PARAMETERS:
+        return f"_get_managed_states takes {names}, expected {_MANAGED_STATES_PARAMETERS}"
+    replacement = wrap(original)
+    replacement.__dict__["_dmuon_wrapped"] = True
+    fsdp_init._get_managed_states = replacement
+    return None
