@@ -400,12 +400,12 @@ def sent_messages_alive_during_backward(num_layers: int) -> dict:
     most_alive = 0
     reduce_sum = collectives.reduce_sum
 
-    def spy(tensor, dst_rank, group):
+    def spy(tensor, dst_rank, group, purpose=None):
         nonlocal most_alive
         most_alive = max(most_alive, sum(ref() is not None for ref in sent))
         if dst_rank != rank:
             sent.append(weakref.ref(tensor))
-        return reduce_sum(tensor, dst_rank, group)
+        return reduce_sum(tensor, dst_rank, group, purpose)
 
     collectives.reduce_sum = spy
     try:

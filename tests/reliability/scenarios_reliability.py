@@ -82,3 +82,30 @@ def tp_parameter_on_an_unnamed_mesh() -> str:
     except ValueError as error:
         return str(error)
     return "no error"
+
+
+def fsdp2_mixed_precision_without_a_param_policy() -> dict:
+    """``fully_shard`` with ``MixedPrecisionPolicy(param_dtype=bf16)`` and ``dedicate_params``
+    without a ``param_policy`` (the dedicated weights compute in fp32): the first forward's
+    warnings from dmuon and its error."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    world = dist.get_world_size()
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("shard",))
+    model = TinyDecoder()
+    dmuon.dedicate_params(model, mesh, proj_predicate)
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    error = None
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            loss_fn(model, rank_rows(batches(1, world)[0], dist.get_rank(), world))
+        except RuntimeError as raised:
+            error = str(raised)
+    return {
+        "warnings": [str(w.message) for w in caught if str(w.message).startswith("dmuon:")],
+        "error": error,
+    }

@@ -94,3 +94,38 @@ def stalled_peer_fails_the_forward_broadcast(*, stalled_rank: int) -> dict:
     except Exception as error:
         return {"seconds": time.monotonic() - started, "error": f"{type(error).__name__}: {error}"}
     return {"seconds": time.monotonic() - started, "error": None}
+
+
+def boundary_skipped_on_one_rank(*, skipping_rank: int) -> dict:
+    """Every parameter dedicated (dmuon's collectives are the only ones), one normal step, then
+    a forward in which ``skipping_rank`` skips ``layers.1`` (data-dependent control flow) and the
+    others run it; each rank reports its warnings, its error and whether its masters are finite.
+    """
+    import warnings
+
+    world = dist.get_world_size()
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("shard",))
+    model = TinyDecoder()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the unlayered embedding and head
+        dmuon.dedicate_params(model, mesh, lambda name, p: True)
+    optimizer = dmuon.Muon(model)
+    rank = dist.get_rank()
+    started, error = time.monotonic(), None
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            for step, batch in enumerate(batches(2, world)):
+                model.skip_layer = 1 if step == 1 and rank == skipping_rank else None
+                loss_fn(model, batch[rank::world]).backward()
+                optimizer.step()
+                optimizer.zero_grad()
+        except RuntimeError as raised:
+            error = str(raised)
+    masters = [p.master for p in get_dedicated_state(model).iter_owned_masters()]
+    return {
+        "warnings": [str(w.message) for w in caught if str(w.message).startswith("dmuon:")],
+        "error": error,
+        "seconds": time.monotonic() - started,
+        "finite": all(bool(torch.isfinite(master).all()) for master in masters),
+    }

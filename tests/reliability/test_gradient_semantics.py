@@ -14,6 +14,7 @@ import warnings
 import pytest
 import torch
 from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
 import dmuon
 import dmuon.checkpoint
@@ -22,6 +23,7 @@ from dmuon_kernels import newton_schulz
 from dmuon_kernels.newton_schulz import NewtonSchulz
 from tests.distributed.models import TinyDecoder, batches, loss_fn, proj_predicate
 from tests.reference_optim import ReferenceMuonAdamW
+from tests.reliability.scenarios_reliability import fsdp2_mixed_precision_without_a_param_policy
 
 TOLERANCE = dict(rtol=1e-5, atol=1e-6)
 
@@ -128,9 +130,17 @@ def test_model_zero_grad_still_clears_the_other_parameters(set_to_none):
 # ---- nonfinite="raise" | "skip" -----------------------------------------------------------------
 
 
-def nan_step(nonfinite: str):
-    model, optimizer, _, _ = build_pair()
-    optimizer.nonfinite = nonfinite
+def nan_step(nonfinite: str | None, model: nn.Module | None = None):
+    """A finite step, then a backward whose gradients are all NaN; ``nonfinite=None`` builds the
+    optimizer with the default policy."""
+    if model is None:
+        torch.manual_seed(0)
+        model = TinyDecoder()
+    dmuon.dedicate_params(model, None, proj_predicate)
+    policy = {} if nonfinite is None else {"nonfinite": nonfinite}
+    optimizer = dmuon.Muon(
+        model, ns_backend=NewtonSchulz(dtype=torch.float32, kernel="cublas"), **policy
+    )
     first, second = batches(2, 1)
     loss_fn(model, first).backward()
     optimizer.step()
@@ -141,18 +151,26 @@ def nan_step(nonfinite: str):
     return model, optimizer, before, state_before
 
 
-def test_nonfinite_skip_skips_the_step_and_warns_with_the_step_and_the_parameters():
-    model, optimizer, before, state_before = nan_step("skip")
+@pytest.mark.parametrize("nonfinite", ["skip", None], ids=["skip", "the default"])
+def test_nonfinite_skip_skips_the_step_and_warns_with_the_step_and_the_parameters(nonfinite):
+    model, optimizer, before, state_before = nan_step(nonfinite)
     with pytest.warns(
         UserWarning, match=r"step 2: \d+ parameters have NaN or inf gradients \(.*proj"
     ):
         optimizer.step()
     after = dmuon.checkpoint.get_model_state_dict(model)
     for key, value in before.items():
+        assert torch.isfinite(after[key]).all(), key
         assert torch.equal(after[key], value), key
     for param, state in optimizer.state.items():
         for name, value in state.items():
             assert torch.equal(value, state_before[id(param)][name])
+
+
+def test_nonfinite_skip_is_the_default():
+    import inspect
+
+    assert inspect.signature(dmuon.Muon).parameters["nonfinite"].default == "skip"
 
 
 def test_nonfinite_raise_names_the_parameters_and_updates_nothing():
@@ -163,14 +181,25 @@ def test_nonfinite_raise_names_the_parameters_and_updates_nothing():
     assert all(torch.equal(after[key], value) for key, value in before.items())
 
 
-def test_nonfinite_ignore_is_the_default_and_steps_like_torch():
-    import inspect
-
-    assert inspect.signature(dmuon.Muon).parameters["nonfinite"].default == "ignore"
+def test_nonfinite_ignore_steps_like_torch_on_request():
     model, optimizer, _, _ = nan_step("ignore")
     optimizer.step()
     masters = [p.master for p in get_dedicated_state(model).iter_owned_masters()]
     assert not all(torch.isfinite(m).all() for m in masters)
+
+
+def test_the_nonfinite_message_names_parameters_canonically_under_wrappers():
+    torch.manual_seed(0)
+    model = TinyDecoder()
+    model.layers[0] = checkpoint_wrapper(model.layers[0])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _, optimizer, _, _ = nan_step("raise", model)
+    with pytest.raises(RuntimeError) as caught:
+        optimizer.step()
+    message = str(caught.value)
+    assert "layers.0.attn_norm.weight" in message  # an FSDP2-side (not dedicated) parameter
+    assert "_checkpoint_wrapped_module" not in message
 
 
 def test_an_unknown_nonfinite_policy_lists_the_choices():
@@ -198,6 +227,19 @@ def test_bf16_dedicated_weights_with_fp32_inputs_warn_before_the_dtype_error():
         pytest.raises(RuntimeError, match="dtype"),
     ):
         loss_fn(model, batches(1, 1)[0])
+
+
+def test_fsdp2_mixed_precision_without_a_param_policy_warns_naming_both_dtypes_and_the_fix(pool2):
+    # FSDP2 casts the blocks' inputs to bf16; the dedicated weights keep fp32.
+    for result in pool2.run(fsdp2_mixed_precision_without_a_param_policy):
+        assert "same dtype" in result["error"]
+        (warning,) = result["warnings"]
+        assert warning.startswith(
+            "dmuon: the inputs of layers.0 are torch.bfloat16 (as FSDP2's MixedPrecisionPolicy "
+            "casts them) but its dedicated weights compute in torch.float32"
+        )
+        assert "param_policy={'defaults': {'param_dtype': torch.bfloat16}}" in warning
+        assert "mp_policy=MixedPrecisionPolicy(param_dtype=torch.float32)" in warning
 
 
 def test_matching_compute_dtypes_do_not_warn():

@@ -12,6 +12,7 @@ import pytest
 
 from tests.distributed.pool import WorkerPool
 from tests.reliability.scenarios_timeouts import (
+    boundary_skipped_on_one_rank,
     group_timeouts,
     stalled_peer_fails_the_forward_broadcast,
     stalled_peer_fails_the_step_checks,
@@ -83,3 +84,25 @@ def test_a_peer_stalled_before_a_step_check_fails_the_others_naming_the_all_redu
     named = r"dmuon: the all-reduce of [12] elements over ranks \[0, 1\]"
     assert re.search(named, waited["error"]), waited
     assert waited["seconds"] < 6 * STALL_PG_TIMEOUT_S, waited
+
+
+def test_a_boundary_skipped_on_one_rank_is_named_there_and_fails_every_rank_within_the_timeout(
+    short_timeout_pool2,
+):
+    # See [Note: a boundary skipped on some ranks only] in dmuon.hooks: no rank hangs for good,
+    # the skipping rank names the boundary at once, every error names its boundary and the cause.
+    results = short_timeout_pool2.run(boundary_skipped_on_one_rank, skipping_rank=0, deadline_s=90)
+    (warning,) = [w for w in results[0]["warnings"] if "did not run" in w]
+    assert warning.startswith(
+        "dmuon: boundary 'layers.1' did not run in this forward on rank 0, though it comes "
+        "before 'layers.2' in the forward order the first forward recorded."
+    )
+    assert not any("did not run" in w for w in results[1]["warnings"])
+    for result in results:
+        assert result["error"] is not None, result
+        assert re.search(
+            r"over ranks \[0, 1\] for the \w+ of boundary 'layers\.\d'", result["error"]
+        )
+        assert "A hook boundary that ran on some ranks only" in result["error"]
+        assert result["seconds"] < 6 * STALL_PG_TIMEOUT_S, result
+        assert result["finite"]  # nothing half-reduced reached the weights

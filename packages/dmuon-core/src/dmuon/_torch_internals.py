@@ -248,6 +248,20 @@ ConvNd = _load("torch.nn.modules.conv", "_ConvNd")
 
 # ---- FSDP2 ----------------------------------------------------------------------------------------
 
+
+def fsdp_input_cast_dtype(module: nn.Module) -> torch.dtype | None:
+    """The dtype FSDP2 casts ``module``'s floating forward inputs to before its forward (its
+    ``MixedPrecisionPolicy``'s ``param_dtype`` with ``cast_forward_inputs``); None when it casts
+    none or does not manage ``module``. FSDP2 keeps the policy on the module's state, and no
+    public getter returns it; a torch without it gives None (dmuon then looks at the inputs as
+    they are)."""
+    get_state = getattr(module, "_get_fsdp_state", None)
+    policy = getattr(get_state(), "_mp_policy", None) if get_state is not None else None
+    if policy is None or not policy.cast_forward_inputs:
+        return None
+    return policy.param_dtype
+
+
 _FSDP_INIT = "torch.distributed.fsdp._fully_shard._fsdp_init"
 _MANAGED_STATES_PARAMETERS = ["modules", "ignored_params"]
 

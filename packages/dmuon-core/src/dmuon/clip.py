@@ -102,10 +102,14 @@ def clip_grad_norm_(
                             _power(owned.chunks, p, foreach, device)])  # fmt: skip
         # Issued on every rank of the grid, also where this rank owns nothing with a gradient.
         if owned.world_group is not None:
-            collectives.all_reduce(both, owned.world_group, op=combine).wait()
+            collectives.all_reduce(
+                both, owned.world_group, op=combine, purpose="dmuon.clip_grad_norm_'s norm"
+            ).wait()
         chunks = both[1:].clone()
         if owned.tp_group is not None:
-            collectives.all_reduce(chunks, owned.tp_group, op=combine).wait()
+            collectives.all_reduce(
+                chunks, owned.tp_group, op=combine, purpose="dmuon.clip_grad_norm_'s norm"
+            ).wait()
         pieces += [both[0], chunks[0]]
     pieces.append(_power(kinds.replicated, p, foreach, device))
     for params in kinds.sharded.values():

@@ -39,54 +39,90 @@ class _Done:
 DONE: Handle = _Done()
 
 
-class _Named:
-    """A collective's work handle whose failure (a timeout, a dead peer) names the collective."""
+COLLECTIVE_FAILED = (
+    "dmuon: the {operation} of {numel} elements{root} over ranks {ranks}{purpose} (rank {rank} "
+    "waiting) failed: {error}. A rank of this group stalled, died or skipped the call; its own "
+    "log says why. A hook boundary that ran on some ranks only (data-dependent control flow) "
+    "makes the ranks skip each other's collectives: every rank must run the same boundaries in "
+    "every forward (see dmuon's troubleshooting page)."
+)
 
-    __slots__ = ("group", "numel", "operation", "root", "work")
+
+class _Named:
+    """A collective's work handle whose failure (a timeout, a dead peer) names the collective
+    and what it was for."""
+
+    __slots__ = ("group", "numel", "operation", "purpose", "root", "work")
 
     def __init__(
-        self, work, operation: str, root: int | None, group: dist.ProcessGroup, numel: int
+        self,
+        work,
+        operation: str,
+        root: int | None,
+        group: dist.ProcessGroup,
+        numel: int,
+        purpose: str | None,
     ):
-        self.work, self.operation, self.root, self.group, self.numel = (
-            work, operation, root, group, numel,
+        self.work, self.operation, self.root, self.group, self.numel, self.purpose = (
+            work, operation, root, group, numel, purpose,
         )  # fmt: skip
 
     def wait(self) -> object:
         try:
             return self.work.wait()
         except RuntimeError as error:
-            ranks = dist.get_process_group_ranks(self.group)
-            root = "" if self.root is None else f" with root rank {self.root}"
             raise RuntimeError(
-                f"dmuon: the {self.operation} of {self.numel} elements{root} over ranks "
-                f"{ranks} (rank {dist.get_rank()} waiting) failed: "
-                f"{error}. A rank of this group stalled, died or skipped the call; its own log "
-                "says why."
+                COLLECTIVE_FAILED.format(
+                    operation=self.operation,
+                    numel=self.numel,
+                    root="" if self.root is None else f" with root rank {self.root}",
+                    ranks=dist.get_process_group_ranks(self.group),
+                    purpose="" if self.purpose is None else f" for {self.purpose}",
+                    rank=dist.get_rank(),
+                    error=error,
+                )
             ) from error
 
 
-def broadcast(tensor: torch.Tensor, src_rank: int, group: dist.ProcessGroup | None) -> Handle:
+# Each function below takes ``purpose``: what the collective is for, in a few words ("the weights
+# of boundary 'layers.1'"), which its failure names.
+
+
+def broadcast(
+    tensor: torch.Tensor,
+    src_rank: int,
+    group: dist.ProcessGroup | None,
+    purpose: str | None = None,
+) -> Handle:
     """Send ``tensor`` from global rank ``src_rank`` into the same tensor on every group rank."""
     if group is None:
         return DONE
     work = dist.broadcast(tensor, src=src_rank, group=group, async_op=True)
-    return _Named(work, "broadcast", src_rank, group, tensor.numel())
+    return _Named(work, "broadcast", src_rank, group, tensor.numel(), purpose)
 
 
-def reduce_sum(tensor: torch.Tensor, dst_rank: int, group: dist.ProcessGroup | None) -> Handle:
+def reduce_sum(
+    tensor: torch.Tensor,
+    dst_rank: int,
+    group: dist.ProcessGroup | None,
+    purpose: str | None = None,
+) -> Handle:
     """Sum ``tensor`` over the group into global rank ``dst_rank`` (other ranks' copies are junk)."""
     if group is None:
         return DONE
     work = dist.reduce(tensor, dst=dst_rank, op=dist.ReduceOp.SUM, group=group, async_op=True)
-    return _Named(work, "reduce", dst_rank, group, tensor.numel())
+    return _Named(work, "reduce", dst_rank, group, tensor.numel(), purpose)
 
 
 def all_reduce(
-    tensor: torch.Tensor, group: dist.ProcessGroup, op: dist.ReduceOp = dist.ReduceOp.SUM
+    tensor: torch.Tensor,
+    group: dist.ProcessGroup,
+    op: dist.ReduceOp = dist.ReduceOp.SUM,
+    purpose: str | None = None,
 ) -> Handle:
     """Reduce ``tensor`` over the group into every rank's copy."""
     work = dist.all_reduce(tensor, op=op, group=group, async_op=True)
-    return _Named(work, "all-reduce", None, group, tensor.numel())
+    return _Named(work, "all-reduce", None, group, tensor.numel(), purpose)
 
 
 def gather(
@@ -94,10 +130,11 @@ def gather(
     parts: list[torch.Tensor] | None,
     dst_rank: int,
     group: dist.ProcessGroup,
+    purpose: str | None = None,
 ) -> Handle:
     """Collect every group rank's ``tensor`` into ``parts`` on global rank ``dst_rank``."""
     work = dist.gather(tensor, parts, dst=dst_rank, group=group, async_op=True)
-    return _Named(work, "gather", dst_rank, group, tensor.numel())
+    return _Named(work, "gather", dst_rank, group, tensor.numel(), purpose)
 
 
 def scatter(
@@ -105,10 +142,11 @@ def scatter(
     parts: list[torch.Tensor] | None,
     src_rank: int,
     group: dist.ProcessGroup,
+    purpose: str | None = None,
 ) -> Handle:
     """Send ``parts[i]`` from global rank ``src_rank`` into ``tensor`` on group rank ``i``."""
     work = dist.scatter(tensor, parts, src=src_rank, group=group, async_op=True)
-    return _Named(work, "scatter", src_rank, group, tensor.numel())
+    return _Named(work, "scatter", src_rank, group, tensor.numel(), purpose)
 
 
 def wait_all(handles: Iterable[Handle]) -> None:

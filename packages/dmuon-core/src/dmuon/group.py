@@ -228,9 +228,17 @@ class BoundaryGroup:
                 allocate_storage(segment.buffer)
             self._pending_unshard.append(
                 collectives.broadcast(
-                    segment.buffer, self._root_rank(segment), self.mesh.shard_group
+                    segment.buffer,
+                    self._root_rank(segment),
+                    self.mesh.shard_group,
+                    f"the weights of boundary {self.label}",
                 )
             )
+
+    @property
+    def label(self) -> str:
+        """The boundary as messages name it: its module's FQN, quoted, or the root module."""
+        return repr(self.name) if self.name else "the root module"
 
     @property
     def is_unsharding(self) -> bool:
@@ -349,7 +357,10 @@ class BoundaryGroup:
         for segment in self.segments:
             message, produced = _pack_gradients(segment)
             handle = collectives.reduce_sum(
-                message, self._root_rank(segment), self.mesh.shard_group
+                message,
+                self._root_rank(segment),
+                self.mesh.shard_group,
+                f"the gradients of boundary {self.label}",
             )
             self._pending_reduce.append(
                 GradientMessage(segment, message, handle, produced if alone else None)
@@ -382,7 +393,10 @@ class BoundaryGroup:
                 owner = self.mesh.global_rank(OwnerCoord(item.segment.shard, replicate))
                 second_stage.append(
                     collectives.reduce_sum(
-                        item.message[start:end], owner, self.mesh.replicate_group
+                        item.message[start:end],
+                        owner,
+                        self.mesh.replicate_group,
+                        f"the gradients of boundary {self.label}, across replicas",
                     )
                 )
         collectives.wait_all(second_stage)
@@ -401,7 +415,12 @@ class BoundaryGroup:
             for replicate, (start, end) in segment.value_ranges.items():
                 src = self.mesh.global_rank(OwnerCoord(segment.shard, replicate))
                 self._pending_publish.append(
-                    collectives.broadcast(segment.buffer[start:end], src, self.mesh.replicate_group)
+                    collectives.broadcast(
+                        segment.buffer[start:end],
+                        src,
+                        self.mesh.replicate_group,
+                        f"the new weights of boundary {self.label}, across replicas",
+                    )
                 )
 
     def wait_for_publish(self) -> None:

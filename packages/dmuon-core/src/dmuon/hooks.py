@@ -24,6 +24,19 @@ One training step, as the hooks see it (each boundary ``b`` advances itself: ``g
 A boundary used k times in one forward expects k post-backwards: see [Note: backward passes of
 one forward] in ``group``.
 
+[Note: a boundary skipped on some ranks only]
+Each boundary's broadcasts and gradient reduces pair up across ranks by the order they are
+issued in. Data-dependent control flow that skips a boundary on some ranks only (a vision tower
+on text-only batches, a layer dropped by a per-rank random draw) breaks that pairing: the ranks
+that ran it wait for collectives the others never issue (or issue later, for another boundary),
+as under FSDP2, until the process-group timeout; each rank's error names the collective and the
+boundary it was for. Telling every rank at once would need a collective in every forward, which
+dmuon does not pay. What one rank can see alone it says at once: a boundary that comes before
+the current one in the forward order the first forward recorded and has not run in this forward
+(``_warn_on_skipped_boundaries``, once per boundary; harmless where every rank skips it alike).
+The fix is the user's: run the boundary on every rank (on a dummy input where there is no data),
+or keep the branch inside one boundary.
+
 [Note: activation checkpointing]
 With non-reentrant checkpointing a boundary's forward re-runs inside backward. Its outputs'
 pre-backward hook fires before the recompute, so the boundary is already unsharded; the
@@ -39,9 +52,16 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
-from dmuon._torch_internals import in_backward, queue_end_of_backward, tree_flatten, tree_unflatten
+from dmuon._torch_internals import (
+    fsdp_input_cast_dtype,
+    in_backward,
+    queue_end_of_backward,
+    tree_flatten,
+    tree_unflatten,
+)
 from dmuon.experts import expert_original, mark_expert_piece, stacks_of
 from dmuon.group import BoundaryGroup, accumulate_into_masters
 from dmuon.mesh import OwnershipMesh
@@ -105,7 +125,12 @@ class DedicatedState:
         # Boundaries that reduced in this backward, in order (see REDUCES_IN_FLIGHT).
         self._reduced: list[BoundaryGroup] = []
         self._end_of_backward_queued = False
-        # Boundaries whose input dtypes the first forward looked at (_warn_on_mixed_input_dtype).
+        # The forward now running: the boundaries run, and the furthest position reached in the
+        # forward order (see [Note: a boundary skipped on some ranks only]); those warned of.
+        self._ran_this_forward: set[BoundaryGroup] = set()
+        self._last_position = 0
+        self._warned_skipped: set[BoundaryGroup] = set()
+        # Boundaries whose dtypes the first forward looked at (_warn_on_mixed_compute_dtypes).
         self._dtypes_checked: set[BoundaryGroup] = set()
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
 
@@ -194,6 +219,35 @@ class DedicatedState:
             self._forward_position = {g: i for i, g in enumerate(self._forward_order)}
         else:
             self._forward_order.append(group)
+
+    def _warn_on_skipped_boundaries(self, group: BoundaryGroup) -> None:
+        """See [Note: a boundary skipped on some ranks only]. O(1) but where a boundary was
+        skipped: the boundaries between the last one run in this forward and ``group``."""
+        position = None if self._forward_position is None else self._forward_position.get(group)
+        if position is None:
+            return
+        if position == 0:  # a forward begins
+            self._ran_this_forward.clear()
+            self._last_position = 0
+        elif position > self._last_position + 1:
+            skipped = [
+                g
+                for g in self._forward_order[self._last_position + 1 : position]
+                if g not in self._ran_this_forward and g not in self._warned_skipped
+            ]
+            if skipped:
+                self._warned_skipped.update(skipped)
+                warnings.warn(
+                    SKIPPED_BOUNDARY.format(
+                        skipped=", ".join(g.label for g in skipped),
+                        rank=f"rank {dist.get_rank()}" if dist.is_initialized() else "this rank",
+                        current=group.label,
+                    ),
+                    UserWarning,
+                    stacklevel=3,
+                )
+        self._ran_this_forward.add(group)
+        self._last_position = max(self._last_position, position)
 
     def _neighbour(self, group: BoundaryGroup, step: int) -> BoundaryGroup | None:
         position = None if self._forward_position is None else self._forward_position.get(group)
@@ -316,8 +370,9 @@ def _pre_forward(
     state.ensure_adopted()
     state.publish_loaded_masters()
     if state._forward_position is None:  # the first forward: look once, cheaply
-        _warn_on_mixed_input_dtype(state, group, args, kwargs)
+        _warn_on_mixed_compute_dtypes(state, group, module, args, kwargs)
     state._record_forward(group)
+    state._warn_on_skipped_boundaries(group)
     if state.profile is not None:
         state.profile.record(group.name, group.is_unsharding, group.device, group.wait_for_unshard)
     backward_follows = torch.is_grad_enabled()
@@ -332,33 +387,65 @@ def _pre_forward(
     return _attach_post_backward(state, group, args, kwargs)
 
 
-def _warn_on_mixed_input_dtype(
-    state: DedicatedState, group: BoundaryGroup, args: tuple, kwargs: dict
+SKIPPED_BOUNDARY = (
+    "dmuon: boundary {skipped} did not run in this forward on {rank}, though it comes before "
+    "{current} in the forward order the first forward recorded. Every rank must run the same "
+    "hook boundaries in every forward: dmuon's broadcasts and gradient reduces pair up across "
+    "ranks by order, so if another rank ran it, the ranks wait for each other until the "
+    "process-group timeout. Run the boundary on every rank (on a dummy input where a rank has no "
+    "data for it), or keep the data-dependent branch inside one boundary "
+    "(dedicate_params(..., hook_boundary_predicate=...)). If every rank skipped it alike, this "
+    "is harmless."
+)
+
+MIXED_COMPUTE_DTYPES = (
+    "dmuon: the inputs of {boundary} are {inputs}{cast} but its dedicated weights compute in "
+    "{weights} (param_policy.defaults.param_dtype of dedicate_params; None keeps the parameter's "
+    "dtype), so the first matmul that mixes them will fail with torch's dtype error (\"expected "
+    'm1 and m2 to have the same dtype"). Make the two agree: compute the dedicated weights in '
+    "the dtype of the rest of the model (dmuon.dedicate_params(..., param_policy={{'defaults': "
+    "{{'param_dtype': {inputs}}}}})), or give the rest of the model the dedicated weights' "
+    "(fully_shard(..., mp_policy=MixedPrecisionPolicy(param_dtype={weights})) on every module), "
+    "or run forward under torch.autocast."
+)
+
+
+def _warn_on_mixed_compute_dtypes(
+    state: DedicatedState, group: BoundaryGroup, module: nn.Module, args: tuple, kwargs: dict
 ) -> None:
-    """Dedicated weights computing in a lower precision than the boundary's floating inputs
-    (``param_dtype=bf16`` without FSDP2's ``MixedPrecisionPolicy`` or autocast) make the first
-    matmul fail with torch's bare dtype error: say why just before."""
-    if group in state._dtypes_checked or torch.is_autocast_enabled():
+    """A boundary's input activations (its first floating input, as FSDP2's mixed precision
+    will cast it: dmuon's hooks run before FSDP2's) in another dtype than its dedicated weights,
+    with autocast off, make the first matmul fail with torch's bare dtype error: say which
+    dtypes and how to make them agree, just before. Looked at once per boundary, in the first
+    forward."""
+    if group in state._dtypes_checked or torch.is_autocast_enabled(group.device.type):
         return
     state._dtypes_checked.add(group)
-    inputs = {t.dtype for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
-    weights = {p.param_dtype for p in group.params}
-    wider = sorted(
-        str(d)
-        for d in inputs
-        if d.is_floating_point and all(d.itemsize > w.itemsize for w in weights)
+    floating = next(
+        (
+            t
+            for t in tree_flatten((args, kwargs))[0]
+            if isinstance(t, torch.Tensor) and t.is_floating_point()
+        ),
+        None,
     )
-    if wider:
-        warnings.warn(
-            f"dmuon: the inputs of {group.name or 'the root module'} are {', '.join(wider)} but its "
-            f"dedicated weights compute in {', '.join(sorted(str(w) for w in weights))} "
-            "(param_policy.defaults.param_dtype), so a matmul that mixes them will fail with a "
-            "dtype error. Give the model's other parameters the same compute dtype: "
-            "fully_shard(..., mp_policy=MixedPrecisionPolicy(param_dtype=...)) on every module, "
-            "or run forward under torch.autocast.",
-            UserWarning,
-            stacklevel=2,
-        )
+    if floating is None:
+        return
+    cast = fsdp_input_cast_dtype(module)
+    inputs = cast or floating.dtype
+    weights = {p.param_dtype for p in group.params}
+    if weights == {inputs}:
+        return
+    warnings.warn(
+        MIXED_COMPUTE_DTYPES.format(
+            boundary=group.name or "the root module",
+            inputs=inputs,
+            cast=" (as FSDP2's MixedPrecisionPolicy casts them)" if cast is not None else "",
+            weights=", ".join(sorted(str(w) for w in weights)),
+        ),
+        UserWarning,
+        stacklevel=2,
+    )
 
 
 def _post_forward(

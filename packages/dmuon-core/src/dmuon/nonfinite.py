@@ -5,8 +5,10 @@ ownership grids, their TP ranks and the pipeline stages: ``dmuon.step_group`` gi
 so that all ranks take the same decision. It must not change gradients or weights.
 
 The check is one fused max-abs norm per gradient dtype and device (NaN or inf exactly when the
-tensor holds one; it cannot overflow) and one all-reduce of a flag; the host waits for that flag only here, and only when the policy is not ``"ignore"``.
-Parameter names are exchanged only when something was found.
+tensor holds one; it cannot overflow) and one all-reduce of a flag; the host waits for that flag
+only here, and only when the policy is not ``"ignore"`` (the default is ``"skip"``: a NaN must
+never reach the weights without a word). Parameter names are exchanged only when something was
+found.
 """
 
 from __future__ import annotations
@@ -26,9 +28,10 @@ NONFINITE_POLICIES = ("ignore", "raise", "skip")
 def check_policy(nonfinite: object) -> str:
     if nonfinite not in NONFINITE_POLICIES:
         raise ValueError(
-            f"dmuon.Muon: nonfinite={nonfinite!r} is not one of {NONFINITE_POLICIES}: 'ignore' "
-            "(torch's behaviour: the step runs), 'raise' (RuntimeError naming the parameters) or "
-            "'skip' (the step is skipped on every rank, with a warning)."
+            f"dmuon.Muon: nonfinite={nonfinite!r} is not one of {NONFINITE_POLICIES}: 'skip' (the "
+            "default: the step is skipped on every rank, with a warning), 'raise' (RuntimeError "
+            "naming the parameters) or 'ignore' (torch's behaviour: the step runs, and a NaN "
+            "reaches the weights)."
         )
     return nonfinite
 
@@ -57,7 +60,9 @@ def nonfinite_gradients(
     for _, finite in checked:
         flag = flag.minimum(finite.all().to(device=device, dtype=torch.int32))
     for group in groups:
-        collectives.all_reduce(flag, group, op=dist.ReduceOp.MIN).wait()
+        collectives.all_reduce(
+            flag, group, op=dist.ReduceOp.MIN, purpose="the non-finite gradient check"
+        ).wait()
     if flag.item():
         return []
     found = {

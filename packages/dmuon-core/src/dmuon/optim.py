@@ -83,12 +83,14 @@ class Muon(torch.optim.Optimizer):
         adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay: the AdamW route.
         replicate_async: under HSDP, publish the new weights across replicas asynchronously
             after ``step()`` (waited for by the next forward) instead of synchronously.
-        nonfinite: what a step does when a gradient holds NaN or inf on any rank: ``"ignore"``
-            (the default, torch's behaviour: no check, no host synchronisation), ``"raise"``
-            (RuntimeError naming the parameters, nothing updated) or ``"skip"`` (every rank
-            skips the step, weights and state untouched, with a warning naming the step and the
-            parameters). The check costs one fused norm per gradient dtype and one all-reduce,
-            nothing when ``dmuon.clip_grad_norm_`` found a finite norm for these gradients.
+        nonfinite: what a step does when a gradient holds NaN or inf on any rank: ``"skip"``
+            (the default: every rank skips the step, weights and optimizer state untouched,
+            with a warning naming the step and the parameters), ``"raise"`` (RuntimeError
+            naming the parameters, nothing updated) or ``"ignore"`` (torch's behaviour: no
+            check, and the update makes every weight it reaches NaN). The check reads the norm
+            of a ``dmuon.clip_grad_norm_`` over these gradients when one ran (a scalar to the
+            host, nothing recomputed); otherwise it costs one fused max-abs pass over this
+            rank's gradients, one all-reduce of a flag and one host synchronisation.
         step_group: a ``dmuon.StepGroup`` shared by the optimizers of every part of a model
             that trains in one step (pipeline stages, here and on the ranks of its ``pp_mesh``):
             the non-finite decision, and ``dmuon.clip_grad_norm_``'s norm, then span them all.
@@ -136,7 +138,7 @@ class Muon(torch.optim.Optimizer):
         adamw_eps: float = 1e-8,
         adamw_weight_decay: float = 0.01,
         replicate_async: bool = True,
-        nonfinite: str = "ignore",
+        nonfinite: str = "skip",
         allow_no_muon: bool = False,
         adjust_lr: str | None = "match_rms_adamw",
         param_groups: list[dict] | None = None,
@@ -191,6 +193,15 @@ class Muon(torch.optim.Optimizer):
         }
 
         self._facts, local_tensors = _param_facts(model, self._dedicated)
+        # id(tensor) -> canonical FQN of what this rank steps (an expert piece's: its own name).
+        self._names_by_id = {
+            id(tensor): fqn
+            for fqn in local_tensors
+            for tensor in _local_tensors(local_tensors, fqn)
+        }
+        self._names_by_id.update(
+            {id(p.master): p.fqn for p in self._dedicated.iter_owned_masters()}
+        )
         self._routing_plan = plan_groups(
             self._facts,
             {
@@ -320,9 +331,9 @@ class Muon(torch.optim.Optimizer):
         return True
 
     def _named_gradients(self) -> list[tuple[str, torch.Tensor]]:
-        """(FQN, this rank's gradient) of every parameter this rank steps that has one."""
-        names = {id(p.master): p.fqn for p in self._dedicated.iter_owned_masters()}
-        names.update({id(param): name for name, param in self._dedicated.model.named_parameters()})
+        """(canonical FQN, this rank's gradient) of every parameter this rank steps that has
+        one."""
+        names = self._names_by_id
         return [
             (names.get(id(param), "?"), _local(param.grad))
             for group in self.param_groups

@@ -152,7 +152,9 @@ class StepGroup:
     def all_reduce_over_pipeline(self, tensor: torch.Tensor, op: dist.ReduceOp) -> None:
         """Reduce ``tensor`` over the pipeline stages in place (nothing without a pipeline)."""
         if self.pp_group is not None:
-            collectives.all_reduce(tensor, self.pp_group, op=op).wait()
+            collectives.all_reduce(
+                tensor, self.pp_group, op=op, purpose="across the pipeline stages"
+            ).wait()
 
     # ---- internals --------------------------------------------------------------------------
 

@@ -234,7 +234,9 @@ class ChunkExchange:
             message = torch.cat([self._padded(chunks[i], i).reshape(-1) for i in indices])
             message = message.to(self._wire_device(message.device))
             parts = [torch.empty_like(message) for _ in self.tp_ranks] if runner == me else None
-            work = collectives.gather(message, parts, self.tp_ranks[runner], self.group)
+            work = collectives.gather(
+                message, parts, self.tp_ranks[runner], self.group, "the Muon inputs of TP chunks"
+            )
             pending.append((work, indices, parts))
         received: dict[int, torch.Tensor] = {}
         for work, indices, parts in pending:
@@ -264,7 +266,9 @@ class ChunkExchange:
                         for t in range(len(self.tp_ranks))
                     ]
                 )
-            work = collectives.scatter(message, parts, self.tp_ranks[runner], self.group)
+            work = collectives.scatter(
+                message, parts, self.tp_ranks[runner], self.group, "the Muon updates of TP chunks"
+            )
             pending.append((work, indices, message))
         out: list[torch.Tensor | None] = [None] * len(self.layouts)
         for work, indices, message in pending:
