@@ -2,10 +2,12 @@
 
 import json
 import math
+import warnings
 
 import pytest
 import torch
 from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
 import dmuon
 import dmuon_tools
@@ -76,6 +78,19 @@ def test_param_groups_report_route_owner_shape_and_dtypes_of_every_parameter():
     assert summary["totals"]["frozen"] == {"num_params": 1, "numel": 30}
     assert summary["optimizer"]["newton_schulz"]["backend"] == "gram"
     assert summary["mesh"]["coord"] == {"shard": 0, "replicate": 0}
+
+
+def test_param_groups_of_a_model_with_wrapped_blocks_report_each_parameter_by_canonical_name():
+    model = TinyDecoder()
+    model.layers[0] = checkpoint_wrapper(model.layers[0])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dmuon.dedicate_params(model, None, proj_predicate)
+        optimizer = dmuon.Muon(model)
+    summary = dmuon_tools.summarize_param_groups(model, optimizer)
+    assert list(summary["params"]) == [name for name, _ in TinyDecoder().named_parameters()]
+    entry = summary["params"]["layers.0.q_proj.weight"]
+    assert (entry["dedicated"], entry["route"], entry["is_owner"]) == (True, "muon", True)
 
 
 def test_param_groups_of_a_model_without_dedicated_parameters_are_all_adamw():

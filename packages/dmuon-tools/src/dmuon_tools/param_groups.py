@@ -48,6 +48,7 @@ def summarize_param_groups(model: nn.Module, optimizer: torch.optim.Optimizer) -
     params: dict[str, dict[str, Any]] = {}
     first_name: dict[int, str] = {}
     for name, param in model.named_parameters(remove_duplicate=False):
+        name = dmuon.inspect.canonical_fqn(name)  # as dmuon names them (wrapper segments out)
         if name in dedicated:
             entry = _dedicated_entry(dedicated[name], group_of)
         elif name in stacks:
