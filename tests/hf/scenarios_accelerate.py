@@ -40,13 +40,20 @@ def _prepared():
     return accelerator, model, accelerator.prepare(optimizer)
 
 
-def _steps(accelerator, model, optimizer, count: int) -> tuple[list[float], list[float]]:
+def _steps(
+    accelerator, model, optimizer, count: int, max_abs: list[float] | None = None
+) -> tuple[list[float], list[float]]:
+    """``count`` steps, clipping each; ``max_abs`` collects each step's inf-norm first (asked
+    with max_norm=inf, which scales nothing)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     mine = token_batch(ROWS, seq_len=scenarios_hf.SEQ_LEN).chunk(world)[rank]
     losses, norms = [], []
     for _ in range(count):
         loss = model(input_ids=mine, labels=mine).loss
         accelerator.backward(loss)
+        if max_abs is not None:
+            inf = float("inf")
+            max_abs.append(accelerator.clip_grad_norm_(model.parameters(), inf, inf).item())
         norms.append(accelerator.clip_grad_norm_(model.parameters(), MAX_GRAD_NORM).item())
         optimizer.step()
         optimizer.zero_grad()
@@ -64,14 +71,17 @@ def train_clip_save(*, steps: int, save_dir: str) -> dict:
         accelerator.clip_grad_norm_(list(model.parameters())[:3], 1.0)
     except ValueError as error:
         partial_clip = str(error)
-    losses, norms = _steps(accelerator, model, optimizer, steps)
+    max_abs: list[float] = []
+    losses, norms = _steps(accelerator, model, optimizer, steps, max_abs)
     accelerator.save_state(save_dir)
     after_save, _ = _steps(accelerator, model, optimizer, 2)
     reference = scenarios_hf._reference_run(steps, ROWS, MAX_GRAD_NORM)
     return {
         "losses": losses,
         "grad_norms": norms,
+        "max_abs_gradient": max_abs[0],
         "reference": {key: reference[key] for key in ("losses", "grad_norms")},
+        "reference_max_abs_gradient": _reference_first_max_abs_gradient(),
         "after_save": after_save,
         "saved_files": sorted(os.listdir(save_dir)),
         "partial_clip_error": partial_clip,
@@ -84,3 +94,11 @@ def load_and_continue(*, save_dir: str) -> dict:
     accelerator.load_state(save_dir)
     losses, _ = _steps(accelerator, model, optimizer, 2)
     return {"losses": losses}
+
+
+def _reference_first_max_abs_gradient() -> float:
+    """The largest absolute gradient of the first step, in one process on the whole batch."""
+    model = tiny_llama(seed=0)
+    tokens = token_batch(ROWS, seq_len=scenarios_hf.SEQ_LEN)
+    model(input_ids=tokens, labels=tokens).loss.backward()
+    return max(p.grad.abs().max().item() for p in model.parameters() if p.grad is not None)

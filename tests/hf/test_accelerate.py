@@ -27,6 +27,14 @@ def test_prepare_train_and_clip_match_the_single_process_reference(saved_run):
         assert result["losses"] == pytest.approx(reference["losses"], rel=LOSS_RTOL)
 
 
+def test_clip_grad_norm_takes_norm_type_like_dmuon_clip_grad_norm(saved_run):
+    results, _ = saved_run
+    for result in results:  # the inf-norm of the first step: the largest absolute gradient
+        assert result["max_abs_gradient"] == pytest.approx(
+            result["reference_max_abs_gradient"], rel=LOSS_RTOL
+        )
+
+
 def test_clipping_part_of_a_dmuon_models_parameters_is_refused(saved_run):
     results, _ = saved_run
     assert results[0]["partial_clip_error"].startswith(

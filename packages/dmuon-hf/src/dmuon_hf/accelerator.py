@@ -10,10 +10,11 @@ accumulation and mixed-precision autocast stay Accelerate's):
   plugin is kept from Accelerate for the reasons of [Note: FSDP2 configuration taken over] in
   ``dmuon_hf.trainer``. ``dmuon.Muon`` is built after the model is prepared, then prepared like
   any optimizer.
-- ``clip_grad_norm_(model.parameters(), max_norm)``: torch's clip over the module parameters
-  would miss the owners' fp32 masters (they are not module parameters) without a word; here the
-  parameters of a dmuon model are clipped by ``dmuon.clip_grad_norm_`` over every gradient its
-  ``dmuon.Muon`` updates. Part of a dmuon model's parameters, or a norm other than 2, is refused.
+- ``clip_grad_norm_(model.parameters(), max_norm, norm_type=2)``: torch's clip over the module
+  parameters would miss the owners' fp32 masters (they are not module parameters) without a
+  word; here the parameters of a dmuon model are clipped by ``dmuon.clip_grad_norm_`` over every
+  gradient its ``dmuon.Muon`` updates, with the same ``norm_type`` (any p > 0, inf included).
+  Part of a dmuon model's parameters is refused.
 - ``save_state`` / ``load_state``: each dmuon model and its optimizer go into one sharded
   ``dmuon.checkpoint`` (``dmuon_state/`` in the checkpoint folder, written and read by every
   rank, reshardable onto another world size); Accelerate saves and loads everything else as usual
@@ -151,13 +152,8 @@ class DMuonAccelerator(Accelerator):
                 "clips with one norm over every gradient its optimizer updates (the owners' fp32 "
                 "masters included). Pass model.parameters()."
             )
-        if float(norm_type) != 2.0:
-            raise ValueError(
-                f"DMuonAccelerator.clip_grad_norm_: norm_type={norm_type!r}; dmuon.clip_grad_norm_ "
-                "computes the 2-norm. Pass norm_type=2."
-            )
         self.unscale_gradients()
-        return dmuon.clip_grad_norm_(model, self._optimizer_of(model), max_norm)
+        return dmuon.clip_grad_norm_(model, self._optimizer_of(model), max_norm, norm_type)
 
     def _dmuon_model_among(self, parameters: list[torch.Tensor]) -> nn.Module | None:
         ids = {id(p) for p in parameters}
