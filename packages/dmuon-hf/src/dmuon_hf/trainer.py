@@ -18,7 +18,8 @@ betas/epsilon of the arguments). From there on both ways are the same.
 Accelerate applies FSDP2 inside ``accelerator.prepare(model, optimizer)``: it swaps the
 optimizer's parameters for placeholders keyed by ``data_ptr`` and maps them back onto the
 sharded model's parameters, which cannot work for dmuon (the owners' fp32 masters are not module
-parameters), and its checkpoints use torch's state-dict functions, which raise on a dmuon model.
+parameters), and its checkpoints key the optimizer state by the module's parameters, which cannot
+name the masters' state (``dmuon.checkpoint`` can).
 So the Accelerator DMuonTrainer builds gets neither the FSDP plugin nor the
 ``ParallelismConfig`` (and ``ACCELERATE_USE_FSDP`` is hidden from it while it is built): to
 Accelerate the model is an already-distributed one, exactly as in the hand-sharded way, and the
