@@ -69,6 +69,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from dmuon._torch_internals import tensor_version, view_base
 from dmuon.experts import is_expert_piece
 from dmuon.group import AveragedGradients, BoundaryGroup, GradientMessage
 
@@ -146,7 +147,7 @@ class OverlappedStep:
         self._muon_groups = muon_groups
         self._state = state
         self._speculate = speculate
-        self._apply = apply
+        self._apply_call = apply
         self._device = device
         self._units: dict[tuple[int, BoundaryGroup], _Unit] = {}
         self._side: torch.cuda.Stream | None = None
@@ -205,9 +206,9 @@ class OverlappedStep:
             inputs[id(m)] = _Input(
                 message=message,
                 offset=offset,
-                version=message._version,
+                version=tensor_version(message),
                 momentum=buffer,
-                momentum_version=0 if buffer is None else buffer._version,
+                momentum_version=0 if buffer is None else tensor_version(buffer),
             )
         scratch: dict[int, torch.Tensor] = {}
         calls = self._speculate(hyper, masters, grads, scratch)
@@ -237,7 +238,7 @@ class OverlappedStep:
     def versions(self) -> dict[int, int]:
         """Before a clip scales the gradients: each speculated message's version now."""
         return {
-            id(i.message): i.message._version
+            id(i.message): tensor_version(i.message)
             for u in self._units.values()
             for i in u.inputs.values()
         }
@@ -248,7 +249,7 @@ class OverlappedStep:
         for unit in self._units.values():
             for i in unit.inputs.values():
                 if before.get(id(i.message)) == i.version:
-                    i.version = i.message._version
+                    i.version = tensor_version(i.message)
                     i.clip_coefficients.append(coefficient)
 
     # ---- step() ---------------------------------------------------------------------------------
@@ -272,7 +273,7 @@ class OverlappedStep:
                 for m in unit.masters:
                     self._state[m]["momentum_buffer"] = unit.scratch[id(m)]
                 for call, output in unit.calls:
-                    self._apply(group, call, output)
+                    self._apply_call(group, call, output)
                 self._count(committed=unit.matrices)
             else:
                 if unit is not None:
@@ -292,14 +293,14 @@ class OverlappedStep:
             grad = m.grad
             if (
                 grad is None
-                or grad._base is not i.message
+                or view_base(grad) is not i.message
                 or grad.storage_offset() != i.offset
-                or i.message._version != i.version
+                or tensor_version(i.message) != i.version
             ):
                 return False
             buffer = self._state.get(m, {}).get("momentum_buffer")
             if buffer is not i.momentum or (
-                buffer is not None and buffer._version != i.momentum_version
+                buffer is not None and tensor_version(buffer) != i.momentum_version
             ):
                 return False
             for coefficient in i.clip_coefficients:
