@@ -11,6 +11,10 @@ compute, fp32 parameters. Every variant builds a fresh model from the same seed,
 - ``dmuon-z3``: ``dmuon.dedicate_params`` on the ``*proj`` matrices (same dtypes), then the same
   ``fully_shard``, ``dmuon.Muon(model, lr=0.02, adamw_lr=1e-3)``;
 - ``dmuon-z2``: the same with ``reshard_after_forward=False`` (dmuon and ``fully_shard``);
+- ``dmuon-z3-overlap`` / ``dmuon-z2-overlap`` (not run by default: name them in ``--variants``):
+  the same with ``dmuon.Muon(..., overlap_step=True)``, the owner step started during backward
+  (the optimizer time then measures only the commit and what was not started early); each
+  records the optimizer's ``overlap_stats()`` so a run shows the speculation was committed;
 - ``naive-muon``: FSDP2 as in ``fsdp2-adamw``, ``torch.optim.Muon`` on the 2-D ``*proj`` DTensor
   parameters (DTensor runs the Newton-Schulz matmuls with collectives) and fused AdamW on the
   rest. If it fails, its error is recorded as that variant's result and the run goes on.
@@ -56,7 +60,15 @@ from torch.utils.checkpoint import checkpoint  # noqa: E402
 
 import dmuon  # noqa: E402
 
-VARIANTS = ("fsdp2-adamw", "dmuon-z3", "dmuon-z2", "naive-muon")
+VARIANTS = (
+    "fsdp2-adamw",
+    "dmuon-z3",
+    "dmuon-z2",
+    "naive-muon",
+    "dmuon-z3-overlap",
+    "dmuon-z2-overlap",
+)
+DEFAULT_VARIANTS = VARIANTS[:4]
 STEP_TARGET = 1.03  # dmuon step time at most 1.03x FSDP2 + AdamW
 OPTIMIZER_TARGET = 3.0  # dmuon's optimizer step at least 3x faster than naive Muon's
 MUON_LR, ADAMW_LR = 0.02, 1e-3
@@ -193,7 +205,7 @@ def build(variant: str, args: argparse.Namespace, mesh, device: torch.device):
         model = Llama(args.model, args.seq, args.checkpoint)
     dtype = args.param_dtype
     mp_policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
-    reshard = variant != "dmuon-z2"
+    reshard = not variant.startswith("dmuon-z2")
     extra: dict = {}
     if variant.startswith("dmuon"):
         dmuon.dedicate_params(
@@ -209,7 +221,9 @@ def build(variant: str, args: argparse.Namespace, mesh, device: torch.device):
     if variant == "fsdp2-adamw":
         optimizer = torch.optim.AdamW(model.parameters(), lr=ADAMW_LR, fused=True)
     elif variant.startswith("dmuon"):
-        optimizer = dmuon.Muon(model, lr=MUON_LR, adamw_lr=ADAMW_LR)
+        optimizer = dmuon.Muon(
+            model, lr=MUON_LR, adamw_lr=ADAMW_LR, overlap_step=variant.endswith("-overlap")
+        )
         newton_schulz = optimizer.newton_schulz
         extra["partition"] = dmuon.inspect.view(model).plan.describe()
         extra["newton_schulz"] = repr(newton_schulz)
@@ -281,6 +295,8 @@ def measure(variant: str, args, mesh, device: torch.device, tokens: torch.Tensor
             optimizer_ms.append(optimizer_timer.ms())
     if variant.startswith("dmuon"):
         dmuon.wait_all_replicate_broadcasts(model)
+    if variant.endswith("-overlap"):
+        extra["overlap_stats"] = asdict(optimizer.overlap_stats())
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
     return {
         "step_ms": step_ms,
@@ -378,14 +394,14 @@ def targets(results: dict, world: int) -> list[dict]:
 def print_report(header: str, results: dict, evaluations: list[dict]) -> None:
     print(header)
     print(
-        f"{'variant':<12} {'step ms':>9} {'vs fsdp2':>9} {'opt ms':>9} {'naive/opt':>10} "
+        f"{'variant':<16} {'step ms':>9} {'vs fsdp2':>9} {'opt ms':>9} {'naive/opt':>10} "
         f"{'peak GiB':>9} {'loss first->last':>18}"
     )
     baseline = results.get("fsdp2-adamw", {}).get("step_ms_median")
     naive = results.get("naive-muon", {}).get("optimizer_ms_median")
     for name, result in results.items():
         if "error" in result:
-            print(f"{name:<12} FAILED: {result['error']}")
+            print(f"{name:<16} FAILED: {result['error']}")
             continue
         step, opt = result["step_ms_median"], result["optimizer_ms_median"]
         vs_fsdp2 = f"{step / baseline:.3f}x" if baseline else "-"
@@ -395,7 +411,7 @@ def print_report(header: str, results: dict, evaluations: list[dict]) -> None:
         losses = result["losses_per_rank"][0]
         finite = "" if result["losses_finite"] else " NOT FINITE"
         print(
-            f"{name:<12} {step:>9.2f} {vs_fsdp2:>9} {opt:>9.2f} {vs_naive:>10} {peak:>9} "
+            f"{name:<16} {step:>9.2f} {vs_fsdp2:>9} {opt:>9.2f} {vs_naive:>10} {peak:>9} "
             f"{losses[0]:>8.4f}->{losses[-1]:<8.4f}{finite}"
         )
     for evaluation in evaluations:
@@ -423,7 +439,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=None, help="timed steps; default 10 (3)")
     parser.add_argument("--warmup", type=int, default=None, help="default 3 (1 with --quick)")
     parser.add_argument(
-        "--variants", default=",".join(VARIANTS), help="comma list of " + ", ".join(VARIANTS)
+        "--variants",
+        default=",".join(DEFAULT_VARIANTS),
+        help="comma list of " + ", ".join(VARIANTS) + f" (default {','.join(DEFAULT_VARIANTS)})",
     )
     parser.add_argument(
         "--checkpoint",

@@ -189,3 +189,28 @@ def test_a_step_group_refuses_two_optimizers_of_one_model_and_mixed_policies():
 def test_a_step_group_takes_a_device_mesh_a_process_group_or_none():
     with pytest.raises(TypeError, match=r"pp_mesh must be a DeviceMesh \(mesh\['pp'\]\)"):
         dmuon.StepGroup(pp_mesh=2)
+
+
+@pytest.mark.parametrize("max_norm", [0.5, 1.0, 3.0, 2.0 - 1e-6, 2.0, 2.0 + 1e-6])
+def test_the_overlapped_steps_clip_coefficient_is_torchs_bit_for_bit(max_norm):
+    """The overlapped step keeps its speculation only where the clip's coefficient is exactly
+    1.0 (dmuon.clip._clip_coefficient): it must be the factor torch's clip really applied."""
+    from dmuon.clip import _clip_coefficient
+
+    generator = torch.Generator().manual_seed(0)
+    grads = [torch.randn(7, 5, generator=generator) for _ in range(3)]
+    params = [torch.nn.Parameter(torch.zeros_like(g)) for g in grads]
+    for param, grad in zip(params, grads):
+        param.grad = grad.clone()
+    total = torch.tensor(2.0)  # norms near max_norm: the coefficient is near 1 on both sides
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+    coefficient = _clip_coefficient(max_norm, total)
+    for param, grad in zip(params, grads):
+        assert torch.equal(param.grad, grad * coefficient)
+    assert bool(coefficient == 1.0) == (max_norm >= 2.0 + 1e-6 or max_norm == 3.0)
+
+
+def test_overlap_stats_needs_overlap_step():
+    _, optimizer = dedicated_model()
+    with pytest.raises(ValueError, match="overlap_step=True"):
+        optimizer.overlap_stats()

@@ -98,6 +98,20 @@ def foreach_max_abs(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     return list(_foreach_norm(tensors, math.inf))
 
 
+# ---- a tensor's version counter and view base (the overlapped step's "unchanged since") -------
+
+
+def tensor_version(tensor: torch.Tensor) -> int:
+    """How many in-place changes ``tensor`` (and every view sharing its storage's counter) has
+    seen: autograd's version counter, ``Tensor._version``."""
+    return tensor._version
+
+
+def view_base(tensor: torch.Tensor) -> torch.Tensor | None:
+    """The tensor ``tensor`` is a view of (None if it is not a view): ``Tensor._base``."""
+    return tensor._base
+
+
 # ---- meshes and process groups ------------------------------------------------------------------
 
 

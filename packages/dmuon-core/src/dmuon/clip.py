@@ -132,11 +132,21 @@ def clip_grad_norm_(
         clip_by = total_norm
         if parts[0][1].nonfinite != "ignore":  # keep the culprits findable: see the docstring
             clip_by = torch.where(torch.isfinite(total_norm), total_norm, 0.0)
+        overlapped = [(o, o.versions()) for _, opt in parts if (o := opt._overlap) is not None]
         # One call per kind of gradient: plain tensors and each mesh's DTensors do not mix.
         for params in kinds.clipped_lists():
             if params:
                 clip_grads_with_norm_(params, max_norm, clip_by, foreach)
+        for overlap, versions in overlapped:
+            overlap.gradients_scaled(versions, _clip_coefficient(max_norm, clip_by))
     return total_norm
+
+
+def _clip_coefficient(max_norm: float, total_norm: torch.Tensor) -> torch.Tensor:
+    """The factor ``torch.nn.utils.clip_grads_with_norm_`` multiplies every gradient by, by its
+    own expression (``tests/core/test_clip.py`` checks they agree bit for bit): the overlapped
+    step keeps what it computed during backward only where this is exactly 1.0."""
+    return torch.clamp(float(max_norm) / (total_norm + 1e-6), max=1.0)
 
 
 @dataclass(slots=True)

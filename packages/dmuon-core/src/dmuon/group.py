@@ -384,11 +384,28 @@ class BoundaryGroup:
         """Wait for this boundary's reduces and run the replicate stage; returns the reduced
         messages of the local segments for ``accumulate_into_masters``."""
         pending, self._pending_reduce = self._pending_reduce, []
+        for item in pending:
+            if not item.segment.is_local:
+                item.handle.wait()
+        return self._complete_local(pending)
+
+    def land_local_reduces(self) -> list[GradientMessage]:
+        """The overlapped step (``dmuon.overlap``), during backward: wait for the reduces of
+        the local segments only and run their replicate stage now; returns their messages. The
+        sent messages of the other segments stay pending for ``retire_sent_reduces`` (waited
+        for on the compute stream: their memory returns to it) and ``finish_reduce``."""
+        local = [item for item in self._pending_reduce if item.segment.is_local]
+        self._pending_reduce = [item for item in self._pending_reduce if not item.segment.is_local]
+        return self._complete_local(local)
+
+    def _complete_local(self, pending: list[GradientMessage]) -> list[GradientMessage]:
+        """Wait for the reduces of the local segments among ``pending`` and run their replicate
+        stage; returns their messages."""
         second_stage: list[Handle] = []
         for item in pending:
-            item.handle.wait()
             if not item.segment.is_local:
                 continue
+            item.handle.wait()
             for replicate, (start, end) in item.segment.message_ranges.items():
                 owner = self.mesh.global_rank(OwnerCoord(item.segment.shard, replicate))
                 second_stage.append(
@@ -448,14 +465,37 @@ def _pack_gradients(segment: Segment) -> tuple[torch.Tensor, list[bool]]:
 def accumulate_into_masters(received: list[GradientMessage], divisor: float) -> None:
     """Add the owners' gradients, summed over the grid and divided by ``divisor`` (G x R for the
     mean, or the model's gradient divide factor: see ``dmuon.data_parallel``), to their masters'
-    ``.grad``.
+    ``.grad``: ``assign_to_masters(average_messages(received, divisor))``.
 
     A gradient that no rank produced leaves ``.grad`` untouched (None stays None). Whether one
     was produced is read in one device-to-host copy for the whole backward (none with one owner
     slot, where the host knows). A new gradient is a view of its message, made fp32 and divided
     in place: no copy; an existing one takes the sum, in one multi-tensor add.
     """
-    owned, flags, host_flags = [], [], []  # owned: (p, index of its message, offset)
+    assign_to_masters([average_messages(received, divisor)])
+
+
+@dataclass(eq=False, slots=True)
+class AveragedGradients:
+    """Reduced messages made fp32 and divided, before their gradients reach the masters.
+
+    ``average_messages`` makes one (no host synchronisation), ``assign_to_masters`` consumes a
+    list of them; the overlapped step (``dmuon.overlap``) averages each boundary's messages as
+    they land during backward and reads the gradients from ``averaged`` before the masters get
+    them: ``averaged[index][start : start + p.numel]`` for each ``(p, index, start)`` of
+    ``owned``."""
+
+    owned: list[tuple[DedicatedParam, int, int]]  # (p, index of its message, offset)
+    averaged: list[torch.Tensor]  # fp32 messages, divided (a message itself when it was fp32)
+    # Whether any rank produced each owned gradient: known on the host (one owner slot) or
+    # the reduced flags on the device, copied before the division changed them.
+    host_flags: list[bool] | None
+    device_flags: torch.Tensor | None
+
+
+def average_messages(received: list[GradientMessage], divisor: float) -> AveragedGradients:
+    """The owned gradients of ``received`` in fp32, divided by ``divisor``; no host sync."""
+    owned, flags, host_flags = [], [], []
     for index, item in enumerate(received):
         offset = 0
         for position, p in enumerate(item.segment.params):
@@ -466,17 +506,33 @@ def accumulate_into_masters(received: list[GradientMessage], divisor: float) -> 
                 host_flags.append(item.produced[position] if item.produced is not None else None)
             offset += 1
     if not owned:
-        return
-    if None in host_flags:
-        host_flags = torch.cat(flags).tolist()  # before the division below changes the flags
+        return AveragedGradients([], [], [], None)
+    device_flags = None
+    if None in host_flags:  # copied before the division below changes the flags
+        host_flags, device_flags = None, torch.cat(flags)
     averaged = [item.message.to(torch.float32) for item in received]  # no copy when fp32
     if divisor != 1:  # a sum over the ranks (divide factor 1.0) is kept as it is
         foreach_div_(averaged, divisor)
+    return AveragedGradients(owned, averaged, host_flags, device_flags)
+
+
+def assign_to_masters(parts: list[AveragedGradients]) -> None:
+    """Hand the averaged gradients to their masters (see ``accumulate_into_masters``); the
+    flags of every part are read in one device-to-host copy."""
+    parts = [part for part in parts if part.owned]
+    if not parts:
+        return
+    device_flags = [part.device_flags for part in parts if part.device_flags is not None]
+    read = iter(torch.cat(device_flags).tolist() if device_flags else [])
     new, existing = [], []
-    for (p, index, start), produced in zip(owned, host_flags):
-        if produced:
-            grad = averaged[index][start : start + p.numel].view(p.local_shape)
-            (existing if p.master.grad is not None else new).append((p, grad))
+    for part in parts:
+        host_flags = part.host_flags
+        if host_flags is None:
+            host_flags = [next(read) for _ in part.owned]
+        for (p, index, start), produced in zip(part.owned, host_flags):
+            if produced:
+                grad = part.averaged[index][start : start + p.numel].view(p.local_shape)
+                (existing if p.master.grad is not None else new).append((p, grad))
     for p, grad in new:
         p.master.grad = grad
     if existing:

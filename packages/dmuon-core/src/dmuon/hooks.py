@@ -46,10 +46,11 @@ leaves everything in place. Inside backward the hooks never issue a collective o
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import warnings
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -63,7 +64,13 @@ from dmuon._torch_internals import (
     tree_unflatten,
 )
 from dmuon.experts import expert_original, mark_expert_piece, stacks_of
-from dmuon.group import BoundaryGroup, accumulate_into_masters
+from dmuon.group import (
+    AveragedGradients,
+    BoundaryGroup,
+    GradientMessage,
+    assign_to_masters,
+    average_messages,
+)
 from dmuon.mesh import OwnershipMesh
 from dmuon.param import DedicatedParam, is_dedicated
 from dmuon.partition import OwnershipPlan
@@ -73,6 +80,26 @@ from dmuon.profile import ForwardUnshardProfile
 # does not own kept alive for them; older ones are waited for and freed (as FSDP2 bounds its
 # reduce-scatters), so backward holds O(1) boundaries of sent gradients, not all of them.
 REDUCES_IN_FLIGHT = 2
+
+
+class GradientListener(Protocol):
+    """What takes each boundary's gradients as they land during backward: the overlapped step
+    (``dmuon.Muon(..., overlap_step=True)``, ``dmuon.overlap``)."""
+
+    def landing(self) -> contextlib.AbstractContextManager:
+        """Where a landing runs: the side stream on CUDA, inline elsewhere."""
+
+    def landed(
+        self, group: BoundaryGroup, received: list[GradientMessage], averaged: AveragedGradients
+    ) -> None:
+        """The owned gradients of ``group`` are final for this backward (``averaged``)."""
+
+    def before_masters_take_gradients(self) -> None:
+        """End of backward: the landings' work must be ordered before what reads the masters'
+        gradients next."""
+
+    def gradients_cleared(self) -> None:
+        """``zero_grad``: the gradients the landings read are gone."""
 
 
 class DedicatedState:
@@ -124,6 +151,11 @@ class DedicatedState:
         self._backward_since_forward = False
         # Boundaries that reduced in this backward, in order (see REDUCES_IN_FLIGHT).
         self._reduced: list[BoundaryGroup] = []
+        # Set by dmuon.Muon(overlap_step=True): each boundary's owned gradients land (are
+        # waited for, averaged and handed to it) as soon as the boundary has reduced, during
+        # backward, instead of at its end (see [Note: the overlapped step] in dmuon.overlap).
+        self.gradient_listener: GradientListener | None = None
+        self._landed: list[AveragedGradients] = []  # this backward's landings, in order
         self._end_of_backward_queued = False
         # The forward now running: the boundaries run, and the furthest position reached in the
         # forward order (see [Note: a boundary skipped on some ranks only]); those warned of.
@@ -172,6 +204,8 @@ class DedicatedState:
 
     def zero_master_grads(self, set_to_none: bool = True) -> None:
         self.gradient_generation += 1
+        if self.gradient_listener is not None:
+            self.gradient_listener.gradients_cleared()
         for p in self.params.values():
             if p.master is not None and p.master.grad is not None:
                 if set_to_none:
@@ -277,6 +311,18 @@ class DedicatedState:
             self._reduced.append(group)
             if len(self._reduced) > REDUCES_IN_FLIGHT:
                 self._reduced[-1 - REDUCES_IN_FLIGHT].retire_sent_reduces()
+            if self.gradient_listener is not None:
+                self._land(group)
+
+    def _land(self, group: BoundaryGroup) -> None:
+        """The overlapped step: this boundary's owned gradients, final for this backward, are
+        averaged now and handed to the listener (which starts the owner step on them)."""
+        listener = self.gradient_listener
+        with listener.landing():
+            received = group.land_local_reduces()
+            averaged = average_messages(received, self._gradient_divisor(self))
+            listener.landed(group, received, averaged)
+        self._landed.append(averaged)
 
     def _end_of_backward(self) -> None:
         self._end_of_backward_queued = False
@@ -292,7 +338,12 @@ class DedicatedState:
         for group in reversed(forwarded):
             received += group.finalize_backward(reduce=self.requires_gradient_sync)
         self._reduced.clear()
-        accumulate_into_masters(received, divisor=self._gradient_divisor(self))
+        landed, self._landed = self._landed, []
+        if landed:
+            self.gradient_listener.before_masters_take_gradients()
+        # One division for the whole backward, or one per landed boundary: the same numbers
+        # (element-wise), and one read of the produced flags either way.
+        assign_to_masters([*landed, average_messages(received, self._gradient_divisor(self))])
 
     # ---- the optimizer step ---------------------------------------------------------------------
 

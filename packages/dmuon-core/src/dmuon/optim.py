@@ -40,6 +40,7 @@ from dmuon.fqn import canonical_fqn
 from dmuon.hooks import get_dedicated_state
 from dmuon.muon_update import BATCH_BYTES, BATCHED_NUMEL, apply_updates_, normalized_inputs_
 from dmuon.nonfinite import check_policy
+from dmuon.overlap import OverlappedStep, OverlapStepStats
 from dmuon.param import MUON_ROUTE, DedicatedParam, is_dedicated
 from dmuon.routing import (
     ADJUST_LR,
@@ -144,6 +145,7 @@ class Muon(torch.optim.Optimizer):
         param_groups: list[dict] | None = None,
         no_decay: NoDecay = HF_NO_DECAY,
         step_group: StepGroup | None = None,
+        overlap_step: bool = False,
     ) -> None:
         _check_hyperparameters(
             lr=lr,
@@ -155,6 +157,7 @@ class Muon(torch.optim.Optimizer):
             adamw_eps=adamw_eps,
             adamw_weight_decay=adamw_weight_decay,
             replicate_async=replicate_async,
+            overlap_step=overlap_step,
         )
         if adjust_lr not in ADJUST_LR:
             raise ValueError(
@@ -185,6 +188,7 @@ class Muon(torch.optim.Optimizer):
         check_gradients_are_averaged(self._dedicated)
         self._newton_schulz = _resolve_newton_schulz(ns_backend)
         self.replicate_async = replicate_async
+        self.overlap_step = overlap_step
         self.nonfinite = check_policy(nonfinite)
         self._steps_taken = 0
         # id(master) -> the TP-sharded parameter whose chunk it holds (masters never change).
@@ -224,7 +228,46 @@ class Muon(torch.optim.Optimizer):
         self.step_group.join(
             StepMember(self, self._dedicated, self.nonfinite, self._named_gradients)
         )
+        self._overlap = self._start_overlap() if overlap_step else None
         _log_route_summaries(self.routing())
+
+    def _start_overlap(self) -> OverlappedStep:
+        """The speculation of ``overlap_step=True`` ([Note: the overlapped step] in
+        ``dmuon.overlap``), listening to the model's gradients as they land."""
+        if self._dedicated.gradient_listener is not None:
+            raise ValueError(
+                "dmuon.Muon(overlap_step=True): this model already has an optimizer with "
+                "overlap_step=True; each model (each pipeline stage) takes one dmuon.Muon."
+            )
+        boundary_of = {
+            id(p.master): self._dedicated.boundary_of(p)
+            for p in self._dedicated.iter_owned_masters()
+            if p.route == MUON_ROUTE and not p.is_tp_sharded
+        }
+        overlap = OverlappedStep(
+            param_groups=self.param_groups,
+            boundary_of=boundary_of,
+            muon_groups=[
+                i for i, group in enumerate(self.param_groups) if group["route"] == MUON_ROUTE
+            ],
+            state=self.state,
+            speculate=self._speculate_unit,
+            apply=self._apply_call,
+            device=self._dedicated.device,
+        )
+        self._dedicated.gradient_listener = overlap
+        return overlap
+
+    def overlap_stats(self) -> OverlapStepStats:
+        """With ``overlap_step=True``: how many Muon matrices were computed during backward,
+        committed, discarded and recomputed by ``step()`` (see ``dmuon.inspect.overlap_stats``)."""
+        if self._overlap is None:
+            raise ValueError(
+                "dmuon.Muon.overlap_stats: this optimizer was built with overlap_step=False; "
+                "pass dmuon.Muon(model, ..., overlap_step=True) to overlap the owner step with "
+                "backward."
+            )
+        return self._overlap.stats
 
     def add_param_group(self, param_group: dict) -> None:
         """Refused once constructed: dmuon plans every group from the model (routes, owners,
@@ -297,14 +340,18 @@ class Muon(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self._steps_taken += 1
-        if self.nonfinite != "ignore" and self._skip_for_nonfinite_gradients():
-            return loss
-        self._dedicated.before_step()
-        for group in self.param_groups:
-            if group["route"] == MUON_ROUTE:
-                self._muon_step(group)
-            else:
-                self._adamw_step(group)
+        try:
+            if self.nonfinite != "ignore" and self._skip_for_nonfinite_gradients():
+                return loss
+            self._dedicated.before_step()
+            for index, group in enumerate(self.param_groups):
+                if group["route"] == MUON_ROUTE:
+                    self._muon_step(index, group)
+                else:
+                    self._adamw_step(group)
+        finally:
+            if self._overlap is not None:  # what was not committed is stale after any step
+                self._overlap.discard()
         self._dedicated.after_step(asynchronous=self.replicate_async)
         return loss
 
@@ -377,57 +424,112 @@ class Muon(torch.optim.Optimizer):
 
     # ---- the Muon route -------------------------------------------------------------------------
 
-    def _muon_step(self, group: dict) -> None:
-        # Newton-Schulz runs on rows <= cols, so an (m, n) and an (n, m) matrix share one
-        # batched call (Llama's gate/up and down projections, say).
+    def _muon_step(self, index: int, group: dict) -> None:
         tp_sharded = self._tp_chunks
         self._tensor_parallel_muon_step(
             group, [tp_sharded[id(m)] for m in group["params"] if id(m) in tp_sharded]
         )
-        # (master, expert): expert None for a matrix, i for expert i of an expert piece.
-        masters_by_ns_shape: dict[tuple[int, int], list[tuple[nn.Parameter, int | None]]] = (
-            defaultdict(list)
+        masters = [
+            master
+            for master in group["params"]
+            if master.grad is not None and master.numel() > 0 and id(master) not in tp_sharded
+        ]
+        # Overlapped: one boundary's matrices at a time, committed from backward's speculation
+        # where it is valid, computed here otherwise (see [Note: the overlapped step]).
+        units = (
+            [masters] if self._overlap is None else self._overlap.units_to_compute(index, masters)
         )
-        for master in group["params"]:
-            if master.grad is not None and master.numel() > 0 and id(master) not in tp_sharded:
-                rows, cols = _matrix_shape(master)
-                masters_by_ns_shape[(min(rows, cols), max(rows, cols))] += _matrices_of(master)
-        # Per Newton-Schulz shape: momentum, Nesterov and the normalisation write the NS input
-        # directly (in the NS dtype), a batch of same-shape matrices at a time; decay and the
-        # scaled update go into the fp32 masters likewise (see ``muon_update``).
-        for (short, long), same_shape in masters_by_ns_shape.items():
-            same_shape.sort(key=lambda entry: _matrix_shape(entry[0]))  # (rows, cols) adjacent
-            for masters in _ns_calls(same_shape, short * long):
-                self._muon_update(group, masters, short, long)
+        for unit in units:
+            for short, long, call in _ns_calls_of(unit):
+                self._muon_update(group, call, short, long)
 
     def _muon_update(
         self, group: dict, masters: list[tuple[nn.Parameter, int | None]], short: int, long: int
     ) -> None:
         """Momentum, one batched Newton-Schulz and the update of ``masters``: matrices (or
         experts of expert pieces) of one Newton-Schulz shape (short, long)."""
-        lr, mu, wd = group["lr"], group["momentum"], group["weight_decay"]
+        grads, momenta, first_steps = [], [], []
+        for master, expert in masters:
+            first_step, momentum = _momentum_of(self.state[master], master, expert)
+            grads.append(_matrix(master.grad, expert))
+            momenta.append(momentum)
+            first_steps.append(first_step)
+        orthogonal = self._orthogonal(group, masters, grads, momenta, first_steps, short, long)
+        self._apply_call(group, masters, orthogonal)
+
+    def _orthogonal(
+        self,
+        group: dict,
+        masters: list[tuple[nn.Parameter, int | None]],
+        grads: list[torch.Tensor],
+        momenta: list[torch.Tensor],
+        first_steps: list[bool],
+        short: int,
+        long: int,
+    ) -> torch.Tensor:
+        """Momentum and Nesterov (into ``momenta``), the normalised Newton-Schulz input and
+        one batched Newton-Schulz of one call's matrices; returns its output (B, short, long)."""
         newton_schulz = self._newton_schulz
-        device = masters[0][0].device
-        inputs = newton_schulz.normalized_buffer((len(masters), short, long), device)
-        batches = list(_batches(masters))
-        for start, stop in batches:
-            grads, momenta, first_steps = [], [], []
-            for master, expert in masters[start:stop]:
-                first_step, momentum = _momentum_of(self.state[master], master, expert)
-                grads.append(_matrix(master.grad, expert))
-                momenta.append(momentum)
-                first_steps.append(first_step)
+        inputs = newton_schulz.normalized_buffer((len(masters), short, long), grads[0].device)
+        for start, stop in _batches(masters):
             normalized_inputs_(
-                grads, momenta, first_steps, mu, group["nesterov"], out=inputs[start:stop]
+                grads[start:stop],
+                momenta[start:stop],
+                first_steps[start:stop],
+                group["momentum"],
+                group["nesterov"],
+                out=inputs[start:stop],
             )
-        orthogonal = newton_schulz.iterate_normalized(inputs)
-        for start, stop in batches:
+        return newton_schulz.iterate_normalized(inputs)
+
+    def _apply_call(
+        self, group: dict, masters: list[tuple[nn.Parameter, int | None]], orthogonal: torch.Tensor
+    ) -> None:
+        """Decay and the scaled update of one call's masters from its Newton-Schulz output."""
+        lr, wd = group["lr"], group["weight_decay"]
+        for start, stop in _batches(masters):
             rows, cols = _matrix_shape(masters[start][0])
             apply_updates_(
                 [_matrix(master, expert) for master, expert in masters[start:stop]],
                 [_oriented(ortho, rows > cols) for ortho in orthogonal[start:stop]],
                 lr, wd, _lr_scale(group["adjust_lr"], rows, cols),
             )  # fmt: skip
+
+    def _speculate_unit(
+        self,
+        group: dict,
+        masters: list[nn.Parameter],
+        grads: dict[int, torch.Tensor],
+        scratch: dict[int, torch.Tensor],
+    ) -> list[tuple[list[tuple[nn.Parameter, int | None]], torch.Tensor]]:
+        """The overlapped step's work during backward on one unit: ``_muon_update``'s, with
+        each master's gradient from ``grads`` (id -> its landed gradient) and its momentum
+        computed into a new buffer (``scratch``, id -> buffer), the state left untouched;
+        returns each call's matrices and Newton-Schulz output, which ``_apply_call`` applies
+        at commit."""
+        first_step_of = {}
+        for master in masters:
+            buffer = self.state.get(master, {}).get("momentum_buffer")
+            if buffer is not None:
+                scratch[id(master)], first_step_of[id(master)] = buffer.clone(), False
+            else:  # as ``_momentum_of`` creates it: zeros for an expert piece, whose experts
+                # each run ``buf = momentum * 0 + g``
+                create = torch.zeros if is_expert_piece(master) else torch.empty
+                scratch[id(master)] = create(
+                    _momentum_shape(master), dtype=torch.float32, device=master.device
+                )
+                first_step_of[id(master)] = not is_expert_piece(master)
+        calls = []
+        for short, long, call in _ns_calls_of(masters):
+            grads_of_call = [_matrix(grads[id(master)], expert) for master, expert in call]
+            momenta = [
+                scratch[id(master)] if expert is None else scratch[id(master)][expert]
+                for master, expert in call
+            ]
+            first_steps = [first_step_of[id(master)] for master, _ in call]
+            output = self._orthogonal(group, call, grads_of_call, momenta, first_steps, short, long)
+            calls.append((call, output))
+        return calls
 
     def _tensor_parallel_muon_step(self, group: dict, params: list[DedicatedParam]) -> None:
         """The Muon route of TP-sharded matrices; see [Note: tensor-parallel matrices] in
@@ -539,7 +641,13 @@ class Muon(torch.optim.Optimizer):
                 "hyperparameters": (
                     "hyperparameters (lr, momentum, weight decay, AdamW settings, ...)",
                     # replicate_async first: the message shows the start of a long list.
-                    [{"replicate_async": self.replicate_async, "nonfinite": self.nonfinite}]
+                    [
+                        {
+                            "replicate_async": self.replicate_async,
+                            "nonfinite": self.nonfinite,
+                            "overlap_step": self.overlap_step,
+                        }
+                    ]
                     + [
                         {k: v for k, v in group.items() if k != "params"}
                         for group in self.param_groups
@@ -682,6 +790,22 @@ def _matrices_of(master: torch.Tensor) -> list[tuple[torch.Tensor, int | None]]:
     return [(master, None)]
 
 
+def _ns_calls_of(
+    masters: list[nn.Parameter],
+) -> Iterator[tuple[int, int, list[tuple[nn.Parameter, int | None]]]]:
+    """The batched Newton-Schulz calls of ``masters``: ``(short, long, matrices)``. Newton-Schulz
+    runs on rows <= cols, so an (m, n) and an (n, m) matrix share one call (Llama's gate/up and
+    down projections, say); same-shape runs stay adjacent for the element-wise batches."""
+    by_ns_shape: dict[tuple[int, int], list[tuple[nn.Parameter, int | None]]] = defaultdict(list)
+    for master in masters:
+        rows, cols = _matrix_shape(master)
+        by_ns_shape[(min(rows, cols), max(rows, cols))] += _matrices_of(master)
+    for (short, long), same_shape in by_ns_shape.items():
+        same_shape.sort(key=lambda entry: _matrix_shape(entry[0]))  # (rows, cols) adjacent
+        for call in _ns_calls(same_shape, short * long):
+            yield short, long, call
+
+
 def _ns_calls(
     masters: list[tuple[torch.Tensor, int | None]], numel: int
 ) -> Iterator[list[tuple[torch.Tensor, int | None]]]:
@@ -775,7 +899,7 @@ def _resolve_newton_schulz(ns_backend: str | NewtonSchulz) -> NewtonSchulz:
 
 
 def _check_hyperparameters(
-    *, nesterov, replicate_async, adamw_betas, momentum, **values: float
+    *, nesterov, replicate_async, overlap_step, adamw_betas, momentum, **values: float
 ) -> None:
     """Refuse what torch.optim would take silently or fail on later, showing the value."""
     for name, value in {**values, "momentum": momentum}.items():
@@ -789,7 +913,8 @@ def _check_hyperparameters(
             raise ValueError(f"dmuon.Muon: {name} must be a non-negative number, got {value!r}.")
     if not 0 <= momentum < 1:
         raise ValueError(f"dmuon.Muon: momentum must be in [0, 1), got {momentum!r}.")
-    for name, value in {"nesterov": nesterov, "replicate_async": replicate_async}.items():
+    flags = {"nesterov": nesterov, "replicate_async": replicate_async, "overlap_step": overlap_step}
+    for name, value in flags.items():
         if not isinstance(value, bool):
             raise TypeError(f"dmuon.Muon: {name} must be True or False, got {value!r}.")
     if (

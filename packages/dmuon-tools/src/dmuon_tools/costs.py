@@ -54,6 +54,10 @@ ADAMW_BYTES_PER_ELEMENT = 7 * 4
 # reduced gradient (4), read and write the momentum (8), read and write the fp32 master (8), read
 # the orthogonalised update (fp16, 2), write the compute-dtype copy the owner broadcasts (bf16, 2).
 MUON_BYTES_PER_ELEMENT = 4 + 8 + 8 + 2 + 2
+# The overlapped step's commit in step(): read and write the fp32 master (8), read the stored
+# orthogonalised update (2), write the compute-dtype copy (2); the rest of the route (gradient,
+# momentum into its scratch buffer) runs during backward.
+OVERLAP_COMMIT_BYTES_PER_ELEMENT = 8 + 2 + 2
 # torch.optim.Muon: the same without the compute-dtype copy (FSDP2 casts in its all-gather).
 REFERENCE_MUON_BYTES_PER_ELEMENT = 4 + 8 + 8 + 2
 # dmuon.optim's NS_CALL_BYTES: fp16 Newton-Schulz input of one batched call (a mirror: core has

@@ -14,7 +14,12 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass
 
 from dmuon.inspect import OwnershipPlan, ParamSpec, layer_id_of, plan_ownership
-from dmuon_tools.costs import MUON_BYTES_PER_ELEMENT, elementwise_ms, owner_ns_ms
+from dmuon_tools.costs import (
+    MUON_BYTES_PER_ELEMENT,
+    OVERLAP_COMMIT_BYTES_PER_ELEMENT,
+    elementwise_ms,
+    owner_ns_ms,
+)
 from dmuon_tools.machine import Machine
 from dmuon_tools.ns_table import shape_key
 from dmuon_tools.workload import Layout, ModelSizes, layer_index
@@ -34,6 +39,11 @@ class Owners:
     segments: tuple[tuple[int, ...], ...]
     # per layer: numel of each piece of the heaviest owner's shard index, per owner replica
     replica_pieces: tuple[tuple[int, ...], ...]
+    # The overlapped step (``dmuon.Muon(overlap_step=True)``) of the heaviest slot: per layer,
+    # the work started as the layer's gradients land (momentum and Newton-Schulz batched
+    # within the layer), and the commit left to ``step()`` (decay and update of its masters).
+    overlap_layer_ms: tuple[float, ...] = ()
+    overlap_commit_ms: float = 0.0
 
 
 def plan_owners(model: ModelSizes, layout: Layout, machine: Machine) -> Owners:
@@ -45,11 +55,14 @@ def plan_owners(model: ModelSizes, layout: Layout, machine: Machine) -> Owners:
     plan = plan_ownership(specs, layout.num_shards, layout.num_replicas, num_tp=layout.tp)
     shapes = {name: dims for layer in model.layers for name, dims in layer}
     counts: list[Counter[tuple[int, int]]] = [Counter() for _ in range(plan.num_slots)]
+    # (slot, layer) -> NS shape counts: the overlapped step batches within a layer only
+    layer_counts: dict[tuple[int, int], Counter[tuple[int, int]]] = defaultdict(Counter)
     numel_per_owner: dict[tuple[int, int], float] = defaultdict(float)  # (shard, replicate)
     segments: list[dict[int, int]] = [defaultdict(int) for _ in model.layers]
     for name, owner in plan.owners.items():
         dims = shapes[name]
         counts[plan.slot_of(owner)][shape_key(dims)] += 1
+        layer_counts[(plan.slot_of(owner), layer_index(name))][shape_key(dims)] += 1
         numel_per_owner[(owner.shard, owner.replicate)] += math.prod(dims)
         segments[layer_index(name)][owner.shard] += math.prod(dims)
     step_ms = tuple(
@@ -67,13 +80,27 @@ def plan_owners(model: ModelSizes, layout: Layout, machine: Machine) -> Owners:
     for name, owner in plan.owners.items():
         if owner.shard == heaviest_shard:
             pieces[layer_index(name)][owner.replicate] += math.prod(shapes[name])
+    heaviest_numel = sum(count * a * b for (a, b), count in counts[heaviest].items())
+    overlap_layer_ms = tuple(
+        owner_ns_ms(machine.ns_ms, layer_counts[(heaviest, layer)])
+        + elementwise_ms(
+            sum(count * a * b for (a, b), count in layer_counts[(heaviest, layer)].items()),
+            MUON_BYTES_PER_ELEMENT - OVERLAP_COMMIT_BYTES_PER_ELEMENT,
+            machine.copy_gbps,
+        )
+        for layer in range(len(model.layers))
+    )
     return Owners(
         plan=plan,
         step_ms_per_slot=step_ms,
         heaviest_slot=heaviest,
         heaviest_shard=heaviest_shard,
-        heaviest_numel=sum(count * a * b for (a, b), count in counts[heaviest].items()),
+        heaviest_numel=heaviest_numel,
         owned_numel_max=max(numel_per_owner.values(), default=0.0) / layout.tp,
         segments=tuple(tuple(v for _, v in sorted(layer.items())) for layer in segments),
         replica_pieces=tuple(tuple(v for _, v in sorted(layer.items())) for layer in pieces),
+        overlap_layer_ms=overlap_layer_ms,
+        overlap_commit_ms=elementwise_ms(
+            heaviest_numel, OVERLAP_COMMIT_BYTES_PER_ELEMENT, machine.copy_gbps
+        ),
     )

@@ -27,7 +27,7 @@ def format_simulation(simulation: Simulation) -> str:
         f"machine {simulation.machine.name}",
         f"  {simulation.workload.describe()}",
         f"  {simulation.owners.plan.describe()}",
-        f"  {'system':<14} {'step ms':>10} {'vs fsdp2':>9} {'optimizer ms':>13} {'share':>6} "
+        f"  {'system':<16} {'step ms':>10} {'vs fsdp2':>9} {'optimizer ms':>13} {'share':>6} "
         f"{'exposed comm':>13} {'memory GiB':>11}",
     ]
     baseline = simulation.predictions.get(BASELINE)
@@ -35,7 +35,7 @@ def format_simulation(simulation: Simulation) -> str:
         ratio = f"{prediction.step_ms / baseline.step_ms:.3f}x" if baseline else "-"
         fits = "" if prediction.fits else " DOES NOT FIT"
         lines.append(
-            f"  {name:<14} {prediction.step_ms:>10.1f} {ratio:>9} {prediction.optimizer_ms:>13.1f} "
+            f"  {name:<16} {prediction.step_ms:>10.1f} {ratio:>9} {prediction.optimizer_ms:>13.1f} "
             f"{prediction.optimizer_share:>6.1%} {prediction.exposed_comm_ms:>13.1f} "
             f"{prediction.memory_gib['peak']:>11.1f}{fits}"
         )

@@ -38,6 +38,7 @@ class System:
     family: str  # "fsdp2", "dmuon", "naive"
     reshard_after_forward: bool = True
     replicate_async: bool = True
+    overlap_step: bool = False  # dmuon.Muon(overlap_step=True): see ``_overlapped_owner_work``
     description: str = ""
 
 
@@ -64,6 +65,19 @@ SYSTEMS: dict[str, System] = {
             reshard_after_forward=False,
             replicate_async=False,
             description="dmuon Z2, HSDP publish before the next step",
+        ),
+        System(
+            name="dmuon-z3-overlap",
+            family="dmuon",
+            overlap_step=True,
+            description="dmuon Z3, owner step started during backward",
+        ),
+        System(
+            name="dmuon-z2-overlap",
+            family="dmuon",
+            reshard_after_forward=False,
+            overlap_step=True,
+            description="dmuon Z2, owner step started during backward",
         ),
         System(
             name="naive-muon",
@@ -93,6 +107,9 @@ class StepBuilder:
         self.step = 0
         self.phase = "forward"
         self.pending_publish: dict[int, list[int]] = {}
+        # Per layer, what its gradients landing on the heaviest owner waits for (the overlapped
+        # step): that owner's segment reduce and, under HSDP, the replicate stage.
+        self.landings: dict[int, list[int]] = {}
 
     # -- primitives --
 
@@ -220,8 +237,9 @@ class StepBuilder:
                 if shard == self.owners.heaviest_shard:
                     heaviest_reduce = op
             stage_two = [After(heaviest_reduce)] if heaviest_reduce is not None else deps
+            landing = [heaviest_reduce] if heaviest_reduce is not None else [after]
             for replica, numel in enumerate(self.owners.replica_pieces[layer]):
-                ops.append(
+                landing.append(
                     self._comm(
                         f"replicate reduce layer {layer} piece {replica}",
                         "dmuon replicate",
@@ -233,6 +251,8 @@ class StepBuilder:
                         layer,
                     )
                 )
+            self.landings[layer] = [op for op in landing if op is not None]
+            ops += landing[1:]
             scattered = model.norm_numel_per_layer
         else:
             scattered = model.layer_matrix_numel(layer) + model.norm_numel_per_layer
@@ -355,6 +375,9 @@ class StepBuilder:
             machine.copy_gbps,
         )
         owner_ms = self._owner_step_ms()
+        if self.system.overlap_step and layout.tp == 1:
+            deps = deps + self._overlapped_owner_work()
+            owner_ms = owners.overlap_commit_ms
         # Under TP the Muon inputs of the heaviest owner's matrices meet on their TP runner and
         # the results go back (NS dtype, 2 bytes): a gather, then a scatter that moves what the
         # gather moved (priced as an all-gather of the whole matrix each way).
@@ -390,6 +413,40 @@ class StepBuilder:
             self.pending_publish = publishes
             return ends
         return ends + [After(op) for ops in publishes.values() for op in ops]
+
+    def _overlapped_owner_work(self) -> list[After]:
+        """The overlapped step's work of the heaviest owner, one layer as its gradients land
+        (in backward's order), on the side stream: in the compute's idle time during backward
+        where it fits ([Note: work that only fills idle time] in ``timeline``), after the
+        backward otherwise. Returns what the commit in ``step()`` waits for. Under TP the real
+        step recomputes the sharded matrices, so ``_dmuon_step`` does not call this there."""
+        side_end: After | None = None
+        for layer in reversed(range(self.model.num_layers)):
+            ms = self.owners.overlap_layer_ms[layer]
+            if ms <= 0:
+                continue
+            landing = [After(op) for op in self.landings.get(layer, [])]
+            deps = landing + ([side_end] if side_end is not None else [])
+            op = Op(
+                name=f"owner step layer {layer} (speculative)",
+                stream="dmuon owner step",
+                resource="compute",
+                kind="optimizer",
+                duration_ms=ms,
+                deps=tuple(deps),
+                step=self.step,
+                phase="backward",
+                layer=layer,
+            )
+            ready = max((self.timeline.ops[d.op].end_ms for d in deps), default=0.0)
+            pieces, left = self.timeline.fill_idle(op, ready)
+            if pieces:
+                side_end = After(pieces[-1])
+            if left > 0:  # after the backward: part of the step's time
+                op.duration_ms, op.deps = left, tuple(deps + ([side_end] if side_end else []))
+                op.phase = "step"
+                side_end = After(self.timeline.add(op))
+        return [side_end] if side_end is not None else []
 
     def _owner_step_ms(self) -> float:
         """The heaviest owner's step: the step waits for it."""

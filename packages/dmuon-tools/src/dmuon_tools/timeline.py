@@ -24,6 +24,15 @@ that one back for the part before. A forward that waited for a broadcast which i
 the previous step's HSDP publish charges the publish for its share and the broadcast for the
 rest. The tail of a window after the last compute operation is charged the same way from the
 operation that ends the window.
+
+[Note: work that only fills idle time]
+``fill_idle`` places an operation of low priority (the overlapped owner step on its side stream)
+into the idle intervals its resource has left between a time and the end of what the resource
+already holds, cut into pieces where the intervals are; nothing placed before moves, so the
+compute that ran at full speed keeps its time and the filler takes only what was idle (the GPU
+shares its SMs between streams; here it gives the filler none while a kernel of the compute
+stream runs, which neither slows backward down nor lets the filler use what a kernel leaves
+unoccupied). What does not fit is returned for the caller to place with ``add``.
 """
 
 from __future__ import annotations
@@ -80,6 +89,42 @@ class Timeline:
         self._last_on[op.resource] = len(self.ops) - 1
         return len(self.ops) - 1
 
+    def fill_idle(self, op: Op, not_before: float) -> tuple[list[int], float]:
+        """Place ``op`` (its ``duration_ms``) into the idle time of its resource from
+        ``not_before`` to the end of what the resource holds ([Note: work that only fills idle
+        time]); returns the pieces placed and the milliseconds that did not fit."""
+        end = self._free_at.get(op.resource, 0.0)
+        busy = sorted(
+            (placed.start_ms, placed.end_ms)
+            for placed in self.ops
+            if placed.resource == op.resource and placed.end_ms > not_before
+        )
+        left, cursor, pieces = op.duration_ms, not_before, []
+        for start, stop in [*busy, (end, end)]:
+            if left <= _EPSILON_MS or cursor >= end:
+                break
+            if start - cursor > _EPSILON_MS:
+                length = min(start - cursor, left)
+                piece = Op(
+                    name=f"{op.name} (part {len(pieces) + 1})",
+                    stream=op.stream,
+                    resource=op.resource,
+                    kind=op.kind,
+                    duration_ms=length,
+                    deps=op.deps,
+                    step=op.step,
+                    phase=op.phase,
+                    layer=op.layer,
+                    start_ms=cursor,
+                    end_ms=cursor + length,
+                )
+                self._previous_on_resource.append(None)
+                self.ops.append(piece)
+                pieces.append(len(self.ops) - 1)
+                left -= length
+            cursor = max(cursor, stop)
+        return pieces, max(left, 0.0)
+
     def end_of(self, indices) -> float:
         return max((self.ops[i].end_ms for i in indices), default=0.0)
 
@@ -88,8 +133,14 @@ class Timeline:
         operation that held it back (see [Note: who is to blame for a wait])."""
         exposed: dict[str, float] = {}
         cursor = begin_ms
-        for index, op in enumerate(self.ops):
-            if op.resource != "compute" or not begin_ms <= op.start_ms < end_ms:
+        # In time order: pieces placed by ``fill_idle`` come later in the list than they run.
+        compute = sorted(
+            (i for i, op in enumerate(self.ops) if op.resource == "compute"),
+            key=lambda i: self.ops[i].start_ms,
+        )
+        for index in compute:
+            op = self.ops[index]
+            if not begin_ms <= op.start_ms < end_ms:
                 continue
             if op.start_ms - cursor > _EPSILON_MS:
                 self._blame(self._blocker(index), cursor, op.start_ms, exposed)

@@ -1,0 +1,326 @@
+"""The overlapped owner step: Muon's owner work started during backward, committed by ``step()``.
+
+Owns the speculation of ``dmuon.Muon(..., overlap_step=True)``: what was computed during
+backward for which matrices, from which inputs, on which stream, and whether ``step()`` may
+commit it. It must not do the update math (``dmuon.Muon`` hands it the functions that compute
+and apply, the same ones its plain step uses) nor move data (``hooks`` lands the gradients).
+
+[Note: the overlapped step]
+Plain schedule: backward reduces each boundary's gradients to their owners, the end of backward
+adds them into the masters' ``.grad``, and ``step()`` runs momentum + Newton-Schulz for every
+owned matrix. With ``overlap_step=True`` each boundary's owned gradients *land* as soon as the
+boundary has reduced (``DedicatedState._land``: its local reduces waited for, the replicate
+stage under HSDP run, the messages averaged), and the owner immediately computes, for that
+boundary's Muon matrices of each param group (a *unit*), the new momentum and the Newton-Schulz
+output, on a side stream on CUDA (inline elsewhere), while backward goes on through the earlier
+layers. This work is *speculative*: nothing the plain step reads is changed by it. The new
+momentum goes into a scratch buffer and the Newton-Schulz output is kept; the masters and the
+optimizer state are untouched until ``step()``.
+
+``step()`` *commits* a unit only where its inputs are exactly those the plain step would use:
+
+- each matrix's ``.grad`` at step time is the very tensor the speculation read (a view of the
+  same averaged message, same offset) and unchanged since: the message's version counter is the
+  one recorded at landing. A later backward without ``no_sync`` adds into the gradient (its
+  version moves), ``zero_grad`` drops it, a user's in-place edit moves the version: recompute;
+- ``dmuon.clip_grad_norm_`` scales every gradient in place (torch multiplies even by 1). It
+  records the coefficient it used; a unit whose gradients were changed by that clip alone
+  commits only if the coefficient is exactly 1.0 (one scalar read on the host in ``step()``),
+  since multiplying by 1.0 changes no bit; a clip that really scales means recompute;
+- the step-wide non-finite decision runs first, as in the plain step: a skipped step (or
+  ``nonfinite="raise"``) discards every speculation; with ``"ignore"`` a NaN gradient's unit
+  commits the same NaN the plain step would compute from it;
+- the momentum state is the one it read (same tensor, same version; or still absent), and the
+  group's ``momentum`` and ``nesterov`` are the values it used. ``lr``, ``weight_decay`` and
+  ``adjust_lr`` are read at commit (the decay and the update are applied there), so an lr
+  scheduler needs nothing;
+- the unit's matrices with a gradient at step time are exactly the ones speculated (a matrix no
+  rank produced a gradient for in this backward is absent: recompute the unit).
+
+A committed unit installs its scratch momentum as the state's and applies the stored
+Newton-Schulz output with the group's current lr and weight decay; every other unit is computed
+by the plain step. Both go through the same functions with the same batching: in this mode the
+plain step, too, runs one unit at a time (Newton-Schulz batched by shape within a boundary,
+not across boundaries), so a committed unit and a recomputed one are bit-identical on any
+device, by construction. Against the default schedule (batched across boundaries) they are
+bit-identical where the kernels give each matrix of a batch the same result whatever the batch
+(verified on CPU: ``tests/distributed/test_overlap_step.py``); on CUDA that holds if the
+batched matmuls and the SYRK autotune are batch-invariant, which is to be measured.
+
+Streams (CUDA): a landing makes the side stream wait for the compute stream (so it sees the
+gradients, the momentum and the previous step's writes) and the reduces; the tensors it reads
+that the compute stream allocated are ``record_stream``-ed on the side stream. The end of
+backward makes the compute stream wait for the side stream before the masters take their
+gradients (so ``clip_grad_norm_`` and ``step()`` read finished work, and the clip's in-place
+scaling never races the speculation's reads).
+
+Memory: from landing to ``step()``, per speculated matrix, a scratch momentum (fp32, 4 bytes an
+element; the old buffer is freed at commit) and the Newton-Schulz output (its dtype: 2 bytes an
+element in fp16 on CUDA, 4 in fp32 on CPU): about 6 bytes per owned Muon element on CUDA, where
+the plain step holds only one Newton-Schulz call's transient buffers at a time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from dmuon._torch_internals import tensor_version, view_base
+from dmuon.experts import is_expert_piece
+from dmuon.group import AveragedGradients, BoundaryGroup, GradientMessage
+
+# (master, expert) pairs of one Newton-Schulz call, and its output: see ``dmuon.optim``.
+Call = list[tuple[nn.Parameter, int | None]]
+Speculate = Callable[
+    [dict, list[nn.Parameter], dict[int, torch.Tensor], dict[int, torch.Tensor]],
+    list[tuple[Call, torch.Tensor]],
+]
+Apply = Callable[[dict, Call, torch.Tensor], None]
+
+
+@dataclass(frozen=True, slots=True)
+class OverlapStepStats:
+    """Counts of Muon matrices (an expert piece's experts each count) since construction.
+
+    ``speculated``: computed during backward; ``committed``: of those, applied by ``step()``;
+    ``discarded``: of those, thrown away (inputs changed, a clip that scaled, a skipped step,
+    ``zero_grad``, a later landing); ``recomputed``: computed by ``step()`` itself."""
+
+    speculated: int = 0
+    committed: int = 0
+    discarded: int = 0
+    recomputed: int = 0
+
+
+@dataclass(eq=False, slots=True)
+class _Input:
+    """The gradient and momentum one matrix's speculation read."""
+
+    message: torch.Tensor  # the averaged message its gradient is a view of
+    offset: int  # the gradient's storage offset in it
+    version: int  # the message's version the result is valid for
+    # Clip coefficients (0-dim tensors) that must be exactly 1.0 for the version to hold.
+    clip_coefficients: list[torch.Tensor] = field(default_factory=list)
+    momentum: torch.Tensor | None = None  # the state's buffer it read (None: none yet)
+    momentum_version: int = 0
+
+
+@dataclass(eq=False, slots=True)
+class _Unit:
+    """One boundary's Muon matrices of one param group, speculated."""
+
+    group_index: int
+    masters: list[nn.Parameter]  # in param-group order
+    momentum: float
+    nesterov: bool
+    inputs: dict[int, _Input]  # id(master) ->
+    scratch: dict[int, torch.Tensor]  # id(master) -> its new momentum buffer
+    calls: list[tuple[Call, torch.Tensor]]  # each Newton-Schulz call and its output
+    matrices: int
+
+
+class OverlappedStep:
+    """The speculation of one ``dmuon.Muon``; see [Note: the overlapped step].
+
+    ``units``: per Muon param group (by index), id(master) -> the boundary it lands with;
+    ``speculate(group, masters, grads, scratch)`` computes a unit's scratch momentum (filled in
+    ``scratch``) and Newton-Schulz calls; ``apply(group, call, output)`` applies one call.
+    """
+
+    def __init__(
+        self,
+        *,
+        param_groups: list[dict],
+        boundary_of: dict[int, BoundaryGroup],
+        muon_groups: list[int],
+        state: dict,
+        speculate: Speculate,
+        apply: Apply,
+        device: torch.device,
+    ) -> None:
+        self._param_groups = param_groups
+        self._boundary_of = boundary_of
+        self._muon_groups = muon_groups
+        self._state = state
+        self._speculate = speculate
+        self._apply_call = apply
+        self._device = device
+        self._units: dict[tuple[int, BoundaryGroup], _Unit] = {}
+        self._side: torch.cuda.Stream | None = None
+        self._side_used = False
+        self.stats = OverlapStepStats()
+
+    # ---- during backward (``hooks.GradientListener``) -------------------------------------------
+
+    @contextlib.contextmanager
+    def landing(self) -> Iterator[None]:
+        if self._device.type != "cuda":
+            yield
+            return
+        if self._side is None:
+            self._side = torch.cuda.Stream(self._device)
+        self._side.wait_stream(torch.cuda.current_stream(self._device))
+        self._side_used = True
+        with torch.cuda.stream(self._side):
+            yield
+
+    def landed(
+        self, group: BoundaryGroup, received: list[GradientMessage], averaged: AveragedGradients
+    ) -> None:
+        grads: dict[int, torch.Tensor] = {}
+        messages: dict[int, tuple[torch.Tensor, int]] = {}
+        for p, index, start in averaged.owned:
+            grad = averaged.averaged[index][start : start + p.numel].view(p.local_shape)
+            grads[id(p.master)] = grad
+            messages[id(p.master)] = (averaged.averaged[index], grad.storage_offset())
+        if self._side is not None and self._device.type == "cuda":
+            for item in received:  # read here, allocated (and freed) by the compute stream
+                item.message.record_stream(self._side)
+        with torch.no_grad():
+            for group_index in self._muon_groups:
+                masters = [
+                    m
+                    for m in self._param_groups[group_index]["params"]
+                    if self._boundary_of.get(id(m)) is group and id(m) in grads and m.numel() > 0
+                ]
+                self._drop((group_index, group))
+                # A gradient already in a master (a backward without no_sync before this one)
+                # is summed into at the end of backward: the plain step computes that unit.
+                if masters and all(m.grad is None for m in masters):
+                    self._units[(group_index, group)] = self._speculate_unit(
+                        group_index, masters, grads, messages
+                    )
+
+    def _speculate_unit(self, group_index, masters, grads, messages) -> _Unit:
+        hyper = self._param_groups[group_index]
+        inputs = {}
+        for m in masters:
+            message, offset = messages[id(m)]
+            buffer = self._state.get(m, {}).get("momentum_buffer")
+            if buffer is not None and self._side is not None:
+                buffer.record_stream(self._side)
+            inputs[id(m)] = _Input(
+                message=message,
+                offset=offset,
+                version=tensor_version(message),
+                momentum=buffer,
+                momentum_version=0 if buffer is None else tensor_version(buffer),
+            )
+        scratch: dict[int, torch.Tensor] = {}
+        calls = self._speculate(hyper, masters, grads, scratch)
+        matrices = sum(len(call) for call, _ in calls)
+        self._count(speculated=matrices)
+        return _Unit(
+            group_index=group_index,
+            masters=masters,
+            momentum=hyper["momentum"],
+            nesterov=hyper["nesterov"],
+            inputs=inputs,
+            scratch=scratch,
+            calls=calls,
+            matrices=matrices,
+        )
+
+    def before_masters_take_gradients(self) -> None:
+        if self._side_used:
+            torch.cuda.current_stream(self._device).wait_stream(self._side)
+            self._side_used = False
+
+    def gradients_cleared(self) -> None:
+        self.discard()
+
+    # ---- dmuon.clip_grad_norm_ ------------------------------------------------------------------
+
+    def versions(self) -> dict[int, int]:
+        """Before a clip scales the gradients: each speculated message's version now."""
+        return {
+            id(i.message): tensor_version(i.message)
+            for u in self._units.values()
+            for i in u.inputs.values()
+        }
+
+    def gradients_scaled(self, before: dict[int, int], coefficient: torch.Tensor) -> None:
+        """A clip multiplied every gradient by ``coefficient`` in place: a speculation whose
+        message the clip alone changed stays valid if the coefficient is exactly 1.0."""
+        for unit in self._units.values():
+            for i in unit.inputs.values():
+                if before.get(id(i.message)) == i.version:
+                    i.version = tensor_version(i.message)
+                    i.clip_coefficients.append(coefficient)
+
+    # ---- step() ---------------------------------------------------------------------------------
+
+    def discard(self) -> None:
+        """Drop every speculation (a skipped step, zero_grad)."""
+        for key in list(self._units):
+            self._drop(key)
+
+    def units_to_compute(self, group_index: int, masters: list[nn.Parameter]) -> list[list]:
+        """Commit the speculated units of this group whose inputs are the plain step's; return
+        the others, each a list of masters in group order, for the plain step to compute."""
+        by_boundary: dict[BoundaryGroup | None, list[nn.Parameter]] = {}
+        for m in masters:
+            by_boundary.setdefault(self._boundary_of.get(id(m)), []).append(m)
+        group = self._param_groups[group_index]
+        remaining, ones = [], {}
+        for boundary, unit_masters in by_boundary.items():
+            unit = self._units.pop((group_index, boundary), None)
+            if unit is not None and self._valid(unit, unit_masters, group, ones):
+                for m in unit.masters:
+                    self._state[m]["momentum_buffer"] = unit.scratch[id(m)]
+                for call, output in unit.calls:
+                    self._apply_call(group, call, output)
+                self._count(committed=unit.matrices)
+            else:
+                if unit is not None:
+                    self._count(discarded=unit.matrices)
+                remaining.append(unit_masters)
+        self._count(recomputed=sum(_matrix_count(m) for u in remaining for m in u))
+        return remaining
+
+    def _valid(self, unit: _Unit, masters, group: dict, ones: dict) -> bool:
+        if unit.masters != masters or (unit.momentum, unit.nesterov) != (
+            group["momentum"],
+            group["nesterov"],
+        ):
+            return False
+        for m in masters:
+            i = unit.inputs[id(m)]
+            grad = m.grad
+            if (
+                grad is None
+                or view_base(grad) is not i.message
+                or grad.storage_offset() != i.offset
+                or tensor_version(i.message) != i.version
+            ):
+                return False
+            buffer = self._state.get(m, {}).get("momentum_buffer")
+            if buffer is not i.momentum or (
+                buffer is not None and tensor_version(buffer) != i.momentum_version
+            ):
+                return False
+            for coefficient in i.clip_coefficients:
+                if id(coefficient) not in ones:  # one host read per clip
+                    ones[id(coefficient)] = bool((coefficient == 1.0).item())
+                if not ones[id(coefficient)]:
+                    return False
+        return True
+
+    def _drop(self, key) -> None:
+        unit = self._units.pop(key, None)
+        if unit is not None:
+            self._count(discarded=unit.matrices)
+
+    def _count(self, **more: int) -> None:
+        s = self.stats
+        self.stats = OverlapStepStats(
+            **{name: getattr(s, name) + more.get(name, 0) for name in s.__dataclass_fields__}
+        )
+
+
+def _matrix_count(master: torch.Tensor) -> int:
+    return master.shape[0] if is_expert_piece(master) else 1

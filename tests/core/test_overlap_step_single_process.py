@@ -1,0 +1,83 @@
+"""``dmuon.Muon(..., overlap_step=True)`` in one process (``dedicate_params(model, None, ...)``):
+the owner step committed from backward equals the plain step bit for bit, expert stacks
+included. (On several ranks: tests/distributed/test_overlap_step.py.)"""
+
+import pytest
+import torch
+
+import dmuon
+from dmuon.hooks import get_dedicated_state
+from dmuon_kernels.newton_schulz import NewtonSchulz
+from tests.distributed.models import TinyDecoder, batches, loss_fn, proj_predicate
+from tests.distributed.models_moe import MoEDecoder, moe_predicate
+
+
+def train(overlap_step: bool, steps: int = 3, clip: float | None = None, moe: bool = False):
+    torch.manual_seed(0)
+    model = MoEDecoder() if moe else TinyDecoder()
+    dmuon.dedicate_params(model, None, moe_predicate if moe else proj_predicate)
+    optimizer = dmuon.Muon(
+        model,
+        weight_decay=0.01,
+        ns_backend=NewtonSchulz(dtype=torch.float32, kernel="cublas"),
+        overlap_step=overlap_step,
+    )
+    for batch in batches(steps, 1):
+        loss_fn(model, batch).backward()
+        if clip is not None:
+            dmuon.clip_grad_norm_(model, optimizer, clip)
+        optimizer.step()
+        optimizer.zero_grad()
+    state = get_dedicated_state(model)
+    weights = {p.fqn: p.master.detach().clone() for p in state.iter_owned_masters()}
+    momenta = {
+        p.fqn: optimizer.state[p.master]["momentum_buffer"].clone()
+        for p in state.iter_owned_masters()
+        if p.route == "muon"
+    }
+    return weights, momenta, optimizer
+
+
+@pytest.mark.parametrize("clip", [None, 1e6, 1e-3])
+def test_one_process_overlapped_step_is_the_plain_step(clip):
+    plain_weights, plain_momenta, _ = train(False, clip=clip)
+    weights, momenta, optimizer = train(True, clip=clip)
+    for name in plain_weights:
+        assert torch.equal(plain_weights[name], weights[name]), name
+    for name in plain_momenta:
+        assert torch.equal(plain_momenta[name], momenta[name]), name
+    stats = optimizer.overlap_stats()
+    assert stats.speculated == 3 * len(momenta)
+    if clip == 1e-3:  # the clip scaled: nothing committed
+        assert stats.committed == 0 and stats.recomputed == stats.discarded == stats.speculated
+    else:
+        assert stats.committed == stats.speculated and stats.recomputed == 0
+
+
+def test_a_second_optimizer_with_overlap_on_one_model_is_refused():
+    torch.manual_seed(0)
+    model = TinyDecoder()
+    dmuon.dedicate_params(model, None, proj_predicate)
+    dmuon.Muon(model, overlap_step=True)
+    with pytest.raises(ValueError, match="already has an optimizer"):
+        dmuon.Muon(model, overlap_step=True, step_group=dmuon.StepGroup())
+
+
+def test_overlap_step_must_be_a_bool():
+    torch.manual_seed(0)
+    model = TinyDecoder()
+    dmuon.dedicate_params(model, None, proj_predicate)
+    with pytest.raises(TypeError, match="overlap_step must be True or False"):
+        dmuon.Muon(model, overlap_step="yes")
+
+
+def test_expert_pieces_are_committed_bit_for_bit():
+    plain_weights, plain_momenta, _ = train(False, moe=True)
+    weights, momenta, optimizer = train(True, moe=True)
+    for name in plain_weights:
+        assert torch.equal(plain_weights[name], weights[name]), name
+    for name in plain_momenta:
+        assert torch.equal(plain_momenta[name], momenta[name]), name
+    stats = optimizer.overlap_stats()
+    assert any(m.ndim == 3 for m in momenta.values())
+    assert stats.committed == stats.speculated > 0 and stats.recomputed == 0
