@@ -41,6 +41,7 @@ BUILT_ON_THE_PROTOCOL = {
     "dmuon.inspect",
     "dmuon.module_state",
     "dmuon.optim",
+    "dmuon.qk_clip",
     "dmuon.step_group",
 }
 

@@ -34,6 +34,7 @@ from dmuon.deferred import dedicate_before_fully_shard  # noqa: E402
 from dmuon.optim import Muon  # noqa: E402
 from dmuon.partition import OwnerCoord  # noqa: E402
 from dmuon.policy import ParamDefaults, ParamPolicy  # noqa: E402
+from dmuon.qk_clip import AttentionHeads, QKClip, attention_max_logits  # noqa: E402
 from dmuon.step_group import StepGroup  # noqa: E402
 from dmuon_kernels import (  # noqa: E402
     KELLER_COEFFICIENTS,
@@ -75,13 +76,16 @@ __all__ = [
     "KELLER_COEFFICIENTS",
     "POLAR_EXPRESS_COEFFICIENTS",
     "YOU_COEFFICIENTS",
+    "AttentionHeads",
     "Muon",
     "NewtonSchulz",
     "OwnerCoord",
     "ParamDefaults",
     "ParamPolicy",
+    "QKClip",
     "StepGroup",
     "__version__",
+    "attention_max_logits",
     "clip_grad_norm_",
     "dedicate_before_fully_shard",
     "dedicate_params",

@@ -49,6 +49,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import warnings
+from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
@@ -165,6 +166,8 @@ class DedicatedState:
         # Boundaries whose dtypes the first forward looked at (_warn_on_mixed_compute_dtypes).
         self._dtypes_checked: set[BoundaryGroup] = set()
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
+        # Run by after_step between the update and the publish (register_master_update_hook).
+        self._master_update_hooks: OrderedDict[int, Callable[[], None]] = OrderedDict()
 
     @property
     def device(self) -> torch.device:
@@ -357,7 +360,19 @@ class DedicatedState:
     def after_step(self, *, asynchronous: bool) -> None:
         """The masters changed: every copy of the weights follows (collective). Asynchronous:
         the HSDP publish is waited for by the next forward (or ``before_step``)."""
+        for hook in self._master_update_hooks.values():
+            hook()
         self.publish_masters(wait=not asynchronous)
+
+    def register_master_update_hook(
+        self, hook: Callable[[], None]
+    ) -> torch.utils.hooks.RemovableHandle:
+        """``hook()`` runs in every ``after_step``: after the optimizer updated the weights (the
+        owners' masters, FSDP2's shards) and before the masters are published, so what it
+        writes into them reaches every copy with the step's own publish (``dmuon.QKClip``)."""
+        handle = torch.utils.hooks.RemovableHandle(self._master_update_hooks)
+        self._master_update_hooks[handle.id] = hook
+        return handle
 
     # ---- loading weights ------------------------------------------------------------------------
 

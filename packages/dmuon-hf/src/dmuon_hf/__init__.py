@@ -5,15 +5,19 @@
 - ``DMuonTrainer``: ``transformers.Trainer`` that shards a plain model from
   ``TrainingArguments(fsdp=..., fsdp_config={"fsdp_version": 2, ...})`` with dmuon, or trains a
   dedicated + ``fully_shard``-ed model as it is (no DDP/FSDP re-wrap).
+- ``qk_clip_hf(model, optimizer, threshold=100.0)``: MuonClip's QK-clip (``dmuon.QKClip``) on
+  every attention layer of a Llama / Qwen2 / Qwen3 model, observed through its attention
+  implementation.
 - ``DMuonAccelerator``: Accelerate's ``Accelerator`` for the same without the Trainer
   (``prepare``, ``clip_grad_norm_``, ``save_state``/``load_state``).
 
 Modules: ``predicates`` -> ``sharding`` (the FSDP2 plugin applied with dmuon) -> ``trainer``,
-``accelerator``.
+``accelerator``; ``qk_clip`` apart.
 """
 
 from dmuon_hf.accelerator import DMuonAccelerator
 from dmuon_hf.predicates import PREDICATES, Predicate, ProjectionPredicate, default_predicate
+from dmuon_hf.qk_clip import qk_clip_hf
 from dmuon_hf.trainer import DMuonTrainer
 
 __version__ = "0.1.0"
@@ -26,4 +30,5 @@ __all__ = [
     "ProjectionPredicate",
     "__version__",
     "default_predicate",
+    "qk_clip_hf",
 ]
