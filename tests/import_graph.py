@@ -36,6 +36,19 @@ def imported_modules(path: Path, modules: dict[str, Path]) -> set[str]:
     return {name for name in found if name in modules}
 
 
+def every_imported_module(path: Path) -> set[str]:
+    """Every module ``path`` imports, of any package, with ``from a import b`` read as both ``a``
+    and ``a.b``."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.add(node.module)
+            names.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return names
+
+
 def import_graph(source: Path) -> dict[str, set[str]]:
     """Module -> the package's modules it imports (itself left out)."""
     modules = package_modules(source)

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.import_graph import every_imported_module
+
 REPOSITORY = Path(__file__).resolve().parents[1]
 PACKAGES = REPOSITORY / "packages"
 CORE = PACKAGES / "dmuon-core/src/dmuon"
@@ -190,22 +192,10 @@ def test_no_dmuon_module_imports_the_testing_oracle():
     offenders = [
         str(path.relative_to(CORE))
         for path in sorted(CORE.rglob("*.py"))
-        if path != testing and "dmuon.testing" in _imported_modules(path)
+        if path != testing and "dmuon.testing" in every_imported_module(path)
     ]
     assert offenders == []
 
 
 def test_the_testing_oracle_uses_only_dmuon_public_surface():
     assert private_dmuon_uses((CORE / "testing.py").read_text()) == []
-
-
-def _imported_modules(path: Path) -> set[str]:
-    """Every module ``path`` imports, with ``from a import b`` read as both ``a`` and ``a.b``."""
-    names = set()
-    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
-        if isinstance(node, ast.Import):
-            names.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            names.add(node.module)
-            names.update(f"{node.module}.{alias.name}" for alias in node.names)
-    return names

@@ -6,12 +6,13 @@ the setup. Imports under ``TYPE_CHECKING`` and inside functions count (``tests/i
 
 from __future__ import annotations
 
+import ast
 from pathlib import Path
 
 import pytest
 
 import dmuon
-from tests.import_graph import first_cycle, import_graph, reachable
+from tests.import_graph import every_imported_module, first_cycle, import_graph, reachable
 
 SOURCE = Path(dmuon.__file__).resolve().parent
 GRAPH = import_graph(SOURCE)
@@ -23,6 +24,7 @@ LEAVES = (
     "dmuon.collectives",
     "dmuon.consistency",
     "dmuon.fqn",
+    "dmuon.muon_update",
     "dmuon.partition",
     "dmuon.policy",
     "dmuon.profile",
@@ -68,6 +70,25 @@ def test_the_protocol_never_reaches_what_is_built_on_it(module):
 
 def test_the_optimizer_asks_the_state_and_never_the_setup():
     assert "dmuon.dedicate" not in reachable(GRAPH, "dmuon.optim")
+
+
+def test_the_muon_route_reaches_the_kernels_only_through_muon_update():
+    # One road: momentum, normalisation, Newton-Schulz, the lr scale and the update are
+    # muon_update's; the optimizer hands it the tensors and its NewtonSchulz.
+    through_fused = {
+        path.name
+        for path in SOURCE.rglob("*.py")
+        if "dmuon_kernels.fused" in every_imported_module(path)
+    }
+    assert through_fused == {"muon_update.py"}
+    optim = ast.parse((SOURCE / "optim.py").read_text())
+    runs_the_iteration = [
+        f"line {node.lineno}: .{node.attr}"
+        for node in ast.walk(optim)
+        if isinstance(node, ast.Attribute)
+        and node.attr in ("iterate_normalized", "normalized_buffer", "prepare")
+    ]
+    assert runs_the_iteration == []
 
 
 def test_the_cycle_finder_finds_a_cycle_of_types():

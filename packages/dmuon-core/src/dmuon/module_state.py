@@ -94,6 +94,9 @@ if TYPE_CHECKING:
 
 Dedicated = DedicatedParam | ExpertStack
 EntryMaker = Callable[[Dedicated], "torch.Tensor | None"]
+# What dmuon's load_state_dict pre-hooks read of torch's eight arguments:
+# (module, state_dict, prefix, error_msgs).
+LoadPreHook = Callable[[nn.Module, dict, str, list[str]], None]
 
 FULL_VALUES_NEED_CHECKPOINT = (
     "{caller} asks model.state_dict() for full values, but dmuon keeps the full value of the "
@@ -131,8 +134,8 @@ def register_state_dict_hooks(state: DedicatedState) -> list[torch.utils.hooks.R
                 functools.partial(_state_dict_pre_hook, state, held)
             ),
             module.register_state_dict_post_hook(functools.partial(_state_dict_post_hook, held)),
-            module.register_load_state_dict_pre_hook(
-                functools.partial(_load_state_dict_pre_hook, state, held)
+            register_load_pre_hook(
+                module, functools.partial(_load_state_dict_pre_hook, state, held)
             ),
         ]
     return handles
@@ -287,16 +290,33 @@ def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
 # ---- loading ----------------------------------------------------------------------------------
 
 
+def register_load_pre_hook(
+    module: nn.Module, hook: LoadPreHook
+) -> torch.utils.hooks.RemovableHandle:
+    """Register ``hook(module, state_dict, prefix, error_msgs)`` as a ``load_state_dict``
+    pre-hook of ``module`` (torch passes eight arguments; the other four are unused here)."""
+
+    def torch_hook(
+        module: nn.Module,
+        state_dict: dict,
+        prefix: str,
+        local_metadata: dict,
+        strict: bool,
+        missing_keys: list[str],
+        unexpected_keys: list[str],
+        error_msgs: list[str],
+    ) -> None:
+        hook(module, state_dict, prefix, error_msgs)
+
+    return module.register_load_state_dict_pre_hook(torch_hook)
+
+
 def _load_state_dict_pre_hook(
     state: DedicatedState,
     held: _HeldParams,
     module: nn.Module,
     state_dict: dict,
     prefix: str,
-    local_metadata: dict,
-    strict: bool,
-    missing_keys: list[str],
-    unexpected_keys: list[str],
     error_msgs: list[str],
 ) -> None:
     if not state.is_adopted or state.checkpoint_loading:
@@ -305,14 +325,14 @@ def _load_state_dict_pre_hook(
     for p in held.params:
         key = prefix + p.attr
         if key not in state_dict:
-            if not _owns_part(p):  # not this rank's entry, so not missing here
+            if not owns_part(p):  # not this rank's entry, so not missing here
                 state_dict[key] = p.placeholder
             continue  # the owner: torch reports the missing key
         value = state_dict[key]
         # The placeholder then "loads" a 0-element tensor (or, with assign=True, itself).
         state_dict[key] = p.placeholder
         error = value_error(key, p, value)
-        if error is None and _owns_part(p):
+        if error is None and owns_part(p):
             try:
                 _load_into_masters(p, value)
             except ValueError as failure:  # a sharded stack value of another layout
@@ -321,7 +341,8 @@ def _load_state_dict_pre_hook(
             error_msgs.append(error)
 
 
-def _owns_part(p: Dedicated) -> bool:
+def owns_part(p: Dedicated) -> bool:
+    """Whether this rank holds part of ``p``'s value: its master, or pieces of the stack."""
     if isinstance(p, ExpertStack):
         return bool(p.owned_pieces())
     return p.master is not None

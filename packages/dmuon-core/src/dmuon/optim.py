@@ -1,8 +1,10 @@
 """``dmuon.Muon``: Muon on the matrices this rank owns, AdamW on everything else.
 
-Owns the update math of the owner step and the two routes; it must not move data itself: it
-asks the model's state before the step (``before_step``) and after it (``after_step``: the
-weights follow the masters, published across replicas).
+Owns the owner step and the two routes: which matrices share a Newton-Schulz call, the
+optimizer state, torch's AdamW; the Muon route's math is ``muon_update``'s, its one road to the
+kernels. It must not move data itself: it asks the model's state before the step
+(``before_step``) and after it (``after_step``: the weights follow the masters, published
+across replicas).
 
 Routes (``dmuon.routing`` decides each parameter's route, group and hyperparameters):
 - ``"muon"``: the fp32 masters of the dedicated matrices this rank owns (the master of an
@@ -38,7 +40,7 @@ from dmuon.ddp import check_gradients_are_averaged
 from dmuon.experts import ExpertStack, is_expert_piece
 from dmuon.fqn import canonical_fqn
 from dmuon.hooks import get_dedicated_state
-from dmuon.muon_update import BATCH_BYTES, BATCHED_NUMEL, apply_updates_, normalized_inputs_
+from dmuon.muon_update import matrix_shape_of
 from dmuon.nonfinite import check_policy
 from dmuon.overlap import OverlappedStep, OverlapStepStats
 from dmuon.param import MUON_ROUTE, DedicatedParam, is_dedicated
@@ -63,9 +65,6 @@ from dmuon.tp import ChunkExchange
 from dmuon_kernels.coefficients import KELLER_COEFFICIENTS
 from dmuon_kernels.newton_schulz import NewtonSchulz
 
-# Muon's update is scaled by 0.2 * sqrt(max(m, n)) so its RMS matches AdamW's.
-MUON_RMS_MATCH = 0.2
-# How the learning rate of an (m, n) matrix is scaled (ADJUST_LR): see ``_lr_scale``.
 logger = logging.getLogger("dmuon")
 _FUSED_ADAMW_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 # Newton-Schulz input of one batched call, at 2 bytes an element: the iteration's transient
@@ -440,60 +439,50 @@ class Muon(torch.optim.Optimizer):
             [masters] if self._overlap is None else self._overlap.units_to_compute(index, masters)
         )
         for unit in units:
-            for short, long, call in _ns_calls_of(unit):
-                self._muon_update(group, call, short, long)
+            for call in _ns_calls_of(unit):
+                self._muon_update(group, call)
 
-    def _muon_update(
-        self, group: dict, masters: list[tuple[nn.Parameter, int | None]], short: int, long: int
-    ) -> None:
-        """Momentum, one batched Newton-Schulz and the update of ``masters``: matrices (or
-        experts of expert pieces) of one Newton-Schulz shape (short, long)."""
+    def _muon_update(self, group: dict, masters: list[tuple[nn.Parameter, int | None]]) -> None:
+        """The Muon step of ``masters``: matrices (or experts of expert pieces) of one
+        Newton-Schulz shape, equal (rows, cols) adjacent; the math is ``muon_update``'s."""
         grads, momenta, first_steps = [], [], []
         for master, expert in masters:
             first_step, momentum = _momentum_of(self.state[master], master, expert)
             grads.append(_matrix(master.grad, expert))
             momenta.append(momentum)
             first_steps.append(first_step)
-        orthogonal = self._orthogonal(group, masters, grads, momenta, first_steps, short, long)
+        orthogonal = self._orthogonal(group, grads, momenta, first_steps)
         self._apply_call(group, masters, orthogonal)
 
     def _orthogonal(
         self,
         group: dict,
-        masters: list[tuple[nn.Parameter, int | None]],
         grads: list[torch.Tensor],
         momenta: list[torch.Tensor],
         first_steps: list[bool],
-        short: int,
-        long: int,
     ) -> torch.Tensor:
-        """Momentum and Nesterov (into ``momenta``), the normalised Newton-Schulz input and
-        one batched Newton-Schulz of one call's matrices; returns its output (B, short, long)."""
-        newton_schulz = self._newton_schulz
-        inputs = newton_schulz.normalized_buffer((len(masters), short, long), grads[0].device)
-        for start, stop in _batches(masters):
-            normalized_inputs_(
-                grads[start:stop],
-                momenta[start:stop],
-                first_steps[start:stop],
-                group["momentum"],
-                group["nesterov"],
-                out=inputs[start:stop],
-            )
-        return newton_schulz.iterate_normalized(inputs)
+        """Momentum and Nesterov (into ``momenta``) and one batched Newton-Schulz of one call's
+        matrices; returns its output (B, short, long)."""
+        return muon_update.orthogonalized_matrices(
+            self._newton_schulz,
+            grads,
+            momenta,
+            first_steps,
+            momentum=group["momentum"],
+            nesterov=group["nesterov"],
+        )
 
     def _apply_call(
         self, group: dict, masters: list[tuple[nn.Parameter, int | None]], orthogonal: torch.Tensor
     ) -> None:
         """Decay and the scaled update of one call's masters from its Newton-Schulz output."""
-        lr, wd = group["lr"], group["weight_decay"]
-        for start, stop in _batches(masters):
-            rows, cols = _matrix_shape(masters[start][0])
-            apply_updates_(
-                [_matrix(master, expert) for master, expert in masters[start:stop]],
-                [_oriented(ortho, rows > cols) for ortho in orthogonal[start:stop]],
-                lr, wd, _lr_scale(group["adjust_lr"], rows, cols),
-            )  # fmt: skip
+        muon_update.apply_matrices_(
+            [_matrix(master, expert) for master, expert in masters],
+            orthogonal,
+            lr=group["lr"],
+            weight_decay=group["weight_decay"],
+            adjust_lr=group["adjust_lr"],
+        )
 
     def _speculate_unit(
         self,
@@ -520,14 +509,14 @@ class Muon(torch.optim.Optimizer):
                 )
                 first_step_of[id(master)] = not is_expert_piece(master)
         calls = []
-        for short, long, call in _ns_calls_of(masters):
+        for call in _ns_calls_of(masters):
             grads_of_call = [_matrix(grads[id(master)], expert) for master, expert in call]
             momenta = [
                 scratch[id(master)] if expert is None else scratch[id(master)][expert]
                 for master, expert in call
             ]
             first_steps = [first_step_of[id(master)] for master, _ in call]
-            output = self._orthogonal(group, call, grads_of_call, momenta, first_steps, short, long)
+            output = self._orthogonal(group, grads_of_call, momenta, first_steps)
             calls.append((call, output))
         return calls
 
@@ -558,39 +547,20 @@ class Muon(torch.optim.Optimizer):
             group=mesh.tp_group,
         )
         full_inputs = exchange.gather(inputs)
-        results = self._orthogonalized({i: (u, params[i].tp.shape) for i, u in full_inputs.items()})
+        results = muon_update.orthogonalized(
+            self._newton_schulz, {i: (u, params[i].tp.shape) for i, u in full_inputs.items()}
+        )
         device = params[0].master.device
         chunks = exchange.scatter(results, self._newton_schulz.iteration_dtype(device), device)
         for p, chunk in zip(params, chunks):
-            rows, cols = _matrix_shape_of(p.shape)
-            scale = _lr_scale(group["adjust_lr"], rows, cols)
-            muon_update.apply_update_(p.master, chunk, group["lr"], group["weight_decay"], scale)
-
-    def _orthogonalized(
-        self, updates: dict[int, tuple[torch.Tensor, tuple[int, ...]]]
-    ) -> dict[int, torch.Tensor]:
-        """Newton-Schulz of whole (unnormalised) Muon inputs, batched by shape; each result in
-        its parameter's shape and the NS dtype."""
-        newton_schulz = self._newton_schulz
-        by_ns_shape: dict[tuple[int, int], list[int]] = defaultdict(list)
-        for i, (_, shape) in updates.items():
-            rows, cols = _matrix_shape_of(shape)
-            by_ns_shape[(min(rows, cols), max(rows, cols))].append(i)
-        results = {}
-        for (short, long), indices in by_ns_shape.items():
-            first = updates[indices[0]][0]
-            inputs = newton_schulz.normalized_buffer((len(indices), short, long), first.device)
-            for i, ns_input in zip(indices, inputs):
-                update, shape = updates[i]
-                rows, cols = _matrix_shape_of(shape)
-                muon_update.normalized_input_(
-                    update.reshape(rows, cols), out=_oriented(ns_input, rows > cols)
-                )
-            orthogonal = newton_schulz.iterate_normalized(inputs)
-            for i, ortho in zip(indices, orthogonal):
-                rows, cols = _matrix_shape_of(updates[i][1])
-                results[i] = _oriented(ortho, rows > cols).reshape(updates[i][1])
-        return results
+            muon_update.apply_update_(
+                p.master,
+                chunk,
+                lr=group["lr"],
+                weight_decay=group["weight_decay"],
+                adjust_lr=group["adjust_lr"],
+                matrix_shape=tuple(p.shape),
+            )
 
     # ---- the AdamW route ------------------------------------------------------------------------
 
@@ -763,23 +733,11 @@ def _refuse_torch_checkpoint_state_dict(caller, dmuon_function: str) -> None:
         )
 
 
-def _lr_scale(adjust_lr: str | None, rows: int, cols: int) -> float:
-    if adjust_lr == "match_rms_adamw":  # the update's RMS matches AdamW's
-        return MUON_RMS_MATCH * math.sqrt(max(rows, cols))
-    if adjust_lr == "spectral":  # the update's spectral norm scales with sqrt(fan-out / fan-in)
-        return math.sqrt(max(1.0, rows / cols))
-    return 1.0
-
-
 def _matrix_shape(param: torch.Tensor) -> tuple[int, int]:
     """(m, n) of a weight, trailing dims flattened into n; of each expert of an expert piece."""
     if is_expert_piece(param):
         return param.shape[1], param.shape[2]
-    return _matrix_shape_of(param.shape)
-
-
-def _matrix_shape_of(shape: tuple[int, ...]) -> tuple[int, int]:
-    return shape[0], math.prod(shape[1:])
+    return matrix_shape_of(param.shape)
 
 
 def _matrices_of(master: torch.Tensor) -> list[tuple[torch.Tensor, int | None]]:
@@ -792,8 +750,8 @@ def _matrices_of(master: torch.Tensor) -> list[tuple[torch.Tensor, int | None]]:
 
 def _ns_calls_of(
     masters: list[nn.Parameter],
-) -> Iterator[tuple[int, int, list[tuple[nn.Parameter, int | None]]]]:
-    """The batched Newton-Schulz calls of ``masters``: ``(short, long, matrices)``. Newton-Schulz
+) -> Iterator[list[tuple[nn.Parameter, int | None]]]:
+    """The batched Newton-Schulz calls of ``masters``, each a list of matrices. Newton-Schulz
     runs on rows <= cols, so an (m, n) and an (n, m) matrix share one call (Llama's gate/up and
     down projections, say); same-shape runs stay adjacent for the element-wise batches."""
     by_ns_shape: dict[tuple[int, int], list[tuple[nn.Parameter, int | None]]] = defaultdict(list)
@@ -802,8 +760,7 @@ def _ns_calls_of(
         by_ns_shape[(min(rows, cols), max(rows, cols))] += _matrices_of(master)
     for (short, long), same_shape in by_ns_shape.items():
         same_shape.sort(key=lambda entry: _matrix_shape(entry[0]))  # (rows, cols) adjacent
-        for call in _ns_calls(same_shape, short * long):
-            yield short, long, call
+        yield from _ns_calls(same_shape, short * long)
 
 
 def _ns_calls(
@@ -816,25 +773,6 @@ def _ns_calls(
     size = -(-len(masters) // calls)
     for start in range(0, len(masters), size):
         yield masters[start : start + size]
-
-
-def _batches(masters: list[tuple[torch.Tensor, int | None]]) -> Iterator[tuple[int, int]]:
-    """[start, stop) runs of matrices of one (rows, cols), each under ``BATCH_BYTES`` of fp32
-    Muon inputs; a matrix over ``BATCHED_NUMEL`` elements alone."""
-    start = 0
-    while start < len(masters):
-        shape = _matrix_shape(masters[start][0])
-        numel = shape[0] * shape[1]
-        per_batch = 1 if numel > BATCHED_NUMEL else max(1, BATCH_BYTES // (4 * numel))
-        stop = start + 1
-        while (
-            stop < len(masters)
-            and stop - start < per_batch
-            and _matrix_shape(masters[stop][0]) == shape
-        ):
-            stop += 1
-        yield start, stop
-        start = stop
 
 
 def _matrix(tensor: torch.Tensor, expert: int | None) -> torch.Tensor:
@@ -862,11 +800,6 @@ def _momentum_of(state: dict, master: torch.Tensor, expert: int | None):
     if expert is None:
         return first_step, state["momentum_buffer"]
     return False, state["momentum_buffer"][expert]
-
-
-def _oriented(matrix: torch.Tensor, transposed: bool) -> torch.Tensor:
-    """Newton-Schulz works on rows <= cols; a tall weight sees its slice transposed."""
-    return matrix.mT if transposed else matrix
 
 
 def _new_adamw_state(weight: torch.Tensor) -> dict[str, torch.Tensor]:

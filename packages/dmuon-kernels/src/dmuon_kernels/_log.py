@@ -37,19 +37,15 @@ PHASE_KINDS = (IMPORT, AUTOTUNE, COMPILE, LOAD, WAIT, CAPTURE)
 MAX_RECORDED_PHASES = 10_000
 
 
-class _CurrentStderrHandler(logging.StreamHandler):
+class _CurrentStderrHandler(logging.Handler):
     """Writes to whatever ``sys.stderr`` is at emit time (it may be redirected after import)."""
 
-    def __init__(self) -> None:
-        super().__init__()
-
-    @property
-    def stream(self):  # type: ignore[override]
-        return sys.stderr
-
-    @stream.setter
-    def stream(self, value) -> None:
-        pass
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            sys.stderr.write(self.format(record) + "\n")
+            sys.stderr.flush()
+        except Exception:
+            self.handleError(record)  # logging's rule: a failing handler never raises
 
 
 def rank_tag() -> str:

@@ -89,7 +89,7 @@ KELLER_COEFFICIENTS: CoefficientTable = ((3.4445, -4.7750, 2.0315),) * 5
 DEFAULT_COEFFICIENTS = POLAR_EXPRESS_COEFFICIENTS
 
 
-def validate_coefficients(coefficients: Sequence[Sequence[float]] | None) -> CoefficientTable:
+def validate_coefficients(coefficients: object) -> CoefficientTable:
     """Return ``coefficients`` as a tuple of (a, b, c) float tuples, or raise ValueError.
 
     ``None`` means the default table (Polar Express with safety factor 1.05).

@@ -47,7 +47,7 @@ import math
 import os
 import time
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import Tensor
@@ -67,7 +67,8 @@ from dmuon_kernels.syrk.dispatch import (
 )
 from dmuon_kernels.syrk.registry import AUTO, CUBLAS, canonical_kernel_name
 
-BACKENDS = ("gram", "direct")
+NSBackend = Literal["gram", "direct"]
+BACKENDS: tuple[NSBackend, ...] = ("gram", "direct")
 ITERATION_DTYPES: tuple[torch.dtype, ...] = (torch.float16, torch.bfloat16, torch.float32)
 # dtype=None: the iteration dtype follows the input's device (fp16 on CUDA, fp32 elsewhere).
 AUTO_DTYPE = None
@@ -79,19 +80,22 @@ DEFAULT_RESTART_ITERATIONS = (2,)
 GRAM_MIN_ASPECT_RATIO = 2.0
 
 
-def validate_backend(backend: object) -> str:
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be 'gram' or 'direct'; got {backend!r}")
-    return backend  # type: ignore[return-value]
+def validate_backend(backend: object) -> NSBackend:
+    for name in BACKENDS:
+        if backend == name:
+            return name
+    raise ValueError(f"backend must be 'gram' or 'direct'; got {backend!r}")
 
 
 def validate_dtype(dtype: object) -> torch.dtype | None:
-    if dtype is not AUTO_DTYPE and dtype not in ITERATION_DTYPES:
-        raise ValueError(
-            "dtype (the iteration dtype) must be None (fp16 on CUDA, fp32 elsewhere), "
-            f"torch.float16, torch.bfloat16 or torch.float32; got {dtype!r}"
-        )
-    return dtype  # type: ignore[return-value]
+    if dtype is AUTO_DTYPE:
+        return AUTO_DTYPE
+    if isinstance(dtype, torch.dtype) and dtype in ITERATION_DTYPES:
+        return dtype
+    raise ValueError(
+        "dtype (the iteration dtype) must be None (fp16 on CUDA, fp32 elsewhere), "
+        f"torch.float16, torch.bfloat16 or torch.float32; got {dtype!r}"
+    )
 
 
 def iteration_dtype(requested: torch.dtype | None, device: torch.device) -> torch.dtype:
@@ -102,9 +106,7 @@ def iteration_dtype(requested: torch.dtype | None, device: torch.device) -> torc
     return CUDA_AUTO_DTYPE if device.type == "cuda" else CPU_AUTO_DTYPE
 
 
-def validate_restart_iterations(
-    restart_iterations: Iterable[int] | None, num_iterations: int
-) -> tuple[int, ...]:
+def validate_restart_iterations(restart_iterations: object, num_iterations: int) -> tuple[int, ...]:
     """Sorted, de-duplicated restart indices in [1, num_iterations - 1], or ValueError.
 
     ``None`` means restart before iteration 2, when there is an iteration 2.
@@ -289,7 +291,8 @@ def newton_schulz(
     return _instance_for(backend, coefficients, restart_iterations, eps, dtype, kernel)(G)
 
 
-# (backend, coefficients, restarts, eps, dtype, kernel, (DMUON_NS_KERNEL, DMUON_NS_CUDA_GRAPH))
+# (backend, coefficients, restarts, eps, dtype, kernel, (DMUON_NS_KERNEL, DMUON_NS_CUDA_GRAPH)),
+# or (NSRequest, (DMUON_NS_KERNEL, DMUON_NS_CUDA_GRAPH)) where lists make the arguments unhashable
 # -> the instance that serves newton_schulz() calls with those arguments.
 _instances: dict[tuple, NewtonSchulz] = {}
 # A bound for callers that vary the arguments without end (each instance keeps CUDA graphs).
@@ -309,31 +312,26 @@ def _instance_for(
     (DMUON_NS_KERNEL, DMUON_NS_CUDA_GRAPH) are part of the key: two dict lookups per call keep a
     changed value effective, as it is for a newly built NewtonSchulz."""
     environment = (os.environ.get(NS_KERNEL_ENV), os.environ.get(NS_CUDA_GRAPH_ENV))
-    key = (
-        backend,
-        coefficients,
-        restart_iterations,
-        eps,
-        dtype,
-        kernel,
-        environment,
-    )
+    arguments: dict[str, object] = {
+        "backend": backend,
+        "coefficients": coefficients,
+        "restart_iterations": restart_iterations,
+        "eps": eps,
+        "dtype": dtype,
+        "kernel": kernel,
+    }
+    key: tuple = (*arguments.values(), environment)
+    request = None
     try:
         instance = _instances.get(key)
-    except TypeError:  # lists as coefficients or restarts: key on their validated form
-        table = validate_coefficients(coefficients)  # type: ignore[arg-type]
-        restarts = validate_restart_iterations(restart_iterations, len(table))  # type: ignore[arg-type]
-        key = (backend, table, restarts, eps, dtype, kernel, environment)
+    except TypeError:  # lists as coefficients or restarts: key on the validated request
+        request = NSRequest.of(**arguments)
+        key = (request, environment)
         instance = _instances.get(key)
     if instance is None:
-        instance = NewtonSchulz(
-            backend,  # type: ignore[arg-type]
-            kernel,  # type: ignore[arg-type]
-            coefficients,  # type: ignore[arg-type]
-            restart_iterations,  # type: ignore[arg-type]
-            dtype=dtype,  # type: ignore[arg-type]
+        instance = NewtonSchulz._for_request(
+            NSRequest.of(**arguments) if request is None else request
         )
-        instance._eps = validate_eps(eps)
         if len(_instances) >= MAX_CACHED_INSTANCES:
             _instances.clear()
         _instances[key] = instance
@@ -379,6 +377,65 @@ class NSConfig:
         return {key: (mine[key], theirs[key]) for key in mine if mine[key] != theirs[key]}
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class NSRequest:
+    """One Newton-Schulz request with every argument validated: what ``NewtonSchulz(...)`` and
+    ``newton_schulz(...)`` build once, with ``NSRequest.of``, and read from then on. Hashable, so
+    ``newton_schulz()`` keys its instances on it when the arguments themselves are lists.
+
+    ``NSConfig`` is its report form (names instead of dtypes, no eps).
+    """
+
+    backend: NSBackend
+    kernel: str  # the requested kernel, aliases resolved ("cute_sm80" -> "cute")
+    deterministic: bool  # asked for, or kernel == "cublas"
+    coefficients: CoefficientTable
+    restart_iterations: tuple[int, ...]  # sorted, within [1, len(coefficients) - 1]
+    dtype: torch.dtype | None  # None: fp16 on CUDA, fp32 elsewhere
+    eps: float = DEFAULT_EPS
+
+    @classmethod
+    def of(
+        cls,
+        *,
+        backend: object = "gram",
+        kernel: object = AUTO,
+        coefficients: object = None,
+        restart_iterations: object = None,
+        deterministic: object = False,
+        dtype: object = AUTO_DTYPE,
+        eps: object = DEFAULT_EPS,
+    ) -> NSRequest:
+        """The request for these arguments, or ValueError naming the first one that is wrong
+        (checked in this order: deterministic, backend, kernel, coefficients,
+        restart_iterations, dtype, eps)."""
+        if not isinstance(deterministic, bool):
+            raise ValueError(f"deterministic must be True or False; got {deterministic!r}")
+        backend_name = validate_backend(backend)
+        kernel_name = canonical_kernel_name(kernel)
+        table = validate_coefficients(coefficients)
+        return cls(
+            backend=backend_name,
+            kernel=kernel_name,
+            deterministic=deterministic or kernel_name == CUBLAS,
+            coefficients=table,
+            restart_iterations=validate_restart_iterations(restart_iterations, len(table)),
+            dtype=validate_dtype(dtype),
+            eps=validate_eps(eps),
+        )
+
+    @property
+    def config(self) -> NSConfig:
+        return NSConfig(
+            backend=self.backend,
+            kernel=self.kernel,
+            deterministic=self.deterministic,
+            coefficients=self.coefficients,
+            restart_iterations=self.restart_iterations,
+            dtype=AUTO_DTYPE_NAME if self.dtype is AUTO_DTYPE else dtype_name(self.dtype),
+        )
+
+
 class NewtonSchulz:
     """A validated, reusable Newton-Schulz configuration: ``ns(G)`` orthogonalises G.
 
@@ -422,19 +479,31 @@ class NewtonSchulz:
         deterministic: bool = False,
         dtype: torch.dtype | None = AUTO_DTYPE,
     ) -> None:
-        if not isinstance(deterministic, bool):
-            raise ValueError(f"deterministic must be True or False; got {deterministic!r}")
-        self.backend = validate_backend(backend)
-        self.requested_kernel = canonical_kernel_name(kernel)
-        self.deterministic = deterministic or self.requested_kernel == CUBLAS
-        self.coefficients = validate_coefficients(coefficients)
-        self.restart_iterations = validate_restart_iterations(
-            restart_iterations, len(self.coefficients)
+        self._start(
+            NSRequest.of(
+                backend=backend,
+                kernel=kernel,
+                coefficients=coefficients,
+                restart_iterations=restart_iterations,
+                deterministic=deterministic,
+                dtype=dtype,
+            )
         )
-        self.dtype = validate_dtype(dtype)
-        self._eps = DEFAULT_EPS  # newton_schulz(eps=...) sets its cached instance's
+
+    @classmethod
+    def _for_request(cls, request: NSRequest) -> NewtonSchulz:
+        """The ``NewtonSchulz`` of an already validated request (``newton_schulz()`` passes its
+        eps this way; the constructor always uses the default)."""
+        instance = cls.__new__(cls)
+        instance._start(request)
+        return instance
+
+    def _start(self, request: NSRequest) -> None:
+        """Resolve the kernel for ``request`` (raising now if it cannot run here) and set up the
+        graph caches."""
+        self._request = request
         self._syrk_kernel, self.kernel_origin = ns_kernel_request(
-            self.requested_kernel, self.deterministic
+            request.kernel, request.deterministic
         )
         require_ns_kernel(self._syrk_kernel, self.kernel_origin)
         device = default_device()
@@ -450,15 +519,32 @@ class NewtonSchulz:
         )
 
     @property
+    def backend(self) -> NSBackend:
+        return self._request.backend
+
+    @property
+    def requested_kernel(self) -> str:
+        return self._request.kernel
+
+    @property
+    def deterministic(self) -> bool:
+        return self._request.deterministic
+
+    @property
+    def coefficients(self) -> CoefficientTable:
+        return self._request.coefficients
+
+    @property
+    def restart_iterations(self) -> tuple[int, ...]:
+        return self._request.restart_iterations
+
+    @property
+    def dtype(self) -> torch.dtype | None:
+        return self._request.dtype
+
+    @property
     def config(self) -> NSConfig:
-        return NSConfig(
-            backend=self.backend,
-            kernel=self.requested_kernel,
-            deterministic=self.deterministic,
-            coefficients=self.coefficients,
-            restart_iterations=self.restart_iterations,
-            dtype=AUTO_DTYPE_NAME if self.dtype is AUTO_DTYPE else dtype_name(self.dtype),
-        )
+        return self._request.config
 
     def iteration_dtype(self, device: torch.device) -> torch.dtype:
         """The dtype the iteration runs in for inputs on ``device`` (``dtype``, or for None
@@ -484,7 +570,7 @@ class NewtonSchulz:
         # buffer; the cast back to G's dtype is the copy that frees the static output.
         dtype = self.iteration_dtype(G.device)
         buffer = self._graphed.static_input(normalized_shape(G), dtype, G.device)
-        X = normalized_input(G, eps=self._eps, dtype=dtype, out=buffer)
+        X = normalized_input(G, eps=self._request.eps, dtype=dtype, out=buffer)
         return restored_output(self._graphed(X, out_dtype=G.dtype), G)
 
     def prepare(
@@ -555,7 +641,7 @@ class NewtonSchulz:
     def _orthogonalize(self, G: Tensor) -> Tensor:
         """What the whole-call graphs capture: normalise, iterate, restore; a pure function of G
         (non-empty) that returns a tensor of G's shape and dtype."""
-        X = normalized_input(G, eps=self._eps, dtype=self.iteration_dtype(G.device))
+        X = normalized_input(G, eps=self._request.eps, dtype=self.iteration_dtype(G.device))
         return restored_output(self._iterate(X), G)
 
     def _iterate(self, X: Tensor) -> Tensor:

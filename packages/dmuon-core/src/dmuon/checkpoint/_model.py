@@ -31,7 +31,7 @@ from dmuon.checkpoint._context import CheckpointContext, checkpoint_context
 from dmuon.checkpoint._experts import load_stack_values, stack_model_entry, stack_value_error
 from dmuon.experts import ExpertStack
 from dmuon.fqn import canonical_fqn, state_dict_key
-from dmuon.module_state import loading_elsewhere, read_with
+from dmuon.module_state import loading_elsewhere, owns_part, read_with, register_load_pre_hook
 from dmuon.param import DedicatedParam
 
 
@@ -113,7 +113,7 @@ def set_model_state_dict(
     found = _Found(dedicated=_dedicated_by_placeholder(ctx))
     keyed = {state_dict_key(model, key): value for key, value in model_state_dict.items()}
     handles = [
-        module.register_load_state_dict_pre_hook(found.take_values)
+        register_load_pre_hook(module, found.take_values)
         for module in model.modules()
         if module._parameters or module._buffers or _has_extra_state(module)
     ]
@@ -133,7 +133,7 @@ def set_model_state_dict(
         p = found.dedicated.get(id(target))
         if value is None:
             # Only a dedicated value's owner looks for it (a sharded dict is per rank).
-            if key not in frozen and (p is None or _owns_part(p)):
+            if key not in frozen and (p is None or owns_part(p)):
                 missing.append(key)
         elif isinstance(p, ExpertStack):
             if (error := stack_value_error(key, p, value)) is not None:
@@ -184,15 +184,7 @@ class _Found:
     order: list[str] = field(default_factory=list)
 
     def take_values(
-        self,
-        module: nn.Module,
-        state_dict: dict,
-        prefix: str,
-        local_metadata: dict,
-        strict: bool,
-        missing_keys: list[str],
-        unexpected_keys: list[str],
-        error_msgs: list[str],
+        self, module: nn.Module, state_dict: dict, prefix: str, error_msgs: list[str]
     ) -> None:
         """A load pre-hook, registered last on ``module``: after the module's own hooks, take
         the values of its parameters and persistent buffers out of ``state_dict``."""
@@ -220,12 +212,6 @@ def _dedicated_by_placeholder(ctx: CheckpointContext) -> dict[int, DedicatedPara
     for p in ctx.state.params.values():
         dedicated[id(p.placeholder)] = p.stack if p.stack is not None else p
     return dedicated
-
-
-def _owns_part(p: DedicatedParam | ExpertStack) -> bool:
-    if isinstance(p, ExpertStack):
-        return bool(p.owned_pieces())
-    return p.master is not None
 
 
 def _has_extra_state(module: nn.Module) -> bool:
