@@ -14,10 +14,39 @@ The tensor-parallel path takes the same kernels one matrix at a time (``momentum
 Batches: a matrix of more than ``BATCHED_NUMEL`` elements is a batch alone; otherwise ``optim``
 keeps a batch under ``BATCH_BYTES`` of fp32 Muon inputs, which the torch fallback materialises
 at once (the fused kernels never materialise them).
+
+Two opt-in variants of the update live here too (``docs/update-rules.md``):
+
+- NorMuon (``normuon_rows``): a per-row second moment of the Newton-Schulz output, after it;
+- low-precision momentum (``MOMENTUM_DTYPES``): the buffer stored in bf16, the arithmetic in
+  fp32 ([Note: low-precision momentum] in ``dmuon_kernels.fused``).
+
+[Note: NorMuon]
+Li, Liu, Liang, Chen, Zhao, "NorMuon: Making Muon more efficient and scalable" (arXiv
+2510.05491, 2025), Algorithm 1. For the (m, n) Newton-Schulz output O of a matrix, with a per-row
+(per output neuron) state v of shape (m,), zero at the start:
+
+    v = β2·v + (1 − β2)·mean_cols(O ⊙ O)          (no bias correction, as in the paper)
+    Ô = O / (sqrt(v) + ε)                          (row i divided by sqrt(v_i) + ε)
+    Ô = Ô · sqrt(min(m, n)) / ‖Ô‖_F
+
+then the usual ``W = W·(1 − lr·wd) − lr·scale·Ô`` with the learning-rate rule's ``scale``. The
+last line is the paper's rescale written so it composes with every ``adjust_lr``: Ô gets the
+Frobenius norm of an exactly orthogonal O, so the update has the norm (and RMS) the
+learning-rate rule gives plain Muon. With ``adjust_lr="match_rms_adamw"`` this is the paper's
+``η̂ = 0.2·η·sqrt(m·n) / ‖Ô‖_F`` exactly (update RMS 0.2·lr); with ``"spectral"`` or None the
+update's RMS is ``lr·scale / sqrt(max(m, n))``, as for plain Muon. Since the rescale removes any
+common factor of the rows, a bias correction of v would change nothing but ε's weight. The
+paper's defaults: β2 = 0.95; ε guards the division (1e-8 here). Cost: one more fp32 pass over
+O (read, row sums, divide, norm, scale: about 6·m·n FLOPs, nothing next to Newton-Schulz) and
+m fp32 numbers of state per matrix.
 """
 
 from __future__ import annotations
 
+import math
+
+import torch
 from torch import Tensor
 
 from dmuon_kernels.fused import (
@@ -32,6 +61,10 @@ BATCH_BYTES = 256 * 2**20
 """fp32 Muon inputs held at once by one batch (the torch fallback materialises them)."""
 BATCHED_NUMEL = 2**22
 """Matrices up to this size are batched; a larger one is a batch alone."""
+MOMENTUM_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+"""The dtypes a Muon momentum buffer may be stored in, by name (the arithmetic is fp32)."""
+NORMUON_BETA2 = 0.95
+NORMUON_EPS = 1e-8
 
 
 def normalized_inputs_(
@@ -81,3 +114,24 @@ def apply_update_(
 ) -> None:
     """``master = master·(1 − lr·weight_decay) − lr·scale·ortho`` for one chunk."""
     muon_apply_updates_([master], [orthogonal], lr, weight_decay, scale)
+
+
+# ---- NorMuon: see [Note: NorMuon]
+
+
+def normuon_rows(
+    orthogonal: list[Tensor], second_moments: list[Tensor], beta2: float, eps: float
+) -> list[Tensor]:
+    """NorMuon's row normalisation of B Newton-Schulz outputs of one (rows, cols) shape (any
+    dtype, any strides): each row's second moment updated in place in ``second_moments`` (B fp32
+    (rows,) vectors), returns the B fp32 (rows, cols) updates Ô of [Note: NorMuon]."""
+    update = torch.stack([o.to(torch.float32) for o in orthogonal])  # (B, rows, cols)
+    rows, cols = update.shape[-2:]
+    moments = torch.stack(second_moments)  # (B, rows)
+    moments.mul_(beta2).add_(update.square().mean(dim=-1), alpha=1.0 - beta2)
+    torch._foreach_copy_(second_moments, list(moments.unbind(0)))
+    update.div_(moments.sqrt_().add_(eps).unsqueeze(-1))
+    # A zero gradient gives a zero Ô: the clamp keeps it zero instead of 0/0.
+    norms = torch.linalg.matrix_norm(update).clamp_min_(torch.finfo(torch.float32).tiny)
+    update.mul_((math.sqrt(min(rows, cols)) / norms).view(-1, 1, 1))
+    return list(update.unbind(0))

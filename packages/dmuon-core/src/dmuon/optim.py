@@ -17,6 +17,7 @@ so ``torch.optim.lr_scheduler`` and HF's schedulers scale every group.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import sys
@@ -38,12 +39,22 @@ from dmuon.ddp import check_gradients_are_averaged
 from dmuon.experts import ExpertStack, is_expert_piece
 from dmuon.fqn import canonical_fqn
 from dmuon.hooks import get_dedicated_state
-from dmuon.muon_update import BATCH_BYTES, BATCHED_NUMEL, apply_updates_, normalized_inputs_
+from dmuon.muon_update import (
+    BATCH_BYTES,
+    BATCHED_NUMEL,
+    MOMENTUM_DTYPES,
+    NORMUON_BETA2,
+    NORMUON_EPS,
+    apply_updates_,
+    normalized_inputs_,
+    normuon_rows,
+)
 from dmuon.nonfinite import check_policy
 from dmuon.param import MUON_ROUTE, DedicatedParam, is_dedicated
 from dmuon.routing import (
     ADJUST_LR,
     HF_NO_DECAY,
+    RULE_KEYS,
     SHARDED_ADAMW_ROUTE,
     WHY_NOT_DEDICATED,
     WHY_PREDICATE,
@@ -52,6 +63,7 @@ from dmuon.routing import (
     NoDecay,
     ParamFacts,
     RoutingRow,
+    momentum_dtype_name,
     no_decay_fqns,
     plan_groups,
     route_summaries,
@@ -64,6 +76,9 @@ from dmuon_kernels.newton_schulz import NewtonSchulz
 
 # Muon's update is scaled by 0.2 * sqrt(max(m, n)) so its RMS matches AdamW's.
 MUON_RMS_MATCH = 0.2
+# NorMuon's per-row state ([Note: NorMuon] in ``muon_update``): (m,), or (k, m) for an expert
+# piece. A checkpoint without it (plain Muon's) loads with this entry starting at zero.
+ROW_SECOND_MOMENT = "row_second_moment"
 # How the learning rate of an (m, n) matrix is scaled (ADJUST_LR): see ``_lr_scale``.
 logger = logging.getLogger("dmuon")
 _FUSED_ADAMW_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -95,6 +110,15 @@ class Muon(torch.optim.Optimizer):
             that trains in one step (pipeline stages, here and on the ranks of its ``pp_mesh``):
             the non-finite decision, and ``dmuon.clip_grad_norm_``'s norm, then span them all.
             None: this optimizer alone.
+        normuon, normuon_beta2, normuon_eps: NorMuon (Li et al., 2025, arXiv 2510.05491):
+            after Newton-Schulz, each row of the update is divided by the root of an EMA
+            (``normuon_beta2``) of its mean square, then the whole is rescaled to the
+            Frobenius norm of an orthogonal matrix, so ``adjust_lr`` keeps its meaning (the
+            update's RMS is 0.2 lr under ``"match_rms_adamw"``, as the paper's rule). State:
+            one fp32 number per row. See [Note: NorMuon] in ``dmuon.muon_update``.
+        momentum_dtype: the dtype the Muon momentum is stored in: ``torch.float32`` (the
+            default) or ``torch.bfloat16`` (half its memory); the arithmetic is fp32 either
+            way, the buffer rounded once per step on store.
         adjust_lr: the Muon learning rate of an (m, n) matrix is ``lr`` times
             ``0.2 * sqrt(max(m, n))`` (``"match_rms_adamw"``, the default: the update's RMS is
             AdamW's), ``sqrt(max(1, m / n))`` (``"spectral"``, torch.optim.Muon's default) or 1
@@ -104,7 +128,8 @@ class Muon(torch.optim.Optimizer):
         param_groups: ``[{"params": fqns | (name, param) -> bool, "lr": ..., ...}, ...]``,
             applied in order on top of the routes (a parameter takes the first group that
             matches). A group may set ``lr`` and ``weight_decay`` (any route), ``momentum``,
-            ``nesterov`` and ``adjust_lr`` (Muon), ``betas`` and ``eps`` (AdamW); a key that
+            ``nesterov``, ``adjust_lr``, ``normuon``, ``normuon_beta2``, ``normuon_eps`` and
+            ``momentum_dtype`` (Muon), ``betas`` and ``eps`` (AdamW); a key that
             does not apply to a parameter the group matches raises. Each becomes one torch
             param group per update rule it covers. A predicate sees a dedicated parameter as a
             meta tensor of its full shape (its value lives on the owner only), so every rank
@@ -144,6 +169,10 @@ class Muon(torch.optim.Optimizer):
         param_groups: list[dict] | None = None,
         no_decay: NoDecay = HF_NO_DECAY,
         step_group: StepGroup | None = None,
+        normuon: bool = False,
+        normuon_beta2: float = NORMUON_BETA2,
+        normuon_eps: float = NORMUON_EPS,
+        momentum_dtype: torch.dtype | str = torch.float32,
     ) -> None:
         _check_hyperparameters(
             lr=lr,
@@ -155,7 +184,11 @@ class Muon(torch.optim.Optimizer):
             adamw_eps=adamw_eps,
             adamw_weight_decay=adamw_weight_decay,
             replicate_async=replicate_async,
+            normuon=normuon,
+            normuon_beta2=normuon_beta2,
+            normuon_eps=normuon_eps,
         )
+        momentum_dtype = momentum_dtype_name(momentum_dtype)
         if adjust_lr not in ADJUST_LR:
             raise ValueError(
                 f"dmuon.Muon: adjust_lr={adjust_lr!r} is not one of {ADJUST_LR}: "
@@ -191,6 +224,12 @@ class Muon(torch.optim.Optimizer):
         self._tp_chunks = {
             id(p.master): p for p in self._dedicated.iter_owned_masters() if p.is_tp_sharded
         }
+        # id(master) -> its row-block sizes ([Note: row blocks] in ``dmuon.row_blocks``).
+        self._row_blocks = {
+            id(p.master): p.row_blocks
+            for p in self._dedicated.iter_owned_masters()
+            if p.row_blocks is not None
+        }
 
         self._facts, local_tensors = _param_facts(model, self._dedicated)
         # id(tensor) -> canonical FQN of what this rank steps (an expert piece's: its own name).
@@ -206,7 +245,9 @@ class Muon(torch.optim.Optimizer):
             self._facts,
             {
                 MUON_ROUTE: dict(lr=lr, momentum=momentum, nesterov=nesterov,
-                                 weight_decay=weight_decay, adjust_lr=adjust_lr),
+                                 weight_decay=weight_decay, adjust_lr=adjust_lr, normuon=normuon,
+                                 normuon_beta2=normuon_beta2, normuon_eps=normuon_eps,
+                                 momentum_dtype=momentum_dtype),
                 "adamw": dict(lr=adamw_lr, betas=tuple(adamw_betas), eps=adamw_eps,
                               weight_decay=adamw_weight_decay),
             },
@@ -219,6 +260,7 @@ class Muon(torch.optim.Optimizer):
         ]
         super().__init__(torch_groups, defaults={})
         self._groups_planned = True
+        self._check_normuon_layouts()
         self._check_ranks_agree()
         self.step_group = step_group if step_group is not None else StepGroup()
         self.step_group.join(
@@ -347,8 +389,20 @@ class Muon(torch.optim.Optimizer):
         return super().state_dict()
 
     def load_state_dict(self, state_dict: dict) -> None:
+        """torch's, except that the update rule and the state's dtypes stay this optimizer's
+        (``normuon``, ``momentum_dtype``: a checkpoint of another rule loads into this one)."""
         _refuse_torch_checkpoint_state_dict(sys._getframe(1), "set_optimizer_state_dict")
+        rules = [{k: group[k] for k in RULE_KEYS if k in group} for group in self.param_groups]
         super().load_state_dict(state_dict)
+        for group, rule in zip(self.param_groups, rules):
+            group.update(rule)
+            if group["route"] != MUON_ROUTE:
+                continue
+            dtype = MOMENTUM_DTYPES[group["momentum_dtype"]]
+            for param in group["params"]:  # torch cast the buffers to the masters' fp32
+                state = self.state[param]
+                if "momentum_buffer" in state:
+                    state["momentum_buffer"] = state["momentum_buffer"].to(dtype)
 
     @torch.no_grad()
     def init_state(self) -> None:
@@ -366,8 +420,12 @@ class Muon(torch.optim.Optimizer):
                     continue
                 if group["route"] == MUON_ROUTE:
                     self.state[param]["momentum_buffer"] = torch.zeros(
-                        _momentum_shape(param), dtype=torch.float32, device=param.device
+                        _momentum_shape(param),
+                        dtype=MOMENTUM_DTYPES[group["momentum_dtype"]],
+                        device=param.device,
                     )
+                    if group["normuon"]:
+                        _second_moment_of(self.state[param], param, None)
                 else:
                     self.state[param].update(_new_adamw_state(_local(param)))
 
@@ -384,37 +442,40 @@ class Muon(torch.optim.Optimizer):
         self._tensor_parallel_muon_step(
             group, [tp_sharded[id(m)] for m in group["params"] if id(m) in tp_sharded]
         )
-        # (master, expert): expert None for a matrix, i for expert i of an expert piece.
-        masters_by_ns_shape: dict[tuple[int, int], list[tuple[nn.Parameter, int | None]]] = (
-            defaultdict(list)
+        # (master, piece): see ``_matrices_of``.
+        masters_by_ns_shape: dict[tuple[int, int], list[tuple[nn.Parameter, Piece]]] = defaultdict(
+            list
         )
         for master in group["params"]:
             if master.grad is not None and master.numel() > 0 and id(master) not in tp_sharded:
-                rows, cols = _matrix_shape(master)
-                masters_by_ns_shape[(min(rows, cols), max(rows, cols))] += _matrices_of(master)
+                for entry in _matrices_of(master, self._row_blocks.get(id(master))):
+                    rows, cols = _entry_shape(entry)
+                    masters_by_ns_shape[(min(rows, cols), max(rows, cols))].append(entry)
         # Per Newton-Schulz shape: momentum, Nesterov and the normalisation write the NS input
         # directly (in the NS dtype), a batch of same-shape matrices at a time; decay and the
         # scaled update go into the fp32 masters likewise (see ``muon_update``).
         for (short, long), same_shape in masters_by_ns_shape.items():
-            same_shape.sort(key=lambda entry: _matrix_shape(entry[0]))  # (rows, cols) adjacent
+            same_shape.sort(key=_entry_shape)  # (rows, cols) adjacent
             for masters in _ns_calls(same_shape, short * long):
                 self._muon_update(group, masters, short, long)
 
     def _muon_update(
-        self, group: dict, masters: list[tuple[nn.Parameter, int | None]], short: int, long: int
+        self, group: dict, masters: list[tuple[nn.Parameter, Piece]], short: int, long: int
     ) -> None:
         """Momentum, one batched Newton-Schulz and the update of ``masters``: matrices (or
-        experts of expert pieces) of one Newton-Schulz shape (short, long)."""
+        experts of expert pieces, or row blocks) of one Newton-Schulz shape (short, long)."""
         lr, mu, wd = group["lr"], group["momentum"], group["weight_decay"]
+        momentum_dtype = MOMENTUM_DTYPES[group["momentum_dtype"]]
         newton_schulz = self._newton_schulz
         device = masters[0][0].device
         inputs = newton_schulz.normalized_buffer((len(masters), short, long), device)
         batches = list(_batches(masters))
         for start, stop in batches:
             grads, momenta, first_steps = [], [], []
-            for master, expert in masters[start:stop]:
-                first_step, momentum = _momentum_of(self.state[master], master, expert)
-                grads.append(_matrix(master.grad, expert))
+            for master, piece in masters[start:stop]:
+                state = self.state[master]
+                first_step, momentum = _momentum_of(state, master, piece, momentum_dtype)
+                grads.append(_matrix(master.grad, piece))
                 momenta.append(momentum)
                 first_steps.append(first_step)
             normalized_inputs_(
@@ -422,11 +483,16 @@ class Muon(torch.optim.Optimizer):
             )
         orthogonal = newton_schulz.iterate_normalized(inputs)
         for start, stop in batches:
-            rows, cols = _matrix_shape(masters[start][0])
+            rows, cols = _entry_shape(masters[start])
+            updates = [_oriented(ortho, rows > cols) for ortho in orthogonal[start:stop]]
+            if group["normuon"]:
+                moments = [_second_moment_of(self.state[m], m, p) for m, p in masters[start:stop]]
+                updates = normuon_rows(
+                    updates, moments, group["normuon_beta2"], group["normuon_eps"]
+                )
             apply_updates_(
-                [_matrix(master, expert) for master, expert in masters[start:stop]],
-                [_oriented(ortho, rows > cols) for ortho in orthogonal[start:stop]],
-                lr, wd, _lr_scale(group["adjust_lr"], rows, cols),
+                [_matrix(master, piece) for master, piece in masters[start:stop]],
+                updates, lr, wd, _lr_scale(group["adjust_lr"], rows, cols),
             )  # fmt: skip
 
     def _tensor_parallel_muon_step(self, group: dict, params: list[DedicatedParam]) -> None:
@@ -441,9 +507,12 @@ class Muon(torch.optim.Optimizer):
         if not params:
             return
         mu = group["momentum"]
+        momentum_dtype = MOMENTUM_DTYPES[group["momentum_dtype"]]
         inputs = []
         for p in params:
-            first_step, momentum = _momentum_of(self.state[p.master], p.master, None)
+            first_step, momentum = _momentum_of(
+                self.state[p.master], p.master, None, momentum_dtype
+            )
             update = muon_update.momentum_(
                 _matrix(p.master.grad, None), momentum, first_step, mu, group["nesterov"]
             )
@@ -519,6 +588,19 @@ class Muon(torch.optim.Optimizer):
         )  # fmt: skip
 
     # ---- construction checks --------------------------------------------------------------------
+
+    def _check_normuon_layouts(self) -> None:
+        """NorMuon's row statistics need the whole matrix on one rank: not yet for TP chunks
+        (decided from facts every rank has, so every rank raises alike)."""
+        tp_sharded = {p.fqn for p in self._dedicated.params.values() if p.is_tp_sharded}
+        for planned, group in zip(self._routing_plan.groups, self.param_groups):
+            clash = [fqn for fqn in planned.fqns if fqn in tp_sharded]
+            if group["route"] == MUON_ROUTE and group["normuon"] and clash:
+                raise ValueError(
+                    f"dmuon.Muon: normuon=True is not supported yet for tensor-parallel matrices "
+                    f"({preview_names(clash)}). Turn it off for them with a param group: "
+                    'param_groups=[{"params": [...], "normuon": False}].'
+                )
 
     def _check_ranks_agree(self) -> None:
         check_ranks_agree(
@@ -674,17 +756,34 @@ def _matrix_shape_of(shape: tuple[int, ...]) -> tuple[int, int]:
     return shape[0], math.prod(shape[1:])
 
 
-def _matrices_of(master: torch.Tensor) -> list[tuple[torch.Tensor, int | None]]:
-    """The matrices Muon orthogonalises in ``master``: itself, or each expert of an expert
-    piece (k, m, n), which gets its own Newton-Schulz, momentum and lr scale."""
+Piece = int | slice | None
+"""Which matrix of a master an entry is: None (the master), ``i`` (expert i of an expert
+piece) or ``slice(start, stop)`` (a row block)."""
+
+
+def _matrices_of(
+    master: torch.Tensor, row_blocks: tuple[int, ...] | None = None
+) -> list[tuple[torch.Tensor, Piece]]:
+    """The matrices Muon orthogonalises in ``master``: itself, each expert of an expert piece
+    (k, m, n), or each of its row blocks; each gets its own Newton-Schulz and lr scale."""
     if is_expert_piece(master):
         return [(master, expert) for expert in range(master.shape[0])]
+    if row_blocks is not None:
+        starts = itertools.accumulate(row_blocks, initial=0)
+        return [(master, slice(start, start + rows)) for start, rows in zip(starts, row_blocks)]
     return [(master, None)]
 
 
+def _entry_shape(entry: tuple[torch.Tensor, Piece]) -> tuple[int, int]:
+    """(rows, cols) of the matrix an entry of ``_matrices_of`` stands for."""
+    master, piece = entry
+    rows, cols = _matrix_shape(master)
+    return (piece.stop - piece.start, cols) if isinstance(piece, slice) else (rows, cols)
+
+
 def _ns_calls(
-    masters: list[tuple[torch.Tensor, int | None]], numel: int
-) -> Iterator[list[tuple[torch.Tensor, int | None]]]:
+    masters: list[tuple[torch.Tensor, Piece]], numel: int
+) -> Iterator[list[tuple[torch.Tensor, Piece]]]:
     """``masters`` in equal runs of at most ``NS_CALL_BYTES`` of fp16 Newton-Schulz input (the
     iteration's workspace is a few times its input, and lives only during the call)."""
     per_call = max(1, NS_CALL_BYTES // (2 * numel))
@@ -694,28 +793,33 @@ def _ns_calls(
         yield masters[start : start + size]
 
 
-def _batches(masters: list[tuple[torch.Tensor, int | None]]) -> Iterator[tuple[int, int]]:
+def _batches(masters: list[tuple[torch.Tensor, Piece]]) -> Iterator[tuple[int, int]]:
     """[start, stop) runs of matrices of one (rows, cols), each under ``BATCH_BYTES`` of fp32
     Muon inputs; a matrix over ``BATCHED_NUMEL`` elements alone."""
     start = 0
     while start < len(masters):
-        shape = _matrix_shape(masters[start][0])
+        shape = _entry_shape(masters[start])
         numel = shape[0] * shape[1]
         per_batch = 1 if numel > BATCHED_NUMEL else max(1, BATCH_BYTES // (4 * numel))
         stop = start + 1
         while (
             stop < len(masters)
             and stop - start < per_batch
-            and _matrix_shape(masters[stop][0]) == shape
+            and _entry_shape(masters[stop]) == shape
         ):
             stop += 1
         yield start, stop
         start = stop
 
 
-def _matrix(tensor: torch.Tensor, expert: int | None) -> torch.Tensor:
-    """(m, n) view of a master-shaped tensor (weight or gradient): the matrix, or one expert."""
-    return tensor.view(_matrix_shape(tensor)) if expert is None else tensor[expert]
+def _matrix(tensor: torch.Tensor, piece: Piece) -> torch.Tensor:
+    """(m, n) view of a master-shaped tensor (weight or gradient): the matrix, one expert, or
+    one row block."""
+    if piece is None:
+        return tensor.view(_matrix_shape(tensor))
+    if isinstance(piece, slice):
+        return tensor.view(_matrix_shape_of(tensor.shape))[piece]
+    return tensor[piece]
 
 
 def _momentum_shape(master: torch.Tensor) -> tuple[int, ...]:
@@ -723,21 +827,36 @@ def _momentum_shape(master: torch.Tensor) -> tuple[int, ...]:
     return tuple(master.shape) if is_expert_piece(master) else _matrix_shape(master)
 
 
-def _momentum_of(state: dict, master: torch.Tensor, expert: int | None):
-    """``(first_step, the (m, n) momentum buffer)`` of one matrix, created on its first step.
+def _momentum_of(state: dict, master: torch.Tensor, piece: Piece, dtype: torch.dtype):
+    """``(first_step, the (m, n) momentum buffer)`` of one matrix, created on its first step
+    in ``dtype`` (a buffer of another dtype, as torch's ``load_state_dict`` casts it, is
+    converted).
 
-    An expert piece keeps one (k, m, n) buffer created as zeros: ``buf = momentum * 0 + g`` is
-    exactly the first step's ``buf = g`` for each of its experts.
+    An expert piece keeps one (k, m, n) buffer and a matrix in row blocks one (m, n) buffer,
+    created as zeros: ``buf = momentum * 0 + g`` is exactly the first step's ``buf = g`` for
+    each of its matrices.
     """
-    first_step = "momentum_buffer" not in state
+    buf = state.get("momentum_buffer")
+    first_step = buf is None
     if first_step:
-        create = torch.zeros if expert is not None else torch.empty
-        state["momentum_buffer"] = create(
-            _momentum_shape(master), dtype=torch.float32, device=master.device
-        )
-    if expert is None:
-        return first_step, state["momentum_buffer"]
-    return False, state["momentum_buffer"][expert]
+        create = torch.zeros if piece is not None else torch.empty
+        buf = create(_momentum_shape(master), dtype=dtype, device=master.device)
+        state["momentum_buffer"] = buf
+    elif buf.dtype != dtype:
+        buf = state["momentum_buffer"] = buf.to(dtype)
+    if piece is None:
+        return first_step, buf
+    return False, buf[piece]
+
+
+def _second_moment_of(state: dict, master: torch.Tensor, piece: Piece) -> torch.Tensor:
+    """NorMuon's per-row second moment of one matrix (fp32, zeros on its first step)."""
+    moment = state.get(ROW_SECOND_MOMENT)
+    if moment is None:
+        shape = _momentum_shape(master)[:-1]  # (m,), or (k, m) for an expert piece
+        moment = torch.zeros(shape, dtype=torch.float32, device=master.device)
+        state[ROW_SECOND_MOMENT] = moment
+    return moment if piece is None else moment[piece]
 
 
 def _oriented(matrix: torch.Tensor, transposed: bool) -> torch.Tensor:
@@ -775,10 +894,10 @@ def _resolve_newton_schulz(ns_backend: str | NewtonSchulz) -> NewtonSchulz:
 
 
 def _check_hyperparameters(
-    *, nesterov, replicate_async, adamw_betas, momentum, **values: float
+    *, nesterov, replicate_async, adamw_betas, momentum, normuon, normuon_beta2, **values: float
 ) -> None:
     """Refuse what torch.optim would take silently or fail on later, showing the value."""
-    for name, value in {**values, "momentum": momentum}.items():
+    for name, value in {**values, "momentum": momentum, "normuon_beta2": normuon_beta2}.items():
         if (
             isinstance(value, bool)
             or not isinstance(value, (int, float))
@@ -789,7 +908,10 @@ def _check_hyperparameters(
             raise ValueError(f"dmuon.Muon: {name} must be a non-negative number, got {value!r}.")
     if not 0 <= momentum < 1:
         raise ValueError(f"dmuon.Muon: momentum must be in [0, 1), got {momentum!r}.")
-    for name, value in {"nesterov": nesterov, "replicate_async": replicate_async}.items():
+    if not 0 <= normuon_beta2 < 1:
+        raise ValueError(f"dmuon.Muon: normuon_beta2 must be in [0, 1), got {normuon_beta2!r}.")
+    flags = {"nesterov": nesterov, "replicate_async": replicate_async, "normuon": normuon}
+    for name, value in flags.items():
         if not isinstance(value, bool):
             raise TypeError(f"dmuon.Muon: {name} must be True or False, got {value!r}.")
     if (
