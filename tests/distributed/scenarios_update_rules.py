@@ -17,13 +17,16 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor.parallel import parallelize_module
 
 import dmuon
 import dmuon.checkpoint as dckpt
 from dmuon.hooks import get_dedicated_state
+from dmuon.testing import dedicate_and_shard_on
 from dmuon_kernels.newton_schulz import NewtonSchulz, newton_schulz
 from tests.distributed.models import TinyDecoder, batches, loss_fn, proj_predicate, rank_rows
 from tests.distributed.scenarios_protocol import current_weights, relative_errors
+from tests.distributed.scenarios_tensor_parallel import full_weights, tensor_parallel_plan
 from tests.reference_optim import ReferenceMuonAdamW
 
 LR, WEIGHT_DECAY = 0.02, 0.01
@@ -210,3 +213,63 @@ def torch_state_dict_round_trip(**muon_options) -> dict:
         "rules": [(g["normuon"], g["momentum_dtype"]) for g in twin_optimizer.param_groups[:1]],
         **summary,
     }
+
+
+# ---- layouts the rules meet: tensor parallelism -----------------------------------------------
+
+
+def tensor_parallel_against_reference(tp: int = 2, steps: int = 3, **muon_options) -> dict:
+    """dp x tp (torch's colwise / rowwise plan) with ``muon_options``: the worst relative weight
+    error after each step against the reference, and what NorMuon and row blocks say there."""
+    world = dist.get_world_size()
+    mesh = init_device_mesh("cpu", (world // tp, tp), mesh_dim_names=("dp", "tp"))
+    torch.manual_seed(0)
+    model = TinyDecoder()
+    parallelize_module(model, mesh["tp"], tensor_parallel_plan(sequence_parallel=False))
+    dedicate_and_shard_on(model, mesh["dp"])
+    optimizer = dmuon.Muon(
+        model,
+        lr=LR,
+        weight_decay=WEIGHT_DECAY,
+        ns_backend=NewtonSchulz(dtype=torch.float32, kernel="cublas"),
+        **muon_options,
+    )
+    reference, reference_optimizer = build_reference(
+        False, muon_options.get("momentum_dtype"), row_blocks=False
+    )
+    dp_rank, dp = mesh["dp"].get_local_rank(), world // tp
+    every = batches(MAX_STEPS, 1, per_rank=GLOBAL_ROWS)
+    max_errors = []
+    for step in range(steps):
+        loss_fn(model, rank_rows(every[step], dp_rank, dp)).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        train_reference(reference, reference_optimizer, range(step, step + 1))
+        max_errors.append(max(relative_errors(full_weights(model), reference).values()))
+    dtypes = {
+        str(state["momentum_buffer"].dtype)
+        for state in optimizer.state.values()
+        if "momentum_buffer" in state
+    }
+    return {"max_errors": max_errors, "momentum_dtypes": sorted(dtypes)}
+
+
+def tensor_parallel_refusals() -> dict[str, str]:
+    """The messages of NorMuon and of row blocks on tensor-parallel matrices."""
+    world = dist.get_world_size()
+    messages = {}
+    for option in ("normuon", "row_blocks"):
+        mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "tp"))
+        model = TinyDecoder()
+        parallelize_module(model, mesh["tp"], tensor_parallel_plan(sequence_parallel=False))
+        try:
+            if option == "row_blocks":
+                dmuon.dedicate_params(
+                    model, mesh["dp"], proj_predicate, row_blocks={"layers.0.q_proj.weight": 6}
+                )
+            else:
+                dedicate_and_shard_on(model, mesh["dp"])
+                dmuon.Muon(model, normuon=True)
+        except ValueError as error:
+            messages[option] = str(error)
+    return messages

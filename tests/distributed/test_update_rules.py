@@ -4,6 +4,7 @@ reference written from their formulas, and their state through checkpoints."""
 import pytest
 import torch
 
+from tests.distributed import scenarios_moe
 from tests.distributed import scenarios_update_rules as scenarios
 
 # fp32 Newton-Schulz: parameters agree to a few fp32 roundings per step (as in test_protocol).
@@ -119,3 +120,42 @@ def test_torch_state_dict_round_trip_keeps_the_rule_and_the_bf16_buffers(pool2):
         assert result["rules"] == [(True, "bfloat16")]
     dtypes = {s["momentum_buffer"][0] for r in results for s in r["state"].values()}
     assert dtypes == {"torch.bfloat16"}
+
+
+def test_bf16_momentum_on_tensor_parallel_chunks_matches_the_reference(pool4):
+    results = pool4.run(scenarios.tensor_parallel_against_reference, momentum_dtype=torch.bfloat16)
+    assert_matches_reference(results, BF16_MOMENTUM_TOLERANCE)
+    assert all(result["momentum_dtypes"] == ["torch.bfloat16"] for result in results)
+
+
+def test_normuon_and_row_blocks_refuse_tensor_parallel_matrices_on_every_rank(pool2):
+    for messages in pool2.run(scenarios.tensor_parallel_refusals):
+        assert messages["normuon"].startswith(
+            "dmuon.Muon: normuon=True is not supported yet for tensor-parallel matrices ("
+        ), messages["normuon"]
+        assert messages["row_blocks"] == (
+            "dedicate_params: row_blocks splits layers.0.q_proj.weight, a tensor-parallel "
+            "matrix; row blocks are not supported with tensor parallelism yet. Leave it out of "
+            "row_blocks."
+        )
+
+
+def test_normuon_on_expert_stacks_matches_the_reference_per_expert(pool2):
+    results = pool2.run(scenarios_moe.train_against_reference, normuon=True, steps=3)
+    assert_matches_reference(results)
+
+
+def test_normuon_state_of_expert_stacks_reshards_through_a_checkpoint(gloo_pool, tmp_path):
+    path = str(tmp_path / "ckpt")
+    uninterrupted = gloo_pool(2).run(scenarios_moe.save_midway_and_finish, path=path, normuon=True)
+    resumed = gloo_pool(4).run(scenarios_moe.resume_and_finish, path=path, replicas=2, normuon=True)
+    expected, actual = uninterrupted[0], resumed[0]
+    for stack in ("layers.0.w_in", "layers.0.w_out"):
+        moment = actual["optim"][stack]["row_second_moment"]
+        assert moment.shape == expected["optim"][stack]["row_second_moment"].shape
+        assert moment.shape == expected["optim"][stack]["momentum_buffer"].shape[:2]
+        error = (moment - expected["optim"][stack]["row_second_moment"]).norm() / moment.norm()
+        assert error < FP32_TOLERANCE, (stack, error)
+    for key, value in expected["model"].items():
+        error = (actual["model"][key] - value).norm() / value.norm().clamp_min(1e-30)
+        assert error < FP32_TOLERANCE, (key, error)
