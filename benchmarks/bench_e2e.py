@@ -420,7 +420,7 @@ def print_report(header: str, results: dict, evaluations: list[dict]) -> None:
     width = max(12, *(len(name) for name in results))
     print(
         f"{'variant':<{width}} {'step ms':>9} {'vs fsdp2':>9} {'opt ms':>9} {'naive/opt':>10} "
-        f"{'peak GiB':>9} {'state GiB':>10} {'loss first->last':>18}"
+        f"{'peak GiB':>9} {'state MiB':>10} {'loss first->last':>18}"
     )
     baseline = results.get("fsdp2-adamw", {}).get("step_ms_median")
     naive = results.get("naive-muon", {}).get("optimizer_ms_median")
@@ -433,7 +433,7 @@ def print_report(header: str, results: dict, evaluations: list[dict]) -> None:
         vs_naive = f"{naive / opt:.2f}x" if naive and name.startswith("dmuon") else "-"
         peaks = [p for p in result["peak_gib_per_rank"] if p is not None]
         peak = f"{max(peaks):.2f}" if peaks else "-"
-        state = f"{max(result['optimizer_state_gib_per_rank']):.3f}"  # the fullest rank
+        state = f"{max(result['optimizer_state_gib_per_rank']) * 1024:.1f}"  # the fullest rank
         losses = result["losses_per_rank"][0]
         finite = "" if result["losses_finite"] else " NOT FINITE"
         print(

@@ -195,12 +195,17 @@ def resume_against_reference(
     }
 
 
-def torch_state_dict_round_trip(**muon_options) -> dict:
+def torch_state_dict_round_trip(older_groups: bool = False, **muon_options) -> dict:
     """``optimizer.state_dict()`` after 2 steps loaded into a second model and optimizer (its
-    weights copied over): both train 2 more steps and must end identical."""
+    weights copied over): both train 2 more steps and must end identical. ``older_groups``:
+    the saved groups lack the options of issue 26, as a state dict saved before them would."""
     model, optimizer = build(1, row_blocks=True, **muon_options)
     train(model, optimizer, range(2))
     saved = copy.deepcopy(optimizer.state_dict())
+    if older_groups:
+        for group in saved["param_groups"]:
+            for key in ("normuon", "normuon_beta2", "normuon_eps", "momentum_dtype"):
+                group.pop(key, None)
     twin, twin_optimizer = build(1, row_blocks=True, **muon_options)
     dckpt.set_model_state_dict(twin, dckpt.get_model_state_dict(model))
     twin_optimizer.load_state_dict(saved)

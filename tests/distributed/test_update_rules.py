@@ -113,8 +113,9 @@ def test_a_plain_muon_checkpoint_resumes_with_normuon_keeping_its_momentum(pool2
         assert 0 < result["max_error"] < 0.05, result["max_error"]
 
 
-def test_torch_state_dict_round_trip_keeps_the_rule_and_the_bf16_buffers(pool2):
-    results = pool2.run(scenarios.torch_state_dict_round_trip, **OPTIONS)
+@pytest.mark.parametrize("older_groups", [False, True], ids=["same", "groups-without-options"])
+def test_torch_state_dict_round_trip_keeps_the_rule_and_the_bf16_buffers(pool2, older_groups):
+    results = pool2.run(scenarios.torch_state_dict_round_trip, older_groups=older_groups, **OPTIONS)
     for result in results:
         assert result["identical"]
         assert result["rules"] == [(True, "bfloat16")]

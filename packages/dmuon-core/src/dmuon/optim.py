@@ -390,12 +390,15 @@ class Muon(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict) -> None:
         """torch's, except that the update rule and the state's dtypes stay this optimizer's
-        (``normuon``, ``momentum_dtype``: a checkpoint of another rule loads into this one)."""
+        (``normuon``, ``momentum_dtype``: a checkpoint of another rule loads into this one), and
+        a key the saved groups lack (an option newer than the checkpoint) keeps its value."""
         _refuse_torch_checkpoint_state_dict(sys._getframe(1), "set_optimizer_state_dict")
-        rules = [{k: group[k] for k in RULE_KEYS if k in group} for group in self.param_groups]
+        before = [{k: v for k, v in group.items() if k != "params"} for group in self.param_groups]
         super().load_state_dict(state_dict)
-        for group, rule in zip(self.param_groups, rules):
-            group.update(rule)
+        for group, kept in zip(self.param_groups, before):
+            for key, value in kept.items():
+                if key in RULE_KEYS or key not in group:
+                    group[key] = value
             if group["route"] != MUON_ROUTE:
                 continue
             dtype = MOMENTUM_DTYPES[group["momentum_dtype"]]
