@@ -6,7 +6,7 @@ distributed one's) for ``--steps`` steps per variant, every variant from the sam
 weights and on the same batches, for each of ``--seeds`` seeds (initialisation and data):
 
 - ``muon``: the default (fp32 momentum), the baseline;
-- ``muon+bf16m``: ``momentum_dtype=torch.bfloat16``;
+- ``muon+bf16m``: ``momentum_dtype=torch.bfloat16``; ``muon+int8m``: ``torch.int8``;
 - ``normuon``: ``normuon=True``; ``normuon+bf16m``: both;
 - ``muon+heads``: ``row_blocks``: each q_proj (30 x 30) orthogonalised as 5 heads of 6 rows.
 
@@ -47,6 +47,7 @@ from dmuon.testing import VOCAB, TinyDecoder, proj_predicate  # noqa: E402
 VARIANTS = {
     "muon": {},
     "muon+bf16m": {"momentum_dtype": torch.bfloat16},
+    "muon+int8m": {"momentum_dtype": torch.int8},
     "normuon": {"normuon": True},
     "normuon+bf16m": {"normuon": True, "momentum_dtype": torch.bfloat16},
     "muon+heads": {"row_blocks": {"layers.*.q_proj.weight": 6}},

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import dmuon
-from dmuon.muon_update import normuon_rows
+from dmuon.muon_update import INT8_BLOCK, dequantized, int8_scale_shape, normuon_rows, quantize_
 from dmuon.partition import ParamSpec, ns_cost, plan_ownership
 from dmuon_kernels.fused import muon_momentum_, muon_normalized_inputs_
 from tests.distributed.models import TinyDecoder, proj_predicate
@@ -91,8 +91,9 @@ def test_momentum_dtype_other_than_fp32_or_bf16_is_refused():
     with pytest.raises(ValueError) as error:
         dmuon.Muon(model, momentum_dtype=torch.float16)
     assert str(error.value) == (
-        "dmuon.Muon: momentum_dtype=torch.float16 is not one of torch.float32 (the default) or "
-        "torch.bfloat16 (half the memory; the arithmetic stays fp32)."
+        "dmuon.Muon: momentum_dtype=torch.float16 is not one of torch.float32 (the default), "
+        "torch.bfloat16 (half the memory) or torch.int8 (int8 with block scales, about a "
+        "quarter); the arithmetic stays fp32."
     )
 
 
@@ -117,6 +118,49 @@ def test_bf16_momentum_halves_the_muon_state_and_normuon_adds_one_number_per_row
     assert state_bytes() == 4 * numel
     assert state_bytes(momentum_dtype=torch.bfloat16) == 2 * numel
     assert state_bytes(momentum_dtype="bfloat16", normuon=True) == 2 * numel + 4 * rows
+    # int8: one byte an element and one fp32 scale per row (every row here is <= 256 long).
+    assert state_bytes(momentum_dtype=torch.int8) == numel + 4 * rows
+
+
+# ---- int8 momentum ------------------------------------------------------------------------------
+
+
+def test_int8_momentum_keeps_each_element_within_half_a_level_of_its_runs_scale():
+    generator = torch.Generator().manual_seed(3)
+    values = torch.randn(5, 300, generator=generator) * torch.logspace(-3, 3, 5).unsqueeze(1)
+    values[2, 256:] = 0.0  # an all-zero run: scale 0, values 0
+    q = torch.empty(5, 300, dtype=torch.int8)
+    scale = torch.empty(int8_scale_shape((5, 300)))
+    assert scale.shape == (5, 2)
+    quantize_(q, scale, values)
+    assert torch.equal(scale[:, 0], values[:, :INT8_BLOCK].abs().amax(dim=1))
+    assert scale[2, 1].item() == 0.0
+    restored = dequantized(q, scale)
+    bound = torch.repeat_interleave(scale, INT8_BLOCK, dim=1)[:, :300] / 254
+    assert ((restored - values).abs() <= bound * (1 + 1e-5)).all()
+    assert torch.equal(restored[2, 256:], torch.zeros(44))
+    assert q.abs().max().item() == 127
+
+
+def test_an_int8_state_dict_loads_into_a_float_momentum_optimizer_dequantised():
+    torch.manual_seed(0)
+    model = TinyDecoder()
+    dmuon.dedicate_params(model, None, proj_predicate)
+    int8 = dmuon.Muon(model, momentum_dtype=torch.int8)
+    for _ in range(2):
+        model(torch.randint(0, 37, (2, 5))).sum().backward()
+        int8.step()
+        int8.zero_grad()
+    saved = int8.state_dict()
+    fp32 = dmuon.Muon(model)
+    fp32.load_state_dict(saved)
+    muon_group = fp32.param_groups[0]
+    assert muon_group["momentum_dtype"] == "float32"
+    for param in muon_group["params"]:
+        state, quantised = fp32.state[param], int8.state[param]
+        assert set(state) == {"momentum_buffer"}
+        expected = dequantized(quantised["momentum_int8"], quantised["momentum_scale"])
+        assert torch.equal(state["momentum_buffer"], expected)
 
 
 # ---- row blocks -------------------------------------------------------------------------------

@@ -260,10 +260,10 @@ def tensor_parallel_against_reference(tp: int = 2, steps: int = 3, **muon_option
 
 
 def tensor_parallel_refusals() -> dict[str, str]:
-    """The messages of NorMuon and of row blocks on tensor-parallel matrices."""
+    """The messages of NorMuon, int8 momentum and row blocks on tensor-parallel matrices."""
     world = dist.get_world_size()
     messages = {}
-    for option in ("normuon", "row_blocks"):
+    for option in ("normuon", "int8", "row_blocks"):
         mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "tp"))
         model = TinyDecoder()
         parallelize_module(model, mesh["tp"], tensor_parallel_plan(sequence_parallel=False))
@@ -274,7 +274,8 @@ def tensor_parallel_refusals() -> dict[str, str]:
                 )
             else:
                 dedicate_and_shard_on(model, mesh["dp"])
-                dmuon.Muon(model, normuon=True)
+                options = {"normuon": True} if option == "normuon" else {"momentum_dtype": "int8"}
+                dmuon.Muon(model, **options)
         except ValueError as error:
             messages[option] = str(error)
     return messages

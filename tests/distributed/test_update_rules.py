@@ -16,6 +16,9 @@ FP32_TOLERANCE = 1e-5
 # 2.4e-3 off (measured), so the bound still tells bf16 storage from fp32. That the buffer is bf16
 # and its arithmetic fp32 is checked exactly in tests/core/test_update_rules.py.
 BF16_MOMENTUM_TOLERANCE = 3e-4
+# int8 momentum: the same, a flipped rounding moving an element by a 127th of its run's maximum;
+# measured 3.5e-4 after 4 steps.
+INT8_MOMENTUM_TOLERANCE = 1e-3
 LAYOUTS = [(2, 1), (4, 2)]
 LAYOUT_IDS = ["1d-2", "hsdp-2x2"]
 
@@ -49,6 +52,21 @@ def test_bf16_momentum_is_stored_in_bf16_and_matches_the_reference(gloo_pool, wo
     assert_matches_reference(results, BF16_MOMENTUM_TOLERANCE)
     dtypes = {e[0] for r in results for s in r["state"].values() for e in s.values()}
     assert dtypes == {"torch.bfloat16"}
+
+
+@pytest.mark.parametrize(("world_size", "replicas"), LAYOUTS, ids=LAYOUT_IDS)
+def test_int8_momentum_with_block_scales_matches_the_reference(gloo_pool, world_size, replicas):
+    results = gloo_pool(world_size).run(
+        scenarios.train_against_reference,
+        replicas=replicas,
+        momentum_dtype=torch.int8,
+        normuon=replicas > 1,
+        row_blocks=replicas > 1,
+    )
+    assert_matches_reference(results, INT8_MOMENTUM_TOLERANCE)
+    owned = {fqn: entries for result in results for fqn, entries in result["state"].items()}
+    assert owned["layers.0.up_proj.weight"]["momentum_int8"] == ("torch.int8", (52, 30))
+    assert owned["layers.0.up_proj.weight"]["momentum_scale"] == ("torch.float32", (52, 1))
 
 
 @pytest.mark.parametrize(("world_size", "replicas"), LAYOUTS, ids=LAYOUT_IDS)
@@ -130,11 +148,14 @@ def test_bf16_momentum_on_tensor_parallel_chunks_matches_the_reference(pool4):
     assert all(result["momentum_dtypes"] == ["torch.bfloat16"] for result in results)
 
 
-def test_normuon_and_row_blocks_refuse_tensor_parallel_matrices_on_every_rank(pool2):
+def test_normuon_int8_and_row_blocks_refuse_tensor_parallel_matrices_on_every_rank(pool2):
     for messages in pool2.run(scenarios.tensor_parallel_refusals):
         assert messages["normuon"].startswith(
             "dmuon.Muon: normuon=True is not supported yet for tensor-parallel matrices ("
         ), messages["normuon"]
+        assert messages["int8"].startswith(
+            "dmuon.Muon: momentum_dtype=torch.int8 is not supported yet for tensor-parallel "
+        ), messages["int8"]
         assert messages["row_blocks"] == (
             "dedicate_params: row_blocks splits layers.0.q_proj.weight, a tensor-parallel "
             "matrix; row blocks are not supported with tensor parallelism yet. Leave it out of "
@@ -174,3 +195,20 @@ def test_a_checkpoint_with_fp32_momentum_resumes_into_bf16_buffers(pool2, tmp_pa
         assert result["max_error"] < 1e-2, result["max_error"]
     dtypes = {s["momentum_buffer"][0] for r in results for s in r["state"].values()}
     assert dtypes == {"torch.bfloat16"}
+
+
+def test_int8_momentum_reshards_through_a_checkpoint_and_a_float_one_starts_fresh(
+    gloo_pool, tmp_path
+):
+    path = str(tmp_path / "ckpt")
+    int8 = {"normuon": True, "momentum_dtype": torch.int8}
+    gloo_pool(2).run(scenarios.save_after, path=path, **int8)
+    for result in gloo_pool(4).run(
+        scenarios.resume_against_reference, path=path, replicas=2, **int8
+    ):
+        assert result["warnings"] == []
+        assert result["max_error"] < INT8_MOMENTUM_TOLERANCE, result["max_error"]
+    # int8 into float momentum: other entry names, so the momentum restarts, with the warning.
+    resumed = gloo_pool(2).run(scenarios.resume_against_reference, path=path, normuon=True)
+    assert len(resumed[0]["warnings"]) == 1
+    assert "int8 momentum on one side" in resumed[0]["warnings"][0]

@@ -19,7 +19,8 @@ Two opt-in variants of the update live here too (``docs/update-rules.md``):
 
 - NorMuon (``normuon_rows``): a per-row second moment of the Newton-Schulz output, after it;
 - low-precision momentum (``MOMENTUM_DTYPES``): the buffer stored in bf16, the arithmetic in
-  fp32 ([Note: low-precision momentum] in ``dmuon_kernels.fused``).
+  fp32 ([Note: low-precision momentum] in ``dmuon_kernels.fused``); or in int8 with block
+  scales ([Note: 8-bit momentum]).
 
 [Note: NorMuon]
 Li, Liu, Liang, Chen, Zhao, "NorMuon: Making Muon more efficient and scalable" (arXiv
@@ -40,6 +41,18 @@ common factor of the rows, a bias correction of v would change nothing but ε's 
 paper's defaults: β2 = 0.95; ε guards the division (1e-8 here). Cost: one more fp32 pass over
 O (read, row sums, divide, norm, scale: about 6·m·n FLOPs, nothing next to Newton-Schulz) and
 m fp32 numbers of state per matrix.
+
+[Note: 8-bit momentum]
+``momentum_dtype="int8"`` stores the momentum of an (m, n) matrix as int8 q (m, n) and fp32
+scales s (m, ceil(n / INT8_BLOCK)): each run of ``INT8_BLOCK`` consecutive elements of a row
+shares the scale s = max |x| of the run, and x ≈ q · s / 127 with q = round(127 · x / s) (round to
+nearest; an all-zero run stores s = 0). Blocks follow rows, so a row block or an expert of the
+buffer is a slice of both tensors. Each step dequantises a batch to fp32, runs the same fp32
+momentum arithmetic as any dtype, and quantises the new buffer back: 1 + 4 / INT8_BLOCK bytes
+per element instead of 4. The state has other names than a float buffer's
+(``momentum_int8``, ``momentum_scale``), so a checkpoint never loads one into the other: a
+change between int8 and a float dtype across a checkpoint restarts the momentum, with
+``dmuon.checkpoint``'s warning. Not fused: the torch ops run per matrix (a few launches each).
 """
 
 from __future__ import annotations
@@ -61,8 +74,11 @@ BATCH_BYTES = 256 * 2**20
 """fp32 Muon inputs held at once by one batch (the torch fallback materialises them)."""
 BATCHED_NUMEL = 2**22
 """Matrices up to this size are batched; a larger one is a batch alone."""
-MOMENTUM_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+MOMENTUM_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int8": torch.int8}
 """The dtypes a Muon momentum buffer may be stored in, by name (the arithmetic is fp32)."""
+INT8_BLOCK = 256
+"""Elements of a row sharing one scale of an int8 momentum ([Note: 8-bit momentum])."""
+_INT8_LEVELS = 127
 NORMUON_BETA2 = 0.95
 NORMUON_EPS = 1e-8
 
@@ -75,12 +91,49 @@ def normalized_inputs_(
     nesterov: bool,
     out: Tensor,
     eps: float = DEFAULT_NS_EPS,
+    scales: list[Tensor] | None = None,
 ) -> None:
     """Momentum (``buf = momentum·buf + g``, or ``buf = g`` on a first step) then the Muon
     input ``u = g + momentum·buf`` (Nesterov) or ``u = buf``, each divided by its Frobenius norm
     (+ ``eps``) and written into ``out``: (B, rows, cols), or its ``.mT`` for tall matrices, in
-    the Newton-Schulz dtype. ``grads`` and ``momenta`` are B fp32 (rows, cols) matrices."""
-    muon_normalized_inputs_(grads, momenta, first_steps, momentum, nesterov, out, eps)
+    the Newton-Schulz dtype. ``grads`` are B fp32 (rows, cols) matrices, ``momenta`` their fp32
+    or bf16 buffers, or int8 ones with their ``scales`` ([Note: 8-bit momentum])."""
+    if scales is None:
+        muon_normalized_inputs_(grads, momenta, first_steps, momentum, nesterov, out, eps)
+        return
+    wide = [dequantized(q, scale) for q, scale in zip(momenta, scales, strict=True)]
+    muon_normalized_inputs_(grads, wide, first_steps, momentum, nesterov, out, eps)
+    for q, scale, value in zip(momenta, scales, wide):
+        quantize_(q, scale, value)
+
+
+# ---- int8 momentum: see [Note: 8-bit momentum]
+
+
+def int8_scale_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The scales' shape of an int8 momentum of ``shape`` (..., n): (..., ceil(n / block))."""
+    return (*shape[:-1], -(-shape[-1] // INT8_BLOCK))
+
+
+def _blocks(x: Tensor, blocks: int) -> Tensor:
+    """(..., n) -> (..., blocks, INT8_BLOCK), the last run zero-padded."""
+    padding = blocks * INT8_BLOCK - x.shape[-1]
+    return torch.nn.functional.pad(x, (0, padding)).unflatten(-1, (blocks, INT8_BLOCK))
+
+
+def dequantized(q: Tensor, scale: Tensor) -> Tensor:
+    """fp32 values of an int8 momentum q (..., n) with its scales (..., blocks)."""
+    values = _blocks(q.to(torch.float32), scale.shape[-1]) * (scale / _INT8_LEVELS).unsqueeze(-1)
+    return values.flatten(-2)[..., : q.shape[-1]]
+
+
+def quantize_(q: Tensor, scale: Tensor, values: Tensor) -> None:
+    """Store fp32 ``values`` (..., n) into the int8 q and its scales, in place (views allowed)."""
+    runs = _blocks(values.to(torch.float32), scale.shape[-1])
+    peak = runs.abs().amax(dim=-1)  # (..., blocks)
+    scale.copy_(peak)
+    step = (peak / _INT8_LEVELS).clamp_min(torch.finfo(torch.float32).tiny).unsqueeze(-1)
+    q.copy_(runs.div(step).round_().flatten(-2)[..., : q.shape[-1]])
 
 
 def apply_updates_(

@@ -46,8 +46,11 @@ from dmuon.muon_update import (
     NORMUON_BETA2,
     NORMUON_EPS,
     apply_updates_,
+    dequantized,
+    int8_scale_shape,
     normalized_inputs_,
     normuon_rows,
+    quantize_,
 )
 from dmuon.nonfinite import check_policy
 from dmuon.param import MUON_ROUTE, DedicatedParam, is_dedicated
@@ -79,6 +82,9 @@ MUON_RMS_MATCH = 0.2
 # NorMuon's per-row state ([Note: NorMuon] in ``muon_update``): (m,), or (k, m) for an expert
 # piece. A checkpoint without it (plain Muon's) loads with this entry starting at zero.
 ROW_SECOND_MOMENT = "row_second_moment"
+# An int8 momentum's state ([Note: 8-bit momentum] in ``muon_update``): other names than a float
+# buffer's, so a checkpoint never loads one into the other.
+MOMENTUM_INT8, MOMENTUM_SCALE = "momentum_int8", "momentum_scale"
 # How the learning rate of an (m, n) matrix is scaled (ADJUST_LR): see ``_lr_scale``.
 logger = logging.getLogger("dmuon")
 _FUSED_ADAMW_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -117,8 +123,10 @@ class Muon(torch.optim.Optimizer):
             update's RMS is 0.2 lr under ``"match_rms_adamw"``, as the paper's rule). State:
             one fp32 number per row. See [Note: NorMuon] in ``dmuon.muon_update``.
         momentum_dtype: the dtype the Muon momentum is stored in: ``torch.float32`` (the
-            default) or ``torch.bfloat16`` (half its memory); the arithmetic is fp32 either
-            way, the buffer rounded once per step on store.
+            default), ``torch.bfloat16`` (half its memory) or ``torch.int8`` (int8 with an fp32
+            scale per 256 elements of a row: about a quarter; [Note: 8-bit momentum] in
+            ``dmuon.muon_update``); the arithmetic is fp32 either way, the buffer rounded once
+            per step on store.
         adjust_lr: the Muon learning rate of an (m, n) matrix is ``lr`` times
             ``0.2 * sqrt(max(m, n))`` (``"match_rms_adamw"``, the default: the update's RMS is
             AdamW's), ``sqrt(max(1, m / n))`` (``"spectral"``, torch.optim.Muon's default) or 1
@@ -260,7 +268,7 @@ class Muon(torch.optim.Optimizer):
         ]
         super().__init__(torch_groups, defaults={})
         self._groups_planned = True
-        self._check_normuon_layouts()
+        self._check_tensor_parallel_options()
         self._check_ranks_agree()
         self.step_group = step_group if step_group is not None else StepGroup()
         self.step_group.join(
@@ -402,10 +410,8 @@ class Muon(torch.optim.Optimizer):
             if group["route"] != MUON_ROUTE:
                 continue
             dtype = MOMENTUM_DTYPES[group["momentum_dtype"]]
-            for param in group["params"]:  # torch cast the buffers to the masters' fp32
-                state = self.state[param]
-                if "momentum_buffer" in state:
-                    state["momentum_buffer"] = state["momentum_buffer"].to(dtype)
+            for param in group["params"]:  # torch cast float buffers to the masters' fp32
+                _conform_momentum(self.state[param], dtype)
 
     @torch.no_grad()
     def init_state(self) -> None:
@@ -422,11 +428,8 @@ class Muon(torch.optim.Optimizer):
                 if self.state[param]:
                     continue
                 if group["route"] == MUON_ROUTE:
-                    self.state[param]["momentum_buffer"] = torch.zeros(
-                        _momentum_shape(param),
-                        dtype=MOMENTUM_DTYPES[group["momentum_dtype"]],
-                        device=param.device,
-                    )
+                    dtype = MOMENTUM_DTYPES[group["momentum_dtype"]]
+                    _momentum_of(self.state[param], param, None, dtype, create=torch.zeros)
                     if group["normuon"]:
                         _second_moment_of(self.state[param], param, None)
                 else:
@@ -474,16 +477,18 @@ class Muon(torch.optim.Optimizer):
         inputs = newton_schulz.normalized_buffer((len(masters), short, long), device)
         batches = list(_batches(masters))
         for start, stop in batches:
-            grads, momenta, first_steps = [], [], []
+            grads, momenta, scales, first_steps = [], [], [], []
             for master, piece in masters[start:stop]:
                 state = self.state[master]
-                first_step, momentum = _momentum_of(state, master, piece, momentum_dtype)
+                first_step, momentum, scale = _momentum_of(state, master, piece, momentum_dtype)
                 grads.append(_matrix(master.grad, piece))
                 momenta.append(momentum)
+                scales.append(scale)
                 first_steps.append(first_step)
             normalized_inputs_(
-                grads, momenta, first_steps, mu, group["nesterov"], out=inputs[start:stop]
-            )
+                grads, momenta, first_steps, mu, group["nesterov"], out=inputs[start:stop],
+                scales=scales if momentum_dtype == torch.int8 else None,
+            )  # fmt: skip
         orthogonal = newton_schulz.iterate_normalized(inputs)
         for start, stop in batches:
             rows, cols = _entry_shape(masters[start])
@@ -513,7 +518,7 @@ class Muon(torch.optim.Optimizer):
         momentum_dtype = MOMENTUM_DTYPES[group["momentum_dtype"]]
         inputs = []
         for p in params:
-            first_step, momentum = _momentum_of(
+            first_step, momentum, _ = _momentum_of(
                 self.state[p.master], p.master, None, momentum_dtype
             )
             update = muon_update.momentum_(
@@ -592,17 +597,27 @@ class Muon(torch.optim.Optimizer):
 
     # ---- construction checks --------------------------------------------------------------------
 
-    def _check_normuon_layouts(self) -> None:
-        """NorMuon's row statistics need the whole matrix on one rank: not yet for TP chunks
-        (decided from facts every rank has, so every rank raises alike)."""
+    def _check_tensor_parallel_options(self) -> None:
+        """NorMuon's row statistics need the whole matrix on one rank, and an int8 momentum's
+        scales do not follow a TP chunk's layout: not yet for TP chunks (decided from facts
+        every rank has, so every rank raises alike)."""
         tp_sharded = {p.fqn for p in self._dedicated.params.values() if p.is_tp_sharded}
         for planned, group in zip(self._routing_plan.groups, self.param_groups):
             clash = [fqn for fqn in planned.fqns if fqn in tp_sharded]
-            if group["route"] == MUON_ROUTE and group["normuon"] and clash:
+            if group["route"] != MUON_ROUTE or not clash:
+                continue
+            if group["normuon"]:
                 raise ValueError(
                     f"dmuon.Muon: normuon=True is not supported yet for tensor-parallel matrices "
                     f"({preview_names(clash)}). Turn it off for them with a param group: "
                     'param_groups=[{"params": [...], "normuon": False}].'
+                )
+            if group["momentum_dtype"] == "int8":
+                raise ValueError(
+                    "dmuon.Muon: momentum_dtype=torch.int8 is not supported yet for "
+                    f"tensor-parallel matrices ({preview_names(clash)}). Use torch.bfloat16 for "
+                    'them with a param group: param_groups=[{"params": [...], '
+                    '"momentum_dtype": torch.bfloat16}].'
                 )
 
     def _check_ranks_agree(self) -> None:
@@ -830,26 +845,50 @@ def _momentum_shape(master: torch.Tensor) -> tuple[int, ...]:
     return tuple(master.shape) if is_expert_piece(master) else _matrix_shape(master)
 
 
-def _momentum_of(state: dict, master: torch.Tensor, piece: Piece, dtype: torch.dtype):
-    """``(first_step, the (m, n) momentum buffer)`` of one matrix, created on its first step
-    in ``dtype`` (a buffer of another dtype, as torch's ``load_state_dict`` casts it, is
-    converted).
+def _momentum_of(
+    state: dict, master: torch.Tensor, piece: Piece, dtype: torch.dtype, create=None
+) -> tuple[bool, torch.Tensor, torch.Tensor | None]:
+    """``(first_step, the (m, n) momentum buffer, its int8 scales or None)`` of one matrix,
+    created on its first step in ``dtype`` (a buffer held in another dtype, as torch's
+    ``load_state_dict`` or a change of ``momentum_dtype`` leaves it, is converted).
 
     An expert piece keeps one (k, m, n) buffer and a matrix in row blocks one (m, n) buffer,
     created as zeros: ``buf = momentum * 0 + g`` is exactly the first step's ``buf = g`` for
-    each of its matrices.
+    each of its matrices. An int8 buffer is created as zeros too (its scales must be finite).
     """
-    buf = state.get("momentum_buffer")
+    _conform_momentum(state, dtype)
+    int8 = dtype == torch.int8
+    key = MOMENTUM_INT8 if int8 else "momentum_buffer"
+    buf = state.get(key)
     first_step = buf is None
     if first_step:
-        create = torch.zeros if piece is not None else torch.empty
-        buf = create(_momentum_shape(master), dtype=dtype, device=master.device)
-        state["momentum_buffer"] = buf
-    elif buf.dtype != dtype:
-        buf = state["momentum_buffer"] = buf.to(dtype)
+        create = create or (torch.zeros if piece is not None or int8 else torch.empty)
+        shape = _momentum_shape(master)
+        buf = state[key] = create(shape, dtype=dtype, device=master.device)
+        if int8:
+            scale_shape = int8_scale_shape(shape)
+            state[MOMENTUM_SCALE] = create(scale_shape, dtype=torch.float32, device=master.device)
+    scale = state[MOMENTUM_SCALE] if int8 else None
     if piece is None:
-        return first_step, buf
-    return False, buf[piece]
+        return first_step, buf, scale
+    return False, buf[piece], None if scale is None else scale[piece]
+
+
+def _conform_momentum(state: dict, dtype: torch.dtype) -> None:
+    """Hold the momentum of ``state`` (if any) in ``dtype``: a float buffer cast, an int8 one
+    ([Note: 8-bit momentum]) quantised or dequantised."""
+    if dtype == torch.int8:
+        if "momentum_buffer" in state:
+            values = state.pop("momentum_buffer").to(torch.float32)
+            q = torch.empty(values.shape, dtype=torch.int8, device=values.device)
+            scale = torch.empty(int8_scale_shape(values.shape), device=values.device)
+            quantize_(q, scale, values)
+            state[MOMENTUM_INT8], state[MOMENTUM_SCALE] = q, scale
+    elif MOMENTUM_INT8 in state:
+        values = dequantized(state.pop(MOMENTUM_INT8), state.pop(MOMENTUM_SCALE))
+        state["momentum_buffer"] = values.to(dtype)
+    elif "momentum_buffer" in state and state["momentum_buffer"].dtype != dtype:
+        state["momentum_buffer"] = state["momentum_buffer"].to(dtype)
 
 
 def _second_moment_of(state: dict, master: torch.Tensor, piece: Piece) -> torch.Tensor:

@@ -403,8 +403,9 @@ def momentum_dtype_name(value: Any) -> str:
     name = str(value).removeprefix("torch.") if isinstance(value, (str, torch.dtype)) else None
     if name not in MOMENTUM_DTYPES:
         raise ValueError(
-            f"dmuon.Muon: momentum_dtype={value!r} is not one of torch.float32 (the default) or "
-            "torch.bfloat16 (half the memory; the arithmetic stays fp32)."
+            f"dmuon.Muon: momentum_dtype={value!r} is not one of torch.float32 (the default), "
+            "torch.bfloat16 (half the memory) or torch.int8 (int8 with block scales, about a "
+            "quarter); the arithmetic stays fp32."
         )
     return name
 

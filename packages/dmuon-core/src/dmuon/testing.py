@@ -31,7 +31,9 @@ below on its own, with its own momentum):
 Options (``docs/update-rules.md``), each off by default:
 
 - ``momentum_dtype=torch.bfloat16``: step 1 in fp32 on the stored buffer, the new buffer stored
-  rounded to bf16; step 2 uses the unrounded fp32 ``buf``.
+  rounded to bf16; step 2 uses the unrounded fp32 ``buf``. ``torch.int8``: the same, the buffer
+  stored as ``q · s / 127`` per run of 256 elements of a row, ``s`` the run's max |buf| and
+  ``q = round(buf / (s / 127))`` (0 where s = 0).
 - ``normuon_beta2=β2`` (NorMuon, Li et al. 2025, arXiv 2510.05491), between steps 3 and 4, with
   ``v`` (m,) zero at the start: ``v = β2 * v + (1 - β2) * mean over columns of O * O``,
   ``O = O / (sqrt(v) + normuon_eps)`` row by row, ``O = O * sqrt(min(m, n)) / ‖O‖_F``.
@@ -217,7 +219,10 @@ class ReferenceMuonAdamW:
         else:
             buf = self.momentum * state["momentum_buffer"].to(grad.dtype) + grad
         # Stored rounded to momentum_dtype (None: the gradient's); the update uses buf unrounded.
-        state["momentum_buffer"] = buf.to(momentum_dtype or buf.dtype)
+        if momentum_dtype == torch.int8:
+            state["momentum_buffer"] = _int8_rounded(buf)
+        else:
+            state["momentum_buffer"] = buf.to(momentum_dtype or buf.dtype)
         update = grad + self.momentum * buf if self.nesterov else buf
         # (m, n), in the parameter's dtype: torch.optim.Muon's orthogonalizer returns bf16, and
         # scaling a bf16 tensor would round the update to bf16.
@@ -256,6 +261,18 @@ class ReferenceMuonAdamW:
             exp_avg_sq_corrected.sqrt() + self.adamw_eps
         )
         param.copy_(new_weight)
+
+
+def _int8_rounded(buf: Tensor, run: int = 256) -> Tensor:
+    """``buf`` (m, n) as an int8 momentum with one scale per ``run`` elements of a row holds it."""
+    rows, columns = buf.shape
+    runs = -(-columns // run)
+    padded = torch.zeros(rows, runs * run, dtype=buf.dtype)
+    padded[:, :columns] = buf
+    padded = padded.view(rows, runs, run)
+    step = padded.abs().amax(dim=-1, keepdim=True) / 127
+    q = torch.where(step > 0, padded / step, torch.zeros_like(padded)).round()
+    return (q * step).view(rows, runs * run)[:, :columns]
 
 
 # ---- the tiny decoder and its data ---------------------------------------------------------------

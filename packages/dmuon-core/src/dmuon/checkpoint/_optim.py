@@ -128,7 +128,8 @@ def set_optimizer_state_dict(
             f"dmuon.checkpoint: the optimizer state of {len(fresh_everywhere)} parameters is not "
             f"in the checkpoint under the entries their route needs ({preview_names(fresh_everywhere)})"
             "; their state starts fresh. This happens when the checkpoint was written with "
-            "another predicate or routes (a matrix moved between Muon and AdamW).",
+            "another predicate or routes (a matrix moved between Muon and AdamW), or with int8 "
+            "momentum on one side and a float momentum_dtype on the other.",
             UserWarning,
             stacklevel=2,
         )
