@@ -16,7 +16,8 @@ compute, fp32 parameters. Every variant builds a fresh model from the same seed,
   rest. If it fails, its error is recorded as that variant's result and the run goes on.
 
 A dmuon variant takes the opt-in update rules of ``docs/update-rules.md`` as ``+`` suffixes, any
-combination: ``+bf16m`` (``momentum_dtype=torch.bfloat16``), ``+normuon`` (``normuon=True``),
+combination: ``+bf16m`` (``momentum_dtype=torch.bfloat16``), ``+int8m`` (``torch.int8``),
+``+normuon`` (``normuon=True``),
 ``+heads`` (``row_blocks``: q_proj, k_proj and v_proj orthogonalised per attention head), e.g.
 ``--variants dmuon-z3,dmuon-z3+bf16m,dmuon-z3+normuon+heads``.
 
@@ -64,7 +65,7 @@ import dmuon  # noqa: E402
 
 VARIANTS = ("fsdp2-adamw", "dmuon-z3", "dmuon-z2", "naive-muon")
 # "+" suffixes of a dmuon variant -> what they change (docs/update-rules.md).
-RULE_SUFFIXES = ("bf16m", "normuon", "heads")
+RULE_SUFFIXES = ("bf16m", "int8m", "normuon", "heads")
 STEP_TARGET = 1.03  # dmuon step time at most 1.03x FSDP2 + AdamW
 OPTIMIZER_TARGET = 3.0  # dmuon's optimizer step at least 3x faster than naive Muon's
 MUON_LR, ADAMW_LR = 0.02, 1e-3
@@ -220,12 +221,14 @@ def build(variant: str, args: argparse.Namespace, mesh, device: torch.device):
     if variant == "fsdp2-adamw":
         optimizer = torch.optim.AdamW(model.parameters(), lr=ADAMW_LR, fused=True)
     elif variant.startswith("dmuon"):
+        momentum_dtypes = {"bf16m": torch.bfloat16, "int8m": torch.int8}
+        momentum_dtype = next((momentum_dtypes[r] for r in rules if r in momentum_dtypes), None)
         optimizer = dmuon.Muon(
             model,
             lr=MUON_LR,
             adamw_lr=ADAMW_LR,
             normuon="normuon" in rules,
-            momentum_dtype=torch.bfloat16 if "bf16m" in rules else torch.float32,
+            momentum_dtype=momentum_dtype or torch.float32,
         )
         newton_schulz = optimizer.newton_schulz
         extra["partition"] = dmuon.inspect.view(model).plan.describe()

@@ -117,7 +117,7 @@ def test_layouts_dmuon_does_not_dedicate_are_refused_with_the_fix(dims, message)
         ({"ns_coefficients": "newton"}, r"dmuon.ns_coefficients='newton' is not one of"),
         ({"ns_dtype": "float8"}, r"dmuon.ns_dtype='float8' is not one of"),
         ({"muon_params": "layers.(["}, r"dmuon.muon_params='layers.\(\[' is not a regular"),
-        ({"momentum_dtype": "int8"}, r"dmuon.momentum_dtype='int8' is not one of \['float32', "),
+        ({"momentum_dtype": "fp8"}, r"dmuon.momentum_dtype='fp8' is not one of \['float32', "),
     ],
 )
 def test_bad_dmuon_options_are_refused_naming_the_option(options, message):

@@ -28,7 +28,7 @@ COEFFICIENTS = {
     "keller": KELLER_COEFFICIENTS,
 }
 NS_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
-MOMENTUM_DTYPES = ("float32", "bfloat16")
+MOMENTUM_DTYPES = ("float32", "bfloat16", "int8")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -48,7 +48,8 @@ class DMuonConfig:
     """NorMuon: per-row second moment after Newton-Schulz (docs/update-rules.md)."""
 
     momentum_dtype: str = "float32"
-    """Muon momentum storage: 'float32' or 'bfloat16' (half the memory; fp32 arithmetic)."""
+    """Muon momentum storage: 'float32', 'bfloat16' (half the memory) or 'int8' (block scales,
+    about a quarter); fp32 arithmetic either way."""
 
     ns_backend: str = "gram"
     """Newton-Schulz algorithm: 'gram' or 'direct'."""
