@@ -411,7 +411,8 @@ class Muon(torch.optim.Optimizer):
                 continue
             dtype = MOMENTUM_DTYPES[group["momentum_dtype"]]
             for param in group["params"]:  # torch cast float buffers to the masters' fp32
-                _conform_momentum(self.state[param], dtype)
+                if self.state.get(param):
+                    _conform_momentum(self.state[param], dtype)
 
     @torch.no_grad()
     def init_state(self) -> None:
