@@ -19,10 +19,17 @@ compute, fp32 parameters. Every variant builds a fresh model from the same seed,
   parameters (DTensor runs the Newton-Schulz matmuls with collectives) and fused AdamW on the
   rest. If it fails, its error is recorded as that variant's result and the run goes on.
 
+A dmuon variant takes the opt-in update rules of ``docs/update-rules.md`` as ``+`` suffixes, any
+combination: ``+bf16m`` (``momentum_dtype=torch.bfloat16``), ``+int8m`` (``torch.int8``),
+``+normuon`` (``normuon=True``),
+``+heads`` (``row_blocks``: q_proj, k_proj and v_proj orthogonalised per attention head), e.g.
+``--variants dmuon-z3,dmuon-z3+bf16m,dmuon-z3+normuon+heads``.
+
 Per variant: the median over ``--steps`` timed steps (after ``--warmup``) of the whole step
 (zero_grad + forward + backward + step; CUDA events, one synchronisation per step; the slowest
 rank per step), the optimizer step alone (CUDA events around ``step()``), peak memory per rank
-(``max_memory_allocated``) and the losses (must be finite). On CPU, wall-clock times.
+(``max_memory_allocated``), the optimizer state per rank (the bytes of every state tensor, on
+CPU too) and the losses (must be finite). On CPU, wall-clock times.
 
 Usage (repository root; on the GPU machine put the package sources on PYTHONPATH)::
 
@@ -68,6 +75,8 @@ VARIANTS = (
     "dmuon-z3-overlap",
     "dmuon-z2-overlap",
 )
+# "+" suffixes of a dmuon variant -> what they change (docs/update-rules.md).
+RULE_SUFFIXES = ("bf16m", "int8m", "normuon", "heads")
 DEFAULT_VARIANTS = VARIANTS[:4]
 STEP_TARGET = 1.03  # dmuon step time at most 1.03x FSDP2 + AdamW
 OPTIMIZER_TARGET = 3.0  # dmuon's optimizer step at least 3x faster than naive Muon's
@@ -205,15 +214,18 @@ def build(variant: str, args: argparse.Namespace, mesh, device: torch.device):
         model = Llama(args.model, args.seq, args.checkpoint)
     dtype = args.param_dtype
     mp_policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
-    reshard = not variant.startswith("dmuon-z2")
+    base, *rules = variant.split("+")
+    reshard = not base.startswith("dmuon-z2")
     extra: dict = {}
     if variant.startswith("dmuon"):
+        head_dim = args.model.dim // args.model.heads
         dmuon.dedicate_params(
             model,
             mesh,
             predicate=is_projection,
             reshard_after_forward=reshard,
             param_policy={"defaults": {"param_dtype": dtype, "reduce_dtype": torch.float32}},
+            row_blocks={"layers.*.attn.[qkv]_proj.weight": head_dim} if "heads" in rules else None,
         )
     for layer in model.layers:
         fully_shard(layer, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp_policy)
@@ -221,8 +233,15 @@ def build(variant: str, args: argparse.Namespace, mesh, device: torch.device):
     if variant == "fsdp2-adamw":
         optimizer = torch.optim.AdamW(model.parameters(), lr=ADAMW_LR, fused=True)
     elif variant.startswith("dmuon"):
+        momentum_dtypes = {"bf16m": torch.bfloat16, "int8m": torch.int8}
+        momentum_dtype = next((momentum_dtypes[r] for r in rules if r in momentum_dtypes), None)
         optimizer = dmuon.Muon(
-            model, lr=MUON_LR, adamw_lr=ADAMW_LR, overlap_step=variant.endswith("-overlap")
+            model,
+            lr=MUON_LR,
+            adamw_lr=ADAMW_LR,
+            overlap_step=base.endswith("-overlap"),
+            normuon="normuon" in rules,
+            momentum_dtype=momentum_dtype or torch.float32,
         )
         newton_schulz = optimizer.newton_schulz
         extra["partition"] = dmuon.inspect.view(model).plan.describe()
@@ -295,7 +314,7 @@ def measure(variant: str, args, mesh, device: torch.device, tokens: torch.Tensor
             optimizer_ms.append(optimizer_timer.ms())
     if variant.startswith("dmuon"):
         dmuon.wait_all_replicate_broadcasts(model)
-    if variant.endswith("-overlap"):
+    if variant.split("+")[0].endswith("-overlap"):
         extra["overlap_stats"] = asdict(optimizer.overlap_stats())
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
     return {
@@ -303,9 +322,22 @@ def measure(variant: str, args, mesh, device: torch.device, tokens: torch.Tensor
         "optimizer_ms": optimizer_ms,
         "losses": losses,
         "peak_gib": peak,
+        "optimizer_state_gib": optimizer_state_bytes(optimizer) / 2**30,
         "allocated_before_gib": allocated_before,
         **extra,
     }
+
+
+def optimizer_state_bytes(optimizer) -> int:
+    """The bytes of every tensor in this rank's optimizer state (DTensors: the local shard)."""
+    total = 0
+    for one in getattr(optimizer, "optimizers", (optimizer,)):
+        for state in one.state.values():
+            for value in state.values():
+                if isinstance(value, torch.Tensor):
+                    local = value.to_local() if hasattr(value, "to_local") else value
+                    total += local.numel() * local.element_size()
+    return total
 
 
 def run_variant(variant: str, args, mesh, device: torch.device, tokens) -> dict:
@@ -327,7 +359,14 @@ def run_variant(variant: str, args, mesh, device: torch.device, tokens) -> dict:
     step_ms = [max(per_rank) for per_rank in zip(*(r["step_ms"] for r in ranks))]
     optimizer_ms = [max(per_rank) for per_rank in zip(*(r["optimizer_ms"] for r in ranks))]
     losses = [r["losses"] for r in ranks]
-    per_rank_keys = ("step_ms", "optimizer_ms", "losses", "peak_gib", "allocated_before_gib")
+    per_rank_keys = (
+        "step_ms",
+        "optimizer_ms",
+        "losses",
+        "peak_gib",
+        "allocated_before_gib",
+        "optimizer_state_gib",
+    )
     result = {key: value for key, value in ranks[0].items() if key not in per_rank_keys}
     result.update(
         step_ms_median=statistics.median(step_ms),
@@ -335,6 +374,7 @@ def run_variant(variant: str, args, mesh, device: torch.device, tokens) -> dict:
         step_ms=step_ms,
         optimizer_ms=optimizer_ms,
         peak_gib_per_rank=[r["peak_gib"] for r in ranks],
+        optimizer_state_gib_per_rank=[r["optimizer_state_gib"] for r in ranks],
         allocated_before_gib_per_rank=[r["allocated_before_gib"] for r in ranks],
         losses_per_rank=losses,
         losses_finite=all(math.isfinite(x) for per_rank in losses for x in per_rank),
@@ -357,7 +397,9 @@ def targets(results: dict, world: int) -> list[dict]:
     evaluations = []
     baseline = results.get("fsdp2-adamw", {}).get("step_ms_median")
     naive = results.get("naive-muon", {})
-    for name in (v for v in results if v.startswith("dmuon") and "error" not in results[v]):
+    for name in (
+        v for v in results if v.startswith("dmuon") and "+" not in v and "error" not in results[v]
+    ):
         result = results[name]
         if baseline is not None:
             ratio = result["step_ms_median"] / baseline
@@ -393,26 +435,28 @@ def targets(results: dict, world: int) -> list[dict]:
 
 def print_report(header: str, results: dict, evaluations: list[dict]) -> None:
     print(header)
+    width = max(12, *(len(name) for name in results))
     print(
-        f"{'variant':<16} {'step ms':>9} {'vs fsdp2':>9} {'opt ms':>9} {'naive/opt':>10} "
-        f"{'peak GiB':>9} {'loss first->last':>18}"
+        f"{'variant':<{width}} {'step ms':>9} {'vs fsdp2':>9} {'opt ms':>9} {'naive/opt':>10} "
+        f"{'peak GiB':>9} {'state MiB':>10} {'loss first->last':>18}"
     )
     baseline = results.get("fsdp2-adamw", {}).get("step_ms_median")
     naive = results.get("naive-muon", {}).get("optimizer_ms_median")
     for name, result in results.items():
         if "error" in result:
-            print(f"{name:<16} FAILED: {result['error']}")
+            print(f"{name:<{width}} FAILED: {result['error']}")
             continue
         step, opt = result["step_ms_median"], result["optimizer_ms_median"]
         vs_fsdp2 = f"{step / baseline:.3f}x" if baseline else "-"
         vs_naive = f"{naive / opt:.2f}x" if naive and name.startswith("dmuon") else "-"
         peaks = [p for p in result["peak_gib_per_rank"] if p is not None]
         peak = f"{max(peaks):.2f}" if peaks else "-"
+        state = f"{max(result['optimizer_state_gib_per_rank']) * 1024:.1f}"  # the fullest rank
         losses = result["losses_per_rank"][0]
         finite = "" if result["losses_finite"] else " NOT FINITE"
         print(
-            f"{name:<16} {step:>9.2f} {vs_fsdp2:>9} {opt:>9.2f} {vs_naive:>10} {peak:>9} "
-            f"{losses[0]:>8.4f}->{losses[-1]:<8.4f}{finite}"
+            f"{name:<{width}} {step:>9.2f} {vs_fsdp2:>9} {opt:>9.2f} {vs_naive:>10} {peak:>9} "
+            f"{state:>10} {losses[0]:>8.4f}->{losses[-1]:<8.4f}{finite}"
         )
     for evaluation in evaluations:
         verdict = {True: "met", False: "not met", None: "not evaluable"}[evaluation["met"]]
@@ -475,9 +519,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.warmup = args.warmup if args.warmup is not None else (1 if quick else 3)
     args.param_dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.param_dtype]
     args.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
-    unknown = sorted(set(args.variants) - set(VARIANTS))
+    unknown = sorted(
+        v
+        for v in args.variants
+        if v.split("+")[0] not in VARIANTS
+        or ("+" in v and not v.startswith("dmuon"))
+        or not set(v.split("+")[1:]) <= set(RULE_SUFFIXES)
+    )
     if unknown:
-        parser.error(f"unknown variants {unknown}; choose from {', '.join(VARIANTS)}")
+        parser.error(
+            f"unknown variants {unknown}; choose from {', '.join(VARIANTS)}, a dmuon variant "
+            f"with '+' suffixes from {', '.join(RULE_SUFFIXES)} (dmuon-z3+bf16m+normuon)"
+        )
     return args
 
 

@@ -81,3 +81,22 @@ def test_expert_pieces_are_committed_bit_for_bit():
     stats = optimizer.overlap_stats()
     assert any(m.ndim == 3 for m in momenta.values())
     assert stats.committed == stats.speculated > 0 and stats.recomputed == 0
+
+
+@pytest.mark.parametrize(
+    ("options", "row_blocks", "named"),
+    [
+        ({"normuon": True}, None, "normuon=True"),
+        ({"momentum_dtype": torch.bfloat16}, None, "momentum_dtype='bfloat16'"),
+        ({}, {"layers.*.q_proj.weight": 10}, "dedicate_params(row_blocks=...)"),
+    ],
+)
+def test_options_the_speculation_does_not_keep_are_refused_with_the_fix(
+    options, row_blocks, named
+):
+    torch.manual_seed(0)
+    model = TinyDecoder()
+    dmuon.dedicate_params(model, None, proj_predicate, row_blocks=row_blocks)
+    with pytest.raises(ValueError, match=r"does not combine yet with .*Drop overlap_step") as info:
+        dmuon.Muon(model, overlap_step=True, **options)
+    assert named in str(info.value)

@@ -149,9 +149,10 @@ def test_an_unknown_group_key_is_refused_listing_the_accepted_ones():
         dmuon.Muon(dedicated(), param_groups=[{"params": ["norm.bias"], "learning_rate": 1}])
     assert str(error.value) == (
         "dmuon.Muon: param_groups[0] has unknown keys ['learning_rate']; a group accepts "
-        "['params', 'lr', 'weight_decay', 'momentum', 'nesterov', 'adjust_lr', 'betas', 'eps'] "
-        "(the Muon route takes lr, weight_decay, momentum, nesterov, adjust_lr; the AdamW routes "
-        "take lr, weight_decay, betas, eps)."
+        "['params', 'lr', 'weight_decay', 'momentum', 'nesterov', 'adjust_lr', 'normuon', "
+        "'normuon_beta2', 'normuon_eps', 'momentum_dtype', 'betas', 'eps'] (the Muon route "
+        "takes lr, weight_decay, momentum, nesterov, adjust_lr, normuon, normuon_beta2, "
+        "normuon_eps, momentum_dtype; the AdamW routes take lr, weight_decay, betas, eps)."
     )
 
 
@@ -166,8 +167,8 @@ def test_a_key_that_does_not_apply_to_a_route_is_refused_naming_the_parameter():
     assert str(error.value) == (
         "dmuon.Muon: param_groups[0] sets ['momentum'], which do not apply to the sharded_adamw "
         "route of 'layers.0.o_proj.bias' (shape (30,)). The Muon route takes ['lr', 'momentum', "
-        "'nesterov', 'weight_decay', 'adjust_lr'], the AdamW routes ['lr', 'betas', 'eps', "
-        "'weight_decay']. Narrow the group's params to one route (e.g. lambda name, p: ... and "
+        "'nesterov', 'weight_decay', 'adjust_lr', 'normuon', 'normuon_beta2', 'normuon_eps', "
+        "'momentum_dtype'], the AdamW routes ['lr', 'betas', 'eps', 'weight_decay']. Narrow the group's params to one route (e.g. lambda name, p: ... and "
         "p.ndim >= 2), or split it into one group per route."
     )
 

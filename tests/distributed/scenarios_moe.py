@@ -44,6 +44,7 @@ class MoEConfig:
     ddp: bool = False  # DistributedDataParallel instead of fully_shard
     compile_backend: str | None = None  # torch.compile each block after fully_shard
     clip_max_norm: float | None = None  # dmuon.clip_grad_norm_ before each step
+    normuon: bool = False  # dmuon.Muon(normuon=True); the reference's normuon_beta2=0.95
 
 
 def make_model(config: MoEConfig) -> MoEDecoder:
@@ -89,6 +90,7 @@ def build(config: MoEConfig):
         lr=LR,
         weight_decay=WEIGHT_DECAY,
         ns_backend=NewtonSchulz(dtype=torch.float32, kernel="cublas"),
+        normuon=config.normuon,
     )
     return model, runner, optimizer, owners
 
@@ -102,6 +104,7 @@ def build_reference(config: MoEConfig):
         weight_decay=WEIGHT_DECAY,
         orthogonalize=functools.partial(newton_schulz, backend="gram", dtype=torch.float32),
         expert_stacks=expert_stack_names(reference),
+        normuon_beta2=0.95 if config.normuon else None,
     )
     return reference, optimizer
 
@@ -210,10 +213,10 @@ CHECKPOINT_STEPS = 8
 FULL_ON_FIRST_RANK = StateDictOptions(full_state_dict=True, cpu_offload=True)
 
 
-def _checkpoint_build(replicas: int):
+def _checkpoint_build(replicas: int, normuon: bool = False):
     """The MoE model on ``replicas`` (0: one process, ``mesh=None``), fully sharded."""
     if dist.is_initialized():
-        model, _, optimizer, _ = build(MoEConfig(replicas=replicas))
+        model, _, optimizer, _ = build(MoEConfig(replicas=replicas, normuon=normuon))
         return model, optimizer
     model = make_model(MoEConfig())
     dmuon.dedicate_params(model, None, moe_predicate)
@@ -222,6 +225,7 @@ def _checkpoint_build(replicas: int):
         lr=LR,
         weight_decay=WEIGHT_DECAY,
         ns_backend=NewtonSchulz(dtype=torch.float32, kernel="cublas"),
+        normuon=normuon,
     )
     return model, optimizer
 
@@ -242,9 +246,11 @@ def _full_state(model, optimizer) -> dict:
     return {"model": model_sd, "optim": optim_sd.get("state", {})}
 
 
-def save_midway_and_finish(path: str, replicas: int = 1, save_at: int = 4) -> dict:
+def save_midway_and_finish(
+    path: str, replicas: int = 1, save_at: int = 4, normuon: bool = False
+) -> dict:
     """Train, save a sharded checkpoint at ``save_at``, train on: the uninterrupted run."""
-    model, optimizer = _checkpoint_build(replicas)
+    model, optimizer = _checkpoint_build(replicas, normuon)
     _checkpoint_train(model, optimizer, range(save_at))
     model_sd, optim_sd = dckpt.get_state_dict(model, optimizer)
     dckpt.save({"model": model_sd, "optim": optim_sd}, path)
@@ -252,9 +258,11 @@ def save_midway_and_finish(path: str, replicas: int = 1, save_at: int = 4) -> di
     return _full_state(model, optimizer)
 
 
-def resume_and_finish(path: str, replicas: int = 1, save_at: int = 4) -> dict:
+def resume_and_finish(
+    path: str, replicas: int = 1, save_at: int = 4, normuon: bool = False
+) -> dict:
     """A fresh model and optimizer loaded from ``path`` (any layout), trained to the end."""
-    model, optimizer = _checkpoint_build(replicas)
+    model, optimizer = _checkpoint_build(replicas, normuon)
     model_sd, optim_sd = dckpt.get_state_dict(model, optimizer)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # every entry loads: no optimizer state starts fresh

@@ -48,6 +48,15 @@ def test_the_command_line_switch_runs_torchtitans_own_job_with_dmuon_options():
     assert config.training.disable_cuda_graphs
 
 
+def test_the_update_rule_options_reach_the_config_from_the_command_line():
+    config = ConfigManager().parse_args(
+        ["--module", "dmuon_titan", "--config", "llama3_debugmodel", "--dmuon.normuon",
+         "--dmuon.momentum_dtype", "bfloat16"]
+    )  # fmt: skip
+    assert config.dmuon.normuon is True
+    assert config.dmuon.momentum_dtype == "bfloat16"
+
+
 def test_an_unknown_config_name_lists_torchtitans_own_configs():
     with pytest.raises(ValueError, match=r"'llama9_debugmodel' not found.*'llama3_debugmodel'"):
         ConfigManager().parse_args(["--module", "dmuon_titan", "--config", "llama9_debugmodel"])
@@ -108,6 +117,7 @@ def test_layouts_dmuon_does_not_dedicate_are_refused_with_the_fix(dims, message)
         ({"ns_coefficients": "newton"}, r"dmuon.ns_coefficients='newton' is not one of"),
         ({"ns_dtype": "float8"}, r"dmuon.ns_dtype='float8' is not one of"),
         ({"muon_params": "layers.(["}, r"dmuon.muon_params='layers.\(\[' is not a regular"),
+        ({"momentum_dtype": "fp8"}, r"dmuon.momentum_dtype='fp8' is not one of \['float32', "),
     ],
 )
 def test_bad_dmuon_options_are_refused_naming_the_option(options, message):

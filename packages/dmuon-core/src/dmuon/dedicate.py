@@ -36,6 +36,7 @@ from dmuon.partition import OwnerCoord, ParamSpec, layer_id_of, plan_ownership
 from dmuon.policy import resolve_param_policy
 from dmuon.profile import ForwardUnshardProfile, forward_profile_requested
 from dmuon.routing import Predicate, Routes, select_dedicated
+from dmuon.row_blocks import RowBlocks, resolve_row_blocks
 from dmuon.tp import (
     TensorParallelLayout,
     exchange_mesh,
@@ -70,6 +71,7 @@ def dedicate_params(
     timeout: timedelta | None = None,
     routes: Routes | None = None,
     expert_stacks: ExpertStackPredicate | None = None,
+    row_blocks: RowBlocks | None = None,
 ) -> dict[str, OwnerCoord]:
     """Give every parameter selected by ``predicate`` one owner rank; returns FQN -> owner.
 
@@ -121,6 +123,13 @@ def dedicate_params(
             (None): every selected 3-D parameter is a stack, except the weight of a torch
             convolution (``nn.Conv1d``: (out, in, k)), which is one matrix with its trailing
             dims flattened into columns, like any parameter of 4 or more dims.
+        row_blocks: Muon matrices whose Newton-Schulz runs per block of rows, each block
+            updated as a matrix of its own (per attention head, or q / k / v of a fused QKV):
+            ``{fqn or glob pattern: rows per block | [block sizes]}`` or ``(name, param) ->
+            rows per block | [sizes] | None``, e.g. ``{"layers.*.q_proj.weight": head_dim,
+            "layers.*.qkv_proj.weight": [q_rows, kv_rows, kv_rows]}``. The partition counts
+            the cheaper work. Not for expert stacks or tensor-parallel matrices; see
+            ``docs/update-rules.md``.
     """
     # A setup error on one rank (its predicate raised, a bad argument) is raised on every rank
     # before any process group is created: none is left waiting for the failed rank.
@@ -132,6 +141,13 @@ def dedicate_params(
         stacked = expert_stack_names(selected, expert_stacks)
         tp_layouts, parallel_dims = _tensor_parallel_layouts(model, selected, mesh, replicate_mesh)
         tp_mesh = exchange_mesh(tp_layouts)
+        blocks = resolve_row_blocks(
+            row_blocks,
+            selected,
+            overrides,
+            stacked,
+            [name for name, layout in tp_layouts.items() if layout.is_sharded],
+        )
         layout = resolve_ownership_layout(
             mesh, replicate_mesh, process_group_policy, tp_mesh, parallel_dims
         )
@@ -148,6 +164,7 @@ def dedicate_params(
             ),
             "routes": ("route overrides (routes=)", sorted(overrides.items())),
             "expert_stacks": ("expert stacks (expert_stacks=)", stacked),
+            "row_blocks": ("row blocks (row_blocks=)", sorted(blocks.items())),
         },
     )
 
@@ -157,6 +174,7 @@ def dedicate_params(
             shape=tuple(param.shape),
             layer_id=layer_id_of(name, layer_id_fn),
             expert_stack=name in stacked,
+            row_blocks=blocks.get(name),
         )
         for name, _, _, param in selected
     ]
@@ -211,6 +229,7 @@ def dedicate_params(
             original=param,
             route_override=overrides.get(name),
             tp=tp_layouts.get(name),
+            row_blocks=blocks.get(name),
         )
     boundaries = group_by_boundary(
         model, params, hook_boundary_predicate, ownership_mesh, reshard_after_forward

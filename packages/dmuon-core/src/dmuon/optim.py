@@ -19,6 +19,7 @@ so ``torch.optim.lr_scheduler`` and HF's schedulers scale every group.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import sys
@@ -40,13 +41,22 @@ from dmuon.ddp import check_gradients_are_averaged
 from dmuon.experts import ExpertStack, is_expert_piece
 from dmuon.fqn import canonical_fqn
 from dmuon.hooks import get_dedicated_state
-from dmuon.muon_update import matrix_shape_of
+from dmuon.muon_update import (
+    MOMENTUM_DTYPES,
+    NORMUON_BETA2,
+    NORMUON_EPS,
+    dequantized,
+    int8_scale_shape,
+    matrix_shape_of,
+    quantize_,
+)
 from dmuon.nonfinite import check_policy
 from dmuon.overlap import OverlappedStep, OverlapStepStats
 from dmuon.param import MUON_ROUTE, DedicatedParam, is_dedicated
 from dmuon.routing import (
     ADJUST_LR,
     HF_NO_DECAY,
+    RULE_KEYS,
     SHARDED_ADAMW_ROUTE,
     WHY_NOT_DEDICATED,
     WHY_PREDICATE,
@@ -55,6 +65,7 @@ from dmuon.routing import (
     NoDecay,
     ParamFacts,
     RoutingRow,
+    momentum_dtype_name,
     no_decay_fqns,
     plan_groups,
     route_summaries,
@@ -65,6 +76,12 @@ from dmuon.tp import ChunkExchange
 from dmuon_kernels.coefficients import KELLER_COEFFICIENTS
 from dmuon_kernels.newton_schulz import NewtonSchulz
 
+# NorMuon's per-row state ([Note: NorMuon] in ``muon_update``): (m,), or (k, m) for an expert
+# piece. A checkpoint without it (plain Muon's) loads with this entry starting at zero.
+ROW_SECOND_MOMENT = "row_second_moment"
+# An int8 momentum's state ([Note: 8-bit momentum] in ``muon_update``): other names than a float
+# buffer's, so a checkpoint never loads one into the other.
+MOMENTUM_INT8, MOMENTUM_SCALE = "momentum_int8", "momentum_scale"
 logger = logging.getLogger("dmuon")
 _FUSED_ADAMW_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 # Newton-Schulz input of one batched call, at 2 bytes an element: the iteration's transient
@@ -95,6 +112,17 @@ class Muon(torch.optim.Optimizer):
             that trains in one step (pipeline stages, here and on the ranks of its ``pp_mesh``):
             the non-finite decision, and ``dmuon.clip_grad_norm_``'s norm, then span them all.
             None: this optimizer alone.
+        normuon, normuon_beta2, normuon_eps: NorMuon (Li et al., 2025, arXiv 2510.05491):
+            after Newton-Schulz, each row of the update is divided by the root of an EMA
+            (``normuon_beta2``) of its mean square, then the whole is rescaled to the
+            Frobenius norm of an orthogonal matrix, so ``adjust_lr`` keeps its meaning (the
+            update's RMS is 0.2 lr under ``"match_rms_adamw"``, as the paper's rule). State:
+            one fp32 number per row. See [Note: NorMuon] in ``dmuon.muon_update``.
+        momentum_dtype: the dtype the Muon momentum is stored in: ``torch.float32`` (the
+            default), ``torch.bfloat16`` (half its memory) or ``torch.int8`` (int8 with an fp32
+            scale per 256 elements of a row: about a quarter; [Note: 8-bit momentum] in
+            ``dmuon.muon_update``); the arithmetic is fp32 either way, the buffer rounded once
+            per step on store.
         adjust_lr: the Muon learning rate of an (m, n) matrix is ``lr`` times
             ``0.2 * sqrt(max(m, n))`` (``"match_rms_adamw"``, the default: the update's RMS is
             AdamW's), ``sqrt(max(1, m / n))`` (``"spectral"``, torch.optim.Muon's default) or 1
@@ -104,7 +132,8 @@ class Muon(torch.optim.Optimizer):
         param_groups: ``[{"params": fqns | (name, param) -> bool, "lr": ..., ...}, ...]``,
             applied in order on top of the routes (a parameter takes the first group that
             matches). A group may set ``lr`` and ``weight_decay`` (any route), ``momentum``,
-            ``nesterov`` and ``adjust_lr`` (Muon), ``betas`` and ``eps`` (AdamW); a key that
+            ``nesterov``, ``adjust_lr``, ``normuon``, ``normuon_beta2``, ``normuon_eps`` and
+            ``momentum_dtype`` (Muon), ``betas`` and ``eps`` (AdamW); a key that
             does not apply to a parameter the group matches raises. Each becomes one torch
             param group per update rule it covers. A predicate sees a dedicated parameter as a
             meta tensor of its full shape (its value lives on the owner only), so every rank
@@ -145,6 +174,10 @@ class Muon(torch.optim.Optimizer):
         no_decay: NoDecay = HF_NO_DECAY,
         step_group: StepGroup | None = None,
         overlap_step: bool = False,
+        normuon: bool = False,
+        normuon_beta2: float = NORMUON_BETA2,
+        normuon_eps: float = NORMUON_EPS,
+        momentum_dtype: torch.dtype | str = torch.float32,
     ) -> None:
         _check_hyperparameters(
             lr=lr,
@@ -157,7 +190,11 @@ class Muon(torch.optim.Optimizer):
             adamw_weight_decay=adamw_weight_decay,
             replicate_async=replicate_async,
             overlap_step=overlap_step,
+            normuon=normuon,
+            normuon_beta2=normuon_beta2,
+            normuon_eps=normuon_eps,
         )
+        momentum_dtype = momentum_dtype_name(momentum_dtype)
         if adjust_lr not in ADJUST_LR:
             raise ValueError(
                 f"dmuon.Muon: adjust_lr={adjust_lr!r} is not one of {ADJUST_LR}: "
@@ -194,6 +231,12 @@ class Muon(torch.optim.Optimizer):
         self._tp_chunks = {
             id(p.master): p for p in self._dedicated.iter_owned_masters() if p.is_tp_sharded
         }
+        # id(master) -> its row-block sizes ([Note: row blocks] in ``dmuon.row_blocks``).
+        self._row_blocks = {
+            id(p.master): p.row_blocks
+            for p in self._dedicated.iter_owned_masters()
+            if p.row_blocks is not None
+        }
 
         self._facts, local_tensors = _param_facts(model, self._dedicated)
         # id(tensor) -> canonical FQN of what this rank steps (an expert piece's: its own name).
@@ -209,7 +252,9 @@ class Muon(torch.optim.Optimizer):
             self._facts,
             {
                 MUON_ROUTE: dict(lr=lr, momentum=momentum, nesterov=nesterov,
-                                 weight_decay=weight_decay, adjust_lr=adjust_lr),
+                                 weight_decay=weight_decay, adjust_lr=adjust_lr, normuon=normuon,
+                                 normuon_beta2=normuon_beta2, normuon_eps=normuon_eps,
+                                 momentum_dtype=momentum_dtype),
                 "adamw": dict(lr=adamw_lr, betas=tuple(adamw_betas), eps=adamw_eps,
                               weight_decay=adamw_weight_decay),
             },
@@ -222,6 +267,7 @@ class Muon(torch.optim.Optimizer):
         ]
         super().__init__(torch_groups, defaults={})
         self._groups_planned = True
+        self._check_tensor_parallel_options()
         self._check_ranks_agree()
         self.step_group = step_group if step_group is not None else StepGroup()
         self.step_group.join(
@@ -233,6 +279,22 @@ class Muon(torch.optim.Optimizer):
     def _start_overlap(self) -> OverlappedStep:
         """The speculation of ``overlap_step=True`` ([Note: the overlapped step] in
         ``dmuon.overlap``), listening to the model's gradients as they land."""
+        # Decided from facts every rank has, so every rank raises alike.
+        options = [
+            f"{key}={group[key]!r}"
+            for group in self.param_groups
+            if group["route"] == MUON_ROUTE
+            for key, plain in (("normuon", False), ("momentum_dtype", "float32"))
+            if group[key] != plain
+        ]
+        if any(p.row_blocks is not None for p in self._dedicated.params.values()):
+            options.append("dedicate_params(row_blocks=...)")
+        if options:
+            raise ValueError(
+                "dmuon.Muon(overlap_step=True) does not combine yet with "
+                f"{', '.join(sorted(set(options)))}: its speculation keeps plain fp32 momentum "
+                "of whole matrices. Drop overlap_step=True, or those options."
+            )
         if self._dedicated.gradient_listener is not None:
             raise ValueError(
                 "dmuon.Muon(overlap_step=True): this model already has an optimizer with "
@@ -393,8 +455,22 @@ class Muon(torch.optim.Optimizer):
         return super().state_dict()
 
     def load_state_dict(self, state_dict: dict) -> None:
+        """torch's, except that the update rule and the state's dtypes stay this optimizer's
+        (``normuon``, ``momentum_dtype``: a checkpoint of another rule loads into this one), and
+        a key the saved groups lack (an option newer than the checkpoint) keeps its value."""
         _refuse_torch_checkpoint_state_dict(sys._getframe(1), "set_optimizer_state_dict")
+        before = [{k: v for k, v in group.items() if k != "params"} for group in self.param_groups]
         super().load_state_dict(state_dict)
+        for group, kept in zip(self.param_groups, before):
+            for key, value in kept.items():
+                if key in RULE_KEYS or key not in group:
+                    group[key] = value
+            if group["route"] != MUON_ROUTE:
+                continue
+            dtype = MOMENTUM_DTYPES[group["momentum_dtype"]]
+            for param in group["params"]:  # torch cast float buffers to the masters' fp32
+                if self.state.get(param):
+                    _conform_momentum(self.state[param], dtype)
 
     @torch.no_grad()
     def init_state(self) -> None:
@@ -411,9 +487,10 @@ class Muon(torch.optim.Optimizer):
                 if self.state[param]:
                     continue
                 if group["route"] == MUON_ROUTE:
-                    self.state[param]["momentum_buffer"] = torch.zeros(
-                        _momentum_shape(param), dtype=torch.float32, device=param.device
-                    )
+                    dtype = MOMENTUM_DTYPES[group["momentum_dtype"]]
+                    _momentum_of(self.state[param], param, None, dtype, create=torch.zeros)
+                    if group["normuon"]:
+                        _second_moment_of(self.state[param], param, None)
                 else:
                     self.state[param].update(_new_adamw_state(_local(param)))
 
@@ -439,19 +516,23 @@ class Muon(torch.optim.Optimizer):
             [masters] if self._overlap is None else self._overlap.units_to_compute(index, masters)
         )
         for unit in units:
-            for call in _ns_calls_of(unit):
+            for call in _ns_calls_of(unit, self._row_blocks):
                 self._muon_update(group, call)
 
-    def _muon_update(self, group: dict, masters: list[tuple[nn.Parameter, int | None]]) -> None:
-        """The Muon step of ``masters``: matrices (or experts of expert pieces) of one
-        Newton-Schulz shape, equal (rows, cols) adjacent; the math is ``muon_update``'s."""
-        grads, momenta, first_steps = [], [], []
-        for master, expert in masters:
-            first_step, momentum = _momentum_of(self.state[master], master, expert)
-            grads.append(_matrix(master.grad, expert))
+    def _muon_update(self, group: dict, masters: list[tuple[nn.Parameter, Piece]]) -> None:
+        """The Muon step of ``masters``: matrices (or experts of expert pieces, or row blocks)
+        of one Newton-Schulz shape, equal (rows, cols) adjacent; the math is ``muon_update``'s."""
+        momentum_dtype = MOMENTUM_DTYPES[group["momentum_dtype"]]
+        grads, momenta, scales, first_steps = [], [], [], []
+        for master, piece in masters:
+            state = self.state[master]
+            first_step, momentum, scale = _momentum_of(state, master, piece, momentum_dtype)
+            grads.append(_matrix(master.grad, piece))
             momenta.append(momentum)
+            scales.append(scale)
             first_steps.append(first_step)
-        orthogonal = self._orthogonal(group, grads, momenta, first_steps)
+        int8 = momentum_dtype == torch.int8
+        orthogonal = self._orthogonal(group, grads, momenta, first_steps, scales if int8 else None)
         self._apply_call(group, masters, orthogonal)
 
     def _orthogonal(
@@ -460,6 +541,7 @@ class Muon(torch.optim.Optimizer):
         grads: list[torch.Tensor],
         momenta: list[torch.Tensor],
         first_steps: list[bool],
+        scales: list[torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Momentum and Nesterov (into ``momenta``) and one batched Newton-Schulz of one call's
         matrices; returns its output (B, short, long)."""
@@ -470,18 +552,25 @@ class Muon(torch.optim.Optimizer):
             first_steps,
             momentum=group["momentum"],
             nesterov=group["nesterov"],
+            scales=scales,
         )
 
     def _apply_call(
-        self, group: dict, masters: list[tuple[nn.Parameter, int | None]], orthogonal: torch.Tensor
+        self, group: dict, masters: list[tuple[nn.Parameter, Piece]], orthogonal: torch.Tensor
     ) -> None:
-        """Decay and the scaled update of one call's masters from its Newton-Schulz output."""
+        """NorMuon's rows if on, then decay and the scaled update of one call's masters from
+        its Newton-Schulz output."""
+        normuon = None
+        if group["normuon"]:
+            moments = [_second_moment_of(self.state[m], m, piece) for m, piece in masters]
+            normuon = (moments, group["normuon_beta2"], group["normuon_eps"])
         muon_update.apply_matrices_(
-            [_matrix(master, expert) for master, expert in masters],
+            [_matrix(master, piece) for master, piece in masters],
             orthogonal,
             lr=group["lr"],
             weight_decay=group["weight_decay"],
             adjust_lr=group["adjust_lr"],
+            normuon=normuon,
         )
 
     def _speculate_unit(
@@ -509,7 +598,7 @@ class Muon(torch.optim.Optimizer):
                 )
                 first_step_of[id(master)] = not is_expert_piece(master)
         calls = []
-        for call in _ns_calls_of(masters):
+        for call in _ns_calls_of(masters, self._row_blocks):
             grads_of_call = [_matrix(grads[id(master)], expert) for master, expert in call]
             momenta = [
                 scratch[id(master)] if expert is None else scratch[id(master)][expert]
@@ -532,9 +621,12 @@ class Muon(torch.optim.Optimizer):
         if not params:
             return
         mu = group["momentum"]
+        momentum_dtype = MOMENTUM_DTYPES[group["momentum_dtype"]]
         inputs = []
         for p in params:
-            first_step, momentum = _momentum_of(self.state[p.master], p.master, None)
+            first_step, momentum, _ = _momentum_of(
+                self.state[p.master], p.master, None, momentum_dtype
+            )
             update = muon_update.momentum_(
                 _matrix(p.master.grad, None), momentum, first_step, mu, group["nesterov"]
             )
@@ -591,6 +683,29 @@ class Muon(torch.optim.Optimizer):
         )  # fmt: skip
 
     # ---- construction checks --------------------------------------------------------------------
+
+    def _check_tensor_parallel_options(self) -> None:
+        """NorMuon's row statistics need the whole matrix on one rank, and an int8 momentum's
+        scales do not follow a TP chunk's layout: not yet for TP chunks (decided from facts
+        every rank has, so every rank raises alike)."""
+        tp_sharded = {p.fqn for p in self._dedicated.params.values() if p.is_tp_sharded}
+        for planned, group in zip(self._routing_plan.groups, self.param_groups):
+            clash = [fqn for fqn in planned.fqns if fqn in tp_sharded]
+            if group["route"] != MUON_ROUTE or not clash:
+                continue
+            if group["normuon"]:
+                raise ValueError(
+                    f"dmuon.Muon: normuon=True is not supported yet for tensor-parallel matrices "
+                    f"({preview_names(clash)}). Turn it off for them with a param group: "
+                    'param_groups=[{"params": [...], "normuon": False}].'
+                )
+            if group["momentum_dtype"] == "int8":
+                raise ValueError(
+                    "dmuon.Muon: momentum_dtype=torch.int8 is not supported yet for "
+                    f"tensor-parallel matrices ({preview_names(clash)}). Use torch.bfloat16 for "
+                    'them with a param group: param_groups=[{"params": [...], '
+                    '"momentum_dtype": torch.bfloat16}].'
+                )
 
     def _check_ranks_agree(self) -> None:
         check_ranks_agree(
@@ -740,32 +855,51 @@ def _matrix_shape(param: torch.Tensor) -> tuple[int, int]:
     return matrix_shape_of(param.shape)
 
 
-def _matrices_of(master: torch.Tensor) -> list[tuple[torch.Tensor, int | None]]:
-    """The matrices Muon orthogonalises in ``master``: itself, or each expert of an expert
-    piece (k, m, n), which gets its own Newton-Schulz, momentum and lr scale."""
+Piece = int | slice | None
+"""Which matrix of a master an entry is: None (the master), ``i`` (expert i of an expert
+piece) or ``slice(start, stop)`` (a row block)."""
+
+
+def _matrices_of(
+    master: torch.Tensor, row_blocks: tuple[int, ...] | None = None
+) -> list[tuple[torch.Tensor, Piece]]:
+    """The matrices Muon orthogonalises in ``master``: itself, each expert of an expert piece
+    (k, m, n), or each of its row blocks; each gets its own Newton-Schulz and lr scale."""
     if is_expert_piece(master):
         return [(master, expert) for expert in range(master.shape[0])]
+    if row_blocks is not None:
+        starts = itertools.accumulate(row_blocks, initial=0)
+        return [(master, slice(start, start + rows)) for start, rows in zip(starts, row_blocks)]
     return [(master, None)]
 
 
 def _ns_calls_of(
-    masters: list[nn.Parameter],
-) -> Iterator[list[tuple[nn.Parameter, int | None]]]:
-    """The batched Newton-Schulz calls of ``masters``, each a list of matrices. Newton-Schulz
-    runs on rows <= cols, so an (m, n) and an (n, m) matrix share one call (Llama's gate/up and
-    down projections, say); same-shape runs stay adjacent for the element-wise batches."""
-    by_ns_shape: dict[tuple[int, int], list[tuple[nn.Parameter, int | None]]] = defaultdict(list)
+    masters: list[nn.Parameter], row_blocks: dict[int, tuple[int, ...]]
+) -> Iterator[list[tuple[nn.Parameter, Piece]]]:
+    """The batched Newton-Schulz calls of ``masters`` (``row_blocks``: id(master) -> its row
+    blocks), each a list of matrices. Newton-Schulz runs on rows <= cols, so an (m, n) and an
+    (n, m) matrix share one call (Llama's gate/up and down projections, say); same-shape runs
+    stay adjacent for the element-wise batches."""
+    by_ns_shape: dict[tuple[int, int], list[tuple[nn.Parameter, Piece]]] = defaultdict(list)
     for master in masters:
-        rows, cols = _matrix_shape(master)
-        by_ns_shape[(min(rows, cols), max(rows, cols))] += _matrices_of(master)
+        for entry in _matrices_of(master, row_blocks.get(id(master))):
+            rows, cols = _entry_shape(entry)
+            by_ns_shape[(min(rows, cols), max(rows, cols))].append(entry)
     for (short, long), same_shape in by_ns_shape.items():
-        same_shape.sort(key=lambda entry: _matrix_shape(entry[0]))  # (rows, cols) adjacent
+        same_shape.sort(key=_entry_shape)  # (rows, cols) adjacent
         yield from _ns_calls(same_shape, short * long)
 
 
+def _entry_shape(entry: tuple[torch.Tensor, Piece]) -> tuple[int, int]:
+    """(rows, cols) of the matrix an entry of ``_matrices_of`` stands for."""
+    master, piece = entry
+    rows, cols = _matrix_shape(master)
+    return (piece.stop - piece.start, cols) if isinstance(piece, slice) else (rows, cols)
+
+
 def _ns_calls(
-    masters: list[tuple[torch.Tensor, int | None]], numel: int
-) -> Iterator[list[tuple[torch.Tensor, int | None]]]:
+    masters: list[tuple[torch.Tensor, Piece]], numel: int
+) -> Iterator[list[tuple[torch.Tensor, Piece]]]:
     """``masters`` in equal runs of at most ``NS_CALL_BYTES`` of fp16 Newton-Schulz input (the
     iteration's workspace is a few times its input, and lives only during the call)."""
     per_call = max(1, NS_CALL_BYTES // (2 * numel))
@@ -775,9 +909,14 @@ def _ns_calls(
         yield masters[start : start + size]
 
 
-def _matrix(tensor: torch.Tensor, expert: int | None) -> torch.Tensor:
-    """(m, n) view of a master-shaped tensor (weight or gradient): the matrix, or one expert."""
-    return tensor.view(_matrix_shape(tensor)) if expert is None else tensor[expert]
+def _matrix(tensor: torch.Tensor, piece: Piece) -> torch.Tensor:
+    """(m, n) view of a master-shaped tensor (weight or gradient): the matrix, one expert, or
+    one row block."""
+    if piece is None:
+        return tensor.view(_matrix_shape(tensor))
+    if isinstance(piece, slice):
+        return tensor.view(matrix_shape_of(tensor.shape))[piece]
+    return tensor[piece]
 
 
 def _momentum_shape(master: torch.Tensor) -> tuple[int, ...]:
@@ -785,21 +924,60 @@ def _momentum_shape(master: torch.Tensor) -> tuple[int, ...]:
     return tuple(master.shape) if is_expert_piece(master) else _matrix_shape(master)
 
 
-def _momentum_of(state: dict, master: torch.Tensor, expert: int | None):
-    """``(first_step, the (m, n) momentum buffer)`` of one matrix, created on its first step.
+def _momentum_of(
+    state: dict, master: torch.Tensor, piece: Piece, dtype: torch.dtype, create=None
+) -> tuple[bool, torch.Tensor, torch.Tensor | None]:
+    """``(first_step, the (m, n) momentum buffer, its int8 scales or None)`` of one matrix,
+    created on its first step in ``dtype`` (a buffer held in another dtype, as torch's
+    ``load_state_dict`` or a change of ``momentum_dtype`` leaves it, is converted).
 
-    An expert piece keeps one (k, m, n) buffer created as zeros: ``buf = momentum * 0 + g`` is
-    exactly the first step's ``buf = g`` for each of its experts.
+    An expert piece keeps one (k, m, n) buffer and a matrix in row blocks one (m, n) buffer,
+    created as zeros: ``buf = momentum * 0 + g`` is exactly the first step's ``buf = g`` for
+    each of its matrices. An int8 buffer is created as zeros too (its scales must be finite).
     """
-    first_step = "momentum_buffer" not in state
+    _conform_momentum(state, dtype)
+    int8 = dtype == torch.int8
+    key = MOMENTUM_INT8 if int8 else "momentum_buffer"
+    buf = state.get(key)
+    first_step = buf is None
     if first_step:
-        create = torch.zeros if expert is not None else torch.empty
-        state["momentum_buffer"] = create(
-            _momentum_shape(master), dtype=torch.float32, device=master.device
-        )
-    if expert is None:
-        return first_step, state["momentum_buffer"]
-    return False, state["momentum_buffer"][expert]
+        create = create or (torch.zeros if piece is not None or int8 else torch.empty)
+        shape = _momentum_shape(master)
+        buf = state[key] = create(shape, dtype=dtype, device=master.device)
+        if int8:
+            scale_shape = int8_scale_shape(shape)
+            state[MOMENTUM_SCALE] = create(scale_shape, dtype=torch.float32, device=master.device)
+    scale = state[MOMENTUM_SCALE] if int8 else None
+    if piece is None:
+        return first_step, buf, scale
+    return False, buf[piece], None if scale is None else scale[piece]
+
+
+def _conform_momentum(state: dict, dtype: torch.dtype) -> None:
+    """Hold the momentum of ``state`` (if any) in ``dtype``: a float buffer cast, an int8 one
+    ([Note: 8-bit momentum]) quantised or dequantised."""
+    if dtype == torch.int8:
+        if "momentum_buffer" in state:
+            values = state.pop("momentum_buffer").to(torch.float32)
+            q = torch.empty(values.shape, dtype=torch.int8, device=values.device)
+            scale = torch.empty(int8_scale_shape(values.shape), device=values.device)
+            quantize_(q, scale, values)
+            state[MOMENTUM_INT8], state[MOMENTUM_SCALE] = q, scale
+    elif MOMENTUM_INT8 in state:
+        values = dequantized(state.pop(MOMENTUM_INT8), state.pop(MOMENTUM_SCALE))
+        state["momentum_buffer"] = values.to(dtype)
+    elif "momentum_buffer" in state and state["momentum_buffer"].dtype != dtype:
+        state["momentum_buffer"] = state["momentum_buffer"].to(dtype)
+
+
+def _second_moment_of(state: dict, master: torch.Tensor, piece: Piece) -> torch.Tensor:
+    """NorMuon's per-row second moment of one matrix (fp32, zeros on its first step)."""
+    moment = state.get(ROW_SECOND_MOMENT)
+    if moment is None:
+        shape = _momentum_shape(master)[:-1]  # (m,), or (k, m) for an expert piece
+        moment = torch.zeros(shape, dtype=torch.float32, device=master.device)
+        state[ROW_SECOND_MOMENT] = moment
+    return moment if piece is None else moment[piece]
 
 
 def _new_adamw_state(weight: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -832,10 +1010,18 @@ def _resolve_newton_schulz(ns_backend: str | NewtonSchulz) -> NewtonSchulz:
 
 
 def _check_hyperparameters(
-    *, nesterov, replicate_async, overlap_step, adamw_betas, momentum, **values: float
+    *,
+    nesterov,
+    replicate_async,
+    overlap_step,
+    adamw_betas,
+    momentum,
+    normuon,
+    normuon_beta2,
+    **values: float,
 ) -> None:
     """Refuse what torch.optim would take silently or fail on later, showing the value."""
-    for name, value in {**values, "momentum": momentum}.items():
+    for name, value in {**values, "momentum": momentum, "normuon_beta2": normuon_beta2}.items():
         if (
             isinstance(value, bool)
             or not isinstance(value, (int, float))
@@ -846,7 +1032,14 @@ def _check_hyperparameters(
             raise ValueError(f"dmuon.Muon: {name} must be a non-negative number, got {value!r}.")
     if not 0 <= momentum < 1:
         raise ValueError(f"dmuon.Muon: momentum must be in [0, 1), got {momentum!r}.")
-    flags = {"nesterov": nesterov, "replicate_async": replicate_async, "overlap_step": overlap_step}
+    if not 0 <= normuon_beta2 < 1:
+        raise ValueError(f"dmuon.Muon: normuon_beta2 must be in [0, 1), got {normuon_beta2!r}.")
+    flags = {
+        "nesterov": nesterov,
+        "replicate_async": replicate_async,
+        "overlap_step": overlap_step,
+        "normuon": normuon,
+    }
     for name, value in flags.items():
         if not isinstance(value, bool):
             raise TypeError(f"dmuon.Muon: {name} must be True or False, got {value!r}.")

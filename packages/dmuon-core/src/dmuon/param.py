@@ -225,6 +225,9 @@ class DedicatedParam:
     # A DTensor of ``parallelize_module``: this rank stores, reduces and updates its TP chunk
     # (``local_shape``); ``shape`` stays the global shape (see ``dmuon.tp``).
     tp: TensorParallelLayout | None = None
+    # ``dedicate_params(row_blocks=...)``: the sizes of the row blocks Newton-Schulz runs on
+    # separately ([Note: row blocks] in ``dmuon.row_blocks``); None: the whole matrix.
+    row_blocks: tuple[int, ...] | None = None
     # The shape this rank stores (its TP chunk, or the whole parameter) and its element count:
     # fixed at construction, read on every pack and accumulate.
     local_shape: tuple[int, ...] = field(init=False)

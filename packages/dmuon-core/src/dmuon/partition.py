@@ -43,6 +43,10 @@ costing ``(stop - start) * ns_cost((m, n))``. They are never packed with the lay
 parameters, and since they share the layer id, the spreading pass puts them on distinct owners
 when the balance allows: an (8, m, n) stack on 4 owners gets 2 experts on each. A slice is named
 ``<name>[start:stop]`` (``expert_piece_name``) in ``owners`` and in its unit.
+
+A matrix whose Newton-Schulz runs per row block (``ParamSpec.row_blocks``, [Note: row blocks] in
+``dmuon.row_blocks``) costs the sum of its blocks' ``ns_cost``: q_proj split into 32 heads of
+(128, 4096) costs 32 * ns_cost((128, 4096)), about 99x less than ns_cost((4096, 4096)).
 """
 
 from __future__ import annotations
@@ -87,6 +91,9 @@ class ParamSpec:
     layer_id: str | None  # e.g. "model.layers.3"; None = no layer found
     # (E, m, n): E expert matrices, placed in slices (see [Note: expert stacks]).
     expert_stack: bool = False
+    # Row-block sizes when Newton-Schulz runs per block (``dedicate_params(row_blocks=...)``,
+    # [Note: row blocks] in ``dmuon.row_blocks``): the cost is the blocks' sum.
+    row_blocks: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -126,6 +133,17 @@ class ParamSpec:
             raise ValueError(
                 f"ParamSpec {self.name!r}: expert_stack=True needs a 3-D shape (num_experts, m, "
                 f"n), got {self.shape!r}; set expert_stack=False for other shapes"
+            )
+        if self.row_blocks is not None and (
+            self.expert_stack
+            or len(self.shape) < 2
+            or any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in self.row_blocks)
+            or sum(self.row_blocks) != self.shape[0]
+        ):
+            raise ValueError(
+                f"ParamSpec {self.name!r}: row_blocks must be sizes >= 1 summing to the rows of "
+                f"a matrix that is not an expert stack, got {self.row_blocks!r} for shape "
+                f"{self.shape!r}"
             )
 
 
@@ -428,6 +446,13 @@ def _param_cost_int(shape: tuple[int, ...]) -> int:
     return _ns_cost_int(shape) if len(shape) >= 2 else math.prod(shape)
 
 
+def _spec_cost_int(spec: ParamSpec) -> int:
+    """A matrix split in row blocks costs its blocks' Newton-Schulz, each (b, n)."""
+    if spec.row_blocks is None:
+        return _param_cost_int(spec.shape)
+    return sum(_ns_cost_int((rows, *spec.shape[1:])) for rows in spec.row_blocks)
+
+
 def _check_grid_size(arg: str, value: object, what: str) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"plan_ownership: {arg} must be an int >= 1, got {value!r}; pass {what}")
@@ -492,7 +517,7 @@ def _unit_of(specs: list[ParamSpec], layer_id: str | None) -> _Unit:
     return _Unit(
         names=names,
         layer_id=layer_id,
-        cost=sum(_param_cost_int(spec.shape) for spec in specs),
+        cost=sum(_spec_cost_int(spec) for spec in specs),
         order_key=min(names),
     )
 

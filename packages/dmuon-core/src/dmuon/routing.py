@@ -44,6 +44,7 @@ from torch import nn
 
 from dmuon._text import preview_names
 from dmuon.fqn import canonical_fqn
+from dmuon.muon_update import MOMENTUM_DTYPES
 
 MUON_ROUTE = "muon"
 ADAMW_ROUTE = "adamw"
@@ -62,11 +63,16 @@ WHY_NO_DECAY = "no_decay rule"
 
 # The keys a group of each update rule holds, besides "params" and "route".
 UPDATE_KEYS: Mapping[str, tuple[str, ...]] = {
-    MUON_ROUTE: ("lr", "momentum", "nesterov", "weight_decay", "adjust_lr"),
+    MUON_ROUTE: ("lr", "momentum", "nesterov", "weight_decay", "adjust_lr", "normuon",
+                 "normuon_beta2", "normuon_eps", "momentum_dtype"),
     ADAMW_ROUTE: ("lr", "betas", "eps", "weight_decay"),
-}
-GROUP_KEYS = ("params", "lr", "weight_decay", "momentum", "nesterov", "adjust_lr", "betas", "eps")
+}  # fmt: skip
+GROUP_KEYS = ("params", "lr", "weight_decay", "momentum", "nesterov", "adjust_lr", "normuon",
+              "normuon_beta2", "normuon_eps", "momentum_dtype", "betas", "eps")  # fmt: skip
 """The keys a ``param_groups`` entry may set."""
+RULE_KEYS = ("normuon", "momentum_dtype")
+"""Keys that choose the update rule and the state's layout: a checkpoint's values never
+replace the optimizer's (``dmuon.checkpoint`` and ``Muon.load_state_dict``)."""
 
 HF_NO_DECAY = "hf"
 # transformers 5.x ``Trainer.get_decay_parameter_names``: parameters inside ``nn.LayerNorm``
@@ -214,6 +220,10 @@ def plan_groups(
             hyperparameters.update({k: v for k, v in user_groups[index].items() if k != "params"})
             if "betas" in hyperparameters:
                 hyperparameters["betas"] = tuple(hyperparameters["betas"])
+            if "momentum_dtype" in hyperparameters:
+                hyperparameters["momentum_dtype"] = momentum_dtype_name(
+                    hyperparameters["momentum_dtype"]
+                )
         if nd:
             source = WHY_NO_DECAY if index < 0 else f"{source}, {WHY_NO_DECAY}"
         for fqn in fqns:
@@ -358,8 +368,9 @@ def _check_group_spec(index: int, spec: Any, known: set[str]) -> None:
     if unknown:
         raise ValueError(
             f"{where} has unknown keys {unknown}; a group accepts {list(GROUP_KEYS)} (the "
-            "Muon route takes lr, weight_decay, momentum, nesterov, adjust_lr; the AdamW routes "
-            "take lr, weight_decay, betas, eps)."
+            "Muon route takes lr, weight_decay, momentum, nesterov, adjust_lr, normuon, "
+            "normuon_beta2, normuon_eps, momentum_dtype; the AdamW routes take lr, "
+            "weight_decay, betas, eps)."
         )
     if "params" not in spec:
         raise ValueError(
@@ -387,14 +398,29 @@ def _check_group_spec(index: int, spec: Any, known: set[str]) -> None:
             _check_value(f"{where}[{key!r}]", key, value)
 
 
+def momentum_dtype_name(value: Any) -> str:
+    """The name of a Muon momentum dtype (``torch.bfloat16`` or ``"bfloat16"``: ``"bfloat16"``)."""
+    name = str(value).removeprefix("torch.") if isinstance(value, (str, torch.dtype)) else None
+    if name not in MOMENTUM_DTYPES:
+        raise ValueError(
+            f"dmuon.Muon: momentum_dtype={value!r} is not one of torch.float32 (the default), "
+            "torch.bfloat16 (half the memory) or torch.int8 (int8 with block scales, about a "
+            "quarter); the arithmetic stays fp32."
+        )
+    return name
+
+
 def _check_value(where: str, key: str, value: Any) -> None:
-    if key in ("lr", "weight_decay", "eps", "momentum"):
+    if key in ("lr", "weight_decay", "eps", "momentum", "normuon_beta2", "normuon_eps"):
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ValueError(f"{where} must be a finite number, got {value!r}.")
-        if not math.isfinite(value) or value < 0 or (key == "momentum" and value >= 1):
-            limit = "in [0, 1)" if key == "momentum" else "a finite non-negative number"
+        in_unit = key in ("momentum", "normuon_beta2")
+        if not math.isfinite(value) or value < 0 or (in_unit and value >= 1):
+            limit = "in [0, 1)" if in_unit else "a finite non-negative number"
             raise ValueError(f"{where} must be {limit}, got {value!r}.")
-    elif key == "nesterov":
+    elif key == "momentum_dtype":
+        momentum_dtype_name(value)
+    elif key in ("nesterov", "normuon"):
         if not isinstance(value, bool):
             raise TypeError(f"{where} must be True or False, got {value!r}.")
     elif key == "adjust_lr":

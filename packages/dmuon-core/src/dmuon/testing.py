@@ -28,6 +28,18 @@ below on its own, with its own momentum):
 4. ``W = W * (1 - lr * weight_decay)``;
 5. ``W = W - lr * 0.2 * sqrt(max(m, n)) * O``.
 
+Options (``docs/update-rules.md``), each off by default:
+
+- ``momentum_dtype=torch.bfloat16``: step 1 in fp32 on the stored buffer, the new buffer stored
+  rounded to bf16; step 2 uses the unrounded fp32 ``buf``. ``torch.int8``: the same, the buffer
+  stored as ``q · s / 127`` per run of 256 elements of a row, ``s`` the run's max |buf| and
+  ``q = round(buf / (s / 127))`` (0 where s = 0).
+- ``normuon_beta2=β2`` (NorMuon, Li et al. 2025, arXiv 2510.05491), between steps 3 and 4, with
+  ``v`` (m,) zero at the start: ``v = β2 * v + (1 - β2) * mean over columns of O * O``,
+  ``O = O / (sqrt(v) + normuon_eps)`` row by row, ``O = O * sqrt(min(m, n)) / ‖O‖_F``.
+- ``row_blocks={name: (b_1, ..., b_k)}``: the matrix's rows ``[r_i, r_i + b_i)`` are each
+  updated by steps 1 to 5 as a matrix of their own (b_i, n): own state, own ``O``, own scale.
+
 AdamW, with step count t (per parameter, counting only steps where it had a gradient):
 ``m = b1*m + (1-b1)*g``, ``v = b2*v + (1-b2)*g^2``, ``m_hat = m / (1-b1^t)``,
 ``v_hat = v / (1-b2^t)``, ``W = W * (1 - adamw_lr * adamw_weight_decay)``,
@@ -40,7 +52,8 @@ rule (``dmuon.Muon``'s default) read from the name alone: ``bias``, ``layernorm`
 in it, or a ``norm`` / ``*_norm`` component. ``decay_everything=True`` turns it off.
 ``per_param`` overrides the learning rate and weight decay of single parameters by name (what
 ``dmuon.Muon``'s ``param_groups=`` and ``no_decay=`` decide): ``{"norm.weight": {"weight_decay":
-0.0}}`` replaces ``adamw_weight_decay`` (or ``weight_decay`` for a Muon parameter) for it alone.
+0.0}}`` replaces ``adamw_weight_decay`` (or ``weight_decay`` for a Muon parameter) for it alone;
+``"normuon_beta2"`` (None: off) and ``"momentum_dtype"`` likewise for a Muon parameter.
 
 The tiny decoder, ``TinyDecoder``: decoder-shaped, with the awkward cases built in. Shapes are
 deliberately uneven (rows not divisible by the world size, a 1 x n matrix) so FSDP2 sharding and
@@ -52,7 +65,7 @@ mesh (the one function here that calls dmuon, through its public ``dedicate_para
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Collection, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -119,8 +132,16 @@ class ReferenceMuonAdamW:
         no_decay: Callable[[str], bool] | None = None,
         decay_everything: bool = False,
         expert_stacks: Collection[str] = (),
+        momentum_dtype: torch.dtype | None = None,
+        normuon_beta2: float | None = None,
+        normuon_eps: float = 1e-8,
+        row_blocks: Mapping[str, Sequence[int]] | None = None,
     ) -> None:
         self.lr = lr
+        self.momentum_dtype = momentum_dtype
+        self.normuon_beta2 = normuon_beta2
+        self.normuon_eps = normuon_eps
+        self.row_blocks = {name: tuple(sizes) for name, sizes in (row_blocks or {}).items()}
         self.momentum = momentum
         self.nesterov = nesterov
         self.weight_decay = weight_decay
@@ -174,6 +195,15 @@ class ReferenceMuonAdamW:
             for expert in range(param.shape[0]):
                 self._muon_matrix_update(f"{name}[{expert}]", name, param[expert], grad[expert])
             return
+        if name in self.row_blocks:
+            # Each row block is a matrix of its own (state "<name>[rows a:b]").
+            start = 0
+            for rows in self.row_blocks[name]:
+                stop = start + rows
+                key = f"{name}[rows {start}:{stop}]"
+                self._muon_matrix_update(key, name, param[start:stop], grad[start:stop])
+                start = stop
+            return
         self._muon_matrix_update(name, name, param, grad)
 
     def _muon_matrix_update(self, key: str, name: str, param: Tensor, grad: Tensor) -> None:
@@ -183,15 +213,27 @@ class ReferenceMuonAdamW:
         grad = grad.reshape(rows, -1)  # (m, n): trailing dims flattened into n
         columns = grad.shape[1]
         state = self.state.setdefault(key, {})
+        momentum_dtype = self.per_param.get(name, {}).get("momentum_dtype", self.momentum_dtype)
         if "momentum_buffer" not in state:
-            state["momentum_buffer"] = grad.clone()
+            buf = grad.clone()
         else:
-            state["momentum_buffer"] = self.momentum * state["momentum_buffer"] + grad
-        buf = state["momentum_buffer"]
+            buf = self.momentum * state["momentum_buffer"].to(grad.dtype) + grad
+        # Stored rounded to momentum_dtype (None: the gradient's); the update uses buf unrounded.
+        if momentum_dtype == torch.int8:
+            state["momentum_buffer"] = _int8_rounded(buf)
+        else:
+            state["momentum_buffer"] = buf.to(momentum_dtype or buf.dtype)
         update = grad + self.momentum * buf if self.nesterov else buf
         # (m, n), in the parameter's dtype: torch.optim.Muon's orthogonalizer returns bf16, and
         # scaling a bf16 tensor would round the update to bf16.
         orthogonal = self.orthogonalize(update).to(param.dtype)
+        beta2 = self.per_param.get(name, {}).get("normuon_beta2", self.normuon_beta2)
+        if beta2 is not None:
+            v = state.get("row_second_moment", torch.zeros(rows, dtype=orthogonal.dtype))
+            v = beta2 * v + (1 - beta2) * (orthogonal * orthogonal).mean(dim=1)
+            state["row_second_moment"] = v
+            orthogonal = orthogonal / (v.sqrt()[:, None] + self.normuon_eps)
+            orthogonal = orthogonal * math.sqrt(min(rows, columns)) / orthogonal.norm()
         scale = MUON_RMS_MATCHING_FACTOR * math.sqrt(max(rows, columns))
         lr = self.per_param.get(name, {}).get("lr", self.lr)
         weight_decay = self.per_param.get(name, {}).get("weight_decay", self.weight_decay)
@@ -219,6 +261,18 @@ class ReferenceMuonAdamW:
             exp_avg_sq_corrected.sqrt() + self.adamw_eps
         )
         param.copy_(new_weight)
+
+
+def _int8_rounded(buf: Tensor, run: int = 256) -> Tensor:
+    """``buf`` (m, n) as an int8 momentum with one scale per ``run`` elements of a row holds it."""
+    rows, columns = buf.shape
+    runs = -(-columns // run)
+    padded = torch.zeros(rows, runs * run, dtype=buf.dtype)
+    padded[:, :columns] = buf
+    padded = padded.view(rows, runs, run)
+    step = padded.abs().amax(dim=-1, keepdim=True) / 127
+    q = torch.where(step > 0, padded / step, torch.zeros_like(padded)).round()
+    return (q * step).view(rows, runs * run)[:, :columns]
 
 
 # ---- the tiny decoder and its data ---------------------------------------------------------------

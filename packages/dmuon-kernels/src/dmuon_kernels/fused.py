@@ -27,6 +27,12 @@ Single matrices (the tensor-parallel path normalises a matrix gathered from mome
 ``muon_momentum_`` (one pass: buf, u and Σu²), ``muon_normalize`` (one pass, given Σu²),
 ``muon_apply_update_``.
 
+[Note: low-precision momentum]
+A momentum buffer may be stored in bf16 (half the memory of fp32). Every pass reads it up to
+fp32, does the arithmetic in fp32 and rounds the new buffer once on store (round to nearest);
+the Nesterov update ``u = g + μ·buf`` uses the unrounded fp32 ``buf``. The Triton kernels and the
+torch fallback do the same, so they agree up to fp32 rounding before the store.
+
 [Note: overflow-safe normalisation]
 A finite gradient can have a Frobenius norm whose square overflows fp32 (‖u‖ > ~1.8e19): an
 fp32 sum of squares is then inf and u / (inf + eps) is zero, so Newton-Schulz would return zeros.
@@ -165,7 +171,7 @@ def normalize_frobenius(
 
 def muon_normalized_inputs_(
     grads: Sequence[Tensor],  # B (rows, cols) gradients, any float dtype
-    momenta: Sequence[Tensor],  # B (rows, cols) momentum buffers (fp32); updated in place
+    momenta: Sequence[Tensor],  # B (rows, cols) momentum buffers (fp32 or bf16); updated in place
     first_steps: Sequence[bool],
     momentum: float,
     nesterov: bool,
@@ -210,21 +216,26 @@ def muon_normalized_inputs_(
             return
     for grad, buf in zip(grads, momenta, strict=True):
         _check_same_shape("muon_normalized_inputs_", grad, buf)
+    # [Note: low-precision momentum]: the arithmetic in fp32, the buffer rounded once on store.
+    wide = [buf if buf.dtype == torch.float32 else buf.float() for buf in momenta]
     continuing = [i for i, first in enumerate(first_steps) if not first]
     starting = [i for i, first in enumerate(first_steps) if first]
     if continuing:
-        buffers = [momenta[i] for i in continuing]
+        buffers = [wide[i] for i in continuing]
         torch._foreach_mul_(buffers, momentum)
         torch._foreach_add_(buffers, [grads[i] for i in continuing])
     if starting:
-        torch._foreach_copy_([momenta[i] for i in starting], [grads[i] for i in starting])
+        torch._foreach_copy_([wide[i] for i in starting], [grads[i] for i in starting])
+    narrow = [i for i, buf in enumerate(momenta) if buf is not wide[i]]
+    if narrow:
+        torch._foreach_copy_([momenta[i] for i in narrow], [wide[i] for i in narrow])
     update = torch.empty((batch, *shape), dtype=torch.float32, device=grads[0].device)
     updates = list(update.unbind(0))
     if nesterov:
         torch._foreach_copy_(updates, grads)
-        torch._foreach_add_(updates, momenta, alpha=momentum)
+        torch._foreach_add_(updates, wide, alpha=momentum)
     else:
-        torch._foreach_copy_(updates, momenta)
+        torch._foreach_copy_(updates, wide)
     oriented.copy_(_divided_by_norm(update, _square_sums(update), eps))
 
 
@@ -279,31 +290,37 @@ def muon_momentum_(
 
     Args:
         grad: the gradient g (any float dtype; read as fp32).
-        buf: the momentum buffer (fp32 recommended), same shape as grad; updated in place.
+        buf: the momentum buffer (fp32 or bf16, see [Note: low-precision momentum]), same shape
+            as grad; updated in place.
         momentum: μ.
         nesterov: ``u = g + μ·buf`` when True, else ``u = buf``.
         first_step: ``buf = g`` instead of ``μ·buf + g`` (the buffer's old content is ignored).
 
     Returns:
-        ``update``: u in buf's dtype (``buf`` itself when ``nesterov=False``); ``sq_norm``: a
+        ``update``: u in fp32 with ``nesterov``; without, the new buffer (``buf`` itself when
+        it is fp32, or on CUDA; an fp32 copy of it on the torch fallback); ``sq_norm``: a
         0-dim float64 tensor on the same device holding Σu² (no host synchronisation).
     """
     _check_same_shape("muon_momentum_", grad, buf)
     kernels = _kernels(grad, buf)
     if kernels is not None and grad.numel() > 0 and grad.is_contiguous() and buf.is_contiguous():
         g, b = _as_matrix(grad), _as_matrix(buf)
-        update = torch.empty_like(buf) if nesterov else buf
+        update = torch.empty_like(buf, dtype=torch.float32) if nesterov else buf
         summed = kernels.momentum_pass(
             [g], [b], [first_step], float(momentum), nesterov,
             _as_matrix(update).unsqueeze(0) if nesterov else None, scaled=False,
         )  # fmt: skip
         if summed is not None:
             return update, summed[0].reshape(())
+    # [Note: low-precision momentum]: the arithmetic in fp32, the buffer rounded once on store.
+    wide = buf if buf.dtype == torch.float32 else buf.float()
     if first_step:
-        buf.copy_(grad)
+        wide.copy_(grad)
     else:
-        buf.mul_(momentum).add_(grad)
-    update = torch.add(grad, buf, alpha=momentum).to(buf.dtype) if nesterov else buf
+        wide.mul_(momentum).add_(grad)
+    if wide is not buf:
+        buf.copy_(wide)
+    update = torch.add(grad, wide, alpha=momentum).to(wide.dtype) if nesterov else wide
     return update, update.to(torch.float64).square().sum()
 
 

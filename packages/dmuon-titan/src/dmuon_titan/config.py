@@ -28,6 +28,7 @@ COEFFICIENTS = {
     "keller": KELLER_COEFFICIENTS,
 }
 NS_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+MOMENTUM_DTYPES = ("float32", "bfloat16", "int8")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -42,6 +43,13 @@ class DMuonConfig:
 
     adjust_lr: str | None = "match_rms_adamw"
     """'match_rms_adamw' (lr x 0.2 sqrt(max(m, n))), 'spectral' or None; see dmuon.Muon."""
+
+    normuon: bool = False
+    """NorMuon: per-row second moment after Newton-Schulz (docs/update-rules.md)."""
+
+    momentum_dtype: str = "float32"
+    """Muon momentum storage: 'float32', 'bfloat16' (half the memory) or 'int8' (block scales,
+    about a quarter); fp32 arithmetic either way."""
 
     ns_backend: str = "gram"
     """Newton-Schulz algorithm: 'gram' or 'direct'."""
@@ -83,6 +91,11 @@ class DMuonConfig:
             )
         if self.ns_dtype not in NS_DTYPES:
             raise ValueError(f"dmuon.ns_dtype={self.ns_dtype!r} is not one of {sorted(NS_DTYPES)}.")
+        if self.momentum_dtype not in MOMENTUM_DTYPES:
+            raise ValueError(
+                f"dmuon.momentum_dtype={self.momentum_dtype!r} is not one of "
+                f"{list(MOMENTUM_DTYPES)}."
+            )
         for field_name in ("muon_params", "adamw_params"):
             try:
                 re.compile(getattr(self, field_name))

@@ -60,6 +60,8 @@ class DMuonOptimizers(OptimizersContainer):
                 nesterov=settings.nesterov,
                 weight_decay=settings.weight_decay,
                 adjust_lr=settings.adjust_lr,
+                normuon=settings.normuon,
+                momentum_dtype=settings.momentum_dtype,
                 ns_backend=settings.newton_schulz(),
                 replicate_async=settings.replicate_async,
                 param_groups=param_groups,

@@ -14,7 +14,8 @@ canonical (``dmuon.fqn``): no wrapper segment, so a checkpoint written with acti
 checkpointing or ``torch.compile`` wrappers on loads with them off, and the other way.
 
 [Note: state starts fresh on a change of route]
-A parameter's entries are loaded only when the checkpoint has every entry its route needs here.
+A parameter's entries are loaded only when the checkpoint has every entry its route needs here
+(NorMuon's ``row_second_moment`` excepted: without it, it starts at zero and the momentum loads).
 A checkpoint written with another predicate (a matrix moved between the Muon and AdamW routes)
 or without a parameter's state loads with one warning naming those parameters; their state
 starts fresh, exactly as for a parameter that never had a gradient.
@@ -34,13 +35,17 @@ from dmuon._text import preview_names
 from dmuon.checkpoint._context import CheckpointContext, checkpoint_context
 from dmuon.checkpoint._experts import load_piece_state, stack_optimizer_entries
 from dmuon.fqn import canonical_fqn
-from dmuon.optim import Muon
+from dmuon.optim import ROW_SECOND_MOMENT, Muon
+from dmuon.routing import RULE_KEYS
 from dmuon.tp import TensorParallelLayout
 
 _STATE = "state"
 _GROUPS = "param_groups"
 _PARAMS = "params"
 _ROUTE = "route"  # every group dmuon.Muon writes has one; another optimizer's groups have none
+# Entries a checkpoint may lack without the rest of the parameter's state starting fresh: NorMuon's
+# row statistics (a plain Muon checkpoint resumed with normuon=True keeps its momentum).
+_STARTS_AT_ZERO = frozenset({ROW_SECOND_MOMENT})
 
 
 def get_optimizer_state_dict(
@@ -92,14 +97,17 @@ def set_optimizer_state_dict(
         for param, fqn in params.local_params():
             target = optimizer.state[param]
             entries = saved_state.get(fqn, {})
-            if not set(target) <= set(entries):
+            if not set(target) - _STARTS_AT_ZERO <= set(entries):
                 fresh.append(fqn)
                 continue
+            for name in set(target) - set(entries):
+                target[name].zero_()
+            present = {name: tensor for name, tensor in target.items() if name in entries}
             if fqn in params.stacks:  # an expert piece: its experts of each saved entry
-                load_piece_state(params.pieces[id(param)], target, entries)
+                load_piece_state(params.pieces[id(param)], present, entries)
                 continue
             layout = params.tp_layout(param)
-            for name, tensor in target.items():
+            for name, tensor in present.items():
                 tensor.copy_(_local_value(param, tensor, entries[name], layout))
     _load_hyperparameters(optimizer, params.global_groups, saved[_GROUPS])
     foreign = [i for i, group in enumerate(saved[_GROUPS]) if _ROUTE not in group]
@@ -120,7 +128,8 @@ def set_optimizer_state_dict(
             f"dmuon.checkpoint: the optimizer state of {len(fresh_everywhere)} parameters is not "
             f"in the checkpoint under the entries their route needs ({preview_names(fresh_everywhere)})"
             "; their state starts fresh. This happens when the checkpoint was written with "
-            "another predicate or routes (a matrix moved between Muon and AdamW).",
+            "another predicate or routes (a matrix moved between Muon and AdamW), or with int8 "
+            "momentum on one side and a float momentum_dtype on the other.",
             UserWarning,
             stacklevel=2,
         )
@@ -311,7 +320,9 @@ def _load_hyperparameters(
     that shares most of its FQNs; without a shared FQN, the saved group at its own index if that
     one has its rule. A group takes nothing from a group of the other rule (a checkpoint written
     with other routes may hold most of a group's parameters under the other rule), nor from a
-    group without a rule (another optimizer's), and only the keys it has."""
+    group without a rule (another optimizer's), and only the keys it has, never those that choose
+    the update rule (``routing.RULE_KEYS``: ``normuon`` and ``momentum_dtype`` stay this
+    optimizer's, so a checkpoint of another rule or momentum dtype loads into this one)."""
     for index, (group, fqns) in enumerate(zip(optimizer.param_groups, global_groups)):
         mine = set(fqns)
         same_rule = [
@@ -324,7 +335,8 @@ def _load_hyperparameters(
                 continue
             best = index
         for key, value in saved_groups[best].items():
-            if key != _PARAMS and key in group:  # an option this dmuon no longer has stays out
+            # An option this dmuon no longer has stays out; the update rule stays this one's.
+            if key != _PARAMS and key in group and key not in RULE_KEYS:
                 group[key] = value
 
 
