@@ -91,9 +91,7 @@ def test_expert_pieces_are_committed_bit_for_bit():
         ({}, {"layers.*.q_proj.weight": 10}, "dedicate_params(row_blocks=...)"),
     ],
 )
-def test_options_the_speculation_does_not_keep_are_refused_with_the_fix(
-    options, row_blocks, named
-):
+def test_options_the_speculation_does_not_keep_are_refused_with_the_fix(options, row_blocks, named):
     torch.manual_seed(0)
     model = TinyDecoder()
     dmuon.dedicate_params(model, None, proj_predicate, row_blocks=row_blocks)
