@@ -182,7 +182,8 @@ def normuon_rows(
     rows, cols = update.shape[-2:]
     moments = torch.stack(second_moments)  # (B, rows)
     moments.mul_(beta2).add_(update.square().mean(dim=-1), alpha=1.0 - beta2)
-    torch._foreach_copy_(second_moments, list(moments.unbind(0)))
+    for moment, value in zip(second_moments, moments.unbind(0)):
+        moment.copy_(value)
     update.div_(moments.sqrt_().add_(eps).unsqueeze(-1))
     # A zero gradient gives a zero Ô: the clamp keeps it zero instead of 0/0.
     norms = torch.linalg.matrix_norm(update).clamp_min_(torch.finfo(torch.float32).tiny)
