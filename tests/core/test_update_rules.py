@@ -2,6 +2,7 @@
 their formulas, row blocks' arguments and their cost in the partition (docs/update-rules.md).
 The distributed runs against the reference are in tests/distributed/test_update_rules.py."""
 
+import functools
 import math
 
 import pytest
@@ -10,8 +11,12 @@ import torch
 import dmuon
 from dmuon.muon_update import INT8_BLOCK, dequantized, int8_scale_shape, normuon_rows, quantize_
 from dmuon.partition import ParamSpec, ns_cost, plan_ownership
+from dmuon_kernels import newton_schulz
 from dmuon_kernels.fused import muon_momentum_, muon_normalized_inputs_
-from tests.distributed.models import TinyDecoder, proj_predicate
+from dmuon_kernels.newton_schulz import NewtonSchulz
+from tests.distributed.models import TinyDecoder, batches, loss_fn, proj_predicate
+from tests.distributed.models_moe import MoEDecoder, expert_stack_names, moe_predicate
+from tests.reference_optim import ReferenceMuonAdamW
 
 # ---- NorMuon ------------------------------------------------------------------------------
 
@@ -231,3 +236,43 @@ def test_the_partition_costs_a_matrix_in_row_blocks_as_the_sum_of_its_blocks():
 def test_a_param_spec_with_row_blocks_not_summing_to_its_rows_is_refused():
     with pytest.raises(ValueError, match="row_blocks must be sizes >= 1 summing to the rows"):
         ParamSpec(name="q", shape=(8, 4), layer_id=None, row_blocks=(4, 3))
+
+
+def test_int8_momentum_and_normuon_on_expert_stacks_match_the_reference_per_expert():
+    """One process (every piece owned here): each expert's int8 buffer, scales and NorMuon
+    statistics are slices of its piece's (k, ...) state, as the reference keeps them apart."""
+    torch.manual_seed(0)
+    model = MoEDecoder()
+    torch.manual_seed(0)
+    reference = MoEDecoder()
+    dmuon.dedicate_params(model, None, moe_predicate)
+    options = {"normuon": True, "momentum_dtype": torch.int8}
+    optimizer = dmuon.Muon(model, ns_backend=NewtonSchulz(dtype=torch.float32), **options)
+    reference_optimizer = ReferenceMuonAdamW(
+        reference.named_parameters(),
+        moe_predicate,
+        orthogonalize=functools.partial(newton_schulz, dtype=torch.float32),
+        expert_stacks=expert_stack_names(reference),
+        momentum_dtype=torch.int8,
+        normuon_beta2=0.95,
+    )
+    for batch in batches(3, 1):
+        loss_fn(model, batch).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        loss_fn(reference, batch).backward()
+        reference_optimizer.step()
+        reference_optimizer.zero_grad()
+    state = dmuon.hooks.get_dedicated_state(model)
+    expected = dict(reference.named_parameters())
+    for piece in state.iter_owned_masters():
+        start, stop = piece.experts or (None, None)
+        target = expected[piece.stack.fqn][start:stop] if piece.stack else expected[piece.fqn]
+        error = ((piece.master - target).norm() / target.norm()).item()
+        assert error < 1e-3, (piece.fqn, error)
+        if piece.stack is not None:
+            entries = optimizer.state[piece.master]
+            experts = stop - start
+            assert entries["momentum_int8"].shape == (experts, *piece.shape[1:])
+            assert entries["momentum_scale"].shape == (experts, piece.shape[1], 1)
+            assert entries["row_second_moment"].shape == (experts, piece.shape[1])
