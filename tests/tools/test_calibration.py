@@ -45,11 +45,14 @@ def test_every_committed_step_benchmark_is_compared_and_the_protocol_runs_are_ex
     calibration,
 ):
     sources = {row.source for row in calibration.rows}
+    on_cpu = {path.name for path in RESULTS.glob("*-cpu-*.json")}
     for pattern in ("step-*.json", "e2e-*.json", "host-*.json"):
-        assert {path.name for path in RESULTS.glob(pattern)} <= sources, pattern
+        assert {path.name for path in RESULTS.glob(pattern)} - on_cpu <= sources, pattern
     excluded = dict(calibration.excluded)
-    assert {path.name for path in RESULTS.glob("protocol-*.json")} == set(excluded)
-    assert all("no step time is recorded" in reason for reason in excluded.values())
+    protocol = {path.name for path in RESULTS.glob("protocol-*.json")}
+    assert protocol | on_cpu == set(excluded)
+    assert all("no step time is recorded" in excluded[name] for name in protocol)
+    assert not sources & on_cpu
 
 
 def test_a_fit_row_is_matched_and_held_out_rows_are_the_rest(calibration):
@@ -132,3 +135,13 @@ def test_multi_gpu_and_collective_results_are_compared_once_committed(tmp_path):
     expected = 7 * H200.nvlink.latency_ms + 7 / 8 * 2**26 / (H200.nvlink.bandwidth_gbps * 1e6)
     assert (gather.quantity, gather.setting) == ("all_gather 64 MiB", "nccl, 8 ranks")
     assert gather.predicted == pytest.approx(expected)
+
+
+def test_a_cpu_run_is_excluded_not_compared_with_the_h200_model(tmp_path, calibration):
+    shutil.copytree(RESULTS, tmp_path / "results")
+    data = json.loads((RESULTS / E2E_FILE).read_text())
+    data["device"] = "cpu"
+    (tmp_path / "results" / "e2e-cpu-w1-copy.json").write_text(json.dumps(data))
+    with_cpu_run = calibrate(tmp_path / "results")
+    assert "e2e-cpu-w1-copy.json" in dict(with_cpu_run.excluded)
+    assert with_cpu_run.rows == calibration.rows
