@@ -4,7 +4,7 @@ over which ranks the other gradients are reduced, and with which scale.
 Owns the check ``dmuon.Muon`` runs on the rest of the model (``check_data_parallel_layout``) and
 the gradient divide factor of the dedicated gradients (``set_gradient_divide_factor``,
 ``gradient_divisor``). It reads meshes, process groups and factors; it must not issue collectives
-nor move tensors (the owners divide, in ``group.accumulate_into_masters``).
+nor move tensors (the owners divide, in ``group.average_messages``).
 
 [Note: replicas dmuon does not know about]
 ``dedicate_params`` sees only the meshes it is given: the shard dim of an HSDP mesh without its

@@ -77,7 +77,7 @@ class Segment:
 
 @dataclass(eq=False, slots=True)
 class GradientMessage:
-    """One segment's gradients on their way to its owners (see ``accumulate_into_masters``)."""
+    """One segment's gradients on their way to its owners (see ``assign_to_masters``)."""
 
     segment: Segment
     message: torch.Tensor  # packed gradients and their flags, in the reduce dtype
@@ -382,7 +382,7 @@ class BoundaryGroup:
 
     def finish_reduce(self) -> list[GradientMessage]:
         """Wait for this boundary's reduces and run the replicate stage; returns the reduced
-        messages of the local segments for ``accumulate_into_masters``."""
+        messages of the local segments for ``average_messages``."""
         pending, self._pending_reduce = self._pending_reduce, []
         for item in pending:
             if not item.segment.is_local:
@@ -462,19 +462,6 @@ def _pack_gradients(segment: Segment) -> tuple[torch.Tensor, list[bool]]:
     return torch.cat(pieces), produced
 
 
-def accumulate_into_masters(received: list[GradientMessage], divisor: float) -> None:
-    """Add the owners' gradients, summed over the grid and divided by ``divisor`` (G x R for the
-    mean, or the model's gradient divide factor: see ``dmuon.data_parallel``), to their masters'
-    ``.grad``: ``assign_to_masters(average_messages(received, divisor))``.
-
-    A gradient that no rank produced leaves ``.grad`` untouched (None stays None). Whether one
-    was produced is read in one device-to-host copy for the whole backward (none with one owner
-    slot, where the host knows). A new gradient is a view of its message, made fp32 and divided
-    in place: no copy; an existing one takes the sum, in one multi-tensor add.
-    """
-    assign_to_masters([average_messages(received, divisor)])
-
-
 @dataclass(eq=False, slots=True)
 class AveragedGradients:
     """Reduced messages made fp32 and divided, before their gradients reach the masters.
@@ -517,8 +504,15 @@ def average_messages(received: list[GradientMessage], divisor: float) -> Average
 
 
 def assign_to_masters(parts: list[AveragedGradients]) -> None:
-    """Hand the averaged gradients to their masters (see ``accumulate_into_masters``); the
-    flags of every part are read in one device-to-host copy."""
+    """Add the owners' gradients, summed over the grid and divided (``average_messages``: by G x
+    R for the mean, or the model's gradient divide factor, see ``dmuon.data_parallel``), to
+    their masters' ``.grad``.
+
+    A gradient that no rank produced leaves ``.grad`` untouched (None stays None). Whether one
+    was produced is read in one device-to-host copy for the whole backward, every part at once
+    (none with one owner slot, where the host knows). A new gradient is a view of its message,
+    made fp32 and divided in place: no copy; an existing one takes the sum, in one multi-tensor
+    add."""
     parts = [part for part in parts if part.owned]
     if not parts:
         return

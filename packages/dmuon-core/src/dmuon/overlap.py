@@ -150,6 +150,13 @@ class OverlappedStep:
         self._apply_call = apply
         self._device = device
         self._units: dict[tuple[int, BoundaryGroup], _Unit] = {}
+        # (group index, boundary) -> its Muon masters in group order: what a landing speculates.
+        self._unit_masters: dict[tuple[int, BoundaryGroup], list[nn.Parameter]] = {}
+        for group_index in muon_groups:
+            for m in param_groups[group_index]["params"]:
+                boundary = boundary_of.get(id(m))
+                if boundary is not None and m.numel() > 0:
+                    self._unit_masters.setdefault((group_index, boundary), []).append(m)
         self._side: torch.cuda.Stream | None = None
         self._side_used = False
         self.stats = OverlapStepStats()
@@ -182,11 +189,8 @@ class OverlappedStep:
                 item.message.record_stream(self._side)
         with torch.no_grad():
             for group_index in self._muon_groups:
-                masters = [
-                    m
-                    for m in self._param_groups[group_index]["params"]
-                    if self._boundary_of.get(id(m)) is group and id(m) in grads and m.numel() > 0
-                ]
+                unit_masters = self._unit_masters.get((group_index, group), ())
+                masters = [m for m in unit_masters if id(m) in grads]
                 self._drop((group_index, group))
                 # A gradient already in a master (a backward without no_sync before this one)
                 # is summed into at the end of backward: the plain step computes that unit.
