@@ -52,6 +52,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 
+from dmuon import collectives
 from dmuon.consistency import check_ranks_agree
 from dmuon.fqn import canonical_fqn
 from dmuon.hooks import DedicatedState, get_dedicated_state
@@ -226,6 +227,7 @@ class QKClip:
         self._local_rows: dict[str, torch.Tensor | None] = {}  # FQN -> this rank's rows
         self.last_max_logits: dict[str, torch.Tensor] = {}
         self.clipped_heads = 0  # heads over the threshold in the last step
+        self._reduce_groups = self._groups()  # fixed with the model's layout: found once
         self._handles = [
             optimizer.register_step_pre_hook(lambda *_: self._reduce_observations()),
             self._state.register_master_update_hook(self._clip),
@@ -326,8 +328,10 @@ class QKClip:
                 for name, layer in self.layers.items()
             ]
         )
-        for group in self._groups():
-            dist.all_reduce(maxima, op=dist.ReduceOp.MAX, group=group)
+        for group in self._reduce_groups:  # in sequence: each reads the previous one's MAX
+            collectives.all_reduce(
+                maxima, group, dist.ReduceOp.MAX, "QK-clip's maximum attention logits"
+            ).wait()
         per_layer = dict(
             zip(self.layers, maxima.split([layer.num_heads for layer in self.layers.values()]))
         )
