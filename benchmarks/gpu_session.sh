@@ -3,11 +3,12 @@
 # time-boxed so a hung one cannot take the rest down. Writes logs and JSON under $OUT; prints
 # each step's exit status and the tail of its log.
 #
-#   part 1: the whole tests/gpu (the log to commit), the optimizer step (issue 23: bench_step,
-#           bench_fused_step, bench_e2e at world size 1)
-#   part 2: first steps on a fresh machine and warm (issue 27: bench_cold_start, Qwen2 and
-#           Qwen3-MoE), the HF Trainer run (issue 22), torchtitan (issue 21), NS schedules
-#   part 3: the 0.89 B Llama's first step, host cost per call (bench_dispatch), gloo collectives
+#   part 1: the whole tests/gpu (the log to commit) and the HF Trainer run (issue 22)
+#   part 2: the end-to-end step at world size 1 with the overlapped step and the update rules'
+#           memory (issues 24, 26), the optimizer step (issue 23: bench_step, bench_fused_step)
+#   part 3: first steps on a fresh machine and warm (issue 27: bench_cold_start, Qwen2 and
+#           Qwen3-MoE), torchtitan (issue 21), NS schedules
+#   part 4: the 0.89 B Llama's first step, host cost per call (bench_dispatch), gloo collectives
 #           (the simulator's calibration)
 #
 # Usage, on the GPU machine from the repository root with .gpu/ carried along:
@@ -33,27 +34,30 @@ step() {  # step <name> <seconds> <command...>
 
 case $part in
 1)
-  step gpu-tests 380 python -m pytest tests/gpu -q -p no:cacheprovider
-  step fused-step 45 python benchmarks/bench_fused_step.py --git-sha "$sha" --out "$out/fused-step.json"
-  step step 80 python benchmarks/bench_step.py --git-sha "$sha" --out "$out/step.json"
-  step e2e 150 python -m torch.distributed.run --standalone --nproc-per-node 1 \
-    benchmarks/bench_e2e.py --variants fsdp2-adamw,dmuon-z3,dmuon-z2 --git-sha "$sha" \
-    --out "$out/e2e-w1.json"
+  step gpu-tests 360 python -m pytest tests/gpu -q -p no:cacheprovider
+  step hf-trainer 200 python benchmarks/run_hf_trainer_cuda.py --out "$out/hf-trainer-w1.json"
   ;;
 2)
+  step e2e 330 python -m torch.distributed.run --standalone --nproc-per-node 1 \
+    benchmarks/bench_e2e.py --variants \
+    fsdp2-adamw,dmuon-z3,dmuon-z3-overlap,dmuon-z3+bf16m,dmuon-z3+int8m,dmuon-z3+normuon+heads \
+    --git-sha "$sha" --out "$out/e2e-w1.json"
+  step fused-step 60 python benchmarks/bench_fused_step.py --git-sha "$sha" --out "$out/fused-step.json"
+  step step 100 python benchmarks/bench_step.py --git-sha "$sha" --out "$out/step.json"
+  ;;
+3)
   step cold-start-qwen 270 python benchmarks/bench_cold_start.py --models qwen2 qwen3-moe \
     --git-sha "$sha" --out "$out/cold-start-qwen.json"
   # torchtitan and its small pure-Python dependencies travel as wheels in .gpu/titan.
   python -m pip install -q --no-deps --target /tmp/titan-site .gpu/titan/*.whl >/dev/null 2>&1
   PYTHONPATH=$PYTHONPATH:/tmp/titan-site GIT_SHA=$sha \
     step titan 150 python benchmarks/bench_titan.py --out "$out/titan-w1.json"
-  step hf-trainer 150 python benchmarks/run_hf_trainer_cuda.py --out "$out/hf-trainer-w1.json"
-  ;;
-3)
-  step cold-start-llama 200 python benchmarks/bench_cold_start.py --models llama-0.89b \
-    --git-sha "$sha" --out "$out/cold-start-llama.json"
   step ns-schedules 90 python benchmarks/bench_ns_schedules.py --git-sha "$sha" \
     --out "$out/ns-schedules.json"
+  ;;
+4)
+  step cold-start-llama 200 python benchmarks/bench_cold_start.py --models llama-0.89b \
+    --git-sha "$sha" --out "$out/cold-start-llama.json"
   step dispatch 100 python benchmarks/bench_dispatch.py --shapes 1024x4096 2048x2048 \
     4096x4096 8192x8192 --host-profile 20 --git-sha "$sha" --out "$out/dispatch.json"
   step collectives 150 python -m torch.distributed.run --standalone --nproc-per-node 4 \
@@ -61,7 +65,7 @@ case $part in
     --out "$out/collectives-gloo-w4.json"
   ;;
 *)
-  echo "part must be 1, 2 or 3" >&2
+  echo "part must be 1, 2, 3 or 4" >&2
   exit 2
   ;;
 esac
