@@ -3,9 +3,10 @@
 # time-boxed so a hung one cannot take the rest down. Writes logs and JSON under $OUT; prints
 # each step's exit status and the tail of its log.
 #
-#   part 1: the whole tests/gpu (the log to commit) and the HF Trainer run (issue 22)
-#   part 2: the end-to-end step at world size 1 with the overlapped step and the update rules'
-#           memory (issues 24, 26), the optimizer step (issue 23: bench_step, bench_fused_step)
+#   part 1: the whole tests/gpu (the logs to commit), the end-to-end step at world size 1 with
+#           the overlapped step and the update rules' memory (issues 24, 26)
+#   part 2: the HF Trainer run (issue 22), the optimizer step (issue 23: bench_step,
+#           bench_fused_step)
 #   part 3: first steps on a fresh machine and warm (issue 27: bench_cold_start, Qwen2 and
 #           Qwen3-MoE), torchtitan (issue 21), NS schedules
 #   part 4: the 0.89 B Llama's first step, host cost per call (bench_dispatch), gloo collectives
@@ -32,16 +33,40 @@ step() {  # step <name> <seconds> <command...>
   tail -n 12 "$out/$name.log"
 }
 
+# The whole tests/gpu in <shards> pytest processes at once, each over a contiguous slice of the
+# collected tests (a kernel's cases stay together, so each shard compiles it once): the suite is
+# mostly single-threaded CPU work (kernel compilation, host dispatch) and the machine has 16 cores.
+# Logs: gpu-tests-<i>.log per shard.
+sharded_gpu_tests() {  # sharded_gpu_tests <shards> <seconds>
+  local shards=$1 limit=$2 began=$SECONDS pids=() i
+  python -m pytest tests/gpu -q -p no:cacheprovider --collect-only 2>/dev/null \
+    | grep '::' >"$out/gpu-test-ids.txt"
+  local total
+  total=$(wc -l <"$out/gpu-test-ids.txt")
+  for ((i = 0; i < shards; i++)); do
+    awk -v lo=$((i * total / shards)) -v hi=$(((i + 1) * total / shards)) \
+      'NR > lo && NR <= hi' "$out/gpu-test-ids.txt" >"$out/gpu-test-ids-$i.txt"
+    timeout "$limit" xargs -a "$out/gpu-test-ids-$i.txt" -d '\n' \
+      python -m pytest -q -p no:cacheprovider >"$out/gpu-tests-$i.log" 2>&1 &
+    pids+=($!)
+  done
+  for ((i = 0; i < shards; i++)); do
+    wait "${pids[$i]}"
+    echo "== gpu-tests shard $i of $shards: exit $? after $((SECONDS - began)) s"
+    tail -n 3 "$out/gpu-tests-$i.log"
+  done
+}
+
 case $part in
 1)
-  step gpu-tests 360 python -m pytest tests/gpu -q -p no:cacheprovider
-  step hf-trainer 200 python benchmarks/run_hf_trainer_cuda.py --out "$out/hf-trainer-w1.json"
-  ;;
-2)
-  step e2e 330 python -m torch.distributed.run --standalone --nproc-per-node 1 \
+  sharded_gpu_tests 3 330
+  step e2e 180 python -m torch.distributed.run --standalone --nproc-per-node 1 \
     benchmarks/bench_e2e.py --variants \
     fsdp2-adamw,dmuon-z3,dmuon-z3-overlap,dmuon-z3+bf16m,dmuon-z3+int8m,dmuon-z3+normuon+heads \
     --git-sha "$sha" --out "$out/e2e-w1.json"
+  ;;
+2)
+  step hf-trainer 200 python benchmarks/run_hf_trainer_cuda.py --out "$out/hf-trainer-w1.json"
   step fused-step 60 python benchmarks/bench_fused_step.py --git-sha "$sha" --out "$out/fused-step.json"
   step step 100 python benchmarks/bench_step.py --git-sha "$sha" --out "$out/step.json"
   ;;
