@@ -36,7 +36,7 @@ step() {  # step <name> <seconds> <command...>
 # The whole tests/gpu in <shards> pytest processes at once, each over a contiguous slice of the
 # collected tests (a kernel's cases stay together, so each shard compiles it once): the suite is
 # mostly single-threaded CPU work (kernel compilation, host dispatch) and the machine has 16 cores.
-# Logs: gpu-tests-<i>.log per shard.
+# One log, gpu-tests.log, the shards' logs one after the other (a device call returns few files).
 sharded_gpu_tests() {  # sharded_gpu_tests <shards> <seconds>
   local shards=$1 limit=$2 began=$SECONDS pids=() i
   python -m pytest tests/gpu -q -p no:cacheprovider --collect-only 2>/dev/null \
@@ -55,6 +55,11 @@ sharded_gpu_tests() {  # sharded_gpu_tests <shards> <seconds>
     echo "== gpu-tests shard $i of $shards: exit $? after $((SECONDS - began)) s"
     tail -n 3 "$out/gpu-tests-$i.log"
   done
+  for ((i = 0; i < shards; i++)); do
+    echo "==== shard $i of $shards: $(head -n 1 "$out/gpu-test-ids-$i.txt") ..."
+    cat "$out/gpu-tests-$i.log"
+  done >"$out/gpu-tests.log"
+  rm -f "$out"/gpu-test-ids*.txt "$out"/gpu-tests-?.log
 }
 
 case $part in
