@@ -328,10 +328,10 @@ def test_backend_with_an_unknown_kernel_name_reports_and_exits_2(capsys, monkeyp
 
 
 def test_a_reader_that_leaves_early_gets_no_traceback():
-    # About 2 MB of JSON: more than a pipe holds, so the writer is still writing when the
-    # reader closes its end (as `dmuon-tools plan ... | head -1` does).
+    # About 160 KB of JSON: more than a pipe holds (64 KiB on Linux), so the writer is still
+    # writing when the reader closes its end (as `dmuon-tools plan ... | head -1` does).
     command = [sys.executable, "-m", "dmuon_tools", "plan", "--config", "llama3-70b"]
-    command += ["--mesh", "10000", "--all-owners", "--json"]
+    command += ["--mesh", "1000", "--all-owners", "--json"]
     with subprocess.Popen(
         command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     ) as process:
