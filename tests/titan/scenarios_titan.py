@@ -1,5 +1,6 @@
 """Scenarios of dmuon-titan on every rank of a gloo pool: torchtitan's own ``Trainer`` and its
-llama3 debug model (cut to two blocks; ``Job.width`` narrows it), trained with dmuon switched on, or stock (AdamW).
+llama3 debug model (cut to two blocks; ``Job.width`` narrows it), trained with dmuon switched
+on, or stock (AdamW).
 
 ``train`` runs one job and returns, on rank 0, the full weights the first step started from
 and the final ones, each step's logged loss and gradient norm, and what a single-process
