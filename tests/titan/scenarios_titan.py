@@ -1,5 +1,6 @@
 """Scenarios of dmuon-titan on every rank of a gloo pool: torchtitan's own ``Trainer`` and its
-llama3 debug model (cut to two blocks), trained with dmuon switched on, or stock (AdamW).
+llama3 debug model (cut to two blocks; ``Job.width`` narrows it), trained with dmuon switched
+on, or stock (AdamW).
 
 ``train`` runs one job and returns, on rank 0, the full weights the first step started from
 and the final ones, each step's logged loss and gradient norm, and what a single-process
@@ -52,6 +53,7 @@ class Job:
     tp: int = 1
     local_batch: int = 2
     seq_len: int = 16
+    width: int | None = None  # the model dimension: None keeps the debug model's 256
     dmuon: bool = True
     mixed_precision: bool = False  # torchtitan's default: bf16 parameters, fp32 reduce
     compile: bool = False  # torchtitan's per-block torch.compile (fullgraph), eager backend
@@ -72,6 +74,7 @@ def make_config(job: Job, dump_folder: str):
         dump_folder=dump_folder,
         steps=job.steps,
         layers=LAYERS,
+        width=job.width,
         seq_len=job.seq_len,
         batch=job.local_batch,
     )
@@ -246,7 +249,7 @@ def train_reference(run: dict, *, steps: int | None = None) -> dict:
     job = Job(**run["job"])
     torch.manual_seed(0)
     spec = llama3_registry.llama3_debugmodel().model_spec
-    titan_on_cpu.small_model(spec, LAYERS)
+    titan_on_cpu.small_model(spec, LAYERS, job.width)
     with torch.device("meta"):
         model = spec.model.build()
     model.to_empty(device="cpu")

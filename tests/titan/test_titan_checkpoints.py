@@ -2,6 +2,7 @@
 like the uninterrupted one on the same layout and to fp32 rounding on another, and the weights
 move both ways between a stock torchtitan run (FSDP2 + AdamW) and a dmuon one."""
 
+import pytest
 import torch
 
 from tests.titan.scenarios_titan import train
@@ -17,31 +18,37 @@ def assert_equal_weights(weights: dict, expected: dict) -> None:
     assert not different, different
 
 
-def test_a_run_resumed_from_its_checkpoint_continues_bit_for_bit(pool2, tmp_path):
-    saving = {"steps": 4, "ns": "fp32", "checkpoint_folder": "ckpt", "checkpoint_interval": 2}
-    uninterrupted = pool2.run(train, job_options=saving, checkpoint_root=str(tmp_path))[0]
-    resumed = pool2.run(
-        train, job_options={**saving, "load_step": 2}, checkpoint_root=str(tmp_path)
-    )[0]
+# The uninterrupted run both resume tests compare against, with checkpoints at steps 2 and 4.
+SAVING = {"steps": 4, "ns": "fp32", "checkpoint_folder": "ckpt", "checkpoint_interval": 2}
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(pool2, tmp_path_factory) -> tuple[dict, str]:
+    """One 4-step run on 2 ranks and its checkpoint root, shared by the resume tests (each
+    resumes from step 2; their own step-4 checkpoints overwrite nothing a later test loads)."""
+    root = str(tmp_path_factory.mktemp("uninterrupted"))
+    return pool2.run(train, job_options=SAVING, checkpoint_root=root)[0], root
+
+
+def test_a_run_resumed_from_its_checkpoint_continues_bit_for_bit(pool2, uninterrupted):
+    run, root = uninterrupted
+    resumed = pool2.run(train, job_options={**SAVING, "load_step": 2}, checkpoint_root=root)[0]
     assert resumed["first_step"] == 3
-    assert resumed["logged"] == uninterrupted["logged"][2:]
-    assert_equal_weights(resumed["final"], uninterrupted["final"])
+    assert resumed["logged"] == run["logged"][2:]
+    assert_equal_weights(resumed["final"], run["final"])
 
 
-def test_a_run_resumed_on_another_layout_continues_like_the_uninterrupted_one(
-    pool2, pool4, tmp_path
-):
+def test_a_run_resumed_on_another_layout_continues_like_the_uninterrupted_one(pool4, uninterrupted):
     # The same global batch of 4 sequences: 2 ranks x 2, then HSDP (2 replicas x 2 shards) x 1.
-    saving = {"steps": 4, "ns": "fp32", "checkpoint_folder": "ckpt", "checkpoint_interval": 2}
-    uninterrupted = pool2.run(train, job_options=saving, checkpoint_root=str(tmp_path))[0]
+    run, root = uninterrupted
     resumed = pool4.run(
         train,
-        job_options={**saving, "load_step": 2, "dp_replicate": 2, "dp_shard": 2, "local_batch": 1},
-        checkpoint_root=str(tmp_path),
+        job_options={**SAVING, "load_step": 2, "dp_replicate": 2, "dp_shard": 2, "local_batch": 1},
+        checkpoint_root=root,
     )[0]
     assert resumed["first_step"] == 3
     for name, value in resumed["final"].items():
-        expected = uninterrupted["final"][name]
+        expected = run["final"][name]
         assert ((value - expected).norm() / expected.norm()).item() < FP32_TOLERANCE, name
 
 

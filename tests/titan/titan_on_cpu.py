@@ -12,9 +12,11 @@ makes a registry job config small and CPU-ready.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import os
 import sys
+import time
 import types
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -70,6 +72,7 @@ with _cpu_as_the_accelerator():
 
 import torchtitan.distributed.fsdp as titan_fsdp  # noqa: E402
 import torchtitan.distributed.utils as titan_dist_utils  # noqa: E402
+import torchtitan.trainer as titan_trainer  # noqa: E402
 from torch.distributed.fsdp import FSDPModule  # noqa: E402
 from torch.distributed.pipelining.schedules import (  # noqa: E402
     PipelineScheduleMulti,
@@ -81,6 +84,7 @@ from torchtitan.models.common.attention import (  # noqa: E402
     FlexAttention,
     ScaledDotProductAttention,
 )
+from torchtitan.models.common.config_utils import make_ffn_config, make_gqa_config  # noqa: E402
 
 # Reduction op: with the gradient divide factor torchtitan sets (1.0) and bf16 parameters,
 # FSDP2 reduces with ReduceOp.PREMUL_SUM, which gloo lacks; forcing plain sums makes it scale
@@ -101,6 +105,23 @@ titan_fsdp.disable_fsdp_gradient_division = _disable_division_with_plain_sums
 # ``torch.distributed.set_timeout``, which torch 2.13 does not have (torchtitan 0.3 targets a
 # later nightly). The test pool's groups keep their own short timeout.
 titan_dist_utils.set_pg_timeouts = lambda **kwargs: None
+
+
+# End of training: rank 0 sleeps 2 s "for other ranks to complete" (their logs), every run. The
+# scenarios' own collectives after training already wait for every rank.
+class _TimeWithoutSleep(types.ModuleType):
+    def __init__(self) -> None:
+        super().__init__("time")
+
+    def __getattr__(self, name: str):
+        return getattr(time, name)
+
+    @staticmethod
+    def sleep(seconds: float) -> None:
+        pass
+
+
+titan_trainer.time = _TimeWithoutSleep()
 
 
 def _steps_given_microbatches(step):
@@ -234,13 +255,21 @@ def positions_of(tokens: torch.Tensor) -> torch.Tensor:
 
 
 def on_cpu(
-    config, *, dump_folder: str, steps: int, layers: int = 2, seq_len: int = 16, batch: int = 2
+    config,
+    *,
+    dump_folder: str,
+    steps: int,
+    layers: int = 2,
+    width: int | None = None,
+    seq_len: int = 16,
+    batch: int = 2,
 ):
-    """A registry job config made small (``layers`` blocks) and CPU-ready, in place; returns it."""
+    """A registry job config made small (``layers`` blocks, model dimension ``width`` if given)
+    and CPU-ready, in place; returns it."""
     # torchtitan picks its device by LOCAL_RANK, which torchrun sets; the test pool's workers
     # are not started by torchrun.
     os.environ["LOCAL_RANK"] = str(dist.get_rank())
-    small_model(config.model_spec, layers)
+    small_model(config.model_spec, layers, width)
     config.tokenizer = CountingTokenizer.Config()
     config.dataloader = CountingData.Config(rows_per_step=batch)
     config.training.steps = steps
@@ -252,10 +281,55 @@ def on_cpu(
     return config
 
 
-def small_model(model_spec, layers: int) -> None:
-    """The model of ``model_spec`` cut to its first ``layers`` blocks, with SDPA attention."""
+def small_model(model_spec, layers: int, width: int | None = None) -> None:
+    """The model of ``model_spec`` cut to its first ``layers`` blocks, with SDPA attention;
+    with ``width``, also narrowed to that model dimension (see ``narrow``)."""
     model_spec.model.layers = model_spec.model.layers[:layers]
+    if width is not None:
+        narrow(model_spec, width)
     sdpa_attention(model_spec)
+
+
+def narrow(model_spec, width: int) -> None:
+    """The llama3 model of ``model_spec`` with model dimension ``width`` (a multiple of its
+    heads' size) and a SwiGLU hidden size of 3 x ``width``, as the debug model's 256 and 768.
+
+    Why: CPUs without bfloat16 matrix units multiply bf16 matrices some 50 times slower than
+    float32 ones, and a Newton-Schulz step costs width^3; the bf16 tests narrow the model."""
+    model = model_spec.model
+    head_dim = model.dim // model.layers[0].attention.n_heads
+    model.dim = width
+    model.tok_embeddings = dataclasses.replace(model.tok_embeddings, embedding_dim=width)
+    model.norm = dataclasses.replace(model.norm, normalized_shape=width)
+    std = width**-0.5  # the output head's init scale, as the debug model's (dim ** -0.5)
+    head_init = {"weight": functools.partial(torch.nn.init.trunc_normal_, std=std)}
+    model.lm_head = dataclasses.replace(model.lm_head, in_features=width, param_init=head_init)
+    model.layers = [_narrow_block(block, width, head_dim) for block in model.layers]
+
+
+def _narrow_block(block, width: int, head_dim: int):
+    attention, feed_forward = block.attention, block.feed_forward
+    linear_init = {"weight": functools.partial(torch.nn.init.trunc_normal_, std=0.02)}
+    return dataclasses.replace(
+        block,
+        attention_norm=dataclasses.replace(block.attention_norm, normalized_shape=width),
+        ffn_norm=dataclasses.replace(block.ffn_norm, normalized_shape=width),
+        attention=make_gqa_config(
+            dim=width,
+            n_heads=width // head_dim,
+            wqkv_param_init=linear_init,
+            wo_param_init=attention.wo.param_init,
+            inner_attention=attention.inner_attention,
+            rope=attention.rope,
+            fuse_qkv=True,
+        ),
+        feed_forward=make_ffn_config(
+            dim=width,
+            hidden_dim=3 * width,
+            w1_param_init=feed_forward.w1.param_init,
+            w2w3_param_init=feed_forward.w2.param_init,
+        ),
+    )
 
 
 def sdpa_attention(model_spec) -> None:
