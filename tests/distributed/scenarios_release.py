@@ -1,8 +1,8 @@
 """Scenarios of a dropped dmuon model: trained, checkpointed, then let go by the program.
 
 Each builds one layout, trains two steps, takes the model's and the optimizer's state dicts,
-drops every reference it holds and returns whether the model, the optimizer and one master
-outlived a garbage collection. A leak here is a model's weights and optimizer state held until
+drops every reference it holds and returns whether the model, the optimizer or any of the
+rank's masters outlived a garbage collection. A leak here is a model's weights and optimizer state held until
 the process exits: one per run of a sweep, a benchmark or a test session.
 """
 
@@ -45,9 +45,8 @@ def _build(layout: str):
         optimizer = dmuon.Muon(model, ns_backend=ns)
         rank = dist.get_rank()
         return model, optimizer, lambda batch: loss_fn(ddp, rank_rows(batch, rank, world))
-    else:
-        dedicate_and_shard(model, "cpu", 2 if layout == "hsdp" else 1, True)
-        optimizer = dmuon.Muon(model, ns_backend=ns, overlap_step=layout == "overlap")
+    dedicate_and_shard(model, "cpu", 2 if layout == "hsdp" else 1, True)
+    optimizer = dmuon.Muon(model, ns_backend=ns, overlap_step=layout == "overlap")
     rank = dist.get_rank()
     return model, optimizer, lambda batch: loss_fn(model, rank_rows(batch, rank, world))
 
@@ -67,7 +66,7 @@ def _train_and_checkpoint(layout: str) -> tuple[weakref.ref, ...]:
 
 
 def outlives_the_program(layout: str) -> dict[str, bool]:
-    """Which of the model, the optimizer and a master are alive after a collection."""
+    """Which of the model, the optimizer and the rank's masters are alive after a collection."""
     model, optimizer, *masters = _train_and_checkpoint(layout)
     gc.collect()
     return {
