@@ -5,8 +5,8 @@
 #
 #   part 1: the whole tests/gpu (the logs to commit), the end-to-end step at world size 1 with
 #           the overlapped step and the update rules' memory (issues 24, 26)
-#   part 2: the HF Trainer run (issue 22), the optimizer step (issue 23: bench_step,
-#           bench_fused_step)
+#   part 2: why the overlapped step is slower at world size 1 (issue 24: profile_overlap), the
+#           optimizer step (issue 23: bench_step, bench_fused_step), the HF Trainer run
 #   part 3: first steps on a fresh machine and warm (issue 27: bench_cold_start, Qwen2 and
 #           Qwen3-MoE), torchtitan (issue 21), NS schedules
 #   part 4: the 0.89 B Llama's first step, host cost per call (bench_dispatch), gloo collectives
@@ -71,9 +71,11 @@ case $part in
     --git-sha "$sha" --out "$out/e2e-w1.json"
   ;;
 2)
-  step hf-trainer 200 python benchmarks/run_hf_trainer_cuda.py --out "$out/hf-trainer-w1.json"
+  step profile-overlap 200 python -m torch.distributed.run --standalone --nproc-per-node 1 \
+    benchmarks/profile_overlap.py --git-sha "$sha" --out "$out/profile-overlap.json"
   step fused-step 60 python benchmarks/bench_fused_step.py --git-sha "$sha" --out "$out/fused-step.json"
   step step 100 python benchmarks/bench_step.py --git-sha "$sha" --out "$out/step.json"
+  step hf-trainer 200 python benchmarks/run_hf_trainer_cuda.py --out "$out/hf-trainer-w1.json"
   ;;
 3)
   step cold-start-qwen 270 python benchmarks/bench_cold_start.py --models qwen2 qwen3-moe \
