@@ -80,12 +80,6 @@ FACTOR_CONFLICT = (
 _UNSET = object()
 # state -> the factor given to dmuon.set_gradient_divide_factor (absent: never called).
 _explicit_factors: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-# state -> (FQN, module) of the FSDP modules that manage parameters, kept once dmuon.Muon looked.
-# The modules are held weakly: they reference the state (through the model's hooks), and a
-# strong value would keep its own weak key, and with it the whole model, alive forever.
-_fsdp_modules: weakref.WeakKeyDictionary[
-    DedicatedState, list[tuple[str, weakref.ref[nn.Module]]]
-] = weakref.WeakKeyDictionary()
 
 
 # ---- the ranks the rest of the model is reduced over -------------------------------------------
@@ -100,9 +94,7 @@ def check_data_parallel_layout(state: DedicatedState) -> None:
         fsdp2.require_divide_factor_integration()
     if dist.is_initialized():
         _refuse_replicas_outside_grid(state)
-    _fsdp_modules[state] = [
-        (name, weakref.ref(module)) for name, module in _fsdp_modules_with_parameters(model)
-    ]
+    state.fsdp_reducers = _fsdp_modules_with_parameters(model)
     gradient_divisor(state)
 
 
@@ -193,11 +185,9 @@ def set_gradient_divide_factor(state: DedicatedState, factor: float | None) -> N
 def gradient_divisor(state: DedicatedState) -> float:
     """What the owners divide the gradients summed over the grid by: see [Note: one gradient
     scale per model]. Raises ValueError if the model's FSDP modules disagree."""
-    looked = _fsdp_modules.get(state)
-    if looked is None:  # dmuon.Muon has not looked yet
+    modules = state.fsdp_reducers
+    if modules is None:  # dmuon.Muon has not looked yet
         modules = _fsdp_modules_with_parameters(state.model)
-    else:  # alive while the model is, unless taken out of it since
-        modules = [(name, module) for name, ref in looked if (module := ref()) is not None]
     by_factor: dict[float | None, list[str]] = {}
     for name, module in modules:
         by_factor.setdefault(fsdp2.gradient_divide_factor(module), []).append(name)

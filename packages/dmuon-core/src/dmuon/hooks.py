@@ -128,6 +128,10 @@ class DedicatedState:
         # What the owners divide the gradients summed over the grid by, read at each end of
         # backward (``dmuon.data_parallel.gradient_divisor``: the mean, or the model's factor).
         self._gradient_divisor = gradient_divisor
+        # (FQN, module) of the FSDP modules that reduce the rest of the model, found once
+        # dmuon.Muon looked (``dmuon.data_parallel``). Kept here, not in a table keyed by the
+        # state: the modules reference the state, and such a table would keep the model alive.
+        self.fsdp_reducers: list[tuple[str, nn.Module]] | None = None
         self.stacks = stacks_of(params.values())  # FQN -> expert stack (see ``dmuon.experts``)
         self.profile = profile  # forward-unshard wait counters (DMUON_RECORD_FORWARD_PROFILE=1)
         self.requires_gradient_sync = True
