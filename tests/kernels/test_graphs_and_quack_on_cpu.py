@@ -251,6 +251,28 @@ class TorchQuack:
         return self.product("gemm_add", A, B, C, alpha, beta).to(A.dtype)
 
 
+def _strided(storage: Tensor, offset: int, shape: tuple, stride: tuple) -> Tensor:
+    return storage.as_strided(shape, stride, offset)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda s: _strided(s, 0, (8, 12), (12, 1)),  # a size not a multiple of 8
+        lambda s: _strided(s, 1, (8, 8), (8, 1)),  # a base 4 bytes past 16-byte alignment
+        lambda s: _strided(s, 0, (8, 8), (12, 1)),  # a row stride not a multiple of 8
+        lambda s: _strided(s, 0, (8, 8), (16, 2)),  # no unit stride among the last two
+    ],
+    ids=["size", "alignment", "row-stride", "no-unit-stride"],
+)
+def test_the_torch_quack_stand_in_rejects_each_layout_quack_cannot_take(make):
+    storage = torch.zeros(512)
+    TorchQuack.check(_strided(storage, 0, (8, 8), (8, 1)))
+    TorchQuack.check(_strided(storage, 0, (8, 16), (1, 8)))  # column-major: unit stride first
+    with pytest.raises(AssertionError):
+        TorchQuack.check(make(storage))
+
+
 @pytest.fixture
 def torch_quack(monkeypatch):
     """The quack adapter over ``TorchQuack`` on the CPU (the GPU operand check switched off)."""
