@@ -20,9 +20,7 @@ FREED = "dropped dedicated models alive after dmuon's exit hooks: 0"
 
 
 def test_a_job_that_drops_its_model_and_exits_the_usual_way_exits_cleanly():
-    env = dict(
-        os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", PYTHONDONTWRITEBYTECODE="1"
-    )
+    env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
     command += [f"--nproc_per_node={RANKS}", str(SCRIPT)]
     job = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)

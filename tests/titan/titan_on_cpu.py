@@ -109,19 +109,9 @@ titan_dist_utils.set_pg_timeouts = lambda **kwargs: None
 
 # End of training: rank 0 sleeps 2 s "for other ranks to complete" (their logs), every run. The
 # scenarios' own collectives after training already wait for every rank.
-class _TimeWithoutSleep(types.ModuleType):
-    def __init__(self) -> None:
-        super().__init__("time")
-
-    def __getattr__(self, name: str):
-        return getattr(time, name)
-
-    @staticmethod
-    def sleep(seconds: float) -> None:
-        pass
-
-
-titan_trainer.time = _TimeWithoutSleep()
+_time_without_sleep = types.ModuleType("time")
+_time_without_sleep.__dict__.update(vars(time), sleep=lambda seconds: None)
+titan_trainer.time = _time_without_sleep
 
 
 def _steps_given_microbatches(step):
