@@ -7,10 +7,11 @@
 #           the overlapped step and the update rules' memory (issues 24, 26)
 #   part 2: why the overlapped step is slower at world size 1 (issue 24: profile_overlap), the
 #           optimizer step (issue 23: bench_step, bench_fused_step), the HF Trainer run
-#   part 3: first steps on a fresh machine and warm (issue 27: bench_cold_start, Qwen2 and
-#           Qwen3-MoE), torchtitan (issue 21), NS schedules
-#   part 4: the 0.89 B Llama's first step, host cost per call (bench_dispatch), gloo collectives
-#           (the simulator's calibration)
+#   part 3: first steps on a fresh machine and warm (issue 27: bench_cold_start on Qwen2,
+#           Qwen3-MoE and the 0.89 B Llama), NS schedules
+#   part 4: host cost per call (bench_dispatch), gloo collectives (the simulator's calibration),
+#           torchtitan (issue 21; needs a torch its release supports)
+#   part 5: the whole tests/gpu, then the first steps again (after a cold-start change)
 #
 # Usage, on the GPU machine from the repository root with .gpu/ carried along:
 #   bash benchmarks/gpu_session.sh <part> <git-sha>
@@ -80,24 +81,29 @@ case $part in
 3)
   step cold-start-qwen 270 python benchmarks/bench_cold_start.py --models qwen2 qwen3-moe \
     --git-sha "$sha" --out "$out/cold-start-qwen.json"
-  # torchtitan and its small pure-Python dependencies travel as wheels in .gpu/titan.
-  python -m pip install -q --no-deps --target /tmp/titan-site .gpu/titan/*.whl >/dev/null 2>&1
-  PYTHONPATH=$PYTHONPATH:/tmp/titan-site GIT_SHA=$sha \
-    step titan 150 python benchmarks/bench_titan.py --out "$out/titan-w1.json"
+  step cold-start-llama 200 python benchmarks/bench_cold_start.py --models llama-0.89b \
+    --git-sha "$sha" --out "$out/cold-start-llama.json"
   step ns-schedules 90 python benchmarks/bench_ns_schedules.py --git-sha "$sha" \
     --out "$out/ns-schedules.json"
   ;;
 4)
-  step cold-start-llama 200 python benchmarks/bench_cold_start.py --models llama-0.89b \
-    --git-sha "$sha" --out "$out/cold-start-llama.json"
   step dispatch 100 python benchmarks/bench_dispatch.py --shapes 1024x4096 2048x2048 \
     4096x4096 8192x8192 --host-profile 20 --git-sha "$sha" --out "$out/dispatch.json"
   step collectives 150 python -m torch.distributed.run --standalone --nproc-per-node 4 \
     benchmarks/bench_collectives.py --backend gloo --iters 10 --warmup 2 --git-sha "$sha" \
     --out "$out/collectives-gloo-w4.json"
+  # torchtitan and its small pure-Python dependencies travel as wheels in .gpu/titan.
+  python -m pip install -q --no-deps --target /tmp/titan-site .gpu/titan/*.whl >/dev/null 2>&1
+  PYTHONPATH=$PYTHONPATH:/tmp/titan-site GIT_SHA=$sha \
+    step titan 150 python benchmarks/bench_titan.py --out "$out/titan-w1.json"
+  ;;
+5)
+  sharded_gpu_tests 3 300
+  step cold-start-qwen 270 python benchmarks/bench_cold_start.py --models qwen2 qwen3-moe \
+    --git-sha "$sha" --out "$out/cold-start-qwen.json"
   ;;
 *)
-  echo "part must be 1, 2, 3 or 4" >&2
+  echo "part must be 1 to 5" >&2
   exit 2
   ;;
 esac
