@@ -112,7 +112,9 @@ def test_auto_verdicts_are_written_to_the_cache_folder_per_gpu_model(needs_quack
         for v in verdicts.values()
         if v["shape"] == [2048, 8192] and v["dtype"] == "float16"
     }
-    assert "quack" in mine  # one verdict per contender (cute too, when it is installed)
+    assert "quack" in mine  # the SM90 prior's pick at this edge, tuned first
+    if mine["quack"]["backend"] == "quack" and torch.cuda.get_device_capability() == (9, 0):
+        assert set(mine) == {"quack"}  # it won: cute's kernel was not compiled for it
     for candidate, verdict in mine.items():
         assert verdict["backend"] in (candidate, "cublas")
         assert verdict["candidate_error"] <= 2 * verdict["cublas_error"] + 1e-4

@@ -673,3 +673,88 @@ def test_tune_returns_the_typed_verdict_it_records(tmp_path):
     )
     assert verdict.candidate_error > verdict.cublas_error and verdict.candidate_ms is None
     assert VerdictCache("cpu", tmp_path).get(next(iter(tuner.cache_for("cpu").keys()))) == verdict
+
+
+# -- the prior: the expected winner first, the others only if it loses ---------------------------
+
+
+def prior_tuner(tmp_path: Path, expected: str, **backends: object) -> SyrkAutotuner:
+    """A tuner over ``backends`` (the first is the ladder's candidate) whose prior expects
+    ``expected`` to win every problem."""
+    return SyrkAutotuner(
+        cache_dir=tmp_path,
+        get_backend={"cublas": cublas, **backends}.__getitem__,
+        challengers=tuple(backends),
+        prior=lambda problem, device: expected,
+    )
+
+
+def seed_verdict(tuner: SyrkAutotuner, candidate: str, A: torch.Tensor, won: bool) -> None:
+    """Record a verdict for ``candidate`` on A's problem, as an earlier process would have."""
+    problem = SyrkProblem.of(A, None)
+    timings = {"candidate_ms": 0.5 if won else 2.0, "cublas_ms": 1.0}
+    backend = candidate if won else "cublas"
+    cache, key = tuner._key(candidate, problem, A.device)
+    cache.put(key, problem.verdict(candidate, backend, "seeded", **timings), persist=True)
+
+
+def test_a_prior_whose_pick_won_leaves_the_other_contenders_untuned(tmp_path, caplog):
+    first, second = ExactBackend(), ExactBackend()
+    tuner = prior_tuner(tmp_path, "second", first=first, second=second)
+    A = a_matrix()
+    seed_verdict(tuner, "second", A, won=True)
+    with caplog.at_level(logging.INFO):
+        assert tuner.choose("first", A) == "second"
+    assert first.calls == 0 and second.calls == 0  # nothing compiled, measured or run
+    (line,) = [s for s in autotune_lines(caplog) if "skipped" in s]
+    assert "backend=first: second won it" in line and "DMUON_SYRK_AUTOTUNE_PRIOR=0" in line
+
+
+def test_a_prior_whose_pick_loses_tunes_every_other_contender(tmp_path):
+    wrong, other = ExactBackend(relative_error=0.01), ExactBackend()
+    tuner = prior_tuner(tmp_path, "wrong", other=other, wrong=wrong)
+    tuner.choose("other", a_matrix())
+    verdicts = json.loads((tmp_path / "syrk-autotune-cpu.json").read_text())["verdicts"]
+    by_candidate = {verdict["candidate"]: verdict for verdict in verdicts.values()}
+    assert set(by_candidate) == {"wrong", "other"}  # the pick failed its cross-check
+    assert "failed the cross-check" in by_candidate["wrong"]["reason"] and other.calls > 0
+
+
+def test_the_prior_switch_off_tunes_every_contender(tmp_path, monkeypatch):
+    monkeypatch.setenv("DMUON_SYRK_AUTOTUNE_PRIOR", "0")
+    first, second = ExactBackend(), ExactBackend()
+    tuner = prior_tuner(tmp_path, "second", first=first, second=second)
+    A = a_matrix()
+    seed_verdict(tuner, "second", A, won=True)
+    tuner.choose("first", A)
+    assert first.calls > 0 and second.calls == 0  # the seeded verdict is still used
+
+
+def test_without_a_prior_a_won_verdict_does_not_stop_the_others_being_tuned(tmp_path):
+    first, second = ExactBackend(), ExactBackend()
+    tuner = tuner_with(tmp_path, first, second=second)
+    A = a_matrix()
+    seed_verdict(tuner, "exact", A, won=True)
+    tuner.choose("exact", A)
+    assert first.calls == 0 and second.calls > 0
+
+
+def test_the_sm90_prior_follows_the_measured_winners(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    cuda = torch.device("cuda", 0)
+
+    def pick(M: int, K: int, batch: int = 0, op: str = "syrk") -> str | None:
+        return autotune.measured_prior(SyrkProblem(M, K, batch, torch.float16, False, op), cuda)
+
+    # CuTe on one matrix with a Gram edge of 4096 to 8191, quack everywhere else.
+    assert [pick(4096, 4096), pick(4096, 14336), pick(8191, 8192, 1)] == ["cute"] * 3
+    assert [pick(4095, 4096), pick(8192, 8192), pick(8192, 28672)] == ["quack"] * 3
+    assert [pick(704, 1024, 96), pick(2048, 5632, 10), pick(4096, 4096, 8)] == ["quack"] * 3
+    assert pick(2048, 2048, 8, "symmetric_product") == "quack"
+    assert autotune.measured_prior(SyrkProblem.of(a_matrix(), None), torch.device("cpu")) is None
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (10, 0))
+    assert pick(4096, 4096) is None  # nothing measured there: every contender is tuned
+
+
+def test_the_process_wide_tuner_uses_the_measured_prior():
+    assert autotune.default_autotuner().prior is autotune.measured_prior

@@ -15,6 +15,11 @@ the winners the one with the largest speed-up over cuBLAS runs the problem; with
 does, so "auto" is never slower than cuBLAS by more than timing noise. One verdict per
 (problem, backend) keeps each comparison against cuBLAS measured in the same interleaved run.
 
+Tuning a contender on a machine's first run compiles its kernel variant (3-5 s each), so where
+the winner is known from measurements on the GPU model (``measured_prior``; see [Note: the SM90
+prior]) the process-wide tuner tunes the expected winner first and the other contenders only if
+it loses to cuBLAS. ``DMUON_SYRK_AUTOTUNE_PRIOR=0`` tunes every contender.
+
 Some problems are never tuned and run cuBLAS, because what tuning them would cost a machine's
 first run (compiling the contenders: seconds each) is known to buy nothing:
 
@@ -51,14 +56,16 @@ import torch
 from torch import Tensor
 
 from dmuon_kernels._env import SYRK_AUTOTUNE_LOG_ENV as AUTOTUNE_LOG_ENV
-from dmuon_kernels._env import progress_lines_enabled
+from dmuon_kernels._env import SYRK_AUTOTUNE_PRIOR_ENV, env_flag, progress_lines_enabled
 from dmuon_kernels._log import AUTOTUNE, log_rank_tagged, timed_phase
 from dmuon_kernels.syrk._requirements import distribution_version
 from dmuon_kernels.syrk.cache import Verdict, VerdictCache
 from dmuon_kernels.syrk.registry import (
     CUBLAS,
+    CUTE,
     FAST_BACKENDS,
     MATMUL,
+    QUACK,
     SYMMETRIC_PRODUCT,
     SYRK,
     backend_availability,
@@ -89,6 +96,32 @@ MIN_TUNED_FLOP = 2**36
 # at best a tie, 0.2034 ms against 0.2024 at 4096³), and tuning it compiled two more quack kernels
 # (gemm, gemm_add) on a machine's first step. The CuTe kernels have no matmul.
 TUNED_OPS = (SYRK, SYMMETRIC_PRODUCT)
+
+# [Note: the SM90 prior]
+# With quack and the CuTe kernel both installed on an SM90 GPU, each problem's first tuning
+# compiled both contenders' kernel variants (3-5 s each, serially): a 0.89 B Llama's first step
+# compiled 4 quack and 2 CuTe variants (21 s) to keep quack on every problem. Measured on the
+# H200, with and without C and for symmetric products alike, quack wins except on one matrix
+# (no batch) whose Gram edge M (the short edge of the orthogonalised matrix) is 4096 to 8191:
+# - batched, edges 704-2048: quack 5-16% ahead of CuTe (cold-start-h200-2026-12-02 results of
+#   Qwen2, Qwen3-MoE and the 0.89 B Llama; e.g. 2048² x 32: 0.445 ms vs 0.479); 4096² x 8: 0.82
+#   ms vs 0.96 (syrk-cute-h200-2026-12-01-48aeddf);
+# - one 4096²: CuTe 0.116 ms vs quack 0.143 (dispatch-h200-2026-12-01-48aeddf); one 4096x14336:
+#   1.72x cuBLAS vs 1.20x;
+# - one 8192²: quack 1.98x cuBLAS vs CuTe's 1.75x.
+# The expected winner is tuned first (still cross-checked and timed against cuBLAS); the others
+# only when it loses, so the rule can cost speed but never correctness, and a verdict already in
+# the cache is always used.
+SM90_CUTE_EDGES = range(4096, 8192)
+
+
+def measured_prior(problem: SyrkProblem, device: torch.device) -> str | None:
+    """The fast backend expected to win ``problem`` on ``device``'s GPU model, or None where
+    nothing was measured (every contender is tuned): [Note: the SM90 prior]."""
+    if device.type != "cuda" or torch.cuda.get_device_capability(device) != (9, 0):
+        return None
+    single = problem.batch <= 1
+    return CUTE if single and problem.M in SM90_CUTE_EDGES else QUACK
 
 
 def autotune_log_enabled() -> bool:
@@ -221,8 +254,10 @@ class SyrkAutotuner:
 
     ``cache_dir=None`` reads ``DMUON_CACHE_DIR`` (default ``~/.cache/dmuon``) when a file is
     first needed. Problems under ``min_flop`` FLOPs, and operations outside ``tuned_ops`` (None:
-    every operation), run cuBLAS untuned (the process-wide tuner uses ``MIN_TUNED_FLOP`` and
-    ``TUNED_OPS``). Each instance keeps its own memory, so tests use fresh ones.
+    every operation), run cuBLAS untuned; with a ``prior``, the contender it names is tuned
+    first and the others only if it loses (the process-wide tuner uses ``MIN_TUNED_FLOP``,
+    ``TUNED_OPS`` and ``measured_prior``). Each instance keeps its own memory, so tests use fresh
+    ones.
     """
 
     def __init__(
@@ -233,8 +268,12 @@ class SyrkAutotuner:
         challengers: Sequence[str] | None = None,
         min_flop: int = 0,
         tuned_ops: Sequence[str] | None = None,
+        prior: Callable[[SyrkProblem, torch.device], str | None] | None = None,
     ) -> None:
         self.cache_dir = cache_dir
+        # The backend expected to win a problem (tuned first, the others only if it loses);
+        # None, or a None answer: every contender is tuned.
+        self.prior = prior
         self.min_flop = min_flop
         self.tuned_ops = None if tuned_ops is None else tuple(tuned_ops)
         # Name -> backend module; defaults to the dispatcher's registry.
@@ -268,7 +307,8 @@ class SyrkAutotuner:
     ) -> str:
         """The backend to run ``op`` on A (B, C): of ``candidate`` and the challengers that
         implement ``op``, the one with the largest speed-up over cuBLAS among those that won
-        their own verdict; cuBLAS when none did."""
+        their own verdict; cuBLAS when none did. Under a prior, a contender not tuned yet is
+        tuned only if it is the expected winner or no contender has won so far."""
         if candidate == BASELINE:
             return BASELINE
         problem = SyrkProblem.of(A, C, op, B)
@@ -282,14 +322,23 @@ class SyrkAutotuner:
             self._chosen[chosen_key] = BASELINE
             return BASELINE
         capturing = A.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-        verdicts = []
-        for contender in self.contenders(candidate, op):
-            verdict = self._verdict_if_known(contender, problem, A.device)
-            if verdict is None:
-                if capturing:
-                    return BASELINE  # never tune inside a capture, and remember nothing
-                verdict = self.tune(contender, problem, A.device)
-            verdicts.append(verdict)
+        contenders = self.contenders(candidate, op)
+        known = {name: self._verdict_if_known(name, problem, A.device) for name in contenders}
+        verdicts = [verdict for verdict in known.values() if verdict is not None]
+        expected = self._expected_winner(problem, A.device, contenders)
+        untuned = [name for name in contenders if known[name] is None]
+        untuned.sort(key=lambda name: name != expected)  # the expected winner first
+        for contender in untuned:
+            if expected not in (None, contender) and any(verdict.won for verdict in verdicts):
+                _log(
+                    f"skipped {problem.describe()} backend={contender}: "
+                    f"{fastest_winner(verdicts)} won it and no other is expected to win here "
+                    f"({SYRK_AUTOTUNE_PRIOR_ENV}=0 tunes every contender)"
+                )
+                continue
+            if capturing:
+                return BASELINE  # never tune inside a capture, and remember nothing
+            verdicts.append(self.tune(contender, problem, A.device))
         chosen = fastest_winner(verdicts)
         self._chosen[chosen_key] = chosen
         return chosen
@@ -302,6 +351,18 @@ class SyrkAutotuner:
             if name not in names and (op == SYRK or hasattr(self.backend(name), op)):
                 names.append(name)
         return names
+
+    def _expected_winner(
+        self, problem: SyrkProblem, device: torch.device, contenders: list[str]
+    ) -> str | None:
+        """The prior's pick when it is one of several contenders and the prior is switched on
+        (``DMUON_SYRK_AUTOTUNE_PRIOR``), else None."""
+        if self.prior is None or len(contenders) < 2:
+            return None
+        if not env_flag(SYRK_AUTOTUNE_PRIOR_ENV, default=True):
+            return None
+        expected = self.prior(problem, device)
+        return expected if expected in contenders else None
 
     def _challengers(self) -> tuple[str, ...]:
         if self.challengers is not None:
@@ -507,7 +568,9 @@ def default_autotuner() -> SyrkAutotuner:
     """The process-wide tuner the dispatcher uses (cache folder from ``DMUON_CACHE_DIR``)."""
     global _default_tuner
     if _default_tuner is None:
-        _default_tuner = SyrkAutotuner(min_flop=MIN_TUNED_FLOP, tuned_ops=TUNED_OPS)
+        _default_tuner = SyrkAutotuner(
+            min_flop=MIN_TUNED_FLOP, tuned_ops=TUNED_OPS, prior=measured_prior
+        )
     return _default_tuner
 
 
@@ -540,5 +603,6 @@ __all__ = [
     "default_autotuner",
     "fastest_winner",
     "gpu_model",
+    "measured_prior",
     "verdict_key",
 ]
