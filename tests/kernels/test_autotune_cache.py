@@ -758,3 +758,29 @@ def test_the_sm90_prior_follows_the_measured_winners(monkeypatch):
 
 def test_the_process_wide_tuner_uses_the_measured_prior():
     assert autotune.default_autotuner().prior is autotune.measured_prior
+
+
+def test_tuning_runs_the_kernel_variant_newton_schulz_runs(monkeypatch):
+    """quack compiles one variant per (alpha == 1, beta == 1): each product with C is tuned on
+    the variant the iteration calls, or a first step compiles a kernel it never runs."""
+    ns_module = sys.modules["dmuon_kernels.newton_schulz"]  # the package exports the function
+    called: set[tuple[str, bool, bool]] = set()
+
+    def recording(op: str, product):
+        def call(*args, C=None, alpha=1.0, beta=0.0, **kwargs):
+            if C is not None:
+                called.add((op, alpha == 1.0, beta == 1.0))
+            return product(*args, C=C, alpha=alpha, beta=beta, **kwargs)
+
+        return call
+
+    for op in ("syrk", "symmetric_product", "matmul"):
+        monkeypatch.setattr(ns_module, op, recording(op, getattr(ns_module, op)))
+    for backend in ("gram", "direct"):
+        ns_module.newton_schulz(a_matrix(16, 40, torch.float32), backend=backend)
+    tuned = set()
+    for op in ("syrk", "symmetric_product", "matmul"):
+        problem = SyrkProblem(16, 16, 0, torch.float16, True, op, 40 if op == "matmul" else 0)
+        inputs = autotune._tuning_inputs(problem, torch.device("cpu"))
+        tuned.add((op, inputs.alpha == 1.0, inputs.beta == 1.0))
+    assert called == tuned, (called, tuned)

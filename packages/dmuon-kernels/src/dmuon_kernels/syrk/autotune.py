@@ -82,9 +82,13 @@ ERROR_RATIO_LIMIT = 2.0
 ERROR_FLOOR_ULPS = 0.25
 # The candidate must beat cuBLAS by this fraction; inside timing noise cuBLAS is kept.
 WIN_MARGIN = 0.01
-# alpha/beta used when tuning a problem with C (any values other than 1 and 0 exercise the general
-# epilogue, which is what Newton-Schulz's b·R + c·R² uses).
-TUNING_ALPHA_WITH_C, TUNING_BETA_WITH_C = 0.75, -1.25
+# alpha/beta used when tuning a problem with C, as Newton-Schulz calls it: quack compiles one
+# kernel variant per (alpha == 1, beta == 1), so a tuning call of another variant than the
+# iteration's compiles a kernel the iteration never runs, and the iteration then compiles its own
+# (one more 3-4 s compile on a first step). A SYRK with C is b·R + c·R² (neither is 1); a
+# symmetric product or a product is a·Q + Z·Q (alpha 1).
+TUNING_ALPHA_WITH_C = {SYRK: 0.75, SYMMETRIC_PRODUCT: 1.0, MATMUL: 1.0}
+TUNING_BETA_WITH_C = -1.25
 TUNING_SEED = 0x5EED
 # Problems below this many FLOPs (2·M·N·K·batch, as cuBLAS computes it; about 0.1 ms on an H200)
 # run cuBLAS untuned under "auto".
@@ -488,7 +492,9 @@ def _tuning_inputs(problem: SyrkProblem, device: torch.device) -> _TuningInputs:
     generator.manual_seed(TUNING_SEED)
     lead = (problem.batch,) if problem.batch else ()
     square = (*lead, problem.M, problem.M)
-    alpha, beta = (TUNING_ALPHA_WITH_C, TUNING_BETA_WITH_C) if problem.has_c else (1.0, 0.0)
+    alpha, beta = (1.0, 0.0)
+    if problem.has_c:
+        alpha, beta = TUNING_ALPHA_WITH_C[problem.op], TUNING_BETA_WITH_C
     dtype = problem.dtype
     if problem.op == MATMUL:
         shapes = ((problem.M, problem.K), (problem.K, problem.N), (problem.M, problem.N))
