@@ -23,7 +23,8 @@ Per variant: the seconds from the start of ``train()`` to the end of the first s
 backward and the first ``step()``, synchronised: autotune and compiles land here), split into
 forward+backward and the optimizer step (step hooks, synchronised); the median of the later
 steps; the whole run; how many autotune candidates, compiles and quack kernels its rank-tagged
-lines report; and a timeline of the first step:
+lines report; the compiled specialisations of each Triton kernel its Triton cache holds after
+the process (``triton_cache_kernels``); and a timeline of the first step:
 
 - ``phases``: the first-use work ``dmuon_kernels`` timed (``dmuon_kernels._log.timed_phase``:
   library imports, autotune candidates, compiles and loads, lock waits, CUDA-graph captures),
@@ -395,8 +396,17 @@ def run_variant(variant: str, model: str, args: argparse.Namespace, caches: Path
     result["process_s"] = process_s
     log = completed.stderr
     result.update({name: log.count(marker) for name, marker in WORK_MARKERS.items()})
+    result["triton_cache_kernels"] = triton_kernel_counts(caches / "triton")
     result["log_tail"] = [s for s in log.splitlines() if "[DMuon]" in s][-80:]
     return result
+
+
+def triton_kernel_counts(folder: Path) -> dict[str, int]:
+    """How many compiled specialisations of each Triton kernel ``folder`` holds after the
+    process (one metadata file per compile; the cold run's compiles, and nothing new after a
+    warm run that only loaded them)."""
+    names = [path.stem for path in folder.glob("*/*.json") if not path.name.startswith("__grp__")]
+    return dict(sorted(collections.Counter(names).items()))
 
 
 def child_flags(args: argparse.Namespace) -> list[str]:

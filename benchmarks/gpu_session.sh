@@ -11,7 +11,8 @@
 #           Qwen3-MoE and the 0.89 B Llama), NS schedules
 #   part 4: host cost per call (bench_dispatch), gloo collectives (the simulator's calibration),
 #           torchtitan (issue 21; needs a torch its release supports)
-#   part 5: the whole tests/gpu, then the first steps again (after a cold-start change)
+#   part 5: the whole tests/gpu, then the three models' first steps again (after a cold-start
+#           change)
 #
 # Usage, on the GPU machine from the repository root with .gpu/ carried along:
 #   bash benchmarks/gpu_session.sh <part> <git-sha>
@@ -98,9 +99,9 @@ case $part in
     step titan 150 python benchmarks/bench_titan.py --out "$out/titan-w1.json"
   ;;
 5)
-  sharded_gpu_tests 3 300
-  step cold-start-qwen 270 python benchmarks/bench_cold_start.py --models qwen2 qwen3-moe \
-    --git-sha "$sha" --out "$out/cold-start-qwen.json"
+  sharded_gpu_tests 3 285
+  step cold-start 290 python benchmarks/bench_cold_start.py --models qwen2 qwen3-moe llama-0.89b \
+    --git-sha "$sha" --out "$out/cold-start.json"
   ;;
 *)
   echo "part must be 1 to 5" >&2
