@@ -50,7 +50,10 @@ def _sum_of_squares(x):  # fp32 tile -> fp64 scalar
     return tl.sum(tl.sum(x64 * x64, axis=1), axis=0)
 
 
-@triton.jit
+# Triton compiles one specialisation per integer argument that is 1, divisible by 16 or neither;
+# ``batch`` only indexes the offset table, so specialising on it would compile the same kernel
+# again for each group size class a step meets (a first step's compiles are its cost).
+@triton.jit(do_not_specialize=["batch"])
 def _momentum_kernel(
     grad_ptr,  # first of B gradients (rows, cols), rows contiguous, any float dtype
     buf_ptr,  # first of B momentum buffers (rows, cols), rows contiguous; updated in place
@@ -165,7 +168,7 @@ def _normalize_kernel(
     tl.store(dst_at, y.to(dst_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["batch"])  # as _momentum_kernel
 def _apply_update_kernel(
     master_ptr,  # first of B masters (rows, cols), rows contiguous; updated in place
     ortho_ptr,  # first of B updates (rows, cols) at strides (ortho_rs, ortho_cs)
