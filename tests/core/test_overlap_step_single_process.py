@@ -7,14 +7,22 @@ import torch
 
 import dmuon
 from dmuon.hooks import get_dedicated_state
+from dmuon.overlap import chunk_boundaries
 from dmuon_kernels.newton_schulz import NewtonSchulz
 from tests.distributed.models import TinyDecoder, batches, loss_fn, proj_predicate
 from tests.distributed.models_moe import MoEDecoder, moe_predicate
 
 
-def train(overlap_step: bool, steps: int = 3, clip: float | None = None, moe: bool = False):
+def train(
+    overlap_step: bool,
+    steps: int = 3,
+    clip: float | None = None,
+    moe: bool = False,
+    layers: int = 3,
+    skip_layer: int | None = None,
+):
     torch.manual_seed(0)
-    model = MoEDecoder() if moe else TinyDecoder()
+    model = MoEDecoder() if moe else TinyDecoder(layers, skip_layer=skip_layer)
     dmuon.dedicate_params(model, None, moe_predicate if moe else proj_predicate)
     optimizer = dmuon.Muon(
         model,
@@ -33,7 +41,7 @@ def train(overlap_step: bool, steps: int = 3, clip: float | None = None, moe: bo
     momenta = {
         p.fqn: optimizer.state[p.master]["momentum_buffer"].clone()
         for p in state.iter_owned_masters()
-        if p.route == "muon"
+        if p.route == "muon" and p.master in optimizer.state  # a skipped layer has none
     }
     return weights, momenta, optimizer
 
@@ -52,6 +60,36 @@ def test_one_process_overlapped_step_is_the_plain_step(clip):
         assert stats.committed == 0 and stats.recomputed == stats.discarded == stats.speculated
     else:
         assert stats.committed == stats.speculated and stats.recomputed == 0
+
+
+@pytest.mark.parametrize("skip_layer", [None, 4])
+def test_chunks_of_several_layers_are_committed_bit_for_bit(skip_layer):
+    """Nine layers in four chunks, so a chunk's unit waits for several boundaries to land. A
+    layer skipped in forward never lands: its chunk is computed by step(), the others commit."""
+    plain_weights, plain_momenta, _ = train(False, layers=9, skip_layer=skip_layer)
+    weights, momenta, optimizer = train(True, layers=9, skip_layer=skip_layer)
+    assert plain_momenta.keys() == momenta.keys()
+    for name in plain_weights:
+        assert torch.equal(plain_weights[name], weights[name]), name
+    for name in plain_momenta:
+        assert torch.equal(plain_momenta[name], momenta[name]), name
+    stats = optimizer.overlap_stats()
+    if skip_layer is None:
+        assert stats.committed == stats.speculated == 3 * len(momenta) and stats.recomputed == 0
+    else:  # chunks: layers 0-2, 3-4, 5-6, 7-8; layer 3 is recomputed, 4 has no gradient
+        per_layer = len(momenta) // 8
+        assert stats.recomputed == 3 * per_layer
+        assert stats.committed == stats.speculated == 3 * 7 * per_layer
+
+
+def test_boundaries_are_cut_into_consecutive_chunks_of_about_equal_elements():
+    order = list("abcdefghi")
+    chunks = chunk_boundaries(order, dict.fromkeys(order, 10), 4)
+    assert list(chunks.values()) == [0, 0, 0, 1, 1, 2, 2, 3, 3]
+    sizes = {"a": 100, "b": 1, "c": 1, "d": 1, "e": 100}
+    assert chunk_boundaries(list(sizes), sizes, 4) == {"a": 0, "b": 1, "c": 1, "d": 2, "e": 2}
+    assert chunk_boundaries(["a", "b"], {"a": 5, "b": 5}, 4) == {"a": 0, "b": 2}
+    assert chunk_boundaries([], {}, 4) == {}
 
 
 def test_a_second_optimizer_with_overlap_on_one_model_is_refused():

@@ -34,11 +34,12 @@ class OverlapConfig:
     nonfinite: str = "skip"
     lr_schedule: bool = False  # a LambdaLR stepped after every optimizer step
     momentum_change_at_step: int | None = None  # the group's momentum changed before this step
+    layers: int = 3  # more than SPECULATION_CHUNKS: a chunk's unit waits for several layers
 
 
 def _train(config: OverlapConfig, overlap_step: bool) -> dict:
     torch.manual_seed(0)
-    model = TinyDecoder()
+    model = TinyDecoder(config.layers)
     dedicate_and_shard(model, "cpu", config.replicas, config.reshard_after_forward)
     optimizer = dmuon.Muon(
         model,

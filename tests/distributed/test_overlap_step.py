@@ -1,6 +1,6 @@
 """``dmuon.Muon(..., overlap_step=True)`` against the plain step, bit for bit, on gloo.
 
-The overlapped step computes each boundary's owner step during backward and commits it in
+The overlapped step computes each chunk of boundaries' owner step during backward and commits it in
 ``step()`` only where its inputs are the plain step's; everything else is recomputed. Weights
 (owned masters and FSDP2's parameters), momentum buffers and losses must be bit-identical to the
 plain step's after several steps, and the counters must show the speculation was used (or, where
@@ -62,6 +62,16 @@ def test_the_overlapped_step_is_the_plain_step_bit_for_bit(
     assert_bit_identical(results)
     for rank, (result, s) in enumerate(zip(results, stats(results))):
         if owns_muon_matrices(result):  # every matrix committed from backward, none redone
+            assert s.committed > 0 and s.committed == s.speculated, f"rank {rank}: {s}"
+            assert s.recomputed == 0 and s.discarded == 0, f"rank {rank}: {s}"
+
+
+@pytest.mark.parametrize(("world_size", "replicas"), [(2, 1), (4, 2)], ids=["z3-2", "hsdp-2x2-z3"])
+def test_chunks_of_several_layers_are_the_plain_step_bit_for_bit(gloo_pool, world_size, replicas):
+    results = gloo_pool(world_size).run(plain_and_overlapped, replicas=replicas, layers=9, steps=3)
+    assert_bit_identical(results)
+    for rank, (result, s) in enumerate(zip(results, stats(results))):
+        if owns_muon_matrices(result):
             assert s.committed > 0 and s.committed == s.speculated, f"rank {rank}: {s}"
             assert s.recomputed == 0 and s.discarded == 0, f"rank {rank}: {s}"
 

@@ -308,6 +308,7 @@ class Muon(torch.optim.Optimizer):
         overlap = OverlappedStep(
             param_groups=self.param_groups,
             boundary_of=boundary_of,
+            boundaries=self._dedicated.boundaries,
             muon_groups=[
                 i for i, group in enumerate(self.param_groups) if group["route"] == MUON_ROUTE
             ],

@@ -10,10 +10,11 @@ Plain schedule: backward reduces each boundary's gradients to their owners, the 
 adds them into the masters' ``.grad``, and ``step()`` runs momentum + Newton-Schulz for every
 owned matrix. With ``overlap_step=True`` each boundary's owned gradients *land* as soon as the
 boundary has reduced (``DedicatedState._land``: its local reduces waited for, the replicate
-stage under HSDP run, the messages averaged), and the owner immediately computes, for that
-boundary's Muon matrices of each param group (a *unit*), the new momentum and the Newton-Schulz
-output, on a side stream on CUDA (inline elsewhere), while backward goes on through the earlier
-layers. This work is *speculative*: nothing the plain step reads is changed by it. The new
+stage under HSDP run, the messages averaged). The owner's boundaries are cut into a few *chunks*
+of consecutive boundaries (see [Note: speculation chunks]); as soon as the last boundary of a
+chunk lands, the owner computes, for that chunk's Muon matrices of each param group (a *unit*),
+the new momentum and the Newton-Schulz output, on a side stream on CUDA (inline elsewhere),
+while backward goes on through the earlier layers. This work is *speculative*: nothing the plain step reads is changed by it. The new
 momentum goes into a scratch buffer and the Newton-Schulz output is kept; the masters and the
 optimizer state are untouched until ``step()``.
 
@@ -40,9 +41,9 @@ optimizer state are untouched until ``step()``.
 A committed unit installs its scratch momentum as the state's and applies the stored
 Newton-Schulz output with the group's current lr and weight decay; every other unit is computed
 by the plain step. Both go through the same functions with the same batching: in this mode the
-plain step, too, runs one unit at a time (Newton-Schulz batched by shape within a boundary,
-not across boundaries), so a committed unit and a recomputed one are bit-identical on any
-device, by construction. Against the default schedule (batched across boundaries) they are
+plain step, too, runs one unit at a time (Newton-Schulz batched by shape within a chunk, not
+across chunks), so a committed unit and a recomputed one are bit-identical on any device, by
+construction. Against the default schedule (batched across boundaries) they are
 bit-identical where the kernels give each matrix of a batch the same result whatever the batch
 (verified on CPU: ``tests/distributed/test_overlap_step.py``); on CUDA that holds if the
 batched matmuls and the SYRK autotune are batch-invariant, which is to be measured.
@@ -53,6 +54,16 @@ that the compute stream allocated are ``record_stream``-ed on the side stream. T
 backward makes the compute stream wait for the side stream before the masters take their
 gradients (so ``clip_grad_norm_`` and ``step()`` read finished work, and the clip's in-place
 scaling never races the speculation's reads).
+
+[Note: speculation chunks]
+A unit was first one boundary (one layer), and on the H200 at world size 1 that made the
+overlapped step 9-11% slower than the plain one: Newton-Schulz batched one layer's matrices
+instead of every layer's, so each problem fell under the autotuner's size bound and ran on
+cuBLAS, less efficiently (torch.profiler, ``benchmarks/profile_overlap.py``: quack's SYRK time
+-16.6 ms per step, cuBLAS's +28 ms; profile-overlap-h200-w1-2026-12-02-8814852.json). So each
+Muon param group's boundaries, in the model's order, are cut into ``SPECULATION_CHUNKS`` runs of
+about equal owned elements: each Newton-Schulz batch is a quarter of the plain step's, and
+three quarters of the owner work can still start before backward ends.
 
 Memory: from landing to ``step()``, per speculated matrix, a scratch momentum (fp32, 4 bytes an
 element; the old buffer is freed at commit) and the Newton-Schulz output (its dtype: 2 bytes an
@@ -80,6 +91,10 @@ Speculate = Callable[
     list[tuple[Call, torch.Tensor]],
 ]
 Apply = Callable[[dict, Call, torch.Tensor], None]
+
+# How many runs of consecutive boundaries a param group's speculation is cut into: see [Note:
+# speculation chunks].
+SPECULATION_CHUNKS = 4
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,8 +125,17 @@ class _Input:
 
 
 @dataclass(eq=False, slots=True)
+class _Landed:
+    """The boundaries of one chunk landed so far in this backward, and their gradients."""
+
+    boundaries: set[BoundaryGroup] = field(default_factory=set)
+    grads: dict[int, torch.Tensor] = field(default_factory=dict)
+    messages: dict[int, tuple[torch.Tensor, int]] = field(default_factory=dict)
+
+
+@dataclass(eq=False, slots=True)
 class _Unit:
-    """One boundary's Muon matrices of one param group, speculated."""
+    """One chunk's Muon matrices of one param group, speculated."""
 
     group_index: int
     masters: list[nn.Parameter]  # in param-group order
@@ -126,9 +150,10 @@ class _Unit:
 class OverlappedStep:
     """The speculation of one ``dmuon.Muon``; see [Note: the overlapped step].
 
-    ``units``: per Muon param group (by index), id(master) -> the boundary it lands with;
-    ``speculate(group, masters, grads, scratch)`` computes a unit's scratch momentum (filled in
-    ``scratch``) and Newton-Schulz calls; ``apply(group, call, output)`` applies one call.
+    ``boundary_of``: id(master) -> the boundary it lands with; ``boundaries``: every boundary
+    in the model's order (the chunks are runs of it); ``speculate(group, masters, grads,
+    scratch)`` computes a unit's scratch momentum (filled in ``scratch``) and Newton-Schulz
+    calls; ``apply(group, call, output)`` applies one call.
     """
 
     def __init__(
@@ -136,6 +161,7 @@ class OverlappedStep:
         *,
         param_groups: list[dict],
         boundary_of: dict[int, BoundaryGroup],
+        boundaries: list[BoundaryGroup],
         muon_groups: list[int],
         state: dict,
         speculate: Speculate,
@@ -149,14 +175,28 @@ class OverlappedStep:
         self._speculate = speculate
         self._apply_call = apply
         self._device = device
-        self._units: dict[tuple[int, BoundaryGroup], _Unit] = {}
-        # (group index, boundary) -> its Muon masters in group order: what a landing speculates.
-        self._unit_masters: dict[tuple[int, BoundaryGroup], list[nn.Parameter]] = {}
+        # Keys (group index, chunk index): the units speculated, the chunks' boundaries landed so
+        # far, each chunk's boundaries and its Muon masters in group order.
+        self._units: dict[tuple[int, int], _Unit] = {}
+        self._landed: dict[tuple[int, int], _Landed] = {}
+        self._chunk_boundaries: dict[tuple[int, int], set[BoundaryGroup]] = {}
+        self._unit_masters: dict[tuple[int, int], list[nn.Parameter]] = {}
+        # (group index, boundary) -> its chunk index.
+        self._chunk_of: dict[tuple[int, BoundaryGroup], int] = {}
         for group_index in muon_groups:
+            elements: dict[BoundaryGroup, int] = {}
             for m in param_groups[group_index]["params"]:
                 boundary = boundary_of.get(id(m))
                 if boundary is not None and m.numel() > 0:
-                    self._unit_masters.setdefault((group_index, boundary), []).append(m)
+                    elements[boundary] = elements.get(boundary, 0) + m.numel()
+            order = [b for b in boundaries if b in elements]
+            for boundary, chunk in chunk_boundaries(order, elements, SPECULATION_CHUNKS).items():
+                self._chunk_of[(group_index, boundary)] = chunk
+                self._chunk_boundaries.setdefault((group_index, chunk), set()).add(boundary)
+            for m in param_groups[group_index]["params"]:
+                chunk = self._chunk_of.get((group_index, boundary_of.get(id(m))))
+                if chunk is not None and m.numel() > 0:
+                    self._unit_masters.setdefault((group_index, chunk), []).append(m)
         self._side: torch.cuda.Stream | None = None
         self._side_used = False
         self.stats = OverlapStepStats()
@@ -189,14 +229,26 @@ class OverlappedStep:
                 item.message.record_stream(self._side)
         with torch.no_grad():
             for group_index in self._muon_groups:
-                unit_masters = self._unit_masters.get((group_index, group), ())
-                masters = [m for m in unit_masters if id(m) in grads]
-                self._drop((group_index, group))
+                chunk = self._chunk_of.get((group_index, group))
+                if chunk is None:
+                    continue
+                key = (group_index, chunk)
+                self._drop(key)  # speculated in an earlier backward
+                landed = self._landed.get(key)
+                if landed is None or group in landed.boundaries:  # this backward's first
+                    landed = self._landed[key] = _Landed()
+                landed.boundaries.add(group)
+                landed.grads.update(grads)
+                landed.messages.update(messages)
+                if landed.boundaries != self._chunk_boundaries[key]:
+                    continue
+                del self._landed[key]
+                masters = [m for m in self._unit_masters[key] if id(m) in landed.grads]
                 # A gradient already in a master (a backward without no_sync before this one)
                 # is summed into at the end of backward: the plain step computes that unit.
                 if masters and all(m.grad is None for m in masters):
-                    self._units[(group_index, group)] = self._speculate_unit(
-                        group_index, masters, grads, messages
+                    self._units[key] = self._speculate_unit(
+                        group_index, masters, landed.grads, landed.messages
                     )
 
     def _speculate_unit(self, group_index, masters, grads, messages) -> _Unit:
@@ -259,20 +311,22 @@ class OverlappedStep:
     # ---- step() ---------------------------------------------------------------------------------
 
     def discard(self) -> None:
-        """Drop every speculation (a skipped step, zero_grad)."""
+        """Drop every speculation, and the chunks half landed (a step, zero_grad)."""
         for key in list(self._units):
             self._drop(key)
+        self._landed.clear()
 
     def units_to_compute(self, group_index: int, masters: list[nn.Parameter]) -> list[list]:
         """Commit the speculated units of this group whose inputs are the plain step's; return
         the others, each a list of masters in group order, for the plain step to compute."""
-        by_boundary: dict[BoundaryGroup | None, list[nn.Parameter]] = {}
+        by_chunk: dict[int | None, list[nn.Parameter]] = {}
         for m in masters:
-            by_boundary.setdefault(self._boundary_of.get(id(m)), []).append(m)
+            chunk = self._chunk_of.get((group_index, self._boundary_of.get(id(m))))
+            by_chunk.setdefault(chunk, []).append(m)
         group = self._param_groups[group_index]
         remaining, ones = [], {}
-        for boundary, unit_masters in by_boundary.items():
-            unit = self._units.pop((group_index, boundary), None)
+        for chunk, unit_masters in by_chunk.items():
+            unit = self._units.pop((group_index, chunk), None) if chunk is not None else None
             if unit is not None and self._valid(unit, unit_masters, group, ones):
                 for m in unit.masters:
                     self._state[m]["momentum_buffer"] = unit.scratch[id(m)]
@@ -324,6 +378,19 @@ class OverlappedStep:
         self.stats = OverlapStepStats(
             **{name: getattr(s, name) + more.get(name, 0) for name in s.__dataclass_fields__}
         )
+
+
+def chunk_boundaries(
+    boundaries: list[BoundaryGroup], elements: dict[BoundaryGroup, int], chunks: int
+) -> dict[BoundaryGroup, int]:
+    """boundary -> its chunk: ``boundaries`` (in order) cut into at most ``chunks`` runs of
+    about equal ``elements``; a boundary goes where its first element falls."""
+    total = sum(elements[b] for b in boundaries)
+    chunk_of, start = {}, 0
+    for boundary in boundaries:
+        chunk_of[boundary] = start * chunks // total
+        start += elements[boundary]
+    return chunk_of
 
 
 def _matrix_count(master: torch.Tensor) -> int:
