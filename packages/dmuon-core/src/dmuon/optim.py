@@ -511,7 +511,7 @@ class Muon(torch.optim.Optimizer):
             for master in group["params"]
             if master.grad is not None and master.numel() > 0 and id(master) not in tp_sharded
         ]
-        # Overlapped: one boundary's matrices at a time, committed from backward's speculation
+        # Overlapped: one chunk's matrices at a time, committed from backward's speculation
         # where it is valid, computed here otherwise (see [Note: the overlapped step]).
         units = (
             [masters] if self._overlap is None else self._overlap.units_to_compute(index, masters)
