@@ -14,9 +14,10 @@ stage under HSDP run, the messages averaged). The owner's boundaries are cut int
 of consecutive boundaries (see [Note: speculation chunks]); as soon as the last boundary of a
 chunk lands, the owner computes, for that chunk's Muon matrices of each param group (a *unit*),
 the new momentum and the Newton-Schulz output, on a side stream on CUDA (inline elsewhere),
-while backward goes on through the earlier layers. This work is *speculative*: nothing the plain step reads is changed by it. The new
-momentum goes into a scratch buffer and the Newton-Schulz output is kept; the masters and the
-optimizer state are untouched until ``step()``.
+while backward goes on through the earlier layers. This work is *speculative*: nothing the
+plain step reads is changed by it. The new momentum goes into a scratch buffer and the
+Newton-Schulz output is kept; the masters and the optimizer state are untouched until
+``step()``.
 
 ``step()`` *commits* a unit only where its inputs are exactly those the plain step would use:
 
