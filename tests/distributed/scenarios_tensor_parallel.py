@@ -90,7 +90,7 @@ def train_tensor_parallel(
     tp: int,
     replicas: int = 1,
     sequence_parallel: bool = False,
-    steps: int = 10,
+    steps: int = 4,
     replicate_async: bool = True,
     reshard_after_forward: bool = True,
     two_steps_without_forward: bool = False,
@@ -156,7 +156,7 @@ def train_ddp_tensor_parallel(
     *,
     dp: int,
     tp: int,
-    steps: int = 10,
+    steps: int = 4,
     sequence_parallel: bool = False,
     clip_max_norm: float | None = None,
 ) -> dict:

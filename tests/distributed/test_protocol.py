@@ -33,7 +33,14 @@ FP32_TOLERANCE = 1e-5
 # k steps the relative difference is bounded by k * 5% * u, times 4 for the amplification of a
 # perturbation through five polynomial iterations (their slope near zero reaches ~8).
 FP16_UNIT_ROUNDOFF = torch.finfo(torch.float16).eps / 2
-STEPS = 10
+# Enough steps for the first one (momentum initialised), steady-state ones, and the state carried
+# between steps (momentum, the HSDP publish still pending at the next forward); more would only
+# repeat the steady state.
+STEPS = 4
+# The fp16 bound is linear in the steps, the error is not: it grows fastest over the first steps
+# (4 steps reach 4.5e-4 against a bound of 3.9e-4), so the fp16 run keeps the 10 steps its bound
+# was set for.
+FP16_STEPS = 10
 
 
 def fp16_tolerance(steps: int) -> float:
@@ -60,8 +67,8 @@ def test_parameters_match_the_single_process_reference_with_fp32_newton_schulz(
 
 
 def test_parameters_match_the_reference_within_fp16_rounding_with_default_newton_schulz(pool2):
-    results = pool2.run(train_against_reference, ns_dtype="float16", steps=STEPS)
-    assert_matches_reference(results, fp16_tolerance(STEPS))
+    results = pool2.run(train_against_reference, ns_dtype="float16", steps=FP16_STEPS)
+    assert_matches_reference(results, fp16_tolerance(FP16_STEPS))
 
 
 def owned_masters_and_losses(results):

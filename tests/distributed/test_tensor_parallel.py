@@ -1,8 +1,9 @@
 """dmuon on tensor-parallel models: matrices that ``parallelize_module`` made into DTensors.
 
 The tiny decoder is parallelized with torch's plans on the "tp" dim of a named mesh and trained
-10 steps on gloo; every weight (dedicated TP chunks gathered, FSDP2's parameters) must stay
-within FP32_TOLERANCE of the single-process reference (fp32 Newton-Schulz), on every rank. See
+4 steps on gloo (the first step, steady ones, and the momentum and HSDP publish carried between
+steps); every weight (dedicated TP chunks gathered, FSDP2's parameters) must stay within
+FP32_TOLERANCE of the single-process reference (fp32 Newton-Schulz), on every rank. See
 [Note: tensor-parallel matrices] in ``dmuon.tp`` for what moves where. Checkpoints across TP and
 1-D layouts: ``test_checkpoint.py``.
 """
