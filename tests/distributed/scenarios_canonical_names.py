@@ -29,7 +29,13 @@ from dmuon.hooks import get_dedicated_state
 from dmuon.testing import dedicate_and_shard
 from dmuon_kernels.newton_schulz import NewtonSchulz
 from tests.distributed.models import TinyDecoder, batches, loss_fn, proj_predicate, rank_rows
-from tests.distributed.scenarios_checkpoint import GLOBAL_ROWS, STEPS, full_weights, train
+from tests.distributed.scenarios_checkpoint import (
+    GLOBAL_ROWS,
+    SAVE_AT,
+    STEPS,
+    full_weights,
+    train,
+)
 
 FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
 
@@ -126,7 +132,7 @@ def names_seen(wrappers: str) -> dict:
 
 
 def save_midway_and_finish(
-    path: str, wrappers: str, replicas: int = 1, save_at: int = 5, via: str = "dckpt"
+    path: str, wrappers: str, replicas: int = 1, save_at: int = SAVE_AT, via: str = "dckpt"
 ) -> dict:
     """Train with ``wrappers``, save at ``save_at``, finish: the uninterrupted run's weights."""
     model, optimizer = build(wrappers, replicas)
@@ -138,7 +144,7 @@ def save_midway_and_finish(
 
 
 def resume_and_finish(
-    path: str, wrappers: str, replicas: int = 1, save_at: int = 5, via: str = "dckpt"
+    path: str, wrappers: str, replicas: int = 1, save_at: int = SAVE_AT, via: str = "dckpt"
 ) -> dict:
     """A fresh model with ``wrappers`` loaded from ``path`` and trained to ``STEPS``."""
     model, optimizer = build(wrappers, replicas)

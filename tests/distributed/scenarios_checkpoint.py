@@ -26,7 +26,11 @@ from tests.distributed.scenarios_protocol import dedicate_and_shard
 from tests.distributed.scenarios_tensor_parallel import tensor_parallel_plan
 
 GLOBAL_ROWS = 24  # divisible by every world size the tests use (1, 2, 3, 4, 8)
-STEPS = 10
+# A checkpoint is saved after SAVE_AT steps (momentum and AdamW moments already past their first
+# step) and resumed for STEPS - SAVE_AT more: the first resumed step reads the loaded state, the
+# second the state the resumed run made itself.
+STEPS = 4
+SAVE_AT = 2
 FULL_ON_FIRST_RANK = StateDictOptions(full_state_dict=True, cpu_offload=True)
 
 
@@ -71,7 +75,8 @@ def train(model, optimizer, steps: range) -> list[float]:
     grid = sorted(r for row in get_dedicated_state(model).mesh.rank_grid for r in row)
     rank = grid.index(dist.get_rank()) if dist.is_initialized() else 0
     world = len(grid)
-    every = batches(STEPS, 1, per_rank=GLOBAL_ROWS)
+    # Step i's batch is the same whatever the count drawn (one generator, drawn in order).
+    every = batches(max(steps.stop, STEPS), 1, per_rank=GLOBAL_ROWS)
     losses = []
     for step in steps:
         loss = loss_fn(model, rank_rows(every[step], rank, world))
@@ -87,7 +92,9 @@ def full_weights(model) -> dict[str, torch.Tensor]:
     return dckpt.get_model_state_dict(model, options=FULL_ON_FIRST_RANK)
 
 
-def save_midway_and_finish(path: str, replicas: int = 1, save_at: int = 5, tp: int = 1) -> dict:
+def save_midway_and_finish(
+    path: str, replicas: int = 1, save_at: int = SAVE_AT, tp: int = 1
+) -> dict:
     """Train ``save_at`` steps, save, train to ``STEPS``: the uninterrupted run and its checkpoint."""
     model, optimizer = build(replicas, tp=tp)
     train(model, optimizer, range(save_at))
@@ -97,7 +104,7 @@ def save_midway_and_finish(path: str, replicas: int = 1, save_at: int = 5, tp: i
     return {"weights": full_weights(model)}
 
 
-def resume_and_finish(path: str, replicas: int = 1, save_at: int = 5, tp: int = 1) -> dict:
+def resume_and_finish(path: str, replicas: int = 1, save_at: int = SAVE_AT, tp: int = 1) -> dict:
     """A fresh model and optimizer, loaded from ``path``, trained to ``STEPS``."""
     model, optimizer = build(replicas, tp=tp)
     model_sd, optim_sd = dckpt.get_state_dict(model, optimizer)

@@ -247,7 +247,9 @@ def _train(model, forward_model, optimizer, steps: range) -> None:
         optimizer.zero_grad()
 
 
-def save_midway_and_finish(path: str, layout: str, save_at: int = 5) -> dict:
+def save_midway_and_finish(
+    path: str, layout: str, save_at: int = scenarios_checkpoint.SAVE_AT
+) -> dict:
     model, optimizer, ddp_model = _build(layout)
     forward_model = ddp_model or model
     _train(model, forward_model, optimizer, range(save_at))
@@ -257,7 +259,7 @@ def save_midway_and_finish(path: str, layout: str, save_at: int = 5) -> dict:
     return {"weights": scenarios_checkpoint.full_weights(model)}
 
 
-def resume_and_finish(path: str, layout: str, save_at: int = 5) -> dict:
+def resume_and_finish(path: str, layout: str, save_at: int = scenarios_checkpoint.SAVE_AT) -> dict:
     model, optimizer, ddp_model = _build(layout)
     model_sd, optim_sd = dckpt.get_state_dict(model, optimizer)
     with warnings.catch_warnings():

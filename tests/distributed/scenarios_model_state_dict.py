@@ -25,7 +25,7 @@ from torch.distributed.tensor import DTensor
 import dmuon.checkpoint as dckpt
 from dmuon.hooks import get_dedicated_state
 from tests.distributed.models import TinyDecoder, loss_fn
-from tests.distributed.scenarios_checkpoint import STEPS, build, full_weights, train
+from tests.distributed.scenarios_checkpoint import SAVE_AT, STEPS, build, full_weights, train
 
 FULL_EVERYWHERE = StateDictOptions(full_state_dict=True)
 
@@ -53,7 +53,7 @@ def entries(replicas: int = 1, tp: int = 1) -> dict:
 
 
 def save_midway_and_finish(
-    path: str, replicas: int = 1, tp: int = 1, save_at: int = 5, via: str = "plain"
+    path: str, replicas: int = 1, tp: int = 1, save_at: int = SAVE_AT, via: str = "plain"
 ) -> dict:
     """``dcp.save`` of the model state dict (``via``: ``model.state_dict()``, or torch's
     ``get_model_state_dict``) and dmuon's optimizer state dict at ``save_at``; the uninterrupted
@@ -68,7 +68,7 @@ def save_midway_and_finish(
 
 
 def resume_and_finish(
-    path: str, replicas: int = 1, tp: int = 1, save_at: int = 5, via: str = "plain"
+    path: str, replicas: int = 1, tp: int = 1, save_at: int = SAVE_AT, via: str = "plain"
 ) -> dict:
     """A fresh model resumed the trainer's way (``dcp.load`` into its ``state_dict()``, then
     ``load_state_dict(strict=False)``; or torch's ``get_model_state_dict`` and

@@ -23,7 +23,7 @@ from dmuon.testing import dedicate_and_shard
 from dmuon_kernels.newton_schulz import NewtonSchulz, newton_schulz
 from tests.distributed.models import batches, loss_fn
 from tests.distributed.models_fused import FusedDecoder, matrices
-from tests.distributed.scenarios_checkpoint import GLOBAL_ROWS, STEPS, train
+from tests.distributed.scenarios_checkpoint import GLOBAL_ROWS, SAVE_AT, STEPS, train
 from tests.reference_optim import ReferenceMuonAdamW
 
 FULL_ON_FIRST_RANK = StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -86,7 +86,7 @@ def state_dicts_after(steps: int, replicas: int = 1) -> dict:
     }
 
 
-def save_midway_and_finish(path: str, replicas: int = 1, save_at: int = 5) -> dict:
+def save_midway_and_finish(path: str, replicas: int = 1, save_at: int = SAVE_AT) -> dict:
     """A sharded dmuon.checkpoint at ``save_at`` and, at ``save_at``, the full state dict every
     rank holds (``full_state_dict=True`` without offload); the weights after ``STEPS``."""
     model, optimizer = build(replicas)
@@ -99,7 +99,9 @@ def save_midway_and_finish(path: str, replicas: int = 1, save_at: int = 5) -> di
     return {"weights": full_weights(model)}
 
 
-def resume_and_finish(path: str, replicas: int = 1, save_at: int = 5, full: bool = False) -> dict:
+def resume_and_finish(
+    path: str, replicas: int = 1, save_at: int = SAVE_AT, full: bool = False
+) -> dict:
     """A fresh model loaded from the sharded checkpoint at ``path`` (or, with ``full``, from
     the full state dicts saved beside it by rank 0), trained to ``STEPS``."""
     model, optimizer = build(replicas)
@@ -120,7 +122,7 @@ def resume_and_finish(path: str, replicas: int = 1, save_at: int = 5, full: bool
     return {"weights": full_weights(model)}
 
 
-def plain_dcp_round_trip(path: str, replicas: int = 1, save_at: int = 5) -> dict:
+def plain_dcp_round_trip(path: str, replicas: int = 1, save_at: int = SAVE_AT) -> dict:
     """What a DCP-based trainer does: ``dcp.save`` of ``model.state_dict()`` (split keys from
     the owners) and of the optimizer; a fresh model loads with ``dcp.load`` into its own
     ``model.state_dict()`` and ``model.load_state_dict`` (the merge hook runs first); both run

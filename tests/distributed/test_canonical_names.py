@@ -37,7 +37,7 @@ def test_every_name_dmuon_sees_or_writes_is_the_plain_models_with_wrappers_on(
 
 @pytest.fixture(scope="module")
 def checkpoints(gloo_pool, tmp_path_factory):
-    """Per (wrappers, world size, via): a checkpoint at step 5 and the uninterrupted weights."""
+    """Per (wrappers, world size, via): a checkpoint after ``SAVE_AT`` steps, the final weights."""
     made = {}
 
     def checkpoint_of(wrappers: str, world: int = 2, via: str = "dckpt"):
