@@ -37,7 +37,7 @@ LR, WEIGHT_DECAY = 0.02, 0.01
 @dataclass(kw_only=True)
 class MoEConfig:
     replicas: int = 1  # > 1: HSDP with a ("replicate", "shard") mesh
-    steps: int = 10
+    steps: int = 4  # the first step, steady ones, and the momentum carried between them
     reshard_after_forward: bool = True
     micro_batches: int = 1  # > 1: accumulation under dmuon.no_sync
     checkpoint_layers: bool = False
@@ -209,7 +209,10 @@ def _stack_seen_in_forward(model, runner) -> dict:
 # ---- checkpoints --------------------------------------------------------------------------
 
 GLOBAL_ROWS = 12  # divisible by every world size the checkpoint tests use (1, 2, 3, 4)
-CHECKPOINT_STEPS = 8
+# Saved after CHECKPOINT_SAVE_AT steps (momentum past its first step), resumed for the rest: the
+# first resumed step reads the loaded state, the second the state the resumed run made itself.
+CHECKPOINT_STEPS = 4
+CHECKPOINT_SAVE_AT = 2
 FULL_ON_FIRST_RANK = StateDictOptions(full_state_dict=True, cpu_offload=True)
 
 
@@ -247,7 +250,7 @@ def _full_state(model, optimizer) -> dict:
 
 
 def save_midway_and_finish(
-    path: str, replicas: int = 1, save_at: int = 4, normuon: bool = False
+    path: str, replicas: int = 1, save_at: int = CHECKPOINT_SAVE_AT, normuon: bool = False
 ) -> dict:
     """Train, save a sharded checkpoint at ``save_at``, train on: the uninterrupted run."""
     model, optimizer = _checkpoint_build(replicas, normuon)
@@ -259,7 +262,7 @@ def save_midway_and_finish(
 
 
 def resume_and_finish(
-    path: str, replicas: int = 1, save_at: int = 4, normuon: bool = False
+    path: str, replicas: int = 1, save_at: int = CHECKPOINT_SAVE_AT, normuon: bool = False
 ) -> dict:
     """A fresh model and optimizer loaded from ``path`` (any layout), trained to the end."""
     model, optimizer = _checkpoint_build(replicas, normuon)
