@@ -45,7 +45,8 @@ def run(gloo_pool, layout: str, scenario, **kwargs):
 
 @pytest.fixture(scope="module")
 def checkpoints(gloo_pool, tmp_path_factory):
-    """Per saving layout: the checkpoint after ``SAVE_AT`` steps and the uninterrupted run's final weights."""
+    """Per saving layout: the checkpoint after ``SAVE_AT`` steps, the uninterrupted run's final
+    weights."""
     made = {}
 
     def checkpoint_of(layout: str):

@@ -40,7 +40,8 @@ def test_each_dedicated_entry_is_its_owners_master_itself_and_absent_elsewhere(g
 
 @pytest.fixture(scope="module")
 def checkpoints(gloo_pool, tmp_path_factory):
-    """Per saving layout: the plain state dict saved by DCP after ``SAVE_AT`` steps, and the final weights."""
+    """Per saving layout: the plain state dict saved by DCP after ``SAVE_AT`` steps, and the final
+    weights."""
     made = {}
 
     def checkpoint_of(layout: str):

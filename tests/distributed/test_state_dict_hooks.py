@@ -49,7 +49,8 @@ def test_the_full_state_dict_loads_into_the_unfused_model(pool2):
 
 @pytest.fixture(scope="module")
 def checkpoints(gloo_pool, tmp_path_factory):
-    """Per saving layout: sharded and full checkpoints after ``SAVE_AT`` steps, and the final weights."""
+    """Per saving layout: sharded and full checkpoints after ``SAVE_AT`` steps, and the final
+    weights."""
     made = {}
 
     def checkpoint_of(layout: str):
