@@ -40,6 +40,7 @@ def test_nothing_starts_off_quack_off_the_first_local_rank_or_when_switched_off(
         monkeypatch.setenv(name, value)
     # Each case returns before any CUDA call (there is no GPU here): none may spawn anything.
     assert compile_ns_kernels_ahead(kernel, torch.float16, device) == []
+    assert precompile._processes == []
 
 
 def test_a_misspelt_switch_raises_naming_it(monkeypatch):

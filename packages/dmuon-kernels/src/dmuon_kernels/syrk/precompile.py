@@ -37,7 +37,6 @@ import json
 import os
 import subprocess
 import sys
-import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -88,6 +87,8 @@ NS_VARIANTS = (
 
 # (device index, dtype) pairs this process has started compiles for.
 _started: set[tuple[int, torch.dtype]] = set()
+# The processes started, kept so that they are not reaped as garbage while they run.
+_processes: list[subprocess.Popen] = []
 
 
 def quack_cache_folder() -> Path | None:
@@ -140,12 +141,13 @@ def compile_ns_kernels_ahead(
     if folder is None:
         return []
     capability = torch.cuda.get_device_capability(index)
-    markers = {variant: folder / marker_name(variant, dtype, capability) for variant in NS_VARIANTS}
-    started = [
-        _start(variant, dtype, index, marker)
-        for variant, marker in markers.items()
-        if not marker.exists()
+    pending = [
+        (variant, folder / marker_name(variant, dtype, capability))
+        for variant in NS_VARIANTS
+        if not (folder / marker_name(variant, dtype, capability)).exists()
     ]
+    started = [_start(variant, dtype, index, marker) for variant, marker in pending]
+    _processes.extend(started)
     if started:
         log_rank_tagged(
             f"compiling {len(started)} quack kernel variants for "
@@ -177,7 +179,4 @@ def _start(variant: Variant, dtype: torch.dtype, index: int, marker: Path) -> su
     package_root = str(Path(__file__).resolve().parents[2])  # .../src of dmuon_kernels/syrk/
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")]))
     # Its own session: a Ctrl-C meant for training does not cut a compile half-written.
-    process = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, start_new_session=True)
-    # Reaped when it exits (no zombie), whatever the caller does with it.
-    threading.Thread(target=process.wait, name="dmuon-precompile-reaper", daemon=True).start()
-    return process
+    return subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, start_new_session=True)
