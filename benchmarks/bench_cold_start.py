@@ -23,8 +23,7 @@ Per variant: the seconds from the start of ``train()`` to the end of the first s
 backward and the first ``step()``, synchronised: autotune and compiles land here), split into
 forward+backward and the optimizer step (step hooks, synchronised); the median of the later
 steps; the whole run; how many autotune candidates, compiles and quack kernels its rank-tagged
-lines report (``quack_compiled_ahead``: variants the background processes of
-``syrk.precompile`` compiled, which the step then loaded or waited for); the compiled specialisations of each Triton kernel its Triton cache holds after
+lines report; the compiled specialisations of each Triton kernel its Triton cache holds after
 the process (``triton_cache_kernels``); and a timeline of the first step:
 
 - ``phases``: the first-use work ``dmuon_kernels`` timed (``dmuon_kernels._log.timed_phase``:
@@ -76,8 +75,6 @@ WORK_MARKERS = {
     "autotune_candidates": "SYRK autotune candidate started",
     "cute_compiles": "] compiling CuTe SYRK kernel",
     "quack_kernels_ready": "] quack gemm",
-    # Lines of the background processes compiling quack variants ahead (syrk.precompile).
-    "quack_compiled_ahead": "ahead in the background, ready",
     "graph_captures": "] captured a CUDA graph",
 }
 # Where the main thread is. First-use work, by the first rule whose marker appears in any frame

@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     atomic_write_bytes(args.marker, b"")
     log_rank_tagged(
-        f"compiled the {variant.describe(dtype)} ahead in the background, ready "
+        f"{variant.describe(dtype)} compiled ahead in the background, ready "
         f"{time.time() - args.started_at:.1f} s after its process started"
     )
     return 0
