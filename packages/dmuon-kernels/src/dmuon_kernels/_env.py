@@ -21,8 +21,6 @@ KERNEL_CACHE_ENV = "DMUON_KERNEL_CACHE"  # flag, default on: compiled kernels ke
 FUSED_TRITON_ENV = "DMUON_FUSED_TRITON"  # flag, default on: Triton kernels of the fused Muon step
 # flag, default on: on GPUs with a measured prior, tune the expected winner first (autotune)
 SYRK_AUTOTUNE_PRIOR_ENV = "DMUON_SYRK_AUTOTUNE_PRIOR"
-# flag, default on: Newton-Schulz's quack kernels compiled ahead in background processes
-PRECOMPILE_ENV = "DMUON_PRECOMPILE"
 
 TRUE_SPELLINGS = ("1", "true", "yes", "on")
 FALSE_SPELLINGS = ("0", "false", "no", "off")

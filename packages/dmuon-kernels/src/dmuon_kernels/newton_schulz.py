@@ -65,7 +65,6 @@ from dmuon_kernels.syrk.dispatch import (
     ns_kernel_request,
     require_ns_kernel,
 )
-from dmuon_kernels.syrk.precompile import compile_ns_kernels_ahead
 from dmuon_kernels.syrk.registry import AUTO, CUBLAS, canonical_kernel_name
 
 NSBackend = Literal["gram", "direct"]
@@ -511,9 +510,6 @@ class NewtonSchulz:
         self.kernel, self.kernel_reason = effective_kernel(
             self._syrk_kernel, self.iteration_dtype(device), device
         )
-        # Built with the optimizer: the first step's kernels compile meanwhile, in the background
-        # (see [Note: compiling ahead] in syrk.precompile).
-        compile_ns_kernels_ahead(self.kernel, self.iteration_dtype(device), device)
         # Two graph caches: ns(G) replays the whole pipeline (_orthogonalize), so a warmed call
         # is a copy in, one replay and a copy out; the fused optimizer step normalises on its
         # own and replays the iteration alone (_iterate), writing into that graph's input.

@@ -43,7 +43,7 @@ from __future__ import annotations
 import importlib.util
 import inspect
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -313,50 +313,13 @@ def _launch(
     if announce:
         log_rank_tagged(
             f"{description} ready in {phase.seconds:.1f} s (first use of this variant in the "
-            "process: compiled, loaded from quack's own cache, or waited for the background "
-            "process compiling it ahead)"
+            "process: compiled, or loaded from quack's own cache)"
         )
     return out
 
 
 # The kernel variants quack has compiled or loaded in this process (see ``_launch``).
 _ready_variants: set[tuple] = set()
-
-
-def compile_only(
-    op: str, dtype: torch.dtype, device: torch.device, *, with_c: bool, alpha: float, beta: float
-) -> None:
-    """Compile into quack's disk cache the kernel variant that ``op`` on contiguous operands of
-    ``dtype`` runs with these ``alpha`` and ``beta`` (and C or not), launching nothing:
-    quack's compile-only mode, on fake tensors (no GPU memory). A later call of that variant in
-    any process loads the object instead of compiling (``syrk.precompile`` runs this in
-    background processes). Symmetric operations only: the plain products run cuBLAS."""
-    if op == MATMUL:
-        raise ValueError("compile_only covers syrk and symmetric_product; matmul runs cuBLAS")
-    api = _quack_api()
-    if isinstance(api, str):
-        raise RuntimeError(f"SYRK kernel 'quack' cannot run: {api}")
-    from quack.cache import compile_only_mode
-
-    # Any size compiles the same variant (quack's compile key holds dtypes, layouts, tiles and
-    # whether alpha and beta are 1, not sizes); these are multiples of the 16-byte row step.
-    from quack.gemm_symmetric import _compile_gemm_symmetric as compiler
-
-    M, K = 128, 256
-    built_before = compiler.cache_info().currsize
-    with compile_only_mode():
-        A = torch.empty((M, M if op == SYMMETRIC_PRODUCT else K), dtype=dtype, device=device)
-        B = A.mT if op == SYRK else torch.empty((M, M), dtype=dtype, device=device)
-        C = torch.empty((M, M), dtype=dtype, device=device) if with_c else None
-        # The custom op, not the launcher behind it: quack's compile-only path is its fake
-        # implementation, which builds the same kernel the launcher does.
-        _call(replace(api, symmetric_launcher=None), op, A, B, C, float(alpha), float(beta))
-    # quack's fake implementation swallows any error, so success is the compiler's own record.
-    if compiler.cache_info().currsize == built_before:
-        raise RuntimeError(
-            f"quack {api.quack_version} compiled nothing in its compile-only mode for {op} "
-            f"({str(dtype).removeprefix('torch.')}, C: {with_c})"
-        )
 
 
 def _call(
