@@ -193,7 +193,8 @@ class BoundaryGroup:
         self.wait_for_publish()
 
     def refresh_from_masters(self) -> None:
-        """Copy updated fp32 masters into the local segment (a no-op where they alias it)."""
+        """Copy updated fp32 masters into the local segment (a no-op where they alias it, or
+        where the step already copied an offloaded one: ``dmuon.offload``)."""
         with torch.no_grad():
             for segment in self.segments:
                 if not segment.is_local:
@@ -201,9 +202,20 @@ class BoundaryGroup:
                 for p in segment.params:
                     if p.master is None:
                         continue
+                    source = p.master if p.offload is None else p.offload.value_for_segment(p)
+                    if source is None:
+                        continue
                     view = _slice(segment.buffer, p.segment_offset, p.local_shape)
-                    if view.data_ptr() != p.master.data_ptr():
-                        view.copy_(p.master)
+                    if view.data_ptr() != source.data_ptr():
+                        view.copy_(source)
+
+    def refresh_master(self, p: DedicatedParam) -> None:
+        """Copy ``p``'s master, as the optimizer holds it now, into its local segment: the
+        offloaded step's copy before the master goes home (``dmuon.offload``)."""
+        with torch.no_grad():
+            for segment in self.segments:
+                if segment.is_local and any(q is p for q in segment.params):
+                    _slice(segment.buffer, p.segment_offset, p.local_shape).copy_(p.master)
 
     def load_full_value(self, p: DedicatedParam, value: torch.Tensor) -> None:
         """Write a full value of ``p`` into its master (owner) and its local segment, if any."""
@@ -213,7 +225,7 @@ class BoundaryGroup:
                 if segment.is_local and p in segment.params:
                     _slice(segment.buffer, p.segment_offset, p.local_shape).copy_(value)
             if p.master is not None:
-                p.master.copy_(value)
+                p.master_value().copy_(value)
 
     # ---- forward/backward: broadcast from owners, free ---------------------------------------
 

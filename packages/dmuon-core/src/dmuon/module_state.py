@@ -235,7 +235,7 @@ def local_entry(state: DedicatedState, p: Dedicated) -> torch.Tensor | None:
         return stack_entry(p, owned, state.mesh.world_group)
     if p.master is None:
         return None
-    master = p.master.detach()
+    master = p.master_value().detach()  # an offloaded master's CPU home (``dmuon.offload``)
     return p.tp.as_dtensor(master) if p.is_tp_sharded else master
 
 
@@ -387,7 +387,7 @@ def _load_into_masters(p: Dedicated, value: torch.Tensor) -> None:
             for piece in p.owned_pieces():
                 _copy(piece.master, piece_value(piece, value))
             return
-        _copy(p.master, _local_part(p, value))
+        _copy(p.master_value(), _local_part(p, value))
 
 
 def _local_part(p: DedicatedParam, value: torch.Tensor) -> torch.Tensor:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 from torch import nn
@@ -29,6 +29,9 @@ from dmuon.partition import OwnerCoord
 from dmuon.routing import ADAMW_ROUTE, MUON_ROUTE
 from dmuon.storage import tensor_over
 from dmuon.tp import TensorParallelLayout
+
+if TYPE_CHECKING:
+    from dmuon.offload import MasterOffload
 
 # Attribute set on every placeholder (and on a dedicated parameter awaiting adoption) so that
 # FSDP2 and the optimizer leave it alone.
@@ -228,6 +231,9 @@ class DedicatedParam:
     # ``dedicate_params(row_blocks=...)``: the sizes of the row blocks Newton-Schulz runs on
     # separately ([Note: row blocks] in ``dmuon.row_blocks``); None: the whole matrix.
     row_blocks: tuple[int, ...] | None = None
+    # ``dmuon.Muon(offload_masters=True)``: the ``dmuon.offload.MasterOffload`` that keeps the
+    # master's value in CPU memory between steps (see ``master_value``); None: it is ``master``.
+    offload: MasterOffload | None = field(default=None, repr=False)
     # The shape this rank stores (its TP chunk, or the whole parameter) and its element count:
     # fixed at construction, read on every pack and accumulate.
     local_shape: tuple[int, ...] = field(init=False)
@@ -236,6 +242,15 @@ class DedicatedParam:
     def __post_init__(self) -> None:
         self.local_shape = self.tp.local_shape() if self.tp is not None else tuple(self.shape)
         self.numel = math.prod(self.local_shape)
+
+    def master_value(self) -> torch.Tensor | None:
+        """The master's value for whoever reads or writes it outside the optimizer's update
+        (checkpoints, ``state_dict``, QK-clip, loads): ``master`` itself, or its CPU home while
+        ``offload_masters`` keeps it there (see [Note: offloaded masters] in
+        ``dmuon.offload``). None off the owner."""
+        if self.master is None or self.offload is None:
+            return self.master
+        return self.offload.home_of(self)
 
     @property
     def is_tp_sharded(self) -> bool:

@@ -421,7 +421,7 @@ class QKClip:
         if p is not None:
             if p.master is None:
                 return  # another rank owns it
-            local, rows = p.master, _dedicated_rows(p)
+            local, rows = p.master_value(), _dedicated_rows(p)  # offloaded: its CPU home
         else:
             param = params[fqn]
             local = param.to_local() if isinstance(param, DTensor) else param

@@ -90,7 +90,7 @@ def _owned_value(p: DedicatedParam) -> torch.Tensor | None:
     the owner write one chunk each); None where this rank owns no part of it."""
     if p.master is None:
         return None
-    master = p.master.detach()
+    master = p.master_value().detach()  # an offloaded master's CPU home (``dmuon.offload``)
     return p.tp.as_dtensor(master) if p.is_tp_sharded else master
 
 
@@ -161,7 +161,7 @@ def set_model_state_dict(
 
     with torch.no_grad():
         for p, value in masters:
-            p.master.copy_(p.local_value(value))
+            p.master_value().copy_(p.local_value(value))
         load_stack_values(stacks)
         for target, value in copies:
             target.copy_(value)
