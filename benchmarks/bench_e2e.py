@@ -22,8 +22,10 @@ compute, fp32 parameters. Every variant builds a fresh model from the same seed,
 A dmuon variant takes the opt-in update rules of ``docs/update-rules.md`` as ``+`` suffixes, any
 combination: ``+bf16m`` (``momentum_dtype=torch.bfloat16``), ``+int8m`` (``torch.int8``),
 ``+normuon`` (``normuon=True``),
-``+heads`` (``row_blocks``: q_proj, k_proj and v_proj orthogonalised per attention head), e.g.
-``--variants dmuon-z3,dmuon-z3+bf16m,dmuon-z3+normuon+heads``.
+``+heads`` (``row_blocks``: q_proj, k_proj and v_proj orthogonalised per attention head),
+``+offload`` (``offload_masters=True``: the fp32 masters in pinned CPU memory between steps; the
+JSON then records ``offloaded_masters_gib``, the masters' bytes on this rank's host), e.g.
+``--variants dmuon-z3,dmuon-z3+bf16m,dmuon-z3+normuon+heads,dmuon-z3+offload``.
 
 Per variant: the median over ``--steps`` timed steps (after ``--warmup``) of the whole step
 (zero_grad + forward + backward + step; CUDA events, one synchronisation per step; the slowest
@@ -76,7 +78,7 @@ VARIANTS = (
     "dmuon-z2-overlap",
 )
 # "+" suffixes of a dmuon variant -> what they change (docs/update-rules.md).
-RULE_SUFFIXES = ("bf16m", "int8m", "normuon", "heads")
+RULE_SUFFIXES = ("bf16m", "int8m", "normuon", "heads", "offload")
 DEFAULT_VARIANTS = VARIANTS[:4]
 STEP_TARGET = 1.03  # dmuon step time at most 1.03x FSDP2 + AdamW
 OPTIMIZER_TARGET = 3.0  # dmuon's optimizer step at least 3x faster than naive Muon's
@@ -242,7 +244,18 @@ def build(variant: str, args: argparse.Namespace, mesh, device: torch.device):
             overlap_step=base.endswith("-overlap"),
             normuon="normuon" in rules,
             momentum_dtype=momentum_dtype or torch.float32,
+            offload_masters="offload" in rules,
         )
+        if "offload" in rules:  # the Muon route's fp32 masters: their bytes live on the host
+            extra["offloaded_masters_gib"] = (
+                sum(
+                    master.numel() * 4
+                    for group in optimizer.param_groups
+                    if group["route"] == "muon"
+                    for master in group["params"]
+                )
+                / 2**30
+            )
         newton_schulz = optimizer.newton_schulz
         extra["partition"] = dmuon.inspect.view(model).plan.describe()
         extra["newton_schulz"] = repr(newton_schulz)
