@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -29,9 +29,6 @@ from dmuon.partition import OwnerCoord
 from dmuon.routing import ADAMW_ROUTE, MUON_ROUTE
 from dmuon.storage import tensor_over
 from dmuon.tp import TensorParallelLayout
-
-if TYPE_CHECKING:
-    from dmuon.offload import MasterOffload
 
 # Attribute set on every placeholder (and on a dedicated parameter awaiting adoption) so that
 # FSDP2 and the optimizer leave it alone.
@@ -195,6 +192,15 @@ def follow_requires_grad(slot: ParameterSlot) -> None:
     slot.unsharded.requires_grad_(wanted)
 
 
+class MasterHome(Protocol):
+    """Where an offloaded master's value lives between steps: ``dmuon.offload.MasterOffload``
+    (named here by what it answers, so this module does not import what is built on it)."""
+
+    def home_of(self, p: DedicatedParam) -> torch.Tensor: ...
+
+    def value_for_segment(self, p: DedicatedParam) -> torch.Tensor | None: ...
+
+
 @dataclass(eq=False, slots=True, kw_only=True)
 class DedicatedParam:
     fqn: str
@@ -233,7 +239,7 @@ class DedicatedParam:
     row_blocks: tuple[int, ...] | None = None
     # ``dmuon.Muon(offload_masters=True)``: the ``dmuon.offload.MasterOffload`` that keeps the
     # master's value in CPU memory between steps (see ``master_value``); None: it is ``master``.
-    offload: MasterOffload | None = field(default=None, repr=False)
+    offload: MasterHome | None = field(default=None, repr=False)
     # The shape this rank stores (its TP chunk, or the whole parameter) and its element count:
     # fixed at construction, read on every pack and accumulate.
     local_shape: tuple[int, ...] = field(init=False)
