@@ -16,13 +16,12 @@ import dmuon
 from dmuon.hooks import find_dedicated_state
 from dmuon_kernels.newton_schulz import NewtonSchulz
 from tests.distributed.models import batches, proj_predicate
+from tests.distributed.reference_errors import relative_errors_to
 from tests.distributed.scenarios_protocol import (
     TrainConfig,
     build_reference,
-    current_weights,
     make_model,
     reference_step,
-    relative_errors,
     train_step,
 )
 
@@ -67,9 +66,7 @@ def train_dedicated_inside_an_engines_parallelize(shard: bool, steps: int = 3) -
     for batch in batches(config.steps, dist.get_world_size()):
         train_step(model, optimizer, batch, config)
         reference_step(reference, reference_optimizer, batch, config)
-        result["max_errors"].append(
-            max(relative_errors(current_weights(model), reference).values())
-        )
+        result["max_errors"].append(max(relative_errors_to(model, reference).values()))
     return result
 
 

@@ -23,10 +23,10 @@ import dmuon
 from dmuon.testing import dedicate_and_shard
 from dmuon_kernels.newton_schulz import NewtonSchulz
 from tests.distributed.models import batches, proj_predicate, rank_rows
+from tests.distributed.reference_errors import relative_errors_to
 from tests.distributed.scenarios_protocol import (
     TrainConfig,
     build_reference,
-    current_weights,
     make_model,
     relative_errors,
 )
@@ -97,7 +97,7 @@ def train_summing_gradients(
         optimizer.zero_grad()
         reference_optimizer.step()
         reference_optimizer.zero_grad()
-        max_errors.append(max(relative_errors(current_weights(model), reference).values()))
+        max_errors.append(max(relative_errors_to(model, reference).values()))
     return {"max_errors": max_errors, "norms": norms}
 
 

@@ -22,13 +22,12 @@ from dmuon.hooks import get_dedicated_state
 from dmuon.testing import dedicate_and_shard_on
 from dmuon_kernels.newton_schulz import NewtonSchulz
 from tests.distributed.models import batches, loss_fn, proj_predicate, rank_rows
+from tests.distributed.reference_errors import relative_errors_to
 from tests.distributed.scenarios_protocol import (
     TrainConfig,
     build_reference,
-    current_weights,
     make_model,
     reference_step,
-    relative_errors,
     train_step,
 )
 
@@ -77,7 +76,7 @@ def train_on_the_dp_dim_of_a_2d_mesh(
         optimizer.step()
         optimizer.zero_grad()
         reference_step(reference, reference_optimizer, batch, config)
-        max_errors.append(max(relative_errors(current_weights(model), reference).values()))
+        max_errors.append(max(relative_errors_to(model, reference).values()))
 
     ownership = get_dedicated_state(model).mesh
     return {
@@ -109,7 +108,7 @@ def train_hsdp_on_named_dims(
     for batch in batches(config.steps, dist.get_world_size()):
         losses.append(train_step(model, optimizer, batch, config))
         reference_step(reference, reference_optimizer, batch, config)
-        max_errors.append(max(relative_errors(current_weights(model), reference).values()))
+        max_errors.append(max(relative_errors_to(model, reference).values()))
     return {
         "max_errors": max_errors,
         "losses": losses,
@@ -193,7 +192,7 @@ def context_parallel_flattened(*, dedicated_dim: str, steps: int = 4) -> dict:
         optimizer.step()
         optimizer.zero_grad()
         reference_step(reference, reference_optimizer, batch, config)
-        max_errors.append(max(relative_errors(current_weights(model), reference).values()))
+        max_errors.append(max(relative_errors_to(model, reference).values()))
     return {"error": None, "max_errors": max_errors}
 
 

@@ -20,12 +20,11 @@ import dmuon
 from dmuon.testing import dedicate_and_shard
 from dmuon_kernels.newton_schulz import NewtonSchulz
 from tests.distributed.models import DIM, FFN, TinyDecoder, batches, proj_predicate
+from tests.distributed.reference_errors import relative_errors_to
 from tests.distributed.scenarios_protocol import (
     TrainConfig,
     build_reference,
-    current_weights,
     reference_step,
-    relative_errors,
     train_step,
 )
 
@@ -120,12 +119,12 @@ def train_meta_initialised(style: str, **kwargs) -> dict:
     model, optimizer = build_on_meta(config, style)
     reference, reference_optimizer = build_reference(config)
     init_weights(reference, style)
-    initial_error = max(relative_errors(current_weights(model), reference).values())
+    initial_error = max(relative_errors_to(model, reference).values())
     max_errors, losses, reference_losses = [], [], []
     for batch in batches(config.steps, dist.get_world_size()):
         losses.append(_mean_over_ranks(train_step(model, optimizer, batch, config)))
         reference_losses.append(reference_step(reference, reference_optimizer, batch, config))
-        max_errors.append(max(relative_errors(current_weights(model), reference).values()))
+        max_errors.append(max(relative_errors_to(model, reference).values()))
     return {
         "initial_error": initial_error,
         "max_errors": max_errors,

@@ -22,6 +22,7 @@ from dmuon.hooks import get_dedicated_state
 from dmuon.testing import dedicate_and_shard
 from dmuon_kernels.newton_schulz import NewtonSchulz, newton_schulz
 from tests.distributed.models import TinyDecoder, batches, loss_fn, proj_predicate, rank_rows
+from tests.distributed.reference_errors import relative_errors_to
 from tests.reference_optim import ReferenceMuonAdamW
 
 
@@ -187,7 +188,7 @@ def train_against_reference(**kwargs) -> dict:
     for batch in batches(config.steps, world):
         losses.append(train_step(model, optimizer, batch, config))
         reference_step(reference, reference_optimizer, batch, config)
-        errors = relative_errors(current_weights(model), reference)
+        errors = relative_errors_to(model, reference)
         max_errors.append(max(errors.values()))
     return {
         "max_errors": max_errors,

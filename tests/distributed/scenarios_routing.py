@@ -19,7 +19,7 @@ import dmuon
 import dmuon.checkpoint as dckpt
 from dmuon_kernels.newton_schulz import NewtonSchulz, newton_schulz
 from tests.distributed.models import TinyDecoder, batches, loss_fn, proj_predicate, rank_rows
-from tests.distributed.scenarios_protocol import current_weights, relative_errors
+from tests.distributed.reference_errors import relative_errors_to
 from tests.reference_optim import ReferenceMuonAdamW
 
 LR, ADAMW_LR, WEIGHT_DECAY, ADAMW_WEIGHT_DECAY = 0.02, 1e-3, 0.05, 0.01
@@ -131,7 +131,7 @@ def train_against_reference(
                     **entry,
                     **({"lr": entry["lr"] * factor} if "lr" in entry else {}),
                 }
-        max_errors.append(max(relative_errors(current_weights(model), reference).values()))
+        max_errors.append(max(relative_errors_to(model, reference).values()))
     return {"max_errors": max_errors, "routing": optimizer.routing()}
 
 

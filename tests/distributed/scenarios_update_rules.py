@@ -25,6 +25,7 @@ from dmuon.hooks import get_dedicated_state
 from dmuon.testing import dedicate_and_shard_on
 from dmuon_kernels.newton_schulz import NewtonSchulz, newton_schulz
 from tests.distributed.models import TinyDecoder, batches, loss_fn, proj_predicate, rank_rows
+from tests.distributed.reference_errors import relative_errors_to
 from tests.distributed.scenarios_protocol import current_weights, relative_errors
 from tests.distributed.scenarios_tensor_parallel import full_weights, tensor_parallel_plan
 from tests.reference_optim import ReferenceMuonAdamW
@@ -145,7 +146,7 @@ def train_against_reference(
     for step in range(steps):
         train(model, optimizer, range(step, step + 1))
         train_reference(reference, reference_optimizer, range(step, step + 1))
-        max_errors.append(max(relative_errors(current_weights(model), reference).values()))
+        max_errors.append(max(relative_errors_to(model, reference).values()))
     return {"max_errors": max_errors, **state_summary(model, optimizer)}
 
 
@@ -188,7 +189,7 @@ def resume_against_reference(
     )
     train_reference(reference, reference_optimizer, range(steps))
     return {
-        "max_error": max(relative_errors(current_weights(model), reference).values()),
+        "max_error": max(relative_errors_to(model, reference).values()),
         "warnings": [str(w.message) for w in caught if "dmuon" in str(w.message)],
         "rules": [(g["normuon"], g["momentum_dtype"]) for g in optimizer.param_groups[:1]],
         **summary,
