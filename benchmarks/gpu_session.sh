@@ -4,7 +4,7 @@
 # each step's exit status and the tail of its log.
 #
 #   part 1: the whole tests/gpu (the logs to commit), the end-to-end step at world size 1 with
-#           the overlapped step and the update rules' memory (issues 24, 26)
+#           the low-memory state: bf16 momentum and masters offloaded to CPU (issue 26)
 #   part 2: why the overlapped step is slower at world size 1 (issue 24: profile_overlap), the
 #           optimizer step (issue 23: bench_step, bench_fused_step), the HF Trainer run
 #   part 3: first steps on a fresh machine and warm (issue 27: bench_cold_start on Qwen2,
@@ -69,7 +69,7 @@ case $part in
   sharded_gpu_tests 3 330
   step e2e 180 python -m torch.distributed.run --standalone --nproc-per-node 1 \
     benchmarks/bench_e2e.py --variants \
-    fsdp2-adamw,dmuon-z3,dmuon-z3-overlap,dmuon-z3+bf16m,dmuon-z3+int8m,dmuon-z3+normuon+heads \
+    fsdp2-adamw,dmuon-z3,dmuon-z3+offload,dmuon-z3+bf16m,dmuon-z3+bf16m+offload \
     --git-sha "$sha" --out "$out/e2e-w1.json"
   ;;
 2)
