@@ -30,6 +30,7 @@ import dmuon.optim
 from dmuon.hooks import get_dedicated_state
 from dmuon.testing import dedicate_and_shard_on
 from dmuon_kernels.newton_schulz import NewtonSchulz, newton_schulz
+from tests.distributed.layouts import data_parallel_meshes
 from tests.distributed.models import TinyDecoder, batches, loss_fn, proj_predicate, rank_rows
 from tests.distributed.scenarios_tensor_parallel import tensor_parallel_plan
 from tests.reference_optim import ReferenceMuonAdamW
@@ -54,17 +55,9 @@ def one_matrix_per_call():
 
 
 def build(replicas: int, offload: bool):
-    world = dist.get_world_size()
     torch.manual_seed(0)
     model = TinyDecoder()
-    if replicas > 1:
-        mesh = init_device_mesh(
-            "cpu", (replicas, world // replicas), mesh_dim_names=("replicate", "shard")
-        )
-        shard_mesh, replicate_mesh, fsdp_mesh = mesh["shard"], mesh["replicate"], mesh
-    else:
-        shard_mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("shard",))
-        replicate_mesh, fsdp_mesh = None, shard_mesh
+    shard_mesh, replicate_mesh, fsdp_mesh = data_parallel_meshes(replicas)
     dmuon.dedicate_params(
         model, shard_mesh, proj_predicate, replicate_mesh=replicate_mesh, param_policy=BF16
     )

@@ -18,6 +18,7 @@ from torch.distributed.fsdp import fully_shard
 import dmuon
 import dmuon.checkpoint as dckpt
 from dmuon_kernels.newton_schulz import NewtonSchulz, newton_schulz
+from tests.distributed.layouts import data_parallel_meshes
 from tests.distributed.models import TinyDecoder, batches, loss_fn, proj_predicate, rank_rows
 from tests.distributed.reference_errors import relative_errors_to
 from tests.reference_optim import ReferenceMuonAdamW
@@ -50,17 +51,9 @@ def expected_hyperparameters(model, layer_1_group: bool, no_decay: bool) -> dict
 
 
 def build(replicas: int, routes: dict, layer_1_group: bool, no_decay: bool):
-    world = dist.get_world_size()
     torch.manual_seed(0)
     model = TinyDecoder()
-    if replicas > 1:
-        mesh = init_device_mesh(
-            "cpu", (replicas, world // replicas), mesh_dim_names=("replicate", "shard")
-        )
-        shard_mesh, replicate_mesh, fsdp_mesh = mesh["shard"], mesh["replicate"], mesh
-    else:
-        shard_mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("shard",))
-        replicate_mesh, fsdp_mesh = None, shard_mesh
+    shard_mesh, replicate_mesh, fsdp_mesh = data_parallel_meshes(replicas)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # lm_head on Muon has no layer boundary: expected
         dmuon.dedicate_params(

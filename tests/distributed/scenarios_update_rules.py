@@ -24,6 +24,7 @@ import dmuon.checkpoint as dckpt
 from dmuon.hooks import get_dedicated_state
 from dmuon.testing import dedicate_and_shard_on
 from dmuon_kernels.newton_schulz import NewtonSchulz, newton_schulz
+from tests.distributed.layouts import data_parallel_meshes
 from tests.distributed.models import TinyDecoder, batches, loss_fn, proj_predicate, rank_rows
 from tests.distributed.reference_errors import relative_errors_to
 from tests.distributed.scenarios_protocol import current_weights, relative_errors
@@ -51,17 +52,9 @@ LAYER_2_PLAIN = [
 
 
 def build(replicas: int, row_blocks: bool, **muon_options):
-    world = dist.get_world_size()
     torch.manual_seed(0)
     model = TinyDecoder()
-    if replicas > 1:
-        mesh = init_device_mesh(
-            "cpu", (replicas, world // replicas), mesh_dim_names=("replicate", "shard")
-        )
-        shard_mesh, replicate_mesh, fsdp_mesh = mesh["shard"], mesh["replicate"], mesh
-    else:
-        shard_mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("shard",))
-        replicate_mesh, fsdp_mesh = None, shard_mesh
+    shard_mesh, replicate_mesh, fsdp_mesh = data_parallel_meshes(replicas)
     dmuon.dedicate_params(
         model,
         shard_mesh,
