@@ -33,7 +33,7 @@ from tests.distributed.scenarios_protocol import (
     TrainConfig,
     build_reference,
     make_model,
-    reference_step,
+    reference_step_on_first_rank,
     relative_errors,
 )
 
@@ -197,7 +197,7 @@ def _train_against_reference(
             optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.item())
-        reference_step(reference, reference_optimizer, batch, config)
+        reference_step_on_first_rank(reference, reference_optimizer, batch, config)
         max_errors.append(max(relative_errors(full_weights(model), reference).values()))
     return max_errors, losses
 
