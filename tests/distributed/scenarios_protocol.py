@@ -23,6 +23,7 @@ from dmuon.testing import dedicate_and_shard
 from dmuon_kernels.newton_schulz import NewtonSchulz, newton_schulz
 from tests.distributed.models import TinyDecoder, batches, loss_fn, proj_predicate, rank_rows
 from tests.distributed.reference_errors import relative_errors_to
+from tests.distributed.shared_reference import step_on_first_rank
 from tests.reference_optim import ReferenceMuonAdamW
 
 
@@ -159,22 +160,6 @@ def reference_step(reference, optimizer, batch: torch.Tensor, config: TrainConfi
     return loss.item()
 
 
-def reference_step_on_first_rank(reference, optimizer, batch: torch.Tensor, config) -> None:
-    """``reference_step`` where every rank trains the same reference on the same batch: the
-    first rank computes it and the others receive its weights (one broadcast of all of them over
-    the default group, exact), so the CPU goes to the ranks under test instead of to a copy of
-    the reference on each (a third of a 4-rank scenario's CPU time)."""
-    if dist.get_rank() == 0:
-        reference_step(reference, optimizer, batch, config)
-    params = list(reference.parameters())
-    flat = torch.cat([p.detach().reshape(-1) for p in params])
-    dist.broadcast(flat, src=0)
-    if dist.get_rank() != 0:
-        with torch.no_grad():
-            for param, value in zip(params, flat.split([p.numel() for p in params])):
-                param.copy_(value.view_as(param))
-
-
 def current_weights(model) -> dict[str, torch.Tensor]:
     """Full weights this rank can see: owned dedicated masters and every FSDP2 parameter."""
     state = get_dedicated_state(model)
@@ -203,7 +188,7 @@ def train_against_reference(**kwargs) -> dict:
     max_errors, losses = [], []
     for batch in batches(config.steps, world):
         losses.append(train_step(model, optimizer, batch, config))
-        reference_step_on_first_rank(reference, reference_optimizer, batch, config)
+        step_on_first_rank(reference, reference_step, reference, reference_optimizer, batch, config)
         errors = relative_errors_to(model, reference)
         max_errors.append(max(errors.values()))
     return {

@@ -33,9 +33,10 @@ from tests.distributed.scenarios_protocol import (
     TrainConfig,
     build_reference,
     make_model,
-    reference_step_on_first_rank,
+    reference_step,
     relative_errors,
 )
+from tests.distributed.shared_reference import step_on_first_rank
 
 
 def tensor_parallel_plan(sequence_parallel: bool) -> dict:
@@ -197,7 +198,7 @@ def _train_against_reference(
             optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.item())
-        reference_step_on_first_rank(reference, reference_optimizer, batch, config)
+        step_on_first_rank(reference, reference_step, reference, reference_optimizer, batch, config)
         max_errors.append(max(relative_errors(full_weights(model), reference).values()))
     return max_errors, losses
 

@@ -29,6 +29,7 @@ from tests.distributed.models import TinyDecoder, batches, loss_fn, proj_predica
 from tests.distributed.reference_errors import relative_errors_to
 from tests.distributed.scenarios_protocol import current_weights, relative_errors
 from tests.distributed.scenarios_tensor_parallel import full_weights, tensor_parallel_plan
+from tests.distributed.shared_reference import step_on_first_rank
 from tests.reference_optim import ReferenceMuonAdamW
 
 LR, WEIGHT_DECAY = 0.02, 0.01
@@ -138,7 +139,8 @@ def train_against_reference(
     max_errors = []
     for step in range(steps):
         train(model, optimizer, range(step, step + 1))
-        train_reference(reference, reference_optimizer, range(step, step + 1))
+        steps_now = range(step, step + 1)
+        step_on_first_rank(reference, train_reference, reference, reference_optimizer, steps_now)
         max_errors.append(max(relative_errors_to(model, reference).values()))
     return {"max_errors": max_errors, **state_summary(model, optimizer)}
 
