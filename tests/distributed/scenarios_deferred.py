@@ -24,6 +24,7 @@ from tests.distributed.scenarios_protocol import (
     reference_step,
     train_step,
 )
+from tests.distributed.shared_reference import step_on_first_rank
 
 
 def engine_parallelize(model, mesh, *, shard: bool, calls: list[str]):
@@ -65,7 +66,7 @@ def train_dedicated_inside_an_engines_parallelize(shard: bool, steps: int = 3) -
     result["max_errors"] = []
     for batch in batches(config.steps, dist.get_world_size()):
         train_step(model, optimizer, batch, config)
-        reference_step(reference, reference_optimizer, batch, config)
+        step_on_first_rank(reference, reference_step, reference, reference_optimizer, batch, config)
         result["max_errors"].append(max(relative_errors_to(model, reference).values()))
     return result
 

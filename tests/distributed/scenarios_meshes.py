@@ -30,6 +30,7 @@ from tests.distributed.scenarios_protocol import (
     reference_step,
     train_step,
 )
+from tests.distributed.shared_reference import step_on_first_rank
 
 
 def train_on_the_dp_dim_of_a_2d_mesh(
@@ -75,7 +76,7 @@ def train_on_the_dp_dim_of_a_2d_mesh(
             dmuon.clip_grad_norm_(model, optimizer, clip_max_norm)
         optimizer.step()
         optimizer.zero_grad()
-        reference_step(reference, reference_optimizer, batch, config)
+        reference_step(reference, reference_optimizer, batch, config)  # per stage: not shared
         max_errors.append(max(relative_errors_to(model, reference).values()))
 
     ownership = get_dedicated_state(model).mesh
@@ -107,7 +108,7 @@ def train_hsdp_on_named_dims(
     max_errors, losses = [], []
     for batch in batches(config.steps, dist.get_world_size()):
         losses.append(train_step(model, optimizer, batch, config))
-        reference_step(reference, reference_optimizer, batch, config)
+        step_on_first_rank(reference, reference_step, reference, reference_optimizer, batch, config)
         max_errors.append(max(relative_errors_to(model, reference).values()))
     return {
         "max_errors": max_errors,
@@ -191,7 +192,7 @@ def context_parallel_flattened(*, dedicated_dim: str, steps: int = 4) -> dict:
         loss_fn(model, rank_rows(batch, dp_rank, dp_size)).backward()
         optimizer.step()
         optimizer.zero_grad()
-        reference_step(reference, reference_optimizer, batch, config)
+        step_on_first_rank(reference, reference_step, reference, reference_optimizer, batch, config)
         max_errors.append(max(relative_errors_to(model, reference).values()))
     return {"error": None, "max_errors": max_errors}
 
