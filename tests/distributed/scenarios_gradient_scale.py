@@ -30,6 +30,7 @@ from tests.distributed.scenarios_protocol import (
     make_model,
     relative_errors,
 )
+from tests.distributed.shared_reference import step_on_first_rank
 
 
 def summed_loss(model, tokens: torch.Tensor, global_tokens: int) -> torch.Tensor:
@@ -88,17 +89,34 @@ def train_summing_gradients(
             last = index == len(micro) - 1
             with contextlib.nullcontext() if last else dmuon.no_sync(model):
                 summed_loss(model, chunk, global_tokens).backward()
-        summed_loss(reference, batch, global_tokens).backward()
         if clip_max_norm is not None:
             norm = dmuon.clip_grad_norm_(model, optimizer, clip_max_norm)
-            expected = torch.nn.utils.clip_grad_norm_(reference.parameters(), clip_max_norm)
-            norms.append((norm.item(), expected.item()))
         optimizer.step()
         optimizer.zero_grad()
-        reference_optimizer.step()
-        reference_optimizer.zero_grad()
+        expected = step_on_first_rank(
+            reference,
+            _summed_reference_step,
+            reference,
+            reference_optimizer,
+            batch,
+            clip_max_norm,
+            share_result=True,
+        )
+        if clip_max_norm is not None:
+            norms.append((norm.item(), expected))
         max_errors.append(max(relative_errors_to(model, reference).values()))
     return {"max_errors": max_errors, "norms": norms}
+
+
+def _summed_reference_step(reference, optimizer, batch, clip_max_norm) -> float | None:
+    """The reference's step on the summed loss; its gradient norm before clipping, if clipped."""
+    summed_loss(reference, batch, batch[:, 1:].numel()).backward()
+    norm = None
+    if clip_max_norm is not None:
+        norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), clip_max_norm).item()
+    optimizer.step()
+    optimizer.zero_grad()
+    return norm
 
 
 def train_ddp_summing_gradients(*, steps: int = 4) -> dict:

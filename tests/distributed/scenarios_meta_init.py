@@ -27,6 +27,7 @@ from tests.distributed.scenarios_protocol import (
     reference_step,
     train_step,
 )
+from tests.distributed.shared_reference import step_on_first_rank
 
 INIT_SEED = 7
 INIT_STYLES = ("init_weights", "apply")
@@ -123,7 +124,17 @@ def train_meta_initialised(style: str, **kwargs) -> dict:
     max_errors, losses, reference_losses = [], [], []
     for batch in batches(config.steps, dist.get_world_size()):
         losses.append(_mean_over_ranks(train_step(model, optimizer, batch, config)))
-        reference_losses.append(reference_step(reference, reference_optimizer, batch, config))
+        reference_losses.append(
+            step_on_first_rank(
+                reference,
+                reference_step,
+                reference,
+                reference_optimizer,
+                batch,
+                config,
+                share_result=True,
+            )
+        )
         max_errors.append(max(relative_errors_to(model, reference).values()))
     return {
         "initial_error": initial_error,
