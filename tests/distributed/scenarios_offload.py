@@ -32,6 +32,7 @@ from dmuon.testing import dedicate_and_shard_on
 from dmuon_kernels.newton_schulz import NewtonSchulz, newton_schulz
 from tests.distributed.layouts import data_parallel_meshes
 from tests.distributed.models import TinyDecoder, batches, loss_fn, proj_predicate, rank_rows
+from tests.distributed.scenarios_protocol import relative_errors
 from tests.distributed.scenarios_tensor_parallel import tensor_parallel_plan
 from tests.reference_optim import ReferenceMuonAdamW
 
@@ -136,14 +137,6 @@ def identical(mine: dict | list, theirs: dict | list) -> bool:
     if isinstance(mine, dict):
         return mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
     return len(mine) == len(theirs) and all(torch.equal(a, b) for a, b in zip(mine, theirs))
-
-
-def relative_errors(values: dict[str, torch.Tensor], reference) -> dict[str, float]:
-    expected = dict(reference.named_parameters())
-    return {
-        name: ((value - expected[name]).norm() / expected[name].norm()).item()
-        for name, value in values.items()
-    }
 
 
 def between_steps(model) -> dict:
