@@ -75,9 +75,13 @@ STARTUP_DEADLINE_S = 120.0
 # pool or lock a fork could copy in a bad state. A worker inherits the server's environment and
 # sys.path (the parent's when the server started), then sets its own thread count and rendezvous
 # variables; a scenario that needs an environment variable sets it itself. Scenario modules and
-# dmuon itself are imported in each worker.
+# dmuon itself are imported in each worker (a fraction of a second). Preloaded are only modules
+# that start no thread on import: not transformers' or torchtitan's stacks, which do.
 WORKER_PRELOAD = (
     "torch",
+    # FSDP2 imports dynamo on a worker's first fully_shard: about 3 s of CPU a process, paid
+    # again by every generation of workers (see [Note: groups end with their workers]).
+    "torch._dynamo",
     "torch.distributed",
     "torch.distributed.device_mesh",
     "torch.distributed.fsdp",
