@@ -75,20 +75,26 @@ STARTUP_DEADLINE_S = 120.0
 # pool or lock a fork could copy in a bad state. A worker inherits the server's environment and
 # sys.path (the parent's when the server started), then sets its own thread count and rendezvous
 # variables; a scenario that needs an environment variable sets it itself. Scenario modules and
-# dmuon itself are imported in each worker (a fraction of a second). Preloaded are only modules
-# that start no thread on import: not transformers' or torchtitan's stacks, which do.
+# dmuon itself are imported in each worker (a fraction of a second). Preloaded are the libraries
+# that take seconds to import, each paid again by every generation of workers (see [Note: groups
+# end with their workers]); none may start a thread on import (see ARROW_ALLOCATOR_ENV).
 WORKER_PRELOAD = (
     "torch",
-    # FSDP2 imports dynamo on a worker's first fully_shard: about 3 s of CPU a process, paid
-    # again by every generation of workers (see [Note: groups end with their workers]).
-    "torch._dynamo",
+    "torch._dynamo",  # FSDP2 imports it on a worker's first fully_shard: about 3 s of CPU
     "torch.distributed",
     "torch.distributed.device_mesh",
     "torch.distributed.fsdp",
     "torch.distributed.tensor",
     "torch.distributed.checkpoint",
+    # The HF and torchtitan scenarios' stacks: about 6 s of CPU a process. torchtitan itself is
+    # not preloaded: tests/titan/titan_on_cpu.py must be imported before it.
+    "torch._inductor.compile_fx",
+    "datasets",
+    "transformers.trainer",
     __name__,  # this module: what each worker runs
 )
+# pyarrow (under datasets) starts jemalloc's background thread when it loads, unless told not to.
+ARROW_ALLOCATOR_ENV = ("JE_ARROW_MALLOC_CONF", "background_thread:false")
 # [Note: frozen heap]
 # torch, dynamo and the rest of the preload are about 300,000 objects the cyclic collector would
 # walk in every full collection: 0.2 s of CPU a rank, after every scenario and whenever the
@@ -169,6 +175,7 @@ def worker_context() -> multiprocessing.context.BaseContext:
     """The multiprocessing context of the workers: the fork server of ``[Note: forked workers]``.
     Also for tests that need processes of their own with torch already imported."""
     context = multiprocessing.get_context("forkserver")
+    os.environ.setdefault(*ARROW_ALLOCATOR_ENV)  # read by the server when it starts
     context.set_forkserver_preload(list(WORKER_PRELOAD))  # no effect once the server runs
     return context
 

@@ -27,6 +27,12 @@ def report_setup() -> dict[str, object]:
     }
 
 
+def fork_server_threads() -> list[str]:
+    """The names of the threads of the process this worker was forked from (Linux)."""
+    tasks = f"/proc/{os.getppid()}/task"
+    return sorted(open(f"{tasks}/{task}/comm").read().strip() for task in os.listdir(tasks))
+
+
 def sum_of_ranks() -> float:
     value = torch.tensor([float(dist.get_rank())])
     dist.all_reduce(value)

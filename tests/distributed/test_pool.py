@@ -1,5 +1,7 @@
 """The gloo worker pool: runs scenarios on every rank, reports failures, survives hangs and crashes."""
 
+import sys
+
 import pytest
 import torch
 
@@ -23,6 +25,14 @@ def test_every_rank_runs_the_scenario_in_a_one_thread_gloo_group(pool2):
         assert setup["num_threads"] == 1
         assert setup["pg_timeout_s"] == pool2.pg_timeout_s
         assert setup["master_addr"] == "127.0.0.1"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_the_fork_server_runs_one_thread_after_its_preload(pool2):
+    # A thread alive in the server at a fork (one that holds a lock, say) would be missing from
+    # every worker with its lock still held: see [Note: forked workers] in pool.py.
+    threads = pool2.run(scenarios_pool.fork_server_threads)[0]
+    assert len(threads) == 1, f"the fork server runs threads {threads}"
 
 
 def test_results_come_back_in_rank_order_and_collectives_work(pool4):
