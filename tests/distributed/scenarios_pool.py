@@ -8,6 +8,7 @@ import ctypes
 import datetime
 import os
 import threading
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -29,8 +30,8 @@ def report_setup() -> dict[str, object]:
 
 def fork_server_threads() -> list[str]:
     """The names of the threads of the process this worker was forked from (Linux)."""
-    tasks = f"/proc/{os.getppid()}/task"
-    return sorted(open(f"{tasks}/{task}/comm").read().strip() for task in os.listdir(tasks))
+    tasks = Path(f"/proc/{os.getppid()}/task")
+    return sorted((task / "comm").read_text().strip() for task in tasks.iterdir())
 
 
 def sum_of_ranks() -> float:
