@@ -24,7 +24,7 @@ from dmuon_kernels.newton_schulz import NewtonSchulz, newton_schulz
 from tests.distributed import scenarios_checkpoint
 from tests.distributed.models import TinyDecoder, batches, loss_fn, proj_predicate, rank_rows
 from tests.distributed.scenarios_protocol import TrainConfig, make_model
-from tests.distributed.shared_reference import step_on_first_rank
+from tests.distributed.shared_reference import plain_reference_step, step_on_first_rank
 from tests.reference_optim import ReferenceMuonAdamW
 
 FP32_NS = functools.partial(NewtonSchulz, dtype=torch.float32, kernel="cublas")
@@ -91,12 +91,6 @@ def _replicas_differ(model) -> float:
     return worst
 
 
-def _reference_step(reference, optimizer, batch: torch.Tensor) -> None:
-    loss_fn(reference, batch).backward()
-    optimizer.step()
-    optimizer.zero_grad()
-
-
 def ddp_against_reference(
     steps: int = 10,
     micro_batches: int = 1,
@@ -119,7 +113,7 @@ def ddp_against_reference(
                 (loss_fn(ddp_model, chunk) / len(chunks)).backward()
         optimizer.step()
         optimizer.zero_grad()
-        step_on_first_rank(reference, _reference_step, reference, reference_optimizer, batch)
+        step_on_first_rank(reference, plain_reference_step, reference, reference_optimizer, batch)
         expected = dict(reference.named_parameters())
         max_errors.append(
             max(

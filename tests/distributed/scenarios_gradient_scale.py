@@ -99,6 +99,7 @@ def train_summing_gradients(
             reference,
             reference_optimizer,
             batch,
+            global_tokens,
             clip_max_norm,
             share_result=True,
         )
@@ -108,9 +109,11 @@ def train_summing_gradients(
     return {"max_errors": max_errors, "norms": norms}
 
 
-def _summed_reference_step(reference, optimizer, batch, clip_max_norm) -> float | None:
+def _summed_reference_step(
+    reference, optimizer, batch, global_tokens: int, clip_max_norm
+) -> float | None:
     """The reference's step on the summed loss; its gradient norm before clipping, if clipped."""
-    summed_loss(reference, batch, batch[:, 1:].numel()).backward()
+    summed_loss(reference, batch, global_tokens).backward()
     norm = None
     if clip_max_norm is not None:
         norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), clip_max_norm).item()

@@ -29,7 +29,7 @@ from dmuon.hooks import get_dedicated_state
 from dmuon_kernels.newton_schulz import NewtonSchulz, newton_schulz
 from tests.distributed.models import batches, loss_fn, rank_rows
 from tests.distributed.models_moe import MoEDecoder, expert_stack_names, moe_predicate
-from tests.distributed.shared_reference import step_on_first_rank
+from tests.distributed.shared_reference import plain_reference_step, step_on_first_rank
 from tests.reference_optim import ReferenceMuonAdamW
 
 LR, WEIGHT_DECAY = 0.02, 0.01
@@ -146,14 +146,6 @@ def owned_errors(model, reference) -> dict[str, float]:
     }
 
 
-def reference_step(reference, optimizer, batch: torch.Tensor, config: MoEConfig) -> None:
-    loss_fn(reference, batch).backward()
-    if config.clip_max_norm is not None:
-        torch.nn.utils.clip_grad_norm_(reference.parameters(), config.clip_max_norm)
-    optimizer.step()
-    optimizer.zero_grad()
-
-
 def train_against_reference(**kwargs) -> dict:
     """Train dmuon and the reference side by side; per-step max relative error, the owners, and
     the (rows, cols) of every matrix this rank orthogonalised in the first step."""
@@ -166,7 +158,14 @@ def train_against_reference(**kwargs) -> dict:
         train_step(model, runner, optimizer, batch, config)
         if step == 0:
             first_step_matrices = list(orthogonalised)
-        step_on_first_rank(reference, reference_step, reference, reference_optimizer, batch, config)
+        step_on_first_rank(
+            reference,
+            plain_reference_step,
+            reference,
+            reference_optimizer,
+            batch,
+            config.clip_max_norm,
+        )
         max_errors.append(max(owned_errors(model, reference).values()))
     state = get_dedicated_state(model)
     return {

@@ -36,6 +36,7 @@ from dmuon_kernels.newton_schulz import NewtonSchulz
 from tests.distributed.models import TinyDecoder, batches, loss_fn, proj_predicate, rank_rows
 from tests.distributed.scenarios_meta_init import init_weights
 from tests.distributed.scenarios_protocol import TrainConfig, build_reference, relative_errors
+from tests.distributed.shared_reference import plain_reference_step
 
 NUM_LAYERS = 4
 MICROBATCHES = 4
@@ -214,7 +215,7 @@ def train_pipeline_against_reference(**kwargs) -> dict:
         losses.append(pipeline.train_step(rows))
         with torch.no_grad():
             reference_losses.append(loss_fn(reference, rows).item())
-        _reference_step(reference, reference_optimizer, batch, config)
+        plain_reference_step(reference, reference_optimizer, batch, config.clip_max_norm)
         errors = relative_errors(_stage_weights(pipeline.parts), reference)
         max_errors.append(max(errors.values()))
     return {
@@ -222,14 +223,6 @@ def train_pipeline_against_reference(**kwargs) -> dict:
         "losses": losses if pipeline.has_last_stage else None,
         "reference_losses": reference_losses,
     }
-
-
-def _reference_step(reference, optimizer, batch: torch.Tensor, config: PipelineConfig) -> None:
-    loss_fn(reference, batch).backward()
-    if config.clip_max_norm is not None:
-        torch.nn.utils.clip_grad_norm_(reference.parameters(), config.clip_max_norm)
-    optimizer.step()
-    optimizer.zero_grad()
 
 
 def _stage_weights(parts) -> dict[str, torch.Tensor]:

@@ -4,8 +4,10 @@ Where every rank trains the same reference on the same batch, the first rank alo
 step and the others receive the reference's weights: one broadcast of all of them over the
 default group, exact, so every rank then compares against bit-identical reference weights. The
 CPU goes to the ranks under test instead of to a copy of the reference on each (a third of a
-4-rank scenario's CPU time). Only the weights travel, and what the step returns when asked: what else a step leaves
-(optimizer state, gradients) stays on the first rank.
+4-rank scenario's CPU time). Only the weights travel, and what the step returns when asked: what
+else a step leaves (optimizer state, gradients) stays on the first rank.
+
+Also here: the plain reference step (loss, optional clip, optimizer step) that scenarios share.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from tests.distributed.models import loss_fn
 
 
 def step_on_first_rank(
@@ -36,3 +40,18 @@ def step_on_first_rank(
             for param, value in zip(params, flat.split([p.numel() for p in params])):
                 param.copy_(value.view_as(param))
     return result
+
+
+def plain_reference_step(
+    reference: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batch: torch.Tensor,
+    clip_max_norm: float | None = None,
+) -> None:
+    """One training step of ``reference`` on ``batch`` (``models.loss_fn``), its gradients clipped
+    to ``clip_max_norm`` first when given."""
+    loss_fn(reference, batch).backward()
+    if clip_max_norm is not None:
+        torch.nn.utils.clip_grad_norm_(reference.parameters(), clip_max_norm)
+    optimizer.step()
+    optimizer.zero_grad()
