@@ -83,7 +83,7 @@ WORK_MARKERS = {
 FIRST_USE_CATEGORIES = (
     ("CUDA-graph capture", ("dmuon_kernels/graphs.py:_capture",)),
     ("import", ("<frozen importlib",)),
-    ("Triton (compile, launch)", ("/triton/",)),
+    ("Triton (compile, launch)", ("/triton/", "_fused_triton.py:_await_compiles_ahead")),
     ("quack (compile, load, launch)", ("/quack/",)),
     ("CuTe DSL (compile, load)", ("/cutlass/", "/syrk/_cute_", "/syrk/kernel_cache.py")),
     ("SYRK autotune (measuring)", ("/syrk/autotune.py",)),

@@ -133,7 +133,12 @@ def child(family: str, mode: str) -> dict:
 def run_fresh(family: str, mode: str) -> dict:
     with tempfile.TemporaryDirectory(prefix="parallel-compile-") as folder:
         env = dict(os.environ)
-        for name in ("TRITON_CACHE_DIR", "QUACK_CACHE_DIR", "CUTE_DSL_CACHE_DIR", "DMUON_CACHE_DIR"):
+        for name in (
+            "TRITON_CACHE_DIR",
+            "QUACK_CACHE_DIR",
+            "CUTE_DSL_CACHE_DIR",
+            "DMUON_CACHE_DIR",
+        ):
             env[name] = os.path.join(folder, name.lower())
             os.makedirs(env[name], mode=0o700)
         command = [sys.executable, __file__, "--child", family, mode]

@@ -131,3 +131,76 @@ def test_a_capture_is_a_timed_phase_and_announced_with_its_seconds(caplog, monke
         r"captured a CUDA graph of test function shape=\(64, 48\) dtype=float32 in \d+\.\d\d s$",
         line,
     )
+
+
+# A dmuon.Muon step on CUDA in a fresh process with an empty Triton cache: counts the fused step
+# kernels' compiled specialisations once those compiled ahead are ready, then after two steps.
+COMPILE_AHEAD_SCRIPT = textwrap.dedent(
+    """
+    import collections, json, os, pathlib, sys, torch
+    from torch import nn
+    import dmuon
+    from dmuon_kernels import _fused_triton
+
+    def compiled():
+        folder = pathlib.Path(os.environ["TRITON_CACHE_DIR"])
+        names = [p.stem for p in folder.glob("*/*.json") if p.stem.endswith("_kernel")]
+        return dict(collections.Counter(names))
+
+    torch.manual_seed(0)
+    # wide, tall and square matrices, sides that are not multiples of 16 (512 -> 200 -> 520), and
+    # a NorMuon group (layer 1)
+    sizes = (512, 1024, 512, 512, 200, 520)
+    model = nn.ModuleDict({"layers": nn.ModuleList(
+        nn.Sequential(*[nn.Linear(a, b) for a, b in zip(sizes, sizes[1:])]) for _ in range(2)
+    )}).cuda()
+    dmuon.dedicate_params(
+        model, None, lambda name, p: p.ndim == 2,
+        layer_id_fn=lambda name: ".".join(name.split(".")[:2]),
+        hook_boundary_predicate=lambda module: isinstance(module, nn.Sequential),
+    )
+    optimizer = dmuon.Muon(
+        model, param_groups=[{"params": lambda name, p: name.startswith("layers.1."),
+                              "normuon": True}],
+    )
+    _fused_triton._await_compiles_ahead()
+    ahead = compiled()
+    for _ in range(2):
+        x = torch.randn(8, 512, device="cuda")
+        sum(layer(x).square().sum() for layer in model["layers"]).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    torch.cuda.synchronize()
+    print("counts", json.dumps({"ahead": ahead, "after_steps": compiled()}))
+    """
+)
+
+
+def test_the_first_step_compiles_no_fused_kernel_beyond_those_compiled_ahead(tmp_path):
+    from dmuon_kernels.fused import triton_available
+
+    if not triton_available():
+        pytest.skip("triton is not installed")
+    script = tmp_path / "process.py"
+    script.write_text(COMPILE_AHEAD_SCRIPT)
+    source_paths = [
+        str(REPO / "packages" / name / "src") for name in ("dmuon-kernels", "dmuon-core")
+    ]
+    env = {
+        **os.environ,
+        "DMUON_CACHE_DIR": str(tmp_path / "cache"),
+        "TRITON_CACHE_DIR": str(tmp_path / "triton"),
+        "PYTHONPATH": os.pathsep.join([*source_paths, os.environ.get("PYTHONPATH", "")]),
+        "RANK": "0",
+        "WORLD_SIZE": "1",
+    }
+    env.pop("DMUON_FUSED_TRITON", None)
+    result = subprocess.run(
+        [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=540
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    (line,) = [s for s in result.stdout.splitlines() if s.startswith("counts ")]
+    counts = json.loads(line.removeprefix("counts "))
+    assert counts["ahead"], result.stderr[-2000:]  # something was compiled ahead
+    assert counts["after_steps"] == counts["ahead"], (counts, result.stderr[-2000:])
+    assert "Triton kernel specialisations of the fused step ready" in result.stderr

@@ -69,6 +69,7 @@ from torch import Tensor
 
 from dmuon_kernels.fused import (
     DEFAULT_NS_EPS,
+    compile_step_kernels_ahead,
     muon_apply_updates_,
     muon_momentum_,
     muon_normalize,
@@ -171,6 +172,30 @@ def apply_matrices_(
             weight_decay,
             lr_scale(adjust_lr, rows, cols),
         )
+
+
+def compile_kernels_ahead(
+    newton_schulz: NewtonSchulz,
+    device: torch.device,
+    shapes: set[tuple[int, int]],
+    *,
+    nesterov: bool,
+    momentum_dtype: torch.dtype,
+    normuon: bool,
+) -> int:
+    """Start compiling the fused kernels the step will launch for fp32 matrices of ``shapes``
+    on ``device`` (the first step then waits for them instead of compiling each in turn);
+    returns how many were started (0 without Triton on CUDA)."""
+    ns_dtype = newton_schulz.iteration_dtype(device)
+    return compile_step_kernels_ahead(
+        device,
+        sorted(shapes),
+        # an int8 momentum reaches the kernels dequantised ([Note: 8-bit momentum])
+        momentum_dtype=torch.float32 if momentum_dtype == torch.int8 else momentum_dtype,
+        nesterov=nesterov,
+        ns_dtype=ns_dtype,
+        update_dtype=torch.float32 if normuon else ns_dtype,
+    )
 
 
 def _batches(masters: list[Tensor]) -> Iterator[tuple[int, int]]:

@@ -289,7 +289,31 @@ class Muon(torch.optim.Optimizer):
         )
         self._overlap = self._start_overlap() if overlap_step else None
         self._offload = self._start_offload() if offload_masters else None
+        self._compile_step_kernels_ahead()
         _log_route_summaries(self.routing())
+
+    def _compile_step_kernels_ahead(self) -> None:
+        """Start compiling the fused step kernels for this rank's Muon matrices, so that they
+        compile together while the first forward and backward run rather than one by one in
+        the first step ([Note: compiles ahead] in ``dmuon_kernels._fused_triton``)."""
+        for group in self.param_groups:
+            if group["route"] != MUON_ROUTE:
+                continue
+            shapes_by_device: dict[torch.device, set[tuple[int, int]]] = defaultdict(set)
+            for master in group["params"]:
+                if master.numel() == 0 or id(master) in self._tp_chunks:
+                    continue
+                for entry in _matrices_of(master, self._row_blocks.get(id(master))):
+                    shapes_by_device[master.device].add(_entry_shape(entry))
+            for device, shapes in shapes_by_device.items():
+                muon_update.compile_kernels_ahead(
+                    self._newton_schulz,
+                    device,
+                    shapes,
+                    nesterov=group["nesterov"],
+                    momentum_dtype=MOMENTUM_DTYPES[group["momentum_dtype"]],
+                    normuon=group["normuon"],
+                )
 
     def _start_offload(self) -> MasterOffload:
         """The CPU homes of ``offload_masters=True`` ([Note: offloaded masters] in

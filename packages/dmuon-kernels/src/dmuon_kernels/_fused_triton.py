@@ -18,12 +18,18 @@ scales.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import os
+import time
+from collections.abc import Iterable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+
+from dmuon_kernels._env import progress_lines_enabled
+from dmuon_kernels._log import COMPILE, log_rank_tagged, record_phase
 
 TILE_ROWS, TILE_COLS = 64, 64
 WARPS = 4
@@ -246,6 +252,7 @@ def momentum_pass(
     """Pass 1: buffers updated, u (or u scaled per tile) into ``out``; returns each matrix's sum
     of u² (fp64 (B,)) and the tile exponents (int32 (B, tiles); None unless ``scaled``), or None
     when no table can be made now."""
+    _await_compiles_ahead()
     batch = len(grads)
     rows, cols = grads[0].shape
     device = grads[0].device
@@ -272,6 +279,7 @@ def momentum_pass(
 
 def square_sums(src: Tensor) -> Tensor:
     """Each matrix's sum of squares of src (B, rows, cols), any strides: fp64 (B,)."""
+    _await_compiles_ahead()
     batch, rows, cols = src.shape
     tiles = tile_count(rows, cols)
     partial = torch.empty((batch, tiles), dtype=torch.float64, device=src.device)
@@ -287,6 +295,7 @@ def normalize(
 ) -> None:
     """out = src / (sqrt(square_sum) + eps) per matrix of (B, rows, cols) src and out (any
     strides; out may be src); with ``exponents``, src holds each tile divided by 2^exponent."""
+    _await_compiles_ahead()
     batch, rows, cols = src.shape
     tiles = tile_count(rows, cols)
     scaled = exponents is not None
@@ -304,6 +313,7 @@ def apply_update(
     step: float,
 ) -> bool:
     """master = master·decay − update·step for every pair; False when no table can be made now."""
+    _await_compiles_ahead()
     rows, cols = masters[0].shape
     master_vec, ortho_vec = vector_width(masters), vector_width(updates)
     table = offset_table(
@@ -317,3 +327,157 @@ def apply_update(
         TILE_R=TILE_ROWS, TILE_C=TILE_COLS, num_warps=WARPS,
     )  # fmt: skip
     return True
+
+
+# ---- compiles ahead: see [Note: compiles ahead] -------------------------------------------------
+
+# [Note: compiles ahead]
+# Triton compiles a kernel when a launch first meets a new specialisation (the dtypes, the
+# constexprs, whether each integer is 1 or a multiple of 16, whether each pointer is 16-byte
+# aligned): about 0.7 s each on the H200, most of it in ptxas, and a first step meets 6 to 8 of
+# them one after the other. ``compile_step_ahead`` derives the launches a step makes for matrices
+# of given shapes and dtypes, and compiles them all at once in threads, before the step: ptxas
+# runs in its own process, so the threads overlap (8 kernels in 1.6 s instead of 5.6 on the
+# H200, benchmarks/results/parallel-compile-h200-2026-12-03-10139d4.json). Each kernel's first
+# specialisation compiles before its others (Triton creates a kernel's per-device cache on its
+# first compile, and two threads doing that at once would each fill their own). Every launcher
+# first waits for what is pending (``_await_compiles_ahead``), so a kernel is never compiled
+# twice. A specialisation the derivation misses (an unaligned gradient, say) compiles at its
+# launch, as without this; one derived in vain costs a background compile.
+
+_pending_compiles: list[Future] = []
+# The integer arguments the kernels are declared ``do_not_specialize`` on.
+_UNSPECIALISED = frozenset({"batch"})
+
+
+def _specialisation(value: object) -> object:
+    """What Triton keys a compile on for one argument: a pointer's dtype (aligned), an
+    integer's class (1, a multiple of 16, other; 64-bit beyond int32), a float's type."""
+    if isinstance(value, torch.dtype):
+        return value
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int):
+        width = 64 if not -(2**31) <= value < 2**31 else 32
+        return (width, 1 if value == 1 else 16 if value % 16 == 0 else 0)
+    if isinstance(value, float):
+        return float
+    return type(value)
+
+
+def specialisation_key(kernel, args: Sequence[object], options: dict) -> tuple:
+    """The compile key of a launch of ``kernel`` with ``args`` (tensors as their dtypes) and
+    keyword ``options`` (constexprs and launch options), in the terms of ``_specialisation``."""
+    classes = tuple(
+        "any" if name in _UNSPECIALISED else _specialisation(arg)
+        for name, arg in zip(kernel.arg_names, args)  # the rest are keyword constexprs
+    )
+    return (kernel.fn.__name__, classes, tuple(sorted(options.items())))
+
+
+def step_launches(
+    rows: int,
+    cols: int,
+    *,
+    grad_dtype: torch.dtype,
+    momentum_dtype: torch.dtype,
+    nesterov: bool,
+    ns_dtype: torch.dtype,
+    master_dtype: torch.dtype,
+    update_dtype: torch.dtype,
+) -> list[tuple[object, tuple, dict]]:
+    """``(kernel, args, options)`` of each launch a step makes for a batch of several (rows,
+    cols) matrices, tensors given as their dtypes: momentum into the Newton-Schulz buffer
+    (B, short, long), transposed for a tall matrix, its normalisation in place, and the update
+    from the Newton-Schulz output (its ``.mT`` for a tall matrix; an ``update_dtype`` other than
+    ``ns_dtype`` is a contiguous update, as NorMuon's). Gradients, buffers and masters are taken
+    16-byte aligned; the updates are matrices of one buffer, aligned when a matrix's bytes are a
+    multiple of 16."""
+    tall = rows > cols
+    out_strides = (rows * cols, 1, rows) if tall else (rows * cols, cols, 1)
+    # NorMuon's updates are a new row-major stack; Newton-Schulz's output is (B, short, long)
+    update_strides = (1, rows) if tall and update_dtype == ns_dtype else (cols, 1)
+    tiles = dict(TILE_R=TILE_ROWS, TILE_C=TILE_COLS, num_warps=WARPS)
+    vec = {d: VECTOR_BYTES // d.itemsize for d in (grad_dtype, momentum_dtype, master_dtype)}
+    update_bytes = rows * cols * update_dtype.itemsize
+    update_vec = VECTOR_BYTES // update_dtype.itemsize if update_bytes % VECTOR_BYTES == 0 else 1
+    batch = 2  # not specialised on
+    momentum = (
+        (grad_dtype, momentum_dtype, torch.int64, ns_dtype, torch.int32, torch.float64),
+        (batch, rows, cols, *out_strides, 0.5),
+    )
+    return [
+        (
+            _momentum_kernel,
+            momentum[0] + momentum[1],
+            dict(NESTEROV=nesterov, OUT_MODE=2, GRAD_VEC=vec[grad_dtype],
+                 BUF_VEC=vec[momentum_dtype], **tiles),
+        ),
+        (
+            _normalize_kernel,
+            (ns_dtype, ns_dtype, torch.float64, torch.int32, rows, cols, *out_strides,
+             *out_strides, 0.5),
+            dict(TILE_SCALED=True, **tiles),
+        ),
+        (
+            _apply_update_kernel,
+            (master_dtype, update_dtype, torch.int64, batch, rows, cols, *update_strides, 0.5,
+             0.5),
+            dict(MASTER_VEC=vec[master_dtype], ORTHO_VEC=update_vec, **tiles),
+        ),
+    ]  # fmt: skip
+
+
+def compile_step_ahead(device: torch.device, launches: Iterable[tuple[object, tuple, dict]]) -> int:
+    """Start compiling ``launches`` (``step_launches``'s) on ``device`` in background threads;
+    returns how many distinct specialisations were started. See [Note: compiles ahead]."""
+    distinct: dict[tuple, tuple[object, tuple, dict]] = {}
+    for kernel, args, options in launches:
+        distinct.setdefault(specialisation_key(kernel, args, options), (kernel, args, options))
+    if not distinct:
+        return 0
+    pool = ThreadPoolExecutor(
+        max_workers=min(len(distinct), os.cpu_count() or 1), thread_name_prefix="dmuon-triton"
+    )
+    first_of: dict[object, Future] = {}
+    for kernel, args, options in distinct.values():
+        after = first_of.get(kernel)
+        future = pool.submit(_warm_up, device, kernel, args, options, after)
+        first_of.setdefault(kernel, future)
+        _pending_compiles.append(future)
+    pool.shutdown(wait=False)  # the threads end with their compiles
+    if progress_lines_enabled():
+        log_rank_tagged(
+            f"compiling {len(distinct)} Triton kernel specialisations of the fused step ahead, "
+            "in background threads (once per process; loaded from Triton's cache when there)"
+        )
+    return len(distinct)
+
+
+def _warm_up(device: torch.device, kernel, args: tuple, options: dict, after: Future | None):
+    if after is not None:
+        after.exception()  # wait; its failure is reported by _await_compiles_ahead
+    with torch.cuda.device(device):
+        kernel.warmup(*args, grid=(1, 1), **options)
+
+
+def _await_compiles_ahead() -> None:
+    """Wait for the compiles ``compile_step_ahead`` started (a no-op once they are done)."""
+    if not _pending_compiles:
+        return
+    pending = list(_pending_compiles)
+    _pending_compiles.clear()
+    start = time.perf_counter()
+    errors = [error for error in (future.exception() for future in pending) if error is not None]
+    phase = record_phase(COMPILE, "Triton: the fused step's kernels compiled ahead", start)
+    if errors:
+        log_rank_tagged(
+            f"compiling {len(errors)} of {len(pending)} Triton kernel specialisations ahead "
+            f"failed ({type(errors[0]).__name__}: {errors[0]}); each compiles when first "
+            "launched instead"
+        )
+    elif progress_lines_enabled():
+        log_rank_tagged(
+            f"{len(pending)} Triton kernel specialisations of the fused step ready (the step "
+            f"waited {phase.seconds:.1f} s for them)"
+        )

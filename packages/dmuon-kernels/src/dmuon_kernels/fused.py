@@ -47,7 +47,7 @@ per tile. No extra pass over memory: the sums ride on the pass that reads u anyw
 from __future__ import annotations
 
 import importlib.util
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import torch
 from torch import Tensor
@@ -276,6 +276,44 @@ def muon_apply_updates_(
     torch._foreach_add_(list(masters), list(updates), alpha=-step)
 
 
+def compile_step_kernels_ahead(
+    device: torch.device,
+    shapes: Iterable[tuple[int, int]],
+    *,
+    momentum_dtype: torch.dtype,
+    nesterov: bool,
+    ns_dtype: torch.dtype,
+    grad_dtype: torch.dtype = torch.float32,
+    master_dtype: torch.dtype = torch.float32,
+    update_dtype: torch.dtype | None = None,
+) -> int:
+    """Start compiling, in background threads, the Triton kernels that ``muon_normalized_inputs_``
+    and ``muon_apply_updates_`` will launch for batches of (rows, cols) matrices of these dtypes
+    (``update_dtype``: the updates', default ``ns_dtype``), so that a first step does not
+    compile them one after the other; the first launch waits for them. Returns how many
+    specialisations were started: 0 where the step would not use Triton (not CUDA, no Triton,
+    ``DMUON_FUSED_TRITON=0``). See [Note: compiles ahead] in ``dmuon_kernels._fused_triton``."""
+    device = torch.device(device)
+    if device.type != "cuda" or not env_flag(FUSED_TRITON_ENV, default=True):
+        return 0
+    if not triton_available():
+        return 0
+    if device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    kernels = _triton_module
+    launches = [
+        launch
+        for rows, cols in shapes
+        if rows > 0 and cols > 0
+        for launch in kernels.step_launches(
+            rows, cols, grad_dtype=grad_dtype, momentum_dtype=momentum_dtype,
+            nesterov=nesterov, ns_dtype=ns_dtype, master_dtype=master_dtype,
+            update_dtype=ns_dtype if update_dtype is None else update_dtype,
+        )
+    ]  # fmt: skip
+    return kernels.compile_step_ahead(device, launches)
+
+
 # ---- single matrices ----------------------------------------------------------------------------
 
 
@@ -377,6 +415,7 @@ def muon_apply_update_(
 
 __all__ = [
     "DEFAULT_NS_EPS",
+    "compile_step_kernels_ahead",
     "muon_apply_update_",
     "muon_apply_updates_",
     "muon_momentum_",
