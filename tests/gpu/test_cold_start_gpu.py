@@ -160,8 +160,8 @@ COMPILE_AHEAD_SCRIPT = textwrap.dedent(
         hook_boundary_predicate=lambda module: isinstance(module, nn.Sequential),
     )
     optimizer = dmuon.Muon(
-        model, param_groups=[{"params": lambda name, p: name.startswith("layers.1."),
-                              "normuon": True}],
+        model, param_groups=[{"params": lambda name, p: name.startswith("layers.1.")
+                              and p.ndim == 2, "normuon": True}],
     )
     _fused_triton._await_compiles_ahead()
     ahead = compiled()
