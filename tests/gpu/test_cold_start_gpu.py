@@ -137,7 +137,7 @@ def test_a_capture_is_a_timed_phase_and_announced_with_its_seconds(caplog, monke
 # kernels' compiled specialisations once those compiled ahead are ready, then after two steps.
 COMPILE_AHEAD_SCRIPT = textwrap.dedent(
     """
-    import collections, json, os, pathlib, sys, torch
+    import collections, itertools, json, os, pathlib, sys, torch
     from torch import nn
     import dmuon
     from dmuon_kernels import _fused_triton
@@ -152,7 +152,7 @@ COMPILE_AHEAD_SCRIPT = textwrap.dedent(
     # a NorMuon group (layer 1)
     sizes = (512, 1024, 512, 512, 200, 520)
     model = nn.ModuleDict({"layers": nn.ModuleList(
-        nn.Sequential(*[nn.Linear(a, b) for a, b in zip(sizes, sizes[1:])]) for _ in range(2)
+        nn.Sequential(*[nn.Linear(a, b) for a, b in itertools.pairwise(sizes)]) for _ in range(2)
     )}).cuda()
     dmuon.dedicate_params(
         model, None, lambda name, p: p.ndim == 2,

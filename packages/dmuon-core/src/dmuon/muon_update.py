@@ -186,15 +186,14 @@ def compile_kernels_ahead(
     """Start compiling the fused kernels the step will launch for fp32 matrices of ``shapes``
     on ``device`` (the first step then waits for them instead of compiling each in turn);
     returns how many were started (0 without Triton on CUDA)."""
-    ns_dtype = newton_schulz.iteration_dtype(device)
     return compile_step_kernels_ahead(
         device,
         sorted(shapes),
         # an int8 momentum reaches the kernels dequantised ([Note: 8-bit momentum])
         momentum_dtype=torch.float32 if momentum_dtype == torch.int8 else momentum_dtype,
         nesterov=nesterov,
-        ns_dtype=ns_dtype,
-        update_dtype=torch.float32 if normuon else ns_dtype,
+        ns_dtype=newton_schulz.iteration_dtype(device),
+        normuon=normuon,
     )
 
 

@@ -22,6 +22,7 @@ import os
 import time
 from collections.abc import Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import NamedTuple
 
 import torch
 import triton
@@ -342,18 +343,30 @@ def apply_update(
 # specialisation compiles before its others (Triton creates a kernel's per-device cache on its
 # first compile, and two threads doing that at once would each fill their own). Every launcher
 # first waits for what is pending (``_await_compiles_ahead``), so a kernel is never compiled
-# twice. A specialisation the derivation misses (an unaligned gradient, say) compiles at its
-# launch, as without this; one derived in vain costs a background compile.
+# twice. A specialisation the derivation misses (an expert's buffer at an odd offset, say)
+# compiles at its launch, as without this; one derived in vain costs a background compile.
 
 _pending_compiles: list[Future] = []
 # The integer arguments the kernels are declared ``do_not_specialize`` on.
 _UNSPECIALISED = frozenset({"batch"})
 
 
+class Unaligned(NamedTuple):
+    """A pointer argument of ``dtype`` that is not 16-byte aligned (a bare dtype is aligned)."""
+
+    dtype: torch.dtype
+
+
+def pointer_of(tensor: Tensor) -> torch.dtype | Unaligned:
+    """How a launch's tensor argument specialises a kernel: its dtype, and its alignment."""
+    aligned = tensor.data_ptr() % VECTOR_BYTES == 0
+    return tensor.dtype if aligned else Unaligned(tensor.dtype)
+
+
 def _specialisation(value: object) -> object:
-    """What Triton keys a compile on for one argument: a pointer's dtype (aligned), an
+    """What Triton keys a compile on for one argument: a pointer's dtype and alignment, an
     integer's class (1, a multiple of 16, other; 64-bit beyond int32), a float's type."""
-    if isinstance(value, torch.dtype):
+    if isinstance(value, torch.dtype | Unaligned):
         return value
     if isinstance(value, bool):
         return value
@@ -366,7 +379,7 @@ def _specialisation(value: object) -> object:
 
 
 def specialisation_key(kernel, args: Sequence[object], options: dict) -> tuple:
-    """The compile key of a launch of ``kernel`` with ``args`` (tensors as their dtypes) and
+    """The compile key of a launch of ``kernel`` with ``args`` (tensors as ``pointer_of``) and
     keyword ``options`` (constexprs and launch options), in the terms of ``_specialisation``."""
     classes = tuple(
         "any" if name in _UNSPECIALISED else _specialisation(arg)
@@ -384,47 +397,72 @@ def step_launches(
     nesterov: bool,
     ns_dtype: torch.dtype,
     master_dtype: torch.dtype,
-    update_dtype: torch.dtype,
+    normuon: bool,
 ) -> list[tuple[object, tuple, dict]]:
     """``(kernel, args, options)`` of each launch a step makes for a batch of several (rows,
-    cols) matrices, tensors given as their dtypes: momentum into the Newton-Schulz buffer
-    (B, short, long), transposed for a tall matrix, its normalisation in place, and the update
-    from the Newton-Schulz output (its ``.mT`` for a tall matrix; an ``update_dtype`` other than
-    ``ns_dtype`` is a contiguous update, as NorMuon's). Gradients, buffers and masters are taken
-    16-byte aligned; the updates are matrices of one buffer, aligned when a matrix's bytes are a
-    multiple of 16."""
+    cols) matrices, tensors given as ``pointer_of`` gives them: momentum into the Newton-Schulz
+    buffer (B, short, long), transposed for a tall matrix, its normalisation in place, and the
+    update from the Newton-Schulz output (its ``.mT`` for a tall matrix) or, with ``normuon``,
+    from NorMuon's fp32 (B, rows, cols) stack. Buffers and masters are taken 16-byte
+    aligned; a gradient may also be a view of a larger buffer at any offset (dmuon's averaged
+    gradients are views of the received messages), so momentum is derived for each case."""
     tall = rows > cols
     out_strides = (rows * cols, 1, rows) if tall else (rows * cols, cols, 1)
-    # NorMuon's updates are a new row-major stack; Newton-Schulz's output is (B, short, long)
-    update_strides = (1, rows) if tall and update_dtype == ns_dtype else (cols, 1)
+    update_dtype = torch.float32 if normuon else ns_dtype
+    update_strides = (1, rows) if tall and not normuon else (cols, 1)
     tiles = dict(TILE_R=TILE_ROWS, TILE_C=TILE_COLS, num_warps=WARPS)
     vec = {d: VECTOR_BYTES // d.itemsize for d in (grad_dtype, momentum_dtype, master_dtype)}
-    update_bytes = rows * cols * update_dtype.itemsize
-    update_vec = VECTOR_BYTES // update_dtype.itemsize if update_bytes % VECTOR_BYTES == 0 else 1
+    # The updates of a batch sit one matrix apart: the second is aligned when a matrix's bytes
+    # are a multiple of 16 (a batch of one always is).
+    update_vecs = [VECTOR_BYTES // update_dtype.itemsize]
+    if rows * cols * update_dtype.itemsize % VECTOR_BYTES:
+        update_vecs.append(1)
     batch = 2  # not specialised on
-    momentum = (
-        (grad_dtype, momentum_dtype, torch.int64, ns_dtype, torch.int32, torch.float64),
-        (batch, rows, cols, *out_strides, 0.5),
-    )
-    return [
+    # (the first gradient's pointer, GRAD_VEC): all aligned; some not; the first not
+    gradients = ((grad_dtype, vec[grad_dtype]), (grad_dtype, 1), (Unaligned(grad_dtype), 1))
+    momentum_launches = [
         (
             _momentum_kernel,
-            momentum[0] + momentum[1],
-            dict(NESTEROV=nesterov, OUT_MODE=2, GRAD_VEC=vec[grad_dtype],
-                 BUF_VEC=vec[momentum_dtype], **tiles),
-        ),
+            (
+                grad,
+                momentum_dtype,
+                torch.int64,
+                ns_dtype,
+                torch.int32,
+                torch.float64,
+                batch,
+                rows,
+                cols,
+                *out_strides,
+                0.5,
+            ),
+            dict(
+                NESTEROV=nesterov,
+                OUT_MODE=2,
+                GRAD_VEC=grad_vec,
+                BUF_VEC=vec[momentum_dtype],
+                **tiles,
+            ),
+        )
+        for grad, grad_vec in gradients
+    ]
+    update_launches = [
+        (
+            _apply_update_kernel,
+            (master_dtype, update_dtype, torch.int64, batch, rows, cols, *update_strides, 0.5, 0.5),
+            dict(MASTER_VEC=vec[master_dtype], ORTHO_VEC=update_vec, **tiles),
+        )
+        for update_vec in update_vecs
+    ]
+    return [
+        *momentum_launches,
         (
             _normalize_kernel,
             (ns_dtype, ns_dtype, torch.float64, torch.int32, rows, cols, *out_strides,
              *out_strides, 0.5),
             dict(TILE_SCALED=True, **tiles),
         ),
-        (
-            _apply_update_kernel,
-            (master_dtype, update_dtype, torch.int64, batch, rows, cols, *update_strides, 0.5,
-             0.5),
-            dict(MASTER_VEC=vec[master_dtype], ORTHO_VEC=update_vec, **tiles),
-        ),
+        *update_launches,
     ]  # fmt: skip
 
 
@@ -457,6 +495,11 @@ def compile_step_ahead(device: torch.device, launches: Iterable[tuple[object, tu
 def _warm_up(device: torch.device, kernel, args: tuple, options: dict, after: Future | None):
     if after is not None:
         after.exception()  # wait; its failure is reported by _await_compiles_ahead
+    # An unaligned pointer needs a real address: a tensor one element into its storage.
+    args = tuple(
+        torch.empty(2, dtype=arg.dtype, device=device)[1:] if isinstance(arg, Unaligned) else arg
+        for arg in args
+    )
     with torch.cuda.device(device):
         kernel.warmup(*args, grid=(1, 1), **options)
 

@@ -283,14 +283,14 @@ def compile_step_kernels_ahead(
     momentum_dtype: torch.dtype,
     nesterov: bool,
     ns_dtype: torch.dtype,
+    normuon: bool = False,
     grad_dtype: torch.dtype = torch.float32,
     master_dtype: torch.dtype = torch.float32,
-    update_dtype: torch.dtype | None = None,
 ) -> int:
     """Start compiling, in background threads, the Triton kernels that ``muon_normalized_inputs_``
     and ``muon_apply_updates_`` will launch for batches of (rows, cols) matrices of these dtypes
-    (``update_dtype``: the updates', default ``ns_dtype``), so that a first step does not
-    compile them one after the other; the first launch waits for them. Returns how many
+    (``normuon``: the updates are NorMuon's fp32 rows), so that a first step does not compile
+    them one after the other; the first launch waits for them. Returns how many
     specialisations were started: 0 where the step would not use Triton (not CUDA, no Triton,
     ``DMUON_FUSED_TRITON=0``). See [Note: compiles ahead] in ``dmuon_kernels._fused_triton``."""
     device = torch.device(device)
@@ -307,8 +307,7 @@ def compile_step_kernels_ahead(
         if rows > 0 and cols > 0
         for launch in kernels.step_launches(
             rows, cols, grad_dtype=grad_dtype, momentum_dtype=momentum_dtype,
-            nesterov=nesterov, ns_dtype=ns_dtype, master_dtype=master_dtype,
-            update_dtype=ns_dtype if update_dtype is None else update_dtype,
+            nesterov=nesterov, ns_dtype=ns_dtype, master_dtype=master_dtype, normuon=normuon,
         )
     ]  # fmt: skip
     return kernels.compile_step_ahead(device, launches)
