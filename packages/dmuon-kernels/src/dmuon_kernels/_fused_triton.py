@@ -344,7 +344,9 @@ def apply_update(
 # first compile, and two threads doing that at once would each fill their own). Every launcher
 # first waits for what is pending (``_await_compiles_ahead``), so a kernel is never compiled
 # twice. A specialisation the derivation misses (an expert's buffer at an odd offset, say)
-# compiles at its launch, as without this; one derived in vain costs a background compile.
+# compiles at its launch, as without this; one derived in vain costs a background compile. The
+# threads make no CUDA call that a CUDA-graph capture elsewhere in the process (a compiled
+# forward's) would refuse: they compile only; the CUDA context loads a kernel at its launch.
 
 _pending_compiles: list[Future] = []
 # The integer arguments the kernels are declared ``do_not_specialize`` on.
@@ -479,6 +481,12 @@ def compile_step_ahead(device: torch.device, launches: Iterable[tuple[object, tu
     )
     first_of: dict[object, Future] = {}
     for kernel, args, options in distinct.values():
+        # An unaligned pointer needs a real address: a tensor one element into its storage,
+        # allocated here (a CUDA allocation in another thread could break a graph capture).
+        args = tuple(
+            torch.empty(2, dtype=a.dtype, device=device)[1:] if isinstance(a, Unaligned) else a
+            for a in args
+        )
         after = first_of.get(kernel)
         future = pool.submit(_warm_up, device, kernel, args, options, after)
         first_of.setdefault(kernel, future)
@@ -495,11 +503,6 @@ def compile_step_ahead(device: torch.device, launches: Iterable[tuple[object, tu
 def _warm_up(device: torch.device, kernel, args: tuple, options: dict, after: Future | None):
     if after is not None:
         after.exception()  # wait; its failure is reported by _await_compiles_ahead
-    # An unaligned pointer needs a real address: a tensor one element into its storage.
-    args = tuple(
-        torch.empty(2, dtype=arg.dtype, device=device)[1:] if isinstance(arg, Unaligned) else arg
-        for arg in args
-    )
     with torch.cuda.device(device):
         kernel.warmup(*args, grid=(1, 1), **options)
 

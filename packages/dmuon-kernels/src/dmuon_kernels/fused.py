@@ -23,6 +23,9 @@ The step, a batch of B same-shape matrices at a time:
   most one unit in the last place instead of half); the torch fallback rounds once.
 - ``muon_apply_updates_``: one pass, the decay and the scaled update together.
 
+``compile_step_kernels_ahead`` starts compiling, in background threads, the Triton kernels those
+two will launch for given matrix shapes, so that a first step does not compile them one by one.
+
 Single matrices (the tensor-parallel path normalises a matrix gathered from momentum chunks):
 ``muon_momentum_`` (one pass: buf, u and Σu²), ``muon_normalize`` (one pass, given Σu²),
 ``muon_apply_update_``.
