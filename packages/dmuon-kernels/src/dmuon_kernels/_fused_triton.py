@@ -345,8 +345,8 @@ def apply_update(
 # first waits for what is pending (``_await_compiles_ahead``), so a kernel is never compiled
 # twice. A specialisation the derivation misses (an expert's buffer at an odd offset, say)
 # compiles at its launch, as without this; one derived in vain costs a background compile. The
-# threads make no CUDA call that a CUDA-graph capture elsewhere in the process (a compiled
-# forward's) would refuse: they compile only; the CUDA context loads a kernel at its launch.
+# threads only compile: no allocation, launch or module load (the CUDA context loads a kernel at
+# its first launch), none of which a CUDA-graph capture elsewhere in the process would allow.
 
 _pending_compiles: list[Future] = []
 # The integer arguments the kernels are declared ``do_not_specialize`` on.
