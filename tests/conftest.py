@@ -32,6 +32,10 @@ import pytest  # noqa: E402
 
 from tests.distributed.pool import WorkerPool  # noqa: E402
 
+# A session's pools stop their workers after this long without a scenario (see
+# [Note: idle pools stop] in tests/distributed/pool.py).
+POOL_IDLE_STOP_S = 2.0
+
 
 @pytest.fixture(scope="session")
 def gloo_pool() -> Iterator[Callable[[int], WorkerPool]]:
@@ -39,7 +43,7 @@ def gloo_pool() -> Iterator[Callable[[int], WorkerPool]]:
 
     def pool_of(world_size: int) -> WorkerPool:
         if world_size not in pools:
-            pools[world_size] = WorkerPool(world_size)
+            pools[world_size] = WorkerPool(world_size, stop_when_idle_s=POOL_IDLE_STOP_S)
         return pools[world_size]
 
     yield pool_of

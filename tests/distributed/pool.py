@@ -20,6 +20,9 @@ scenarios, and workers are forked from one server process that imported torch on
   and a gloo group out of step would corrupt whatever runs next. A scenario that *expects* an
   error should catch it itself and return the message; an escaping exception costs a respawn.
 
+Workers that wait burn CPU (their groups' threads), so a pool may stop them after some idle
+seconds (``stop_when_idle_s``, see ``[Note: idle pools stop]``); the next scenario starts new ones.
+
 Hangs never block CI: each process group has a short timeout (``DMUON_TEST_PG_TIMEOUT`` seconds,
 default 60) so a collective that only some ranks issue raises on its own, and the pool also
 waits with an overall deadline per scenario (``DMUON_TEST_SCENARIO_DEADLINE``, default 180 s).
@@ -50,6 +53,7 @@ import shutil
 import signal
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -110,6 +114,12 @@ ARROW_ALLOCATOR_ENV = ("JE_ARROW_MALLOC_CONF", "background_thread:false")
 # their group names) of earlier scenarios that compare equal to a new one's. So the workers are
 # replaced (a fork each, see [Note: forked workers]) before a scenario that would exceed this.
 SCENARIOS_PER_WORKER_LIFE = 12
+# [Note: idle pools stop]
+# A pool whose workers hold a few scenarios' groups burns CPU while it waits (4 workers after 11
+# scenarios: 0.2 of a core), and a session keeps a pool per world size: the idle ones slowed the
+# busy one and every subprocess test on a 2-core machine. A pool made with ``stop_when_idle_s``
+# stops its workers once that long has passed since its last scenario; the next scenario starts
+# new ones (0.2 s for 2 ranks, 0.5 s for 4, 0.6 s for 8 here: what an idle pool burns in 2-3 s).
 # Once one rank has failed, how long the others get to report before they are killed: long enough
 # for ranks failing the same check to say so, short enough not to wait for a PG timeout.
 STRAGGLER_GRACE_S = 2.0
@@ -321,6 +331,7 @@ class WorkerPool:
         *,
         pg_timeout_s: float | None = None,
         deadline_s: float | None = None,
+        stop_when_idle_s: float | None = None,
     ) -> None:
         if world_size < 1:
             raise ValueError(f"world_size must be at least 1, got {world_size}")
@@ -335,6 +346,11 @@ class WorkerPool:
         self._workers: list[_Worker] = []
         self._store: dist.TCPStore | None = None
         self._log_dir: str | None = None
+        # See [Note: idle pools stop]: the lock keeps the stopping thread out of a running scenario.
+        self._stop_when_idle_s = stop_when_idle_s
+        self._lock = threading.Lock()
+        self._last_scenario_end = time.monotonic()
+        self._idle_watch: threading.Thread | None = None
 
     def __repr__(self) -> str:
         state = "running" if self._workers else "stopped"
@@ -402,7 +418,22 @@ class WorkerPool:
 
     def close(self) -> None:
         """Stop the workers (they are started again by the next ``run``)."""
-        self._stop()
+        with self._lock:
+            self._stop()
+
+    def _stop_while_idle(self) -> None:
+        """The idle watch of [Note: idle pools stop]: runs in a daemon thread of this process."""
+        assert self._stop_when_idle_s is not None
+        while True:
+            time.sleep(self._stop_when_idle_s / 2)
+            if not self._workers or not self._lock.acquire(blocking=False):
+                continue
+            try:
+                idle = time.monotonic() - self._last_scenario_end
+                if self._workers and idle >= self._stop_when_idle_s:
+                    self._stop()
+            finally:
+                self._lock.release()
 
     def __enter__(self) -> WorkerPool:
         return self
@@ -435,6 +466,18 @@ class WorkerPool:
                 f"arguments of scenario {module_name}:{qualname} cannot be pickled for the "
                 f"workers ({error}); pass plain values and tensors"
             ) from error
+        with self._lock:
+            try:
+                return self._run(request, module_name, qualname, deadline_s or self.deadline_s)
+            finally:
+                self._last_scenario_end = time.monotonic()
+                if self._stop_when_idle_s is not None and self._idle_watch is None:
+                    self._idle_watch = threading.Thread(
+                        target=self._stop_while_idle, name="gloo-pool-idle-watch", daemon=True
+                    )
+                    self._idle_watch.start()
+
+    def _run(self, request: bytes, module_name: str, qualname: str, deadline_s: float) -> list:
         if self._scenarios_on_these_workers >= SCENARIOS_PER_WORKER_LIFE:
             self._stop()  # see [Note: groups end with their workers]
         if not self._workers:
@@ -442,7 +485,7 @@ class WorkerPool:
         try:
             for worker in self._workers:
                 worker.connection.send_bytes(request)
-            replies = self._collect(deadline_s or self.deadline_s)
+            replies = self._collect(deadline_s)
         except BaseException:
             # Interrupted (pytest-timeout, Ctrl-C) with the scenario still running: its late
             # replies would be taken for the next scenario's, so these workers cannot be reused.

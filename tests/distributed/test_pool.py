@@ -1,6 +1,7 @@
 """The gloo worker pool: runs scenarios on every rank, reports failures, survives hangs and crashes."""
 
 import sys
+import time
 
 import pytest
 import torch
@@ -138,6 +139,17 @@ def test_workers_are_replaced_before_their_process_groups_pile_up():
         assert pool.generation == 2
     # The default group and one more a scenario, until the next life starts with the default.
     assert counts == [*range(2, SCENARIOS_PER_WORKER_LIFE + 2), 2]
+
+
+def test_an_idle_pool_stops_its_workers_and_starts_new_ones_for_the_next_scenario():
+    with WorkerPool(2, stop_when_idle_s=0.5) as pool:
+        assert pool.run(scenarios_pool.sum_of_ranks) == [1.0, 1.0]
+        give_up = time.monotonic() + 30
+        while "running" in repr(pool) and time.monotonic() < give_up:
+            time.sleep(0.1)
+        assert "stopped" in repr(pool)
+        assert pool.run(scenarios_pool.sum_of_ranks) == [1.0, 1.0]
+        assert pool.generation == 2
 
 
 def test_scenarios_that_workers_cannot_import_are_refused_with_the_fix():
