@@ -425,29 +425,13 @@ def step_launches(
     momentum_launches = [
         (
             _momentum_kernel,
-            (
-                grad,
-                momentum_dtype,
-                torch.int64,
-                ns_dtype,
-                torch.int32,
-                torch.float64,
-                batch,
-                rows,
-                cols,
-                *out_strides,
-                0.5,
-            ),
-            dict(
-                NESTEROV=nesterov,
-                OUT_MODE=2,
-                GRAD_VEC=grad_vec,
-                BUF_VEC=vec[momentum_dtype],
-                **tiles,
-            ),
+            (grad, momentum_dtype, torch.int64, ns_dtype, torch.int32, torch.float64, batch,
+             rows, cols, *out_strides, 0.5),
+            dict(NESTEROV=nesterov, OUT_MODE=2, GRAD_VEC=grad_vec, BUF_VEC=vec[momentum_dtype],
+                 **tiles),
         )
         for grad, grad_vec in gradients
-    ]
+    ]  # fmt: skip
     update_launches = [
         (
             _apply_update_kernel,
