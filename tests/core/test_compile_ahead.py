@@ -158,3 +158,47 @@ def test_the_optimizer_asks_for_every_muon_matrix_shape_of_each_group(monkeypatc
             ),
         )
     ]
+
+
+def test_each_specialisation_starts_once_and_a_kernels_first_compile_precedes_its_others(
+    monkeypatch, caplog
+):
+    """compile_step_ahead's bookkeeping, with the compile itself recorded instead: later calls
+    (another param group) start only what is new, and wait for the kernel's first compile."""
+    from dmuon_kernels import _fused_triton
+
+    started = []
+
+    def record(device, kernel, args, options, after):
+        if after is not None:
+            after.exception()  # as the real one waits
+        started.append((kernel.fn.__name__, after))
+        if options.get("OUT_MODE") == 2 and options.get("GRAD_VEC") == 1:
+            raise RuntimeError("no ptxas here")
+
+    monkeypatch.setattr(_fused_triton, "_warm_up", record)
+    monkeypatch.setattr(_fused_triton, "_started", set())
+    monkeypatch.setattr(_fused_triton, "_first_compiles", {})
+    monkeypatch.setattr(_fused_triton, "_pending_compiles", [])
+    dtypes = dict(
+        grad_dtype=torch.float32, momentum_dtype=torch.float32, nesterov=True,
+        ns_dtype=torch.float16, master_dtype=torch.float32, normuon=False,
+    )  # fmt: skip
+    device = torch.device("cpu")
+    wide = _fused_triton.step_launches(64, 128, **dtypes)
+    tall = _fused_triton.step_launches(128, 64, **dtypes)
+    assert _fused_triton.compile_step_ahead(device, wide) == len(wide)
+    assert _fused_triton.compile_step_ahead(device, wide + tall) == len(tall)
+    assert _fused_triton.compile_step_ahead(device, tall) == 0
+    firsts = {}
+    for name, after in started:
+        if after is None:
+            assert name not in firsts, f"{name} has two first compiles"
+            firsts[name] = True
+        else:
+            assert name in firsts
+    with caplog.at_level("INFO", logger="dmuon_kernels"):
+        _fused_triton._await_compiles_ahead()
+    failed = [r.getMessage() for r in caplog.records if "failed" in r.getMessage()]
+    assert len(failed) == 1 and "4 of 10" in failed[0] and "no ptxas here" in failed[0], failed
+    _fused_triton._await_compiles_ahead()  # nothing pending: returns at once

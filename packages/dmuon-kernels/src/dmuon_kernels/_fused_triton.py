@@ -340,8 +340,9 @@ def apply_update(
 # of given shapes and dtypes, and compiles them all at once in threads, before the step: ptxas
 # runs in its own process, so the threads overlap (8 kernels in 1.6 s instead of 5.6 on the
 # H200, benchmarks/results/parallel-compile-h200-2026-12-03-10139d4.json). Each kernel's first
-# specialisation compiles before its others (Triton creates a kernel's per-device cache on its
-# first compile, and two threads doing that at once would each fill their own). Every launcher
+# specialisation on a device compiles before its others, in this call or a later one (Triton
+# creates a kernel's per-device cache on its first compile, and two threads doing that at once
+# would each fill their own); nothing is started twice in a process. Every launcher
 # first waits for what is pending (``_await_compiles_ahead``), so a kernel is never compiled
 # twice. A specialisation the derivation misses (an expert's buffer at an odd offset, say)
 # compiles at its launch, as without this; one derived in vain costs a background compile. The
@@ -349,6 +350,10 @@ def apply_update(
 # its first launch), none of which a CUDA-graph capture elsewhere in the process would allow.
 
 _pending_compiles: list[Future] = []
+# Across calls (one per param group and device): what was started, and each kernel's first
+# compile on each device, which its other specialisations wait for.
+_started: set[tuple] = set()
+_first_compiles: dict[tuple, Future] = {}
 # The integer arguments the kernels are declared ``do_not_specialize`` on.
 _UNSPECIALISED = frozenset({"batch"})
 
@@ -457,13 +462,15 @@ def compile_step_ahead(device: torch.device, launches: Iterable[tuple[object, tu
     returns how many distinct specialisations were started. See [Note: compiles ahead]."""
     distinct: dict[tuple, tuple[object, tuple, dict]] = {}
     for kernel, args, options in launches:
-        distinct.setdefault(specialisation_key(kernel, args, options), (kernel, args, options))
+        key = (device, specialisation_key(kernel, args, options))
+        if key not in _started:
+            distinct.setdefault(key, (kernel, args, options))
     if not distinct:
         return 0
+    _started.update(distinct)
     pool = ThreadPoolExecutor(
         max_workers=min(len(distinct), os.cpu_count() or 1), thread_name_prefix="dmuon-triton"
     )
-    first_of: dict[object, Future] = {}
     for kernel, args, options in distinct.values():
         # An unaligned pointer needs a real address: a tensor one element into its storage,
         # allocated here (a CUDA allocation in another thread could break a graph capture).
@@ -471,9 +478,9 @@ def compile_step_ahead(device: torch.device, launches: Iterable[tuple[object, tu
             torch.empty(2, dtype=a.dtype, device=device)[1:] if isinstance(a, Unaligned) else a
             for a in args
         )
-        after = first_of.get(kernel)
+        after = _first_compiles.get((kernel, device))
         future = pool.submit(_warm_up, device, kernel, args, options, after)
-        first_of.setdefault(kernel, future)
+        _first_compiles.setdefault((kernel, device), future)
         _pending_compiles.append(future)
     pool.shutdown(wait=False)  # the threads end with their compiles
     if progress_lines_enabled():
