@@ -120,6 +120,7 @@ SCENARIOS_PER_WORKER_LIFE = 12
 # busy one and every subprocess test on a 2-core machine. A pool made with ``stop_when_idle_s``
 # stops its workers once that long has passed since its last scenario; the next scenario starts
 # new ones (0.2 s for 2 ranks, 0.5 s for 4, 0.6 s for 8 here: what an idle pool burns in 2-3 s).
+
 # Once one rank has failed, how long the others get to report before they are killed: long enough
 # for ranks failing the same check to say so, short enough not to wait for a PG timeout.
 STRAGGLER_GRACE_S = 2.0
