@@ -188,6 +188,13 @@ def test_dmuon_fused_triton_0_sends_cuda_tensors_to_the_torch_fallback(monkeypat
     assert fused._kernels(cuda_like, types.SimpleNamespace(is_cuda=False)) is None
     monkeypatch.setenv("DMUON_FUSED_TRITON", "0")
     assert fused._kernels(cuda_like) is None
+    shapes = [(64, 128)]
+    assert (
+        fused.compile_step_kernels_ahead(
+            "cuda:0", shapes, momentum_dtype=torch.float32, nesterov=True, ns_dtype=torch.float16
+        )
+        == 0
+    )  # nothing compiles ahead for kernels that will not run
     monkeypatch.setenv("DMUON_FUSED_TRITON", "disabled")
     with pytest.raises(ValueError, match="DMUON_FUSED_TRITON='disabled' is not an on/off value"):
         fused._kernels(cuda_like)

@@ -85,6 +85,10 @@ def triton_available() -> bool:
 def _kernels(*tensors: Tensor | None):  # -> the Triton module, or None for the torch fallback
     if not all(t is None or t.is_cuda for t in tensors):
         return None
+    return _enabled_kernels()
+
+
+def _enabled_kernels():  # -> the Triton module for CUDA tensors, or None
     if not env_flag(FUSED_TRITON_ENV, default=True):  # read per call, like the other switches
         return None
     return _triton_module if triton_available() else None
@@ -297,13 +301,11 @@ def compile_step_kernels_ahead(
     specialisations were started: 0 where the step would not use Triton (not CUDA, no Triton,
     ``DMUON_FUSED_TRITON=0``). See [Note: compiles ahead] in ``dmuon_kernels._fused_triton``."""
     device = torch.device(device)
-    if device.type != "cuda" or not env_flag(FUSED_TRITON_ENV, default=True):
-        return 0
-    if not triton_available():
+    kernels = _enabled_kernels() if device.type == "cuda" else None
+    if kernels is None:
         return 0
     if device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    kernels = _triton_module
     launches = [
         launch
         for rows, cols in shapes
