@@ -73,8 +73,8 @@ def launch_keys(recorders) -> set[tuple]:
 def test_a_real_step_launches_only_specialisations_derived_ahead(
     recorders, monkeypatch, nesterov, momentum_dtype
 ):
-    """dmuon's own step (its averaged gradients are views of the received messages at odd
-    offsets), with the second layer in a NorMuon group."""
+    """dmuon's own step (its averaged gradients are views of the received messages, after
+    gradients of sizes that are not multiples of 4), with the second layer in a NorMuon group."""
     from dmuon_kernels import _fused_triton
 
     requests = []
@@ -151,7 +151,11 @@ def test_the_optimizer_asks_for_every_muon_matrix_shape_of_each_group(monkeypatc
             torch.device("cpu"),
             [(32, 32), (32, 96), (96, 32)],
             dict(
-                nesterov=False, momentum_dtype=torch.bfloat16, ns_dtype=torch.float32, normuon=False
+                nesterov=False,
+                momentum_dtype=torch.bfloat16,
+                ns_dtype=torch.float32,
+                normuon=False,
+                aligned_gradients=True,
             ),
         )
     ]

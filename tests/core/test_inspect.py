@@ -20,6 +20,7 @@ from tests.core.scenarios_inspect import (
     views_before_and_after_adoption,
 )
 from tests.distributed.models import TinyDecoder, batches, loss_fn
+from tests.distributed.test_protocol import message_entry
 
 BF16_COMPUTE_FP32_REDUCE = {
     "defaults": {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32}
@@ -86,7 +87,8 @@ def test_the_reduce_dtype_is_the_compute_dtype_when_the_policy_names_none():
         assert (p.param_dtype, p.reduce_dtype) == (torch.bfloat16, torch.bfloat16)
     for segment in (s for b in view.boundaries for s in b.segments):
         assert segment.reduce_dtype == torch.bfloat16
-        assert segment.message_bytes == 2 * (segment.numel + len(segment.params))
+        entries = sum(message_entry(view.params[name].numel) for name in segment.params)
+        assert segment.message_bytes == 2 * entries
 
 
 def test_each_boundary_has_one_segment_per_owner_shard_covering_its_parameters_once():
@@ -103,11 +105,9 @@ def test_each_boundary_has_one_segment_per_owner_shard_covering_its_parameters_o
         assert (segment.shard, segment.root_rank, segment.is_local) == (0, 0, True)
         assert sorted(segment.params) == sorted(members)
         assert (segment.dtype, segment.reduce_dtype) == (torch.bfloat16, torch.float32)
-        assert (segment.numel, segment.message_numel) == (numel, numel + len(members))
-        assert (segment.value_bytes, segment.message_bytes) == (
-            2 * numel,
-            4 * (numel + len(members)),
-        )
+        entries = sum(message_entry(math.prod(shapes[name])) for name in members)
+        assert (segment.numel, segment.message_numel) == (numel, entries)
+        assert (segment.value_bytes, segment.message_bytes) == (2 * numel, 4 * entries)
         (owned,) = segment.slices
         assert (owned.owner, owned.owner_rank, owned.params) == (
             OwnerCoord(0, 0),

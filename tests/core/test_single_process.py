@@ -1,7 +1,9 @@
 """dedicate_params + dmuon.Muon in one process without torch.distributed (the smoke-test setup)."""
 
+import copy
 import datetime
 import functools
+import itertools
 import warnings
 
 import pytest
@@ -44,6 +46,33 @@ def test_single_process_training_matches_the_reference_without_torch_distributed
     for name, expected in reference.named_parameters():
         actual = masters.get(name, dict(model.named_parameters())[name])
         assert torch.allclose(actual, expected, rtol=1e-5, atol=1e-6), name
+
+
+@pytest.mark.parametrize("param_dtype", [torch.float32, torch.bfloat16])
+def test_owners_gradients_start_32_byte_aligned_with_the_reference_values(param_dtype):
+    """[Note: aligned gradients in a message]: each owner gradient is a view of its message; it
+    starts on a 32-byte boundary whatever the sizes before it (odd ones here), so the fused
+    step reads it with vector loads."""
+    torch.manual_seed(0)
+    sizes = (7, 13, 5, 11, 3)
+    model = nn.Sequential(*[nn.Linear(a, b, bias=False) for a, b in itertools.pairwise(sizes)])
+    reference = copy.deepcopy(model)
+    policy = dmuon.ParamPolicy(defaults=dmuon.ParamDefaults(param_dtype=param_dtype))
+    dmuon.dedicate_params(
+        model, None, lambda name, p: True, param_policy=policy, layer_id_fn=lambda name: "0",
+        hook_boundary_predicate=lambda module: module is model,  # one message for all four
+    )  # fmt: skip
+    dmuon.Muon(model)
+    x = torch.randn(4, 7)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=param_dtype == torch.bfloat16):
+        model(x).square().sum().backward()
+        reference(x).square().sum().backward()
+    owned = {p.fqn: p.master.grad for p in get_dedicated_state(model).iter_owned_masters()}
+    assert len(owned) == len(sizes) - 1
+    tolerance = 1e-6 if param_dtype == torch.float32 else 5e-2
+    for name, expected in reference.named_parameters():
+        assert owned[name].data_ptr() % 32 == 0, name
+        torch.testing.assert_close(owned[name], expected.grad, rtol=tolerance, atol=tolerance)
 
 
 def test_placeholders_keep_parameter_names_and_hold_no_memory_outside_forward():

@@ -13,6 +13,7 @@ import torch
 
 from tests.distributed import scenarios_moe as scenarios
 from tests.distributed.models_moe import DIM, HIDDEN, NUM_EXPERTS, MoEDecoder
+from tests.distributed.test_protocol import message_entry
 
 # fp32 Newton-Schulz: dmuon and the reference differ only by the order of float additions.
 FP32_TOLERANCE = 1e-5
@@ -246,7 +247,7 @@ def test_a_stack_moves_exactly_the_bytes_of_its_expert_pieces(
     numels = results[0]["numels"]
     assert sum(numels) == len(STACKS) * NUM_EXPERTS * HIDDEN * DIM + PROJECTIONS * DIM * DIM
     weights = sum(numels) * 4
-    messages = sum(n + 1 for n in numels) * 4  # one flag element per piece
+    messages = sum(message_entry(n) for n in numels) * 4  # per piece
     broadcast = broadcasts_per_step * replicas * (shards - 1) * weights + (replicas - 1) * weights
     reduce = replicas * (shards - 1) * messages + (replicas - 1) * messages
     assert sum(r["broadcast_received"] for r in results) == broadcast

@@ -20,7 +20,7 @@ from tests.distributed.scenarios_tensor_parallel import (
     train_tensor_parallel,
     unnamed_tp_mesh_error,
 )
-from tests.distributed.test_protocol import FP32_TOLERANCE, assert_matches_reference
+from tests.distributed.test_protocol import FP32_TOLERANCE, assert_matches_reference, message_entry
 
 
 def test_tp2_trains_like_the_single_process_reference(pool2):
@@ -88,7 +88,7 @@ def test_bytes_moved_per_step_equal_the_protocol_on_dp2_x_tp2(pool4):
     results = pool4.run(count_tensor_parallel_step, dp=2, tp=2)
     for result in results:
         assert result["broadcast_received"] == 2 * 4 * sum(result["received_numels"])
-        assert result["reduce_sent"] == 4 * sum(n + 1 for n in result["received_numels"])
+        assert result["reduce_sent"] == 4 * sum(message_entry(n) for n in result["received_numels"])
         assert result["gather_sent"] == 4 * sum(result["exchanged_padded_numels"])
         assert result["scatter_received"] == 4 * sum(result["exchanged_padded_numels"])
         assert result["gathers"] == len(result["runners"])

@@ -13,6 +13,7 @@ import dmuon
 import dmuon_tools
 from dmuon_tools.comm_plan import COLLECTIVE_KINDS
 from tests.distributed.models import TinyDecoder, batches, loss_fn, proj_predicate
+from tests.distributed.test_protocol import message_entry
 
 BF16_COMPUTE_FP32_REDUCE = {
     "defaults": {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32}
@@ -138,7 +139,7 @@ def test_comm_plan_in_one_process_has_segments_in_compute_and_reduce_dtype_and_n
         assert (segment["shard"], segment["root_rank"], segment["is_local"]) == (0, 0, True)
         assert (segment["dtype"], segment["reduce_dtype"]) == ("bfloat16", "float32")
         assert segment["bytes"] == 2 * numel
-        assert segment["message_bytes"] == 4 * (numel + len(shapes))  # one flag per parameter
+        assert segment["message_bytes"] == 4 * sum(message_entry(math.prod(s)) for s in shapes)
         assert boundary["broadcasts_per_step"] == 2  # Z3 by default
     for view in ("this_rank", "all_ranks"):
         for kind in COLLECTIVE_KINDS:

@@ -202,7 +202,8 @@ class SegmentView:
     coalesced broadcast from its root in forward, one gradient message reduced to it.
 
     A gradient message holds each gradient followed by one flag element (whether this rank
-    produced it), in ``reduce_dtype``.
+    produced it) and zeros up to a multiple of 8 elements, in ``reduce_dtype`` (see [Note:
+    aligned gradients in a message] in ``dmuon.group``).
     """
 
     shard: int  # shard index of the owners, and of the root in every replica
@@ -212,7 +213,7 @@ class SegmentView:
     reduce_dtype: torch.dtype  # dtype of the gradient message (the widest of its gradients')
     params: tuple[str, ...]  # in buffer order: by owner replica, then registration order
     numel: int
-    message_numel: int  # numel plus one flag per parameter
+    message_numel: int  # per parameter: numel, a flag, zeros to a multiple of 8
     slices: tuple[OwnerSliceView, ...]  # by owner replica
 
     @property

@@ -185,7 +185,8 @@ def compile_kernels_ahead(
 ) -> int:
     """Start compiling the fused kernels the step will launch for fp32 matrices of ``shapes``
     on ``device`` (the first step then waits for them instead of compiling each in turn);
-    returns how many were started (0 without Triton on CUDA)."""
+    returns how many were started (0 without Triton on CUDA). The gradients are views of their
+    messages, each 16-byte aligned ([Note: aligned gradients in a message] in ``dmuon.group``)."""
     return compile_step_kernels_ahead(
         device,
         sorted(shapes),
@@ -194,6 +195,7 @@ def compile_kernels_ahead(
         nesterov=nesterov,
         ns_dtype=newton_schulz.iteration_dtype(device),
         normuon=normuon,
+        aligned_gradients=True,
     )
 
 

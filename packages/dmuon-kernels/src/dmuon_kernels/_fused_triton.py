@@ -405,14 +405,15 @@ def step_launches(
     ns_dtype: torch.dtype,
     master_dtype: torch.dtype,
     normuon: bool,
+    aligned_gradients: bool = False,
 ) -> list[tuple[object, tuple, dict]]:
     """``(kernel, args, options)`` of each launch a step makes for a batch of several (rows,
     cols) matrices, tensors given as ``pointer_of`` gives them: momentum into the Newton-Schulz
     buffer (B, short, long), transposed for a tall matrix, its normalisation in place, and the
     update from the Newton-Schulz output (its ``.mT`` for a tall matrix) or, with ``normuon``,
     from NorMuon's fp32 (B, rows, cols) stack. Buffers and masters are taken 16-byte
-    aligned; a gradient may also be a view of a larger buffer at any offset (dmuon's averaged
-    gradients are views of the received messages), so momentum is derived for each case."""
+    aligned. A gradient may be a view of a larger buffer at any offset, so momentum is derived
+    for each case, unless ``aligned_gradients`` says every gradient starts 16-byte aligned."""
     tall = rows > cols
     out_strides = (rows * cols, 1, rows) if tall else (rows * cols, cols, 1)
     update_dtype = torch.float32 if normuon else ns_dtype
@@ -427,6 +428,8 @@ def step_launches(
     batch = 2  # not specialised on
     # (the first gradient's pointer, GRAD_VEC): all aligned; some not; the first not
     gradients = ((grad_dtype, vec[grad_dtype]), (grad_dtype, 1), (Unaligned(grad_dtype), 1))
+    if aligned_gradients:
+        gradients = gradients[:1]
     momentum_launches = [
         (
             _momentum_kernel,

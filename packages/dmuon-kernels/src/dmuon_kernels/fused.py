@@ -293,13 +293,16 @@ def compile_step_kernels_ahead(
     normuon: bool = False,
     grad_dtype: torch.dtype = torch.float32,
     master_dtype: torch.dtype = torch.float32,
+    aligned_gradients: bool = False,
 ) -> int:
     """Start compiling, in background threads, the Triton kernels that ``muon_normalized_inputs_``
     and ``muon_apply_updates_`` will launch for batches of (rows, cols) matrices of these dtypes
     (``normuon``: the updates are NorMuon's fp32 rows), so that a first step does not compile
     them one after the other; the first launch waits for them. Returns how many
     specialisations were started: 0 where the step would not use Triton (not CUDA, no Triton,
-    ``DMUON_FUSED_TRITON=0``). See [Note: compiles ahead] in ``dmuon_kernels._fused_triton``."""
+    ``DMUON_FUSED_TRITON=0``). ``aligned_gradients``: every gradient will start 16-byte aligned
+    (else the variants for gradients at any offset compile too). See [Note: compiles ahead] in
+    ``dmuon_kernels._fused_triton``."""
     device = torch.device(device)
     kernels = _enabled_kernels() if device.type == "cuda" else None
     if kernels is None:
@@ -313,6 +316,7 @@ def compile_step_kernels_ahead(
         for launch in kernels.step_launches(
             rows, cols, grad_dtype=grad_dtype, momentum_dtype=momentum_dtype,
             nesterov=nesterov, ns_dtype=ns_dtype, master_dtype=master_dtype, normuon=normuon,
+            aligned_gradients=aligned_gradients,
         )
     ]  # fmt: skip
     return kernels.compile_step_ahead(device, launches)

@@ -18,7 +18,8 @@ replicate_reduce       the R ranks of shard s    1 per owner slice of segment s,
 replicate_publish      the R ranks of shard s    1 per owner slice, from its owner, after step()
 =====================  ========================  ===============================================
 
-A gradient message is the values plus one flag element per parameter, in the reduce dtype
+A gradient message is, per parameter, its values, one flag element and zeros up to a multiple of
+8 elements, in the reduce dtype
 (``param_policy`` reduce dtype, else the compute dtype; the widest when a segment mixes them).
 Byte counts are logical payloads, not wire traffic: ``payload_bytes`` sums the tensor of every op
 a rank takes part in; ``sent_bytes`` is what leaves a rank (a broadcast root's tensor once per
