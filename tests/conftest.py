@@ -64,21 +64,3 @@ def pool4(gloo_pool: Callable[[int], WorkerPool]) -> WorkerPool:
 @pytest.fixture(scope="session")
 def pool8(gloo_pool: Callable[[int], WorkerPool]) -> WorkerPool:
     return gloo_pool(8)
-
-
-# [Note: two pytest workers]
-# ``hatch run test`` runs two pytest-xdist workers with ``--dist loadgroup``. Every test that runs
-# scenarios on the session's pools is put in one group, so one worker runs them all: a second set
-# of pools would pay the fork server's preload again, and two 4- or 8-rank scenarios at once
-# would crowd 2 cores. The other worker takes the rest (subprocess jobs, kernels, single-process
-# tests), which fills the time the gloo ranks spend waiting on each other: on the 2-core machine
-# the suite took 439 s against 532 s in one process, and 359 s against 604 s in runs back to back.
-POOL_FIXTURES = {"gloo_pool", "pool2", "pool4", "pool8"}
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if getattr(config.option, "dist", "no") != "loadgroup":
-        return
-    for item in items:
-        if POOL_FIXTURES & set(getattr(item, "fixturenames", ())):
-            item.add_marker(pytest.mark.xdist_group("gloo-pools"))
