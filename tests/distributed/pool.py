@@ -78,10 +78,11 @@ STARTUP_DEADLINE_S = 120.0
 # shared by 8). It is safe: the server only imports, it never computes, so it holds no thread
 # pool or lock a fork could copy in a bad state. A worker inherits the server's environment and
 # sys.path (the parent's when the server started), then sets its own thread count and rendezvous
-# variables; a scenario that needs an environment variable sets it itself. Scenario modules and
-# dmuon itself are imported in each worker (a fraction of a second). Preloaded are the libraries
-# that take seconds to import, each paid again by every generation of workers (see [Note: groups
-# end with their workers]); none may start a thread on import (see ARROW_ALLOCATOR_ENV).
+# variables; a scenario that needs an environment variable sets it itself (nothing in dmuon reads
+# one on import). Scenario modules are imported in each worker. Preloaded are the libraries that
+# take seconds to import, and dmuon: each would be paid again by every generation of workers (see
+# [Note: groups end with their workers]); none may start a thread on import (see
+# ARROW_ALLOCATOR_ENV).
 WORKER_PRELOAD = (
     "torch",
     "torch._dynamo",  # FSDP2 imports it on a worker's first fully_shard: about 3 s of CPU
@@ -95,6 +96,12 @@ WORKER_PRELOAD = (
     "torch._inductor.compile_fx",
     "datasets",
     "transformers.trainer",
+    # dmuon: under 0.1 s of CPU a process (making its dataclasses, mostly), but paid by every
+    # worker of every generation it was 12% of the workers' CPU in a profile of
+    # tests/distributed/test_checkpoint.py.
+    "dmuon",
+    "dmuon.checkpoint",
+    "dmuon.testing",
     __name__,  # this module: what each worker runs
 )
 # pyarrow (under datasets) starts jemalloc's background thread when it loads, unless told not to.
