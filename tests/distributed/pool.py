@@ -78,11 +78,11 @@ STARTUP_DEADLINE_S = 120.0
 # shared by 8). It is safe: the server only imports, it never computes, so it holds no thread
 # pool or lock a fork could copy in a bad state. A worker inherits the server's environment and
 # sys.path (the parent's when the server started), then sets its own thread count and rendezvous
-# variables; a scenario that needs an environment variable sets it itself (nothing in dmuon reads
-# one on import). Scenario modules are imported in each worker. Preloaded are the libraries that
-# take seconds to import, and dmuon: each would be paid again by every generation of workers (see
-# [Note: groups end with their workers]); none may start a thread on import (see
-# ARROW_ALLOCATOR_ENV).
+# variables; a scenario that needs an environment variable sets it itself. Scenario modules are
+# imported in each worker. Preloaded are the libraries that take seconds to import, and what the
+# suite adds (``preload_in_workers``): each would be paid again by every generation of workers
+# (see [Note: groups end with their workers]); none may start a thread on import (see
+# ARROW_ALLOCATOR_ENV) or read an environment variable a scenario sets.
 WORKER_PRELOAD = (
     "torch",
     "torch._dynamo",  # FSDP2 imports it on a worker's first fully_shard: about 3 s of CPU
@@ -96,14 +96,10 @@ WORKER_PRELOAD = (
     "torch._inductor.compile_fx",
     "datasets",
     "transformers.trainer",
-    # dmuon: under 0.1 s of CPU a process (making its dataclasses, mostly), but paid by every
-    # worker of every generation it was 12% of the workers' CPU in a profile of
-    # tests/distributed/test_checkpoint.py.
-    "dmuon",
-    "dmuon.checkpoint",
-    "dmuon.testing",
     __name__,  # this module: what each worker runs
 )
+# Added by the suite: see ``preload_in_workers``.
+_suite_preload: list[str] = []
 # pyarrow (under datasets) starts jemalloc's background thread when it loads, unless told not to.
 ARROW_ALLOCATOR_ENV = ("JE_ARROW_MALLOC_CONF", "background_thread:false")
 # [Note: frozen heap]
@@ -189,12 +185,19 @@ def scenario_address(scenario: Scenario) -> tuple[str, str]:
     return module, qualname
 
 
+def preload_in_workers(*modules: str) -> None:
+    """Have the fork server import ``modules`` too, when it starts (see [Note: forked workers]):
+    the suite's own imports that every worker would repeat, such as the package under test."""
+    _suite_preload.extend(m for m in modules if m not in _suite_preload)
+
+
 def worker_context() -> multiprocessing.context.BaseContext:
     """The multiprocessing context of the workers: the fork server of ``[Note: forked workers]``.
     Also for tests that need processes of their own with torch already imported."""
     context = multiprocessing.get_context("forkserver")
     os.environ.setdefault(*ARROW_ALLOCATOR_ENV)  # read by the server when it starts
-    context.set_forkserver_preload(list(WORKER_PRELOAD))  # no effect once the server runs
+    # No effect once the server runs.
+    context.set_forkserver_preload([*WORKER_PRELOAD, *_suite_preload])
     return context
 
 
