@@ -1,7 +1,7 @@
 """The READMEs' programs run as written, taken from the Markdown itself.
 
 - README.md, "## Use it": the complete training program, on 2 gloo processes (torchrun); in CI,
-  where .ci/wheels runs it from the built wheels just before, not a second time.
+  where .ci/wheels runs it from the built wheels alongside, not a second time.
 - README.md, "## Save and resume": trained and saved on 2 gloo processes, resumed on 1; the
   resumed steps' losses equal the uninterrupted run's.
 - packages/dmuon-kernels/README.md, "## Use": the Newton-Schulz example, in this process.
@@ -29,7 +29,7 @@ READMES = {
     "dmuon-kernels": (REPOSITORY_ROOT / "packages" / "dmuon-kernels" / "README.md", "## Use"),
 }
 LAUNCH_TIMEOUT_S = 300
-# Set by .ci/run once .ci/wheels has run the "Use it" program from the built wheels: the suite then
+# Set by .ci/run, whose .ci/wheels runs the "Use it" program from the built wheels: the suite then
 # skips its own run of that same program (its other checks still run).
 WHEELS_RAN_USE_IT_ENV = "DMUON_TEST_WHEELS_RAN_USE_IT"
 
