@@ -381,23 +381,6 @@ def test_the_first_use_of_each_quack_variant_is_timed_and_announced_once(
     ]
 
 
-def test_both_products_with_c_run_one_quack_kernel_variant(torch_quack, caplog, monkeypatch):
-    """[Note: one kernel with C]: symmetric_product passes its symmetric second operand in the
-    layout syrk's Aᵀ has, and an alpha of 1.0 as a double that fp32 rounds to 1.0."""
-    monkeypatch.delenv("DMUON_SYRK_AUTOTUNE_LOG", raising=False)
-    caplog.set_level(logging.INFO, logger="dmuon_kernels")
-    fake = torch_quack()
-    A, S = half(16, 24), symmetric(16, 16)
-    B, C = symmetric(16, 16, seed=2), symmetric(16, 16, seed=3)
-    quack_backend.syrk(A, C, 0.5, 2.0)
-    out = quack_backend.symmetric_product(S, B, C, 1.0, 0.5)
-    assert_close(out, S.double() @ B.double() + 0.5 * C.double())
-    assert len([m for m in caplog.messages if "ready in" in m]) == 1
-    (_, _, syrk_b, _, _, _), (_, _, product_b, _, alpha, _) = fake.calls
-    assert syrk_b.stride(-2) == product_b.stride(-2) == 1  # syrk's Aᵀ: contiguous down columns
-    assert alpha != 1.0 and torch.tensor(alpha, dtype=torch.float32).item() == 1.0
-
-
 def test_an_invalid_progress_switch_never_makes_quack_unavailable(fake_quack, monkeypatch):
     monkeypatch.setenv("DMUON_SYRK_AUTOTUNE_LOG", "sometimes")
     fake_quack(KNOWN_GEMM_SYMMETRIC)

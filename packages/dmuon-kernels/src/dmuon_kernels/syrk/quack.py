@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import importlib.util
 import inspect
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -286,12 +285,7 @@ def _run(
     M = A.shape[-2]
     step = _elements_per_16_bytes(A)
     A = _aligned(_padded(A, step))
-    if B is None:  # syrk: Aᵀ, padded with A
-        B = A.mT
-    else:
-        B = _aligned(_padded(B, step))
-        if op == SYMMETRIC_PRODUCT and B.stride(-1) == 1:
-            B = B.mT  # B is symmetric: read in syrk's layout, see [Note: one kernel with C]
+    B = A.mT if B is None else _aligned(_padded(B, step))  # syrk: Aᵀ, padded with A
     if C is not None:
         C = _aligned(_padded(C, step))
     out = _launch(api, op, A, B, C, alpha, beta)
@@ -305,11 +299,8 @@ def _launch(
 ) -> Tensor:
     """quack on prepared operands; the first call of each kernel variant is timed and announced
     (see [Note: host cost of a quack call])."""
-    if op != MATMUL and C is not None and alpha == 1.0:
-        alpha = _ONE_MULTIPLIED  # see [Note: one kernel with C]
     layouts = (A.stride(-1) == 1, B.stride(-1) == 1, C is None or C.stride(-1) == 1)
-    # What quack compiles a kernel for (the shapes are not part of it).
-    variant = (op == MATMUL, A.dtype, A.device, C is None, alpha == 1.0, beta == 1.0, layouts)
+    variant = (op, A.dtype, A.device, C is None, alpha == 1.0, beta == 1.0, layouts)
     if variant in _ready_variants:
         return _call(api, op, A, B, C, alpha, beta)
     announce = progress_lines_enabled()  # an invalid switch raises before any work
@@ -329,16 +320,6 @@ def _launch(
 
 # The kernel variants quack has compiled or loaded in this process (see ``_launch``).
 _ready_variants: set[tuple] = set()
-
-# [Note: one kernel with C]
-# quack compiles gemm_symmetric once per operand layout and per scalar mode: an alpha or beta of
-# exactly 1.0 skips its multiply, any other is multiplied in fp32. Gram Newton-Schulz calls it
-# three ways: R = X·Xᵀ, b·R + c·R² (syrk with C) and a·Q + Z·Q (symmetric_product with C, alpha
-# 1), and each compile costs a first step about 4 s. So symmetric_product reads its second
-# operand in the layout syrk's Aᵀ has (B is symmetric: Bᵀ is B), and with C an alpha of 1.0 goes
-# as the double just above it, which fp32 rounds to 1.0: the same product (the epilogue may round
-# its two terms in another order), from the one kernel syrk with C compiled.
-_ONE_MULTIPLIED = math.nextafter(1.0, 2.0)
 
 
 def _call(
