@@ -19,8 +19,8 @@ replicate_publish      the R ranks of shard s    1 per owner slice, from its own
 =====================  ========================  ===============================================
 
 A gradient message is, per parameter, its values, one flag element and zeros up to a multiple of
-8 elements, in the reduce dtype
-(``param_policy`` reduce dtype, else the compute dtype; the widest when a segment mixes them).
+8 elements, in the reduce dtype (``param_policy`` reduce dtype, else the compute dtype; the widest
+when a segment mixes them).
 Byte counts are logical payloads, not wire traffic: ``payload_bytes`` sums the tensor of every op
 a rank takes part in; ``sent_bytes`` is what leaves a rank (a broadcast root's tensor once per
 op; a non-root's reduce contribution); ``received_bytes`` what arrives (a non-root's broadcast
