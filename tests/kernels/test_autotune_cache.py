@@ -784,3 +784,40 @@ def test_tuning_runs_the_kernel_variant_newton_schulz_runs(monkeypatch):
         inputs = autotune._tuning_inputs(problem, torch.device("cpu"))
         tuned.add((op, inputs.alpha == 1.0, inputs.beta == 1.0))
     assert called == tuned, (called, tuned)
+
+
+# -- expected: what choose will run or tune first, measuring nothing ------------------------------
+
+
+def test_expected_names_the_contender_choose_tunes_first_and_measures_nothing(tmp_path):
+    first, second = ExactBackend(), ExactBackend()
+    tuner = prior_tuner(tmp_path, "second", first=first, second=second)
+    A = a_matrix()
+    problem = SyrkProblem.of(A, None)
+    assert tuner.expected("first", problem, A.device) == "second"
+    assert first.calls == 0 and second.calls == 0
+    assert tuner.choose("first", A) == "second" and first.calls == 0 and second.calls > 0
+    assert tuner.expected("first", problem, A.device) == "second"  # now what choose chose
+
+
+def test_expected_follows_the_verdicts_already_on_disk(tmp_path):
+    first, second = ExactBackend(), ExactBackend()
+    won = prior_tuner(tmp_path / "won", "second", first=first, second=second)
+    lost = prior_tuner(tmp_path / "lost", "second", first=first, second=second)
+    A = a_matrix()
+    problem = SyrkProblem.of(A, None)
+    seed_verdict(won, "second", A, won=True)
+    seed_verdict(lost, "second", A, won=False)
+    # The pick won: nothing else is tuned. It lost: the other contender is tuned next.
+    assert won.expected("first", problem, A.device) == "second"
+    assert lost.expected("first", problem, A.device) == "first"
+    assert first.calls == 0 and second.calls == 0
+    seed_verdict(lost, "first", A, won=False)
+    assert lost.expected("first", problem, A.device) == "cublas"  # every contender lost
+
+
+def test_expected_leaves_what_is_never_tuned_to_cublas(tmp_path):
+    tuner = tuner_with(tmp_path, ExactBackend(), min_flop=2 * 24 * 24 * 40 + 1)
+    problem = SyrkProblem.of(a_matrix(), None)
+    assert tuner.expected("exact", problem, torch.device("cpu")) == "cublas"
+    assert tuner.expected("cublas", problem, torch.device("cpu")) == "cublas"

@@ -498,7 +498,18 @@ def _warm_up(device: torch.device, kernel, args: tuple, options: dict, after: Fu
     if after is not None:
         after.exception()  # wait; its failure is reported by _await_compiles_ahead
     with torch.cuda.device(device):
-        kernel.warmup(*args, grid=(1, 1), **options)
+        compiled = kernel.warmup(*args, grid=(1, 1), **options)
+    _build_launcher(compiled)
+
+
+def _build_launcher(compiled) -> None:
+    """Build ``compiled``'s host launcher, which its first launch would otherwise build: Triton
+    3.6 compiles a C launcher per kernel signature with the system compiler (0.2-0.3 s each,
+    outside the GIL) and keeps it in its cache, where the first launch then finds it. Builds
+    nothing on the GPU; a Triton whose launcher is generic builds it in no time."""
+    launcher_cls = getattr(triton.runtime.driver.active, "launcher_cls", None)
+    if launcher_cls is not None and hasattr(compiled, "metadata"):
+        launcher_cls(compiled.src, compiled.metadata)
 
 
 def _await_compiles_ahead() -> None:
