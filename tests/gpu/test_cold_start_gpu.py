@@ -134,7 +134,8 @@ def test_a_capture_is_a_timed_phase_and_announced_with_its_seconds(caplog, monke
 
 
 # A dmuon.Muon step on CUDA in a fresh process with an empty Triton cache: counts the fused step
-# kernels' compiled specialisations once those compiled ahead are ready, then after two steps.
+# kernels' compiled specialisations (and launchers) once those compiled ahead are ready, then after
+# two steps.
 COMPILE_AHEAD_SCRIPT = textwrap.dedent(
     """
     import collections, itertools, json, os, pathlib, sys, torch
@@ -145,6 +146,8 @@ COMPILE_AHEAD_SCRIPT = textwrap.dedent(
     def compiled():
         folder = pathlib.Path(os.environ["TRITON_CACHE_DIR"])
         names = [p.stem for p in folder.glob("*/*.json") if p.stem.endswith("_kernel")]
+        # Triton 3.6 builds a C launcher per kernel signature, kept beside the kernels.
+        names += ["launcher"] * len(list(folder.glob("*/__triton_launcher*.so")))
         return dict(collections.Counter(names))
 
     torch.manual_seed(0)
@@ -204,83 +207,3 @@ def test_the_first_step_compiles_no_fused_kernel_beyond_those_compiled_ahead(tmp
     assert counts["ahead"], result.stderr[-2000:]  # something was compiled ahead
     assert counts["after_steps"] == counts["ahead"], (counts, result.stderr[-2000:])
     assert "Triton kernel specialisations of the fused step ready" in result.stderr
-
-
-# Newton-Schulz on quack in a fresh process with empty caches, its kernels compiled ahead (or
-# not): while the background thread compiles, the main thread runs CUDA work and captures CUDA
-# graphs, as a first forward and backward would.
-QUACK_AHEAD_SCRIPT = textwrap.dedent(
-    """
-    import json, sys, torch
-    from dmuon_kernels import NewtonSchulz, _log
-    from dmuon_kernels.graphs import GraphedFunction
-    from quack.gemm_symmetric import _compile_gemm_symmetric
-
-    ahead, out_path = sys.argv[1] == "ahead", sys.argv[2]
-    ns = NewtonSchulz(kernel="quack", dtype=torch.bfloat16)
-    shape = (4, 256, 1024)  # Gram form, restarted: syrk, syrk with C, symmetric product with C
-    queued = ns.compile_ahead([shape]) if ahead else 0
-    beside = GraphedFunction(lambda x: (x @ x.mT).relu(), name="work beside")
-    for rows in range(8, 328, 8):  # 40 shapes: each runs eagerly, is captured, then replayed
-        x = torch.randn(rows, 64, device="cuda")
-        for _ in range(3):
-            beside(x)
-    G = torch.randn(shape, device="cuda", generator=torch.Generator("cuda").manual_seed(5))
-    outs = [ns(G) for _ in range(3)]
-    torch.cuda.synchronize()
-    torch.save(outs[-1].cpu(), out_path)
-    print("report", json.dumps({
-        "queued": queued,
-        "captures": beside.graph_count,
-        "phases": [[p.kind, p.what] for p in _log.recorded_phases()],
-        "compiles": _compile_gemm_symmetric.cache_info().misses,
-        "equal_calls": all(torch.equal(out, outs[0]) for out in outs),
-    }))
-    """
-)
-
-
-def run_quack_process(tmp_path: Path, mode: str) -> dict:
-    script = tmp_path / "quack_ahead.py"
-    script.write_text(QUACK_AHEAD_SCRIPT)
-    caches = tmp_path / f"caches-{mode}"
-    env = {
-        **os.environ,
-        "DMUON_CACHE_DIR": str(caches / "dmuon"),
-        "QUACK_CACHE_DIR": str(caches / "quack"),
-        "PYTHONPATH": os.pathsep.join(
-            [str(REPO / "packages" / "dmuon-kernels" / "src"), os.environ.get("PYTHONPATH", "")]
-        ),
-        "RANK": "0",
-        "WORLD_SIZE": "1",
-    }
-    result = subprocess.run(
-        [sys.executable, str(script), mode, str(tmp_path / f"{mode}.pt")],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=540,
-    )
-    assert result.returncode == 0, result.stderr[-4000:]
-    (line,) = [s for s in result.stdout.splitlines() if s.startswith("report ")]
-    return {**json.loads(line.removeprefix("report ")), "stderr": result.stderr}
-
-
-def test_quack_kernels_compiled_ahead_are_waited_for_not_compiled_again_and_equal(tmp_path):
-    available, reason = backend_availability("quack")
-    if not available:
-        pytest.skip(f"quack unavailable: {reason}")
-    ahead = run_quack_process(tmp_path, "ahead")
-    plain = run_quack_process(tmp_path, "plain")
-    quack_compiles = [
-        what for kind, what in ahead["phases"] if kind == "compile" and what.startswith("quack")
-    ]
-    waits = [what for kind, what in ahead["phases"] if kind == "wait" and "compiled ahead" in what]
-    assert ahead["queued"] == 3 and len(waits) == 3 and quack_compiles == [], ahead
-    # quack compiled each variant once, in the background: the fake operands' compile key is
-    # the real call's.
-    assert ahead["compiles"] == plain["compiles"] == 3, (ahead, plain)
-    assert ahead["captures"] == plain["captures"] == 40  # the work beside was undisturbed
-    assert "compiled ahead in" in ahead["stderr"]
-    assert ahead["equal_calls"] and plain["equal_calls"]
-    assert torch.equal(torch.load(tmp_path / "ahead.pt"), torch.load(tmp_path / "plain.pt"))

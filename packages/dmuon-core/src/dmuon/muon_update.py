@@ -60,8 +60,8 @@ change between int8 and a float dtype across a checkpoint restarts the momentum,
 from __future__ import annotations
 
 import math
-from collections import Counter, defaultdict
-from collections.abc import Iterator, Mapping
+from collections import defaultdict
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import torch
@@ -177,19 +177,17 @@ def apply_matrices_(
 def compile_kernels_ahead(
     newton_schulz: NewtonSchulz,
     device: torch.device,
-    shapes: Mapping[tuple[int, int], int],
+    shapes: set[tuple[int, int]],
     *,
     nesterov: bool,
     momentum_dtype: torch.dtype,
     normuon: bool,
 ) -> int:
-    """Start compiling the kernels the step will run for fp32 matrices of ``shapes`` (each
-    (rows, cols) with how many there are) on ``device``: the fused passes, and Newton-Schulz's
-    for each batch of one shape (the first step then waits for them instead of compiling each
-    in turn); returns how many compiles were started (0 off CUDA). The gradients are views of
-    their messages, each 16-byte aligned ([Note: aligned gradients in a message] in
-    ``dmuon.group``)."""
-    fused = compile_step_kernels_ahead(
+    """Start compiling the fused kernels the step will launch for fp32 matrices of ``shapes``
+    on ``device`` (the first step then waits for them instead of compiling each in turn);
+    returns how many were started (0 without Triton on CUDA). The gradients are views of their
+    messages, each 16-byte aligned ([Note: aligned gradients in a message] in ``dmuon.group``)."""
+    return compile_step_kernels_ahead(
         device,
         sorted(shapes),
         # an int8 momentum reaches the kernels dequantised ([Note: 8-bit momentum])
@@ -199,11 +197,6 @@ def compile_kernels_ahead(
         normuon=normuon,
         aligned_gradients=True,
     )
-    batches: Counter[tuple[int, int]] = Counter()
-    for (rows, cols), count in shapes.items():  # an (m, n) and an (n, m) share one batch
-        batches[min(rows, cols), max(rows, cols)] += count
-    ns_shapes = [(count, *shape) for shape, count in batches.items()]
-    return fused + newton_schulz.compile_ahead(ns_shapes, device)
 
 
 def _batches(masters: list[Tensor]) -> Iterator[tuple[int, int]]:

@@ -25,7 +25,7 @@ import logging
 import math
 import sys
 import warnings
-from collections import Counter, defaultdict
+from collections import defaultdict
 from collections.abc import Callable, Iterator
 
 import torch
@@ -293,20 +293,18 @@ class Muon(torch.optim.Optimizer):
         _log_route_summaries(self.routing())
 
     def _compile_step_kernels_ahead(self) -> None:
-        """Start compiling the step's kernels for this rank's Muon matrices (the fused Triton
-        passes, and Newton-Schulz's DSL kernels), so that they compile while the first forward
-        and backward run rather than one by one in the first step ([Note: compiles ahead] in
-        ``dmuon_kernels._fused_triton``, [Note: quack compiles ahead] in
-        ``dmuon_kernels.syrk.quack``)."""
+        """Start compiling the fused step kernels for this rank's Muon matrices, so that they
+        compile together while the first forward and backward run rather than one by one in
+        the first step ([Note: compiles ahead] in ``dmuon_kernels._fused_triton``)."""
         for group in self.param_groups:
             if group["route"] != MUON_ROUTE:
                 continue
-            shapes_by_device: dict[torch.device, Counter[tuple[int, int]]] = defaultdict(Counter)
+            shapes_by_device: dict[torch.device, set[tuple[int, int]]] = defaultdict(set)
             for master in group["params"]:
                 if master.numel() == 0 or id(master) in self._tp_chunks:
                     continue
                 for entry in _matrices_of(master, self._row_blocks.get(id(master))):
-                    shapes_by_device[master.device][_entry_shape(entry)] += 1
+                    shapes_by_device[master.device].add(_entry_shape(entry))
             for device, shapes in shapes_by_device.items():
                 muon_update.compile_kernels_ahead(
                     self._newton_schulz,

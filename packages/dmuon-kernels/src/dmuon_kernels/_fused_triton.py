@@ -504,9 +504,11 @@ def _warm_up(device: torch.device, kernel, args: tuple, options: dict, after: Fu
 
 def _build_launcher(compiled) -> None:
     """Build ``compiled``'s host launcher, which its first launch would otherwise build: Triton
-    3.6 compiles a C launcher per kernel signature with the system compiler (0.2-0.3 s each,
-    outside the GIL) and keeps it in its cache, where the first launch then finds it. Builds
-    nothing on the GPU; a Triton whose launcher is generic builds it in no time."""
+    3.6 (the H200's) compiles a C launcher per kernel signature with the system compiler, in a
+    subprocess, and keeps it in its cache, where the first launch then finds it. The first
+    launches of a Qwen2's step took 1.8 s before and none after
+    (cold-start-h200-2026-12-03-ed742fc-qwen2.json). Builds nothing on the GPU; a Triton whose
+    launcher is generic (3.9) builds it in no time."""
     launcher_cls = getattr(triton.runtime.driver.active, "launcher_cls", None)
     if launcher_cls is not None and hasattr(compiled, "metadata"):
         launcher_cls(compiled.src, compiled.metadata)

@@ -58,15 +58,7 @@ from dmuon_kernels.coefficients import CoefficientTable, validate_coefficients
 from dmuon_kernels.fused import DEFAULT_NS_EPS as DEFAULT_EPS
 from dmuon_kernels.fused import normalize_frobenius
 from dmuon_kernels.graphs import GraphedFunction
-from dmuon_kernels.syrk import (
-    SYMMETRIC_PRODUCT,
-    SYRK,
-    Product,
-    compile_ahead,
-    matmul,
-    symmetric_product,
-    syrk,
-)
+from dmuon_kernels.syrk import matmul, symmetric_product, syrk
 from dmuon_kernels.syrk.dispatch import (
     default_device,
     effective_kernel,
@@ -193,45 +185,6 @@ def gram_iteration(
             R_step = symmetric_product(R, Z, C=R, beta=a, kernel=kernel)  # R·(a·I + Z)
             R = symmetric_product(Z, R_step, C=R_step, beta=a, kernel=kernel)  # (aI+Z)R(aI+Z)
     return matmul(Q, X, kernel=kernel)
-
-
-def iteration_products(
-    X_shape: tuple[int, ...],
-    *,
-    backend: str,
-    coefficients: CoefficientTable,
-    restart_iterations: Sequence[int],
-) -> list[Product]:
-    """The SYRK and symmetric products ``iterate`` makes on a normalised X of ``X_shape`` ((n, m)
-    or (B, n, m), n <= m), in order; its plain products (``matmul``, which "auto" leaves to
-    cuBLAS) are left out. What ``NewtonSchulz.compile_ahead`` compiles kernels for; it mirrors
-    ``gram_iteration`` and ``direct_iteration`` (a test holds them to it)."""
-    n, m = X_shape[-2:]
-    batch = X_shape[0] if len(X_shape) == 3 else 0
-    gram_of_x = Product(SYRK, n, m, batch, False, 1.0, 0.0)
-
-    def squared(b: float, c: float) -> Product:  # b·R + c·R²
-        return Product(SYRK, n, n, batch, True, c, b)
-
-    def times(a: float) -> Product:  # a·P + Z·P
-        return Product(SYMMETRIC_PRODUCT, n, n, batch, True, 1.0, a)
-
-    if not (backend == "gram" and uses_gram_form(n, m)):
-        return [p for _, b, c in coefficients for p in (gram_of_x, squared(b, c))]
-    last = len(coefficients) - 1
-    restarts = set(restart_iterations)
-    products = [gram_of_x]
-    for i, (a, b, c) in enumerate(coefficients):
-        starts_segment = i == 0 or i in restarts
-        ends_segment = i == last or (i + 1) in restarts
-        if starts_segment and i > 0:
-            products.append(gram_of_x)
-        products.append(squared(b, c))
-        if not starts_segment:
-            products.append(times(a))
-        if not ends_segment:
-            products += [times(a), times(a)]
-    return products
 
 
 def _normalized_shape_of(shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -652,28 +605,6 @@ class NewtonSchulz:
                 f"Newton-Schulz prepare done: {len(wanted)} shapes in "
                 f"{time.perf_counter() - start:.1f} s"
             )
-
-    def compile_ahead(
-        self, shapes: Iterable[Sequence[int]], device: torch.device | str | None = None
-    ) -> int:
-        """Start compiling, in a background thread, the kernels the iteration is expected to run
-        for inputs of these shapes (as ``prepare`` takes them) on ``device``, and return at once:
-        the first call of each waits for its compile rather than making it (see [Note: quack
-        compiles ahead] in ``syrk.quack``). Returns how many compiles were queued; nothing is
-        measured or tuned here, and results never change."""
-        device = default_device() if device is None else torch.device(device)
-        dtype = self.iteration_dtype(device)
-        products = [
-            product
-            for shape in dict.fromkeys(_normalized_shape_of(tuple(shape)) for shape in shapes)
-            for product in iteration_products(
-                shape,
-                backend=self.backend,
-                coefficients=self.coefficients,
-                restart_iterations=self.restart_iterations,
-            )
-        ]
-        return compile_ahead(self._syrk_kernel, device, dtype, products)
 
     def normalized_buffer(self, shape: tuple[int, int, int], device: torch.device) -> Tensor:
         """Where a caller that normalises its own input (a fused optimizer step) writes it:

@@ -16,10 +16,7 @@ and optionally ``symmetric_product(A, B, C, alpha, beta)`` for ``alpha·A·B + b
 known to be symmetric (commuting symmetric A and B, as in Newton-Schulz's Gram iteration) and
 ``matmul(A, B, C, alpha, beta)`` for a plain ``alpha·A·B + beta·C`` (Newton-Schulz's other
 products); a backend without one runs that operation on the torch path. Each operation is
-resolved (and autotuned under "auto") on its own. A backend whose kernels compile slowly may
-also have ``compile_ahead(device, dtype, calls) -> int`` (``calls``: (op, with C, alpha, beta)
-of contiguous operands; returns how many compiles it queued), which ``compile_ahead`` below
-feeds with the calls expected to run on it.
+resolved (and autotuned under "auto") on its own.
 
 This module must not import optional libraries, torch.distributed, or anything from dmuon.
 """
@@ -27,20 +24,12 @@ This module must not import optional libraries, torch.distributed, or anything f
 from __future__ import annotations
 
 import numbers
-from collections.abc import Iterable
-from typing import NamedTuple
 
-import torch
 from torch import Tensor
 
 from dmuon_kernels.syrk import _call_cache
 from dmuon_kernels.syrk._requirements import KERNEL_DTYPES
-from dmuon_kernels.syrk.dispatch import (
-    auto_candidate,
-    expected_kernel,
-    resolve_kernel,
-    sm_version,
-)
+from dmuon_kernels.syrk.dispatch import auto_candidate, resolve_kernel, sm_version
 from dmuon_kernels.syrk.registry import (
     AUTO,
     BACKEND_MODULES,
@@ -212,40 +201,6 @@ def _product(
     return product(A, B, C, float(alpha), float(beta))
 
 
-class Product(NamedTuple):
-    """One product a caller will make: ``op`` on (batch, M, K) operands (batch 0: one matrix;
-    K = M for SYMMETRIC_PRODUCT), with or without C, with its alpha and beta."""
-
-    op: str
-    M: int
-    K: int
-    batch: int
-    has_c: bool
-    alpha: float
-    beta: float
-
-
-def compile_ahead(
-    kernel: str, device: torch.device, dtype: torch.dtype, products: Iterable[Product]
-) -> int:
-    """Start compiling, in the background, the kernels these products are expected to run on
-    (``dispatch.expected_kernel``: nothing is measured) on contiguous ``dtype`` operands on
-    ``device``, where their backend has ``compile_ahead``; returns how many compiles were
-    queued. The first call of each product then waits for its compile instead of starting it."""
-    calls_by_backend: dict[str, list[tuple[str, bool, float, float]]] = {}
-    for p in products:
-        name = expected_kernel(
-            kernel, device, dtype, op=p.op, M=p.M, K=p.K, batch=p.batch, has_c=p.has_c
-        )
-        calls_by_backend.setdefault(name, []).append((p.op, p.has_c, p.alpha, p.beta))
-    queued = 0
-    for name, calls in calls_by_backend.items():
-        start = getattr(get_backend(name), "compile_ahead", None)
-        if start is not None:
-            queued += start(device, dtype, calls)
-    return queued
-
-
 __all__ = [
     "AUTO",
     "BACKEND_MODULES",
@@ -259,14 +214,11 @@ __all__ = [
     "QUACK",
     "SYMMETRIC_PRODUCT",
     "SYRK",
-    "Product",
     "SyrkBackend",
     "auto_candidate",
     "backend_availability",
     "backend_names",
     "canonical_kernel_name",
-    "compile_ahead",
-    "expected_kernel",
     "get_backend",
     "kernel_choices",
     "matmul",

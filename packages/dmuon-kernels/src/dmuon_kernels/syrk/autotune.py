@@ -347,30 +347,6 @@ class SyrkAutotuner:
         self._chosen[chosen_key] = chosen
         return chosen
 
-    def expected(self, candidate: str, problem: SyrkProblem, device: torch.device) -> str:
-        """The backend ``choose`` is expected to run ``problem`` on, measuring nothing: what it
-        chose before or the verdicts in memory and on disk decide, else the first contender it
-        would tune (whose kernel its tuning compiles). For compiling kernels ahead."""
-        if candidate == BASELINE:
-            return BASELINE
-        chosen = self._chosen.get((candidate, device, problem))
-        if chosen is not None:
-            return chosen
-        if problem.flop < self.min_flop or (
-            self.tuned_ops is not None and problem.op not in self.tuned_ops
-        ):
-            return BASELINE
-        contenders = self.contenders(candidate, problem.op)
-        known = {name: self._verdict_if_known(name, problem, device) for name in contenders}
-        verdicts = [verdict for verdict in known.values() if verdict is not None]
-        expected = self._expected_winner(problem, device, contenders)
-        untuned = [name for name in contenders if known[name] is None]
-        untuned.sort(key=lambda name: name != expected)
-        for contender in untuned:  # choose's order and its rule for skipping a contender
-            if expected in (None, contender) or not any(verdict.won for verdict in verdicts):
-                return contender
-        return fastest_winner(verdicts)
-
     def contenders(self, candidate: str, op: str) -> list[str]:
         """``candidate`` (the hardware ladder's pick) first, then the challengers that
         implement ``op``."""
@@ -611,11 +587,6 @@ def choose_kernel(
     return default_autotuner().choose(candidate, A, C, op=op, B=B)
 
 
-def expected_kernel(candidate: str, problem: SyrkProblem, device: torch.device) -> str:
-    """Dispatcher hook: the backend ``choose_kernel`` is expected to pick, measuring nothing."""
-    return default_autotuner().expected(candidate, problem, device)
-
-
 def chosen_backends() -> dict[str, int]:
     """How many problems this process has run under "auto", per backend (for status reports)."""
     counts: dict[str, int] = {}
@@ -636,7 +607,6 @@ __all__ = [
     "choose_kernel",
     "chosen_backends",
     "default_autotuner",
-    "expected_kernel",
     "fastest_winner",
     "gpu_model",
     "measured_prior",

@@ -66,7 +66,6 @@ from dmuon_kernels.syrk._cute_tiles import (
     Sm90TileConfig,
     TileConfig,
 )
-from dmuon_kernels.syrk._dsl_compiles import one_compile_at_a_time
 from dmuon_kernels.syrk._operands import effective_c
 from dmuon_kernels.syrk._requirements import (
     check_gpu_operands,
@@ -500,8 +499,7 @@ def _kernel(
         module = api.kernel_modules[tiles.path]
 
         def compile_kernel() -> Callable[..., Any]:
-            with one_compile_at_a_time():  # never beside a quack compile ahead
-                return module.compile_syrk(dtype_name, has_c, tiles)
+            return module.compile_syrk(dtype_name, has_c, tiles)
 
         if api.runtime is None:  # no way to export: compile in every process
             kernel = compile_kernel()

@@ -128,33 +128,6 @@ def resolve_kernel(
     return name
 
 
-def expected_kernel(
-    kernel: str,
-    device: torch.device,
-    dtype: torch.dtype,
-    *,
-    op: str,
-    M: int,
-    K: int,
-    batch: int,
-    has_c: bool,
-) -> str:
-    """The backend ``resolve_kernel`` is expected to pick for ``op`` on (batch, M, K) ``dtype``
-    operands on ``device`` (batch 0: one matrix), measuring nothing: which kernels are worth
-    compiling ahead. Rules 1, 6 to 8, with the autotuner's ``expected`` for rule 8."""
-    name = canonical_kernel_name(kernel)
-    if device.type != "cuda" or dtype not in KERNEL_DTYPES:
-        return CUBLAS
-    if name != AUTO:
-        return name
-    name = auto_candidate(device)[0]
-    if name == CUBLAS:
-        return name
-    autotune = importlib.import_module(AUTOTUNE_MODULE)
-    problem = autotune.SyrkProblem(M, K, batch, dtype, has_c, op)
-    return autotune.expected_kernel(name, problem, device)
-
-
 # ---------------------------------------------------------------------------------------------
 # Newton-Schulz: the request order (rules 2 to 4) and what it resolves to here
 

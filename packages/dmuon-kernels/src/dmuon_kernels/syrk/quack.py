@@ -40,20 +40,16 @@ silences the line), like the library import.
 
 from __future__ import annotations
 
-import functools
 import importlib.util
 import inspect
-import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from dmuon_kernels._env import progress_lines_enabled, quietly
-from dmuon_kernels._log import COMPILE, IMPORT, WAIT, log_rank_tagged, record_phase, timed_phase
-from dmuon_kernels.syrk._dsl_compiles import compile_ahead as compile_ahead_in_background
-from dmuon_kernels.syrk._dsl_compiles import finish, one_compile_at_a_time, pending
+from dmuon_kernels._log import COMPILE, IMPORT, log_rank_tagged, timed_phase
 from dmuon_kernels.syrk._operands import effective_c, one_batch
 from dmuon_kernels.syrk._requirements import (
     check_gpu_operands,
@@ -302,16 +298,16 @@ def _launch(
     api: _QuackApi, op: str, A: Tensor, B: Tensor, C: Tensor | None, alpha: float, beta: float
 ) -> Tensor:
     """quack on prepared operands; the first call of each kernel variant is timed and announced
-    (see [Note: host cost of a quack call]), or waits for its compile ahead ([Note: quack
-    compiles ahead])."""
-    variant = _variant(op, A, B, C, alpha, beta, A.device)
-    if variant not in _ready_variants and pending(variant):
-        _finish_compile_ahead(variant, _description(op, A, C))
+    (see [Note: host cost of a quack call])."""
+    layouts = (A.stride(-1) == 1, B.stride(-1) == 1, C is None or C.stride(-1) == 1)
+    variant = (op, A.dtype, A.device, C is None, alpha == 1.0, beta == 1.0, layouts)
     if variant in _ready_variants:
         return _call(api, op, A, B, C, alpha, beta)
     announce = progress_lines_enabled()  # an invalid switch raises before any work
-    description = _description(op, A, C)
-    with one_compile_at_a_time(), timed_phase(COMPILE, description) as phase:
+    entry = "gemm_symmetric" if op != MATMUL else "gemm" if C is None else "gemm_add"
+    description = f"quack {entry} kernel for {str(A.dtype).removeprefix('torch.')}"
+    description += " with C" if C is not None else ""
+    with timed_phase(COMPILE, description) as phase:
         out = _call(api, op, A, B, C, alpha, beta)
     _ready_variants.add(variant)
     if announce:
@@ -322,121 +318,8 @@ def _launch(
     return out
 
 
-def _variant(
-    op: str,
-    A: Tensor,
-    B: Tensor,
-    C: Tensor | None,
-    alpha: float,
-    beta: float,
-    device: torch.device,
-) -> tuple[object, ...]:
-    """What quack compiles one kernel for, in the terms of prepared operands: the operation,
-    dtype and device, with or without C, whether alpha and beta are 1, the operands' layouts."""
-    layouts = (A.stride(-1) == 1, B.stride(-1) == 1, C is None or C.stride(-1) == 1)
-    return (op, A.dtype, device, C is None, alpha == 1.0, beta == 1.0, layouts)
-
-
-def _description(op: str, A: Tensor, C: Tensor | None) -> str:
-    entry = "gemm_symmetric" if op != MATMUL else "gemm" if C is None else "gemm_add"
-    description = f"quack {entry} kernel for {str(A.dtype).removeprefix('torch.')}"
-    return description + (" with C" if C is not None else "")
-
-
 # The kernel variants quack has compiled or loaded in this process (see ``_launch``).
 _ready_variants: set[tuple] = set()
-
-# [Note: quack compiles ahead]
-# A quack kernel variant compiles in 3.4-4.9 s on the H200, and a first training step met one to
-# three of them one after the other, after its forward and backward. ``compile_ahead`` (called
-# when a Newton-Schulz instance learns the shapes it will see, e.g. when ``dmuon.Muon`` is built)
-# compiles them in the process's one DSL compile thread instead (``syrk._dsl_compiles``), while
-# the first forward and backward run: quack's compile-only mode on fake operands laid out as
-# ``_run`` lays out Newton-Schulz's, so the thread allocates, launches and loads nothing on the
-# GPU (a CUDA-graph capture elsewhere in the process would not allow it), and quack keeps the
-# compiled kernel for the real call. The first call of a variant queued ahead waits for it (a
-# ``wait`` phase); a variant derived in vain costs only the thread's time, one the derivation
-# missed compiles at its first call as before, and one whose compile ahead failed too, after a
-# line that says so.
-
-
-def compile_ahead(
-    device: torch.device, dtype: torch.dtype, calls: Iterable[tuple[str, bool, float, float]]
-) -> int:
-    """Queue for compiling ahead the kernel variants of ``calls`` ((op, with C, alpha, beta) of
-    SYRK or SYMMETRIC_PRODUCT calls on contiguous ``dtype`` operands on ``device``, as
-    Newton-Schulz makes them) that are neither ready nor queued; returns how many were queued
-    (0 where quack cannot run)."""
-    if _hardware_problem() is not None or isinstance(_quack_api(), str):
-        return 0
-    if device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    queued = 0
-    for op, has_c, alpha, beta in calls:
-        A, B, C = _contiguous_operands(op, dtype, has_c, torch.device("meta"))
-        variant = _variant(op, A, B, C, alpha, beta, device)
-        if variant in _ready_variants:
-            continue
-        compile_variant = functools.partial(
-            _compile_only, op, dtype, has_c, alpha, beta, device, _description(op, A, C)
-        )
-        queued += compile_ahead_in_background(variant, compile_variant)
-    if queued and progress_lines_enabled():
-        log_rank_tagged(
-            f"compiling {queued} quack kernel variant(s) ahead, in a background thread (once "
-            "per process; loaded from quack's cache when there)"
-        )
-    return queued
-
-
-def _contiguous_operands(
-    op: str, dtype: torch.dtype, has_c: bool, device: torch.device
-) -> tuple[Tensor, Tensor, Tensor | None]:
-    """Operands as ``_run`` prepares Newton-Schulz's contiguous ones (sizes multiples of 8): A;
-    B = Aᵀ for SYRK, a square matrix for SYMMETRIC_PRODUCT; C or None."""
-    side = 16
-    A = torch.empty((1, side, side), dtype=dtype, device=device)
-    B = A.mT if op == SYRK else torch.empty_like(A)
-    C = torch.empty_like(A) if has_c else None
-    return A, B, C
-
-
-def _compile_only(
-    op: str,
-    dtype: torch.dtype,
-    has_c: bool,
-    alpha: float,
-    beta: float,
-    device: torch.device,
-    description: str,
-) -> None:
-    """The background thread's compile of one variant: the real call's path on fake operands
-    in quack's compile-only mode, which compiles (or loads from quack's cache) and launches
-    nothing."""
-    from quack.cache import compile_only_mode
-
-    start = time.perf_counter()
-    with torch.cuda.device(device), compile_only_mode():
-        A, B, C = _contiguous_operands(op, dtype, has_c, device)
-        _call(_quack_api(), op, A, B, C, alpha, beta)  # type: ignore[arg-type]
-    if progress_lines_enabled():
-        log_rank_tagged(
-            f"{description} compiled ahead in {time.perf_counter() - start:.1f} s (background)"
-        )
-
-
-def _finish_compile_ahead(variant: tuple[object, ...], description: str) -> None:
-    """Wait for ``variant``'s compile ahead (a ``wait`` phase); ready unless it failed."""
-    start = time.perf_counter()
-    error = finish(variant)
-    record_phase(WAIT, f"{description} compiled ahead", start)
-    if error is None:
-        _ready_variants.add(variant)
-    else:
-        log_rank_tagged(
-            f"compiling the {description} ahead failed ({type(error).__name__}: {error}); it "
-            "compiles now instead"
-        )
 
 
 def _call(
