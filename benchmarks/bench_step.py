@@ -45,6 +45,7 @@ from collections.abc import Callable
 
 import _common
 import _host_profile
+import _step_anatomy
 import torch
 from torch import nn
 
@@ -64,6 +65,7 @@ NUM_LAYERS = 4
 PEAK_TFLOPS = 740.0  # H200 dense fp16/bf16 GEMM, measured (shared/gpu/README.md)
 REFERENCE_FLOOR_MS = 55.0  # the Gram NS floor quoted for this stack
 HOST_PROFILE_TOP = 15  # functions kept per order (own, cumulative) by --host-profile
+KERNEL_ROWS_KEPT = 30  # --profile: the largest kernels printed and recorded
 
 
 class ProjectionStack(nn.Module):
@@ -199,7 +201,10 @@ def bench_dmuon(
     if profile_host:
         result["host_profile"] = host_profile(optimizer.step, device)
     if profile is not None:
-        result["device_kernels"] = kernel_table(optimizer.step, device, profile or None)
+        rows = kernel_table(optimizer.step, device, profile or None)
+        result["device_kernels"] = rows[:KERNEL_ROWS_KEPT]
+        result["anatomy"] = _step_anatomy.anatomy(rows, shapes, PEAK_TFLOPS)
+        print(_step_anatomy.format_anatomy("  one step by kernel class", result["anatomy"]))
     newton_schulz = optimizer.newton_schulz
     result["newton_schulz"] = repr(newton_schulz)
     result["kernel"] = newton_schulz.kernel
@@ -209,10 +214,11 @@ def bench_dmuon(
 
 
 def kernel_table(
-    step: Callable[[], object], device: torch.device, trace: str | None = None, top: int = 30
+    step: Callable[[], object], device: torch.device, trace: str | None = None
 ) -> list[dict]:
-    """Device time per kernel name over one profiled ``step()``, the largest first; printed.
-    ``trace``: also write the Chrome trace there (the device's idle gaps show in it)."""
+    """Device time per kernel name over one profiled ``step()``, the largest first (the first
+    ``KERNEL_ROWS_KEPT`` printed). ``trace``: also write the Chrome trace there (the device's idle
+    gaps show in it)."""
     from torch.profiler import ProfilerActivity, profile
 
     _common.synchronize(device)
@@ -222,16 +228,18 @@ def kernel_table(
     rows = [
         {"kernel": event.key, "calls": event.count, "device_ms": event.device_time_total / 1e3}
         for event in prof.key_averages()
-        if event.device_time_total > 0 and event.device_type.name == "CUDA"
+        if event.device_time_total > 0
+        and event.device_type.name == "CUDA"
+        and not getattr(event, "is_user_annotation", False)  # the step's own range
     ]
     if trace:
         prof.export_chrome_trace(trace)
     rows.sort(key=lambda row: -row["device_ms"])
     total = sum(row["device_ms"] for row in rows)
     print(f"  device kernels of one step: {total:.2f} ms in {sum(r['calls'] for r in rows)} calls")
-    for row in rows[:top]:
+    for row in rows[:KERNEL_ROWS_KEPT]:
         print(f"    {row['device_ms']:8.3f} ms {row['calls']:5d}x  {row['kernel'][:110]}")
-    return rows[:top]
+    return rows
 
 
 def host_table(results: dict[str, dict]) -> str:
