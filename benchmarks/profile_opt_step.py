@@ -5,9 +5,9 @@ Two contexts, each a fresh seeded model trained on the same tokens:
 
 - ``fsdp2``: ``bench_e2e``'s ``dmuon-z3`` (``dedicate_params`` on the ``*proj`` matrices, then
   ``fully_shard`` per layer and root, NCCL, world size 1): what ``bench_e2e`` times;
-- ``alone``: the same model and dmuon settings without FSDP2 (``dedicate_params(model, None)``):
-  the non-dedicated parameters are plain tensors on the AdamW route, the dedicated ones the same
-  matrices with the same Newton-Schulz.
+- ``alone``: the same model and dmuon settings without FSDP2 (``dedicate_params(model, None)``,
+  the forward under bf16 autocast): the non-dedicated parameters are plain tensors on the AdamW
+  route, the dedicated ones the same matrices with the same Newton-Schulz.
 
 Per context, after ``--warmup`` iterations: ``--steps`` iterations whose ``step()`` starts on an
 idle device (synchronised after backward) and is timed with CUDA events and on the host (entry
@@ -70,9 +70,15 @@ def profile_context(context: str, args, mesh, device, tokens) -> dict:
         if view.master is not None
     ]
 
+    # Without FSDP2's mixed-precision policy, autocast gives the rest of the model the bf16
+    # compute the dedicated weights have; the step's work is the same in both contexts.
+    autocast = torch.autocast("cuda", dtype=args.param_dtype, enabled=context == "alone")
+
     def backward() -> None:
         optimizer.zero_grad(set_to_none=True)
-        bench_e2e.loss_of(model, tokens).backward()
+        with autocast:
+            loss = bench_e2e.loss_of(model, tokens)
+        loss.backward()
         torch.cuda.synchronize(device)
 
     for _ in range(args.warmup):
