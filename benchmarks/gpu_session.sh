@@ -13,6 +13,10 @@
 #           torchtitan (issue 21; needs a torch its release supports)
 #   part 5: the whole tests/gpu, then the three models' first steps again (after a cold-start
 #           change)
+#   part 6: the whole tests/gpu, then the end-to-end step at world size 1, plain and overlapped
+#           (after a change to the step)
+#   part 7: the optimizer step by kernel class (bench_step --profile), and inside the FSDP2 run
+#           against alone (profile_opt_step)
 #
 # Usage, on the GPU machine from the repository root with .gpu/ carried along:
 #   bash benchmarks/gpu_session.sh <part> <git-sha>
@@ -103,8 +107,19 @@ case $part in
   step cold-start 290 python benchmarks/bench_cold_start.py --models qwen2 qwen3-moe llama-0.89b \
     --git-sha "$sha" --out "$out/cold-start.json"
   ;;
+6)
+  sharded_gpu_tests 3 330
+  step e2e 200 python -m torch.distributed.run --standalone --nproc-per-node 1 \
+    benchmarks/bench_e2e.py --variants fsdp2-adamw,dmuon-z3,dmuon-z3-overlap \
+    --git-sha "$sha" --out "$out/e2e-w1.json"
+  ;;
+7)
+  step step 150 python benchmarks/bench_step.py --profile --git-sha "$sha" --out "$out/step.json"
+  step opt-step 150 python -m torch.distributed.run --standalone --nproc-per-node 1 \
+    benchmarks/profile_opt_step.py --git-sha "$sha" --out "$out/profile-opt-step.json"
+  ;;
 *)
-  echo "part must be 1 to 5" >&2
+  echo "part must be 1 to 7" >&2
   exit 2
   ;;
 esac

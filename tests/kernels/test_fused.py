@@ -104,6 +104,34 @@ def test_normalized_inputs_of_a_batch_are_momentum_then_the_normalised_update_of
         assert relative_error(got, X) < torch.finfo(torch.float16).eps
 
 
+def test_the_torch_fallback_takes_a_long_list_in_runs_with_the_values_of_one_run(monkeypatch):
+    pairs = [momentum_inputs((6, 10), seed=seed) for seed in range(5)]
+    first_steps = [False, True, False, False, True]
+
+    def normalized(run_bytes):
+        monkeypatch.setattr(fused, "FALLBACK_BATCH_BYTES", run_bytes)
+        momenta = [b.clone() for _, b in pairs]
+        out = torch.empty(5, 6, 10, dtype=torch.float16)
+        muon_normalized_inputs_([g for g, _ in pairs], momenta, first_steps, MOMENTUM, True, out)
+        return out, momenta
+
+    runs = []
+    fallback = fused._normalized_inputs_torch
+
+    def counted_fallback(grads, *args):
+        runs.append(len(grads))
+        fallback(grads, *args)
+
+    monkeypatch.setattr(fused, "_normalized_inputs_torch", counted_fallback)
+    whole_out, whole_momenta = normalized(fused.FALLBACK_BATCH_BYTES)
+    assert runs == [5]
+    runs.clear()
+    run_out, run_momenta = normalized(2 * 4 * 6 * 10)  # two matrices' fp32 inputs a run
+    assert runs == [2, 2, 1]
+    assert torch.equal(run_out, whole_out)
+    assert all(torch.equal(a, b) for a, b in zip(run_momenta, whole_momenta))
+
+
 def test_normalized_inputs_of_a_gradient_whose_squared_norm_overflows_are_still_normalised():
     grad, buf = momentum_inputs((20, 48))
     grads, momenta = [grad * 2.0**70, grad], [buf * 2.0**70, buf.clone()]

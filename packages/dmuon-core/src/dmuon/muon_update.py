@@ -13,9 +13,10 @@ Newton-Schulz call (``optim`` does).
 The tensor-parallel path takes the same kernels one matrix at a time (``momentum_``,
 ``orthogonalized``, ``apply_update_``).
 
-Batches: a matrix of more than ``BATCHED_NUMEL`` elements is a batch alone; otherwise a batch
-stays under ``BATCH_BYTES`` of fp32 Muon inputs, which the torch fallback materialises at once
-(the fused kernels never materialise them).
+Batches: the element-wise passes take every matrix of one (rows, cols) in one call (the fused
+kernels materialise nothing, and ``dmuon_kernels.fused``'s torch fallback bounds what it holds
+itself); where a variant makes fp32 copies of whole matrices (an int8 momentum dequantised,
+NorMuon's rescaled update) a batch holds at most ``MATERIALISED_BATCH_BYTES`` of them.
 
 Two opt-in variants of the update live here too (``docs/update-rules.md``):
 
@@ -79,10 +80,9 @@ from dmuon_kernels.fused import (
 if TYPE_CHECKING:
     from dmuon_kernels.newton_schulz import NewtonSchulz
 
-BATCH_BYTES = 256 * 2**20
-"""fp32 Muon inputs held at once by one batch (the torch fallback materialises them)."""
-BATCHED_NUMEL = 2**22
-"""Matrices up to this size are batched; a larger one is a batch alone."""
+MATERIALISED_BATCH_BYTES = 256 * 2**20
+"""fp32 copies of whole matrices a batch holds at once where a variant makes them (int8
+momentum, NorMuon); the plain update makes none and takes a shape's matrices in one batch."""
 MUON_RMS_MATCH = 0.2
 """``adjust_lr="match_rms_adamw"`` scales the update by this times sqrt(max(m, n)), so its RMS
 matches AdamW's."""
@@ -134,7 +134,8 @@ def orthogonalized_matrices(
     inputs = newton_schulz.normalized_buffer(
         (len(grads), min(rows, cols), max(rows, cols)), grads[0].device
     )
-    for start, stop in _batches(grads):
+    materialised = None if scales is None else MATERIALISED_BATCH_BYTES  # dequantised momenta
+    for start, stop in _batches(grads, materialised):
         normalized_inputs_(
             grads[start:stop],
             momenta[start:stop],
@@ -159,7 +160,8 @@ def apply_matrices_(
     """Decay and the scaled update of each fp32 master (rows, cols), in place, from its
     Newton-Schulz output (``orthogonal[i]``, (short, long)); at commit for the overlapped step.
     ``normuon``: (each matrix's row second moment, beta2, eps) for NorMuon's rows first."""
-    for start, stop in _batches(masters):
+    materialised = None if normuon is None else MATERIALISED_BATCH_BYTES  # NorMuon's updates
+    for start, stop in _batches(masters, materialised):
         rows, cols = masters[start].shape
         updates = [oriented(ortho, rows > cols) for ortho in orthogonal[start:stop]]
         if normuon is not None:
@@ -199,14 +201,15 @@ def compile_kernels_ahead(
     )
 
 
-def _batches(masters: list[Tensor]) -> Iterator[tuple[int, int]]:
-    """[start, stop) runs of matrices of one (rows, cols), each under ``BATCH_BYTES`` of fp32
-    Muon inputs; a matrix over ``BATCHED_NUMEL`` elements alone."""
+def _batches(masters: list[Tensor], max_bytes: int | None) -> Iterator[tuple[int, int]]:
+    """[start, stop) runs of matrices of one (rows, cols); with ``max_bytes``, each run holds
+    at most that many bytes of fp32 copies of its matrices (one matrix at least)."""
     start = 0
     while start < len(masters):
         shape = masters[start].shape
-        numel = shape.numel()
-        per_batch = 1 if numel > BATCHED_NUMEL else max(1, BATCH_BYTES // (4 * numel))
+        per_batch = len(masters)
+        if max_bytes is not None:
+            per_batch = max(1, max_bytes // (4 * max(1, shape.numel())))
         stop = start + 1
         while stop < len(masters) and stop - start < per_batch and masters[stop].shape == shape:
             stop += 1

@@ -50,6 +50,7 @@ per tile. No extra pass over memory: the sums ride on the pass that reads u anyw
 from __future__ import annotations
 
 import importlib.util
+import math
 from collections.abc import Iterable, Sequence
 
 import torch
@@ -60,6 +61,9 @@ from dmuon_kernels._env import FUSED_TRITON_ENV, env_flag
 DEFAULT_NS_EPS = 1e-7
 # A CUDA grid's second dimension, which the kernels give to the matrices of a batch.
 MAX_KERNEL_BATCH = 65535
+FALLBACK_BATCH_BYTES = 256 * 2**20
+"""fp32 Muon inputs the torch fallback of ``muon_normalized_inputs_`` materialises at once; a
+longer list goes through it in runs of this size (the Triton kernels materialise nothing)."""
 _EXPONENT_BOUND = 126  # 2^±126 are normal fp32 numbers
 
 _triton_module: object | None = None
@@ -223,6 +227,31 @@ def muon_normalized_inputs_(
             return
     for grad, buf in zip(grads, momenta, strict=True):
         _check_same_shape("muon_normalized_inputs_", grad, buf)
+    per_run = max(1, FALLBACK_BATCH_BYTES // (4 * max(1, math.prod(shape))))
+    for start in range(0, batch, per_run):
+        stop = start + per_run
+        _normalized_inputs_torch(
+            grads[start:stop],
+            momenta[start:stop],
+            first_steps[start:stop],
+            momentum,
+            nesterov,
+            oriented[start:stop],
+            eps,
+        )
+
+
+def _normalized_inputs_torch(
+    grads: Sequence[Tensor],
+    momenta: Sequence[Tensor],
+    first_steps: Sequence[bool],
+    momentum: float,
+    nesterov: bool,
+    oriented: Tensor,  # (B, rows, cols), any strides
+    eps: float,
+) -> None:
+    """``muon_normalized_inputs_`` in plain torch, its B inputs materialised in fp32."""
+    batch, shape = len(grads), tuple(grads[0].shape)
     # [Note: low-precision momentum]: the arithmetic in fp32, the buffer rounded once on store.
     wide = [buf if buf.dtype == torch.float32 else buf.float() for buf in momenta]
     continuing = [i for i, first in enumerate(first_steps) if not first]

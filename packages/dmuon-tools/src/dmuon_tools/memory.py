@@ -24,9 +24,10 @@ GIB = 2**30
 FP32 = 4
 ACTIVATION_BYTES = 2  # activations in the compute dtype
 LOGIT_BYTES_PER_ENTRY = 2 + 4 + 4
-# dmuon's owner step workspace: the fp32 inputs of one element-wise batch (muon_update's
-# BATCH_BYTES) and the Newton-Schulz call's input with its iteration buffers (about 4x
-# NS_CALL_BYTES).
+# dmuon's owner step workspace: at most 256 MiB of fp32 copies of whole matrices (the torch
+# fallback's FALLBACK_BATCH_BYTES, muon_update's MATERIALISED_BATCH_BYTES for int8 momentum and
+# NorMuon; none on CUDA with the fused kernels) and the Newton-Schulz call's input with its
+# iteration buffers (about 4x NS_CALL_BYTES).
 DMUON_STEP_WORKSPACE_BYTES = 256 * 2**20 + 4 * 256 * 2**20
 
 
