@@ -395,6 +395,28 @@ def run_variant(variant: str, args, mesh, device: torch.device, tokens) -> dict:
     return result
 
 
+def training_tokens(args: argparse.Namespace, device: torch.device, rank: int = 0) -> torch.Tensor:
+    """This rank's (micro-batch, seq + 1) token ids, the same in every run."""
+    generator = torch.Generator().manual_seed(1000 + rank)  # each rank its own data
+    return torch.randint(
+        0, args.model.vocab, (args.micro_batch, args.seq + 1), generator=generator
+    ).to(device)
+
+
+def profile_record(benchmark: str, args: argparse.Namespace, device, git_sha) -> dict:
+    """The head of a profiling script's JSON about this model: what ran, where, on what."""
+    return {
+        "benchmark": benchmark,
+        "device": _common.device_name(device),
+        **_common.versions(dmuon=dmuon.__version__),
+        "git_sha": _common.git_sha(git_sha),
+        "date": _common.iso_seconds(_common.utc_now()),
+        "model": vars(args.model),
+        "seq": args.seq,
+        "micro_batch": args.micro_batch,
+    }
+
+
 def free_memory(device: torch.device) -> None:
     gc.collect()
     if device.type == "cuda":
@@ -553,10 +575,7 @@ def main(argv: list[str] | None = None) -> int:
     device = _common.start_process_group("bench_e2e", args.device, backend, "--device cpu --quick")
     rank, world = dist.get_rank(), dist.get_world_size()
     mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("shard",))
-    generator = torch.Generator().manual_seed(1000 + rank)  # each rank its own data
-    tokens = torch.randint(
-        0, args.model.vocab, (args.micro_batch, args.seq + 1), generator=generator
-    ).to(device)
+    tokens = training_tokens(args, device, rank)
     with torch.device("meta"):
         num_params = sum(p.numel() for p in Llama(args.model, 1, False).parameters())
     device_label = _common.device_name(device)

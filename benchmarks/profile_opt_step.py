@@ -119,23 +119,13 @@ def main(argv: list[str] | None = None) -> int:
     if dist.get_world_size() != 1:
         raise SystemExit("profile_opt_step: run it with --nproc-per-node 1 (world size 1).")
     mesh = init_device_mesh("cuda", (1,), mesh_dim_names=("shard",))
-    generator = torch.Generator().manual_seed(1000)
-    tokens = torch.randint(
-        0, args.model.vocab, (args.micro_batch, args.seq + 1), generator=generator
-    ).to(device)
+    tokens = bench_e2e.training_tokens(args, device)
     results = {}
     for context in CONTEXTS:
         results[context] = profile_context(context, args, mesh, device, tokens)
         bench_e2e.free_memory(device)
     record = {
-        "benchmark": "profile_opt_step",
-        "device": _common.device_name(device),
-        **_common.versions(dmuon=dmuon.__version__),
-        "git_sha": _common.git_sha(options.git_sha),
-        "date": _common.iso_seconds(_common.utc_now()),
-        "model": vars(args.model),
-        "seq": args.seq,
-        "micro_batch": args.micro_batch,
+        **bench_e2e.profile_record("profile_opt_step", args, device, options.git_sha),
         "peak_tflops": bench_step.PEAK_TFLOPS,
         "results": results,
     }

@@ -132,10 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     args = bench_e2e.parse_args(["--steps", str(options.steps), "--warmup", str(options.warmup)])
     device = _common.start_process_group("profile_overlap", "cuda", "nccl", "(none: CUDA only)")
     mesh = init_device_mesh("cuda", (dist.get_world_size(),), mesh_dim_names=("shard",))
-    generator = torch.Generator().manual_seed(1000)
-    tokens = torch.randint(
-        0, args.model.vocab, (args.micro_batch, args.seq + 1), generator=generator
-    ).to(device)
+    tokens = bench_e2e.training_tokens(args, device)
     results = {}
     for variant in VARIANTS:
         results[variant] = summarise(*profiled_steps(variant, args, mesh, device, tokens))
@@ -144,14 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     changes = {k: overlapped.get(k, 0.0) - plain.get(k, 0.0) for k in set(plain) | set(overlapped)}
     largest = sorted(changes, key=lambda k: -abs(changes[k]))[:15]
     record = {
-        "benchmark": "profile_overlap",
-        "device": _common.device_name(device),
-        **_common.versions(dmuon=dmuon.__version__),
-        "git_sha": _common.git_sha(options.git_sha),
-        "date": _common.iso_seconds(_common.utc_now()),
-        "model": vars(args.model),
-        "seq": args.seq,
-        "micro_batch": args.micro_batch,
+        **bench_e2e.profile_record("profile_overlap", args, device, options.git_sha),
         "results": results,
         "largest_kernel_changes_per_step_ms": {k: changes[k] for k in largest},
     }
