@@ -86,14 +86,14 @@ def test_int8_momenta_are_dequantised_in_bounded_batches_with_the_values_of_one_
     generator = torch.Generator().manual_seed(2)
     shape = (4, 2 * INT8_BLOCK)
     grads = [torch.randn(shape, generator=generator) for _ in range(5)]
-    start = [torch.randn(shape, generator=generator) for _ in range(5)]
+    initial = [torch.randn(shape, generator=generator) for _ in range(5)]
     newton_schulz = NewtonSchulz(dtype=torch.float32)
 
     def orthogonalized(batch_bytes):
         monkeypatch.setattr(muon_update, "MATERIALISED_BATCH_BYTES", batch_bytes)
         momenta = [torch.empty(shape, dtype=torch.int8) for _ in range(5)]
         scales = [torch.empty(int8_scale_shape(shape)) for _ in range(5)]
-        for q, scale, value in zip(momenta, scales, start):
+        for q, scale, value in zip(momenta, scales, initial):
             quantize_(q, scale, value)
         output = muon_update.orthogonalized_matrices(
             newton_schulz,
