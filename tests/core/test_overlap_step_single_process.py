@@ -7,7 +7,7 @@ import torch
 
 import dmuon
 from dmuon.hooks import get_dedicated_state
-from dmuon.overlap import chunk_boundaries
+from dmuon.overlap import speculation_chunks
 from dmuon_kernels.newton_schulz import NewtonSchulz
 from tests.distributed.models import TinyDecoder, batches, loss_fn, proj_predicate
 from tests.distributed.models_moe import MoEDecoder, moe_predicate
@@ -84,12 +84,12 @@ def test_chunks_of_several_layers_are_committed_bit_for_bit(skip_layer):
 
 def test_boundaries_are_cut_into_consecutive_chunks_of_about_equal_elements():
     order = list("abcdefghi")
-    chunks = chunk_boundaries(order, dict.fromkeys(order, 10), 4)
+    chunks = speculation_chunks(order, dict.fromkeys(order, 10), 4)
     assert list(chunks.values()) == [0, 0, 0, 1, 1, 2, 2, 3, 3]
     sizes = {"a": 100, "b": 1, "c": 1, "d": 1, "e": 100}
-    assert chunk_boundaries(list(sizes), sizes, 4) == {"a": 0, "b": 1, "c": 1, "d": 2, "e": 2}
-    assert chunk_boundaries(["a", "b"], {"a": 5, "b": 5}, 4) == {"a": 0, "b": 2}
-    assert chunk_boundaries([], {}, 4) == {}
+    assert speculation_chunks(list(sizes), sizes, 4) == {"a": 0, "b": 1, "c": 1, "d": 2, "e": 2}
+    assert speculation_chunks(["a", "b"], {"a": 5, "b": 5}, 4) == {"a": 0, "b": 2}
+    assert speculation_chunks([], {}, 4) == {}
 
 
 def test_a_second_optimizer_with_overlap_on_one_model_is_refused():

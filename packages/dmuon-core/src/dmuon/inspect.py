@@ -30,6 +30,8 @@ What-ifs without a model use the partition itself, re-exported here: ``plan_owne
 ``make_param_specs``, ``ns_cost``, ... are the very functions ``dedicate_params`` runs (pure: no
 tensors, no process group; fast for 10,000 owner slots), and ``what_if_grid(G, R)`` gives the
 owner ranks of a mesh built as ``init_device_mesh(device, (R, G), ("replicate", "shard"))``.
+The overlapped step's cut of an owner's boundaries into chunks (``speculation_chunks``,
+``SPECULATION_CHUNKS``) is re-exported the same way.
 
 [Note: the partition through inspect]
 The partition's pure functions are public through this module rather than ``dmuon/__init__``:
@@ -63,6 +65,7 @@ from dmuon.group import BoundaryGroup, Segment
 from dmuon.hooks import get_dedicated_state
 from dmuon.mesh import OwnershipMesh
 from dmuon.optim import Muon
+from dmuon.overlap import SPECULATION_CHUNKS, speculation_chunks
 from dmuon.param import ADAMW_ROUTE, MUON_ROUTE, DedicatedParam
 from dmuon.partition import (
     DEFAULT_SMALL_PARAM_NUMEL,
@@ -469,6 +472,7 @@ __all__ = [
     "DEFAULT_SMALL_PARAM_NUMEL",
     "FORWARD_PROFILE_ENV",
     "MUON_ROUTE",
+    "SPECULATION_CHUNKS",
     "WHAT_IF_RANK_FORMULA",
     "BoundaryView",
     "ExpertStackView",
@@ -491,6 +495,7 @@ __all__ = [
     "ns_cost",
     "param_cost",
     "plan_ownership",
+    "speculation_chunks",
     "view",
     "what_if_grid",
 ]

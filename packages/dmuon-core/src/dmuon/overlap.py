@@ -75,8 +75,9 @@ the plain step holds only one Newton-Schulz call's transient buffers at a time.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import torch
 from torch import nn
@@ -96,6 +97,7 @@ Apply = Callable[[dict, Call, torch.Tensor], None]
 # How many runs of consecutive boundaries a param group's speculation is cut into: see [Note:
 # speculation chunks].
 SPECULATION_CHUNKS = 4
+Boundary = TypeVar("Boundary", bound=Hashable)
 
 
 @dataclass(frozen=True, slots=True)
@@ -191,7 +193,7 @@ class OverlappedStep:
                 if boundary is not None and m.numel() > 0:
                     elements[boundary] = elements.get(boundary, 0) + m.numel()
             order = [b for b in boundaries if b in elements]
-            for boundary, chunk in chunk_boundaries(order, elements, SPECULATION_CHUNKS).items():
+            for boundary, chunk in speculation_chunks(order, elements).items():
                 self._chunk_of[(group_index, boundary)] = chunk
                 self._chunk_boundaries.setdefault((group_index, chunk), set()).add(boundary)
             for m in param_groups[group_index]["params"]:
@@ -381,11 +383,14 @@ class OverlappedStep:
         )
 
 
-def chunk_boundaries(
-    boundaries: list[BoundaryGroup], elements: dict[BoundaryGroup, int], chunks: int
-) -> dict[BoundaryGroup, int]:
+def speculation_chunks(
+    boundaries: Sequence[Boundary],
+    elements: Mapping[Boundary, int],
+    chunks: int = SPECULATION_CHUNKS,
+) -> dict[Boundary, int]:
     """boundary -> its chunk: ``boundaries`` (in order) cut into at most ``chunks`` runs of
-    about equal ``elements``; a boundary goes where its first element falls."""
+    about equal ``elements``; a boundary goes where its first element falls. Any hashable
+    stands for a boundary (``dmuon-tools simulate`` passes layer indices)."""
     total = sum(elements[b] for b in boundaries)
     chunk_of, start = {}, 0
     for boundary in boundaries:

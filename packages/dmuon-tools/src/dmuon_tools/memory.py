@@ -29,6 +29,9 @@ LOGIT_BYTES_PER_ENTRY = 2 + 4 + 4
 # NorMuon; none on CUDA with the fused kernels) and the Newton-Schulz call's input with its
 # iteration buffers (about 4x NS_CALL_BYTES).
 DMUON_STEP_WORKSPACE_BYTES = 256 * 2**20 + 4 * 256 * 2**20
+# The overlapped step holds, per owned Muon element from its landing in backward to step(), a
+# scratch momentum (fp32) and the Newton-Schulz output (fp16 on CUDA): dmuon.overlap's Note.
+OVERLAP_BYTES_PER_OWNED_ELEMENT = FP32 + 2
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -55,6 +58,7 @@ class MemoryInputs:
     param_bytes: int
     reduce_bytes: int
     activation_checkpointing: bool
+    overlap_step: bool = False  # dmuon.Muon(overlap_step=True), not under TP
 
 
 def memory_gib(inputs: MemoryInputs) -> dict[str, float]:
@@ -102,8 +106,9 @@ def memory_gib(inputs: MemoryInputs) -> dict[str, float]:
     # The gradient of the layer being reduced, in the reduce dtype, and of the root group.
     reduce_buffer = m.reduce_bytes * (m.layer_numel + m.root_numel)
 
+    speculation = OVERLAP_BYTES_PER_OWNED_ELEMENT * m.owned_numel if m.overlap_step else 0.0
     end_of_forward = persistent_without_grads + gathered + saved + logits
-    end_of_backward = persistent + gathered + layer_activations + reduce_buffer
+    end_of_backward = persistent + gathered + layer_activations + reduce_buffer + speculation
     if m.family == "dmuon":
         step_workspace = DMUON_STEP_WORKSPACE_BYTES
     elif m.family == "naive":
@@ -111,8 +116,11 @@ def memory_gib(inputs: MemoryInputs) -> dict[str, float]:
         step_workspace = (FP32 + 4 * 2) * m.largest_matrix_numel
     else:
         step_workspace = 0.0
-    step = persistent + step_workspace
+    # The overlapped step's commit runs no Newton-Schulz: its workspace is the speculation's.
+    step = persistent + (speculation if m.overlap_step else step_workspace)
     result = {name: value / GIB for name, value in parts.items()}
+    if m.overlap_step:
+        result["dmuon speculation (backward to step)"] = speculation / GIB
     result["gathered weights (peak)"] = gathered / GIB
     result["activations saved (end of forward)"] = saved / GIB
     result["logits and loss"] = logits / GIB

@@ -4,7 +4,9 @@ Owns running dmuon's own partition (``dmuon.inspect.plan_ownership``, the functi
 ``dedicate_params`` runs) on a simulated layout and reading off what the step builder needs:
 each owner slot's step time (batched Newton-Schulz and element-wise passes), the slot the step
 waits for, each layer's broadcast segments (one per owner shard index) and, for the heaviest
-owner's shard index, the pieces its replicate group reduces and publishes. Pure.
+owner's shard index, the pieces its replicate group reduces and publishes; and the overlapped
+step's chunks of the heaviest owner's layers, cut by dmuon's own rule
+(``dmuon.inspect.speculation_chunks``). Pure.
 """
 
 from __future__ import annotations
@@ -13,7 +15,13 @@ import math
 from collections import Counter, defaultdict
 from dataclasses import dataclass
 
-from dmuon.inspect import OwnershipPlan, ParamSpec, layer_id_of, plan_ownership
+from dmuon.inspect import (
+    OwnershipPlan,
+    ParamSpec,
+    layer_id_of,
+    plan_ownership,
+    speculation_chunks,
+)
 from dmuon_tools.costs import (
     MUON_BYTES_PER_ELEMENT,
     OVERLAP_COMMIT_BYTES_PER_ELEMENT,
@@ -23,6 +31,15 @@ from dmuon_tools.costs import (
 from dmuon_tools.machine import Machine
 from dmuon_tools.ns_table import shape_key
 from dmuon_tools.workload import Layout, ModelSizes, layer_index
+
+
+@dataclass(frozen=True, slots=True)
+class SpeculationChunk:
+    """One chunk of the overlapped step: consecutive layers whose owner work (momentum and
+    Newton-Schulz batched within the chunk) starts once every one of them has landed."""
+
+    layers: tuple[int, ...]  # in model order; the first lands last in backward
+    ms: float
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -39,10 +56,9 @@ class Owners:
     segments: tuple[tuple[int, ...], ...]
     # per layer: numel of each piece of the heaviest owner's shard index, per owner replica
     replica_pieces: tuple[tuple[int, ...], ...]
-    # The overlapped step (``dmuon.Muon(overlap_step=True)``) of the heaviest slot: per layer,
-    # the work started as the layer's gradients land (momentum and Newton-Schulz batched
-    # within the layer), and the commit left to ``step()`` (decay and update of its masters).
-    overlap_layer_ms: tuple[float, ...] = ()
+    # The overlapped step (``dmuon.Muon(overlap_step=True)``) of the heaviest slot: its chunks
+    # in model order, and the commit left to ``step()`` (decay and update of its masters).
+    overlap_chunks: tuple[SpeculationChunk, ...] = ()
     overlap_commit_ms: float = 0.0
 
 
@@ -55,7 +71,7 @@ def plan_owners(model: ModelSizes, layout: Layout, machine: Machine) -> Owners:
     plan = plan_ownership(specs, layout.num_shards, layout.num_replicas, num_tp=layout.tp)
     shapes = {name: dims for layer in model.layers for name, dims in layer}
     counts: list[Counter[tuple[int, int]]] = [Counter() for _ in range(plan.num_slots)]
-    # (slot, layer) -> NS shape counts: the overlapped step batches within a layer only
+    # (slot, layer) -> NS shape counts: the overlapped step batches within a chunk of layers
     layer_counts: dict[tuple[int, int], Counter[tuple[int, int]]] = defaultdict(Counter)
     numel_per_owner: dict[tuple[int, int], float] = defaultdict(float)  # (shard, replicate)
     segments: list[dict[int, int]] = [defaultdict(int) for _ in model.layers]
@@ -81,14 +97,8 @@ def plan_owners(model: ModelSizes, layout: Layout, machine: Machine) -> Owners:
         if owner.shard == heaviest_shard:
             pieces[layer_index(name)][owner.replicate] += math.prod(shapes[name])
     heaviest_numel = sum(count * a * b for (a, b), count in counts[heaviest].items())
-    overlap_layer_ms = tuple(
-        owner_ns_ms(machine.ns_ms, layer_counts[(heaviest, layer)])
-        + elementwise_ms(
-            sum(count * a * b for (a, b), count in layer_counts[(heaviest, layer)].items()),
-            MUON_BYTES_PER_ELEMENT - OVERLAP_COMMIT_BYTES_PER_ELEMENT,
-            machine.copy_gbps,
-        )
-        for layer in range(len(model.layers))
+    overlap_chunks = _speculation_chunks(
+        [layer_counts[(heaviest, layer)] for layer in range(len(model.layers))], machine
     )
     return Owners(
         plan=plan,
@@ -99,8 +109,33 @@ def plan_owners(model: ModelSizes, layout: Layout, machine: Machine) -> Owners:
         owned_numel_max=max(numel_per_owner.values(), default=0.0) / layout.tp,
         segments=tuple(tuple(v for _, v in sorted(layer.items())) for layer in segments),
         replica_pieces=tuple(tuple(v for _, v in sorted(layer.items())) for layer in pieces),
-        overlap_layer_ms=overlap_layer_ms,
+        overlap_chunks=overlap_chunks,
         overlap_commit_ms=elementwise_ms(
             heaviest_numel, OVERLAP_COMMIT_BYTES_PER_ELEMENT, machine.copy_gbps
         ),
     )
+
+
+def _speculation_chunks(
+    layer_counts: list[Counter[tuple[int, int]]], machine: Machine
+) -> tuple[SpeculationChunk, ...]:
+    """The heaviest owner's layers (its NS shape counts per layer) cut into the overlapped step's
+    chunks as ``dmuon.overlap`` cuts its boundaries, each chunk's owner work priced."""
+    numel = {
+        layer: sum(count * a * b for (a, b), count in counts.items())
+        for layer, counts in enumerate(layer_counts)
+    }
+    owned = [layer for layer, elements in numel.items() if elements > 0]
+    layers_of: dict[int, list[int]] = defaultdict(list)
+    for layer, chunk in speculation_chunks(owned, numel).items():
+        layers_of[chunk].append(layer)
+    chunks = []
+    for chunk in sorted(layers_of):
+        counts = sum((layer_counts[layer] for layer in layers_of[chunk]), Counter())
+        ms = owner_ns_ms(machine.ns_ms, counts) + elementwise_ms(
+            sum(numel[layer] for layer in layers_of[chunk]),
+            MUON_BYTES_PER_ELEMENT - OVERLAP_COMMIT_BYTES_PER_ELEMENT,
+            machine.copy_gbps,
+        )
+        chunks.append(SpeculationChunk(layers=tuple(layers_of[chunk]), ms=ms))
+    return tuple(chunks)

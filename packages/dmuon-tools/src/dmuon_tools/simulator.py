@@ -200,6 +200,7 @@ def _memory_inputs(
         param_bytes=workload.param_bytes,
         reduce_bytes=workload.reduce_bytes,
         activation_checkpointing=workload.activation_checkpointing,
+        overlap_step=system.overlap_step and tp == 1,
     )
 
 

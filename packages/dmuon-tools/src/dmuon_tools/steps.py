@@ -415,28 +415,29 @@ class StepBuilder:
         return ends + [After(op) for ops in publishes.values() for op in ops]
 
     def _overlapped_owner_work(self) -> list[After]:
-        """The overlapped step's work of the heaviest owner, one layer as its gradients land
-        (in backward's order), on the side stream: in the compute's idle time during backward
-        where it fits ([Note: work that only fills idle time] in ``timeline``), after the
-        backward otherwise. Returns what the commit in ``step()`` waits for. Under TP the real
-        step recomputes the sharded matrices, so ``_dmuon_step`` does not call this there."""
+        """The overlapped step's work of the heaviest owner, one chunk of layers once all its
+        layers' gradients have landed (in backward's order), on the side stream: in the
+        compute's idle time during backward where it fits ([Note: work that only fills idle
+        time] in ``timeline``), after the backward otherwise. Returns what the commit in
+        ``step()`` waits for. Under TP the real step recomputes the sharded matrices, so
+        ``_dmuon_step`` does not call this there."""
         side_end: After | None = None
-        for layer in reversed(range(self.model.num_layers)):
-            ms = self.owners.overlap_layer_ms[layer]
-            if ms <= 0:
+        for chunk in reversed(self.owners.overlap_chunks):
+            if chunk.ms <= 0:
                 continue
-            landing = [After(op) for op in self.landings.get(layer, [])]
+            landing = [After(op) for layer in chunk.layers for op in self.landings.get(layer, [])]
             deps = landing + ([side_end] if side_end is not None else [])
+            first, last = chunk.layers[0], chunk.layers[-1]
             op = Op(
-                name=f"owner step layer {layer} (speculative)",
+                name=f"owner step layers {first}-{last} (speculative)",
                 stream="dmuon owner step",
                 resource="compute",
                 kind="optimizer",
-                duration_ms=ms,
+                duration_ms=chunk.ms,
                 deps=tuple(deps),
                 step=self.step,
                 phase="backward",
-                layer=layer,
+                layer=first,  # the chunk's last layer to land
             )
             ready = max((self.timeline.ops[d.op].end_ms for d in deps), default=0.0)
             pieces, left = self.timeline.fill_idle(op, ready)
