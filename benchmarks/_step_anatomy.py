@@ -16,6 +16,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Sequence
 
+from dmuon_kernels.coefficients import DEFAULT_COEFFICIENTS
 from dmuon_kernels.newton_schulz import DEFAULT_RESTART_ITERATIONS, uses_gram_form
 
 SYMMETRIC_GEMM = "symmetric GEMM (quack, cute)"
@@ -26,7 +27,7 @@ COPIES = "copies and fills"
 OTHER = "other"
 CLASSES = (SYMMETRIC_GEMM, FULL_GEMM, FUSED_PASSES, FOREACH, COPIES, OTHER)
 
-NS_STEPS = 5  # rows of the default coefficient table
+NS_STEPS = len(DEFAULT_COEFFICIENTS)  # one iteration a row
 
 # dmuon's Triton kernels are module-private functions named "_<what>_kernel".
 _TRITON_NAME = re.compile(r"^_\w+_kernel$")

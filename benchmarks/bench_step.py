@@ -83,11 +83,6 @@ class ProjectionStack(nn.Module):
             self.layers.append(layer)
 
 
-def gram_ns_flops(shape: tuple[int, int]) -> float:
-    n, m = min(shape), max(shape)
-    return 6.0 * n * n * m + 14.0 * n**3
-
-
 def random_gradients(shapes: list[tuple[int, int]], device, seed: int = 0) -> list[torch.Tensor]:
     generator = torch.Generator(device=device).manual_seed(seed)
     return [torch.randn(shape, device=device, generator=generator) for shape in shapes]
@@ -328,7 +323,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(0)
     shapes = [shape for _ in range(NUM_LAYERS) for shape in layer_shapes.values()]
     num_params = sum(rows * cols for rows, cols in shapes)
-    floor_ms = sum(gram_ns_flops(shape) for shape in shapes) / (PEAK_TFLOPS * 1e12) * 1e3
+    floor_ms = sum(dmuon.inspect.ns_cost(shape) for shape in shapes) / (PEAK_TFLOPS * 1e12) * 1e3
     name = _common.device_name(device)
     print(
         f"bench_step: {len(shapes)} matrices, {num_params / 1e9:.3f} B params (fp32) on {name}; "

@@ -227,7 +227,11 @@ class TorchQuack:
     def check(t: Tensor) -> None:
         assert t.shape[-1] % 8 == 0 and t.shape[-2] % 8 == 0, t.shape
         assert t.data_ptr() % 16 == 0
-        assert 1 in t.stride()[-2:] and all(s % 8 == 0 for s in t.stride() if s != 1), t.stride()
+        strides = t.stride()
+        assert strides[-1] == 1 or strides[-2] == 1, f"no unit stride in the last two: {strides}"
+        assert all(s % 8 == 0 for s in strides if s != 1), (
+            f"a stride not a multiple of 8: {strides}"
+        )
 
     def product(self, entry, A, B, C, alpha, beta) -> Tensor:
         for operand in (A, B) if C is None else (A, B, C):

@@ -84,7 +84,7 @@ def plan_owners(model: ModelSizes, layout: Layout, machine: Machine) -> Owners:
     step_ms = tuple(
         owner_ns_ms(machine.ns_ms, slot_counts)
         + elementwise_ms(
-            sum(count * a * b for (a, b), count in slot_counts.items()),
+            _numel(slot_counts),
             MUON_BYTES_PER_ELEMENT,
             machine.copy_gbps,
         )
@@ -96,7 +96,7 @@ def plan_owners(model: ModelSizes, layout: Layout, machine: Machine) -> Owners:
     for name, owner in plan.owners.items():
         if owner.shard == heaviest_shard:
             pieces[layer_index(name)][owner.replicate] += math.prod(shapes[name])
-    heaviest_numel = sum(count * a * b for (a, b), count in counts[heaviest].items())
+    heaviest_numel = _numel(counts[heaviest])
     overlap_chunks = _speculation_chunks(
         [layer_counts[(heaviest, layer)] for layer in range(len(model.layers))], machine
     )
@@ -121,10 +121,7 @@ def _speculation_chunks(
 ) -> tuple[SpeculationChunk, ...]:
     """The heaviest owner's layers (its NS shape counts per layer) cut into the overlapped step's
     chunks as ``dmuon.overlap`` cuts its boundaries, each chunk's owner work priced."""
-    numel = {
-        layer: sum(count * a * b for (a, b), count in counts.items())
-        for layer, counts in enumerate(layer_counts)
-    }
+    numel = {layer: _numel(counts) for layer, counts in enumerate(layer_counts)}
     owned = [layer for layer, elements in numel.items() if elements > 0]
     layers_of: dict[int, list[int]] = defaultdict(list)
     for layer, chunk in speculation_chunks(owned, numel).items():
@@ -139,3 +136,8 @@ def _speculation_chunks(
         )
         chunks.append(SpeculationChunk(layers=tuple(layers_of[chunk]), ms=ms))
     return tuple(chunks)
+
+
+def _numel(counts: Counter[tuple[int, int]]) -> int:
+    """Elements of the matrices an NS shape count stands for."""
+    return sum(count * a * b for (a, b), count in counts.items())
