@@ -200,6 +200,30 @@ def test_an_input_over_the_graph_size_limit_stays_eager_and_keeps_no_memory():
     assert graphed.mode(small) == "graph"
 
 
+def test_a_call_may_raise_the_graph_size_limit_for_its_own_inputs():
+    """``max_numel`` (the overlapped step's Newton-Schulz calls) captures inputs over the default
+    limit; without it the same signature stays eager."""
+    graphed = GraphedFunction(lambda x: x * 2)
+    x = torch.ones(64, 64, device="cuda")
+    for _ in range(3):
+        assert torch.equal(graphed(x, max_numel=64 * 64 - 1), x * 2)
+    assert graphed.mode(x) == "eager"
+    for _ in range(3):
+        assert torch.equal(graphed(x, max_numel=64 * 64), x * 2)
+    assert graphed.mode(x) == "graph"
+    ns, eager = NewtonSchulz(), eager_newton_schulz()
+    X = torch.stack([spectrum_matrix(128, 512, seed=s) for s in range(4)]).cuda().half()
+    X = X / torch.linalg.matrix_norm(X.float(), keepdim=True).half()
+    for _ in range(3):
+        assert torch.equal(ns.iterate_normalized(X, graph_max_numel=1), eager.iterate_normalized(X))
+    assert ns.iteration_graphs.graph_count == 0
+    for _ in range(3):
+        assert torch.equal(
+            ns.iterate_normalized(X, graph_max_numel=X.numel()), eager.iterate_normalized(X)
+        )
+    assert ns.iteration_graphs.mode(X) == "graph"
+
+
 # --- the whole-call graph behind ns(G) ----------------------------------------------------------
 
 WHOLE_CALL_CASES = {**CASES, "batched": (4, 128, 512), "batched_tall": (4, 512, 128)}

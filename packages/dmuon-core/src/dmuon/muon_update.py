@@ -123,13 +123,15 @@ def orthogonalized_matrices(
     momentum: float,
     nesterov: bool,
     scales: list[Tensor] | None = None,
+    graph_max_numel: int | None = None,
 ) -> Tensor:
     """B matrices of one Newton-Schulz shape (an (m, n) and an (n, m) matrix share one), with
     equal (rows, cols) adjacent: momentum and Nesterov into ``momenta``, the normalised input and
     one batched Newton-Schulz; returns its output (B, short, long). ``grads`` and ``momenta`` are
     fp32 (rows, cols) matrices (``momenta`` fp32 or bf16, or int8 with their ``scales``);
-    ``first_steps[i]``: the momentum buffer is new (``buf = g``). The overlapped step runs it
-    during backward on momentum copies (``dmuon.overlap``)."""
+    ``first_steps[i]``: the momentum buffer is new (``buf = g``); ``graph_max_numel``: see
+    ``NewtonSchulz.iterate_normalized``. The overlapped step runs it during backward on momentum
+    copies (``dmuon.overlap``)."""
     rows, cols = grads[0].shape
     inputs = newton_schulz.normalized_buffer(
         (len(grads), min(rows, cols), max(rows, cols)), grads[0].device
@@ -145,7 +147,7 @@ def orthogonalized_matrices(
             out=inputs[start:stop],
             scales=None if scales is None else scales[start:stop],
         )
-    return newton_schulz.iterate_normalized(inputs)
+    return newton_schulz.iterate_normalized(inputs, graph_max_numel=graph_max_numel)
 
 
 def apply_matrices_(

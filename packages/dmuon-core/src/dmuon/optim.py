@@ -53,7 +53,7 @@ from dmuon.muon_update import (
 )
 from dmuon.nonfinite import check_policy
 from dmuon.offload import MasterOffload, check_masters_can_be_offloaded
-from dmuon.overlap import OverlappedStep, OverlapStepStats
+from dmuon.overlap import SPECULATION_GRAPH_MAX_NUMEL, OverlappedStep, OverlapStepStats
 from dmuon.param import MUON_ROUTE, DedicatedParam, is_dedicated
 from dmuon.routing import (
     ADJUST_LR,
@@ -613,6 +613,7 @@ class Muon(torch.optim.Optimizer):
             momentum=group["momentum"],
             nesterov=group["nesterov"],
             scales=scales,
+            graph_max_numel=None if self._overlap is None else SPECULATION_GRAPH_MAX_NUMEL,
         )
 
     def _apply_call(
@@ -645,11 +646,13 @@ class Muon(torch.optim.Optimizer):
         computed into a new buffer (``scratch``, id -> buffer), the state left untouched;
         returns each call's matrices and Newton-Schulz output, which ``_apply_call`` applies
         at commit."""
-        first_step_of = {}
+        first_step_of, sources, copies = {}, [], []
         for master in masters:
             buffer = self.state.get(master, {}).get("momentum_buffer")
-            if buffer is not None:
-                scratch[id(master)], first_step_of[id(master)] = buffer.clone(), False
+            if buffer is not None:  # copied below, in one launch for the unit
+                scratch[id(master)], first_step_of[id(master)] = torch.empty_like(buffer), False
+                sources.append(buffer)
+                copies.append(scratch[id(master)])
             else:  # as ``_momentum_of`` creates it: zeros for an expert piece, whose experts
                 # each run ``buf = momentum * 0 + g``
                 create = torch.zeros if is_expert_piece(master) else torch.empty
@@ -657,6 +660,8 @@ class Muon(torch.optim.Optimizer):
                     _momentum_shape(master), dtype=torch.float32, device=master.device
                 )
                 first_step_of[id(master)] = not is_expert_piece(master)
+        if copies:
+            torch._foreach_copy_(copies, sources)
         calls = []
         for call in _ns_calls_of(masters, self._row_blocks):
             grads_of_call = [_matrix(grads[id(master)], expert) for master, expert in call]

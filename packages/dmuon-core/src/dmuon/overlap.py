@@ -66,6 +66,17 @@ Muon param group's boundaries, in the model's order, are cut into ``SPECULATION_
 about equal owned elements: each Newton-Schulz batch is a quarter of the plain step's, and
 three quarters of the owner work can still start before backward ends.
 
+[Note: speculation graphs]
+The speculation's launches are made from backward, on its thread: where backward is host-bound
+(world size 1 on the H200), each one delays backward's own launches, and eager Newton-Schulz
+calls were most of it (the speculation's host time per iteration of the 0.89 B Llama: 38.9 ms
+eager, 17.1 ms with graphs; ``benchmarks/results/overlap-timeline-h200-*.json``). So in this
+mode every Newton-Schulz call (speculated or computed by ``step()``, one chunk's matrices of a
+shape) replays a CUDA graph up to ``SPECULATION_GRAPH_MAX_NUMEL`` elements, where the plain
+step stops at ``dmuon_kernels.graphs.GRAPH_MAX_NUMEL``. A graph keeps its input, output and
+intermediates for good: about three times the call's input (fp16), once per shape, since the
+chunks of a uniform model share their shapes.
+
 Memory: from landing to ``step()``, per speculated matrix, a scratch momentum (fp32, 4 bytes an
 element; the old buffer is freed at commit) and the Newton-Schulz output (its dtype: 2 bytes an
 element in fp16 on CUDA, 4 in fp32 on CPU): about 6 bytes per owned Muon element on CUDA, where
@@ -97,6 +108,9 @@ Apply = Callable[[dict, Call, torch.Tensor], None]
 # How many runs of consecutive boundaries a param group's speculation is cut into: see [Note:
 # speculation chunks].
 SPECULATION_CHUNKS = 4
+# The largest Newton-Schulz input the overlapped step replays as a CUDA graph: see [Note:
+# speculation graphs]. 2**28 fp16 elements: 512 MiB of input.
+SPECULATION_GRAPH_MAX_NUMEL = 2**28
 Boundary = TypeVar("Boundary", bound=Hashable)
 
 

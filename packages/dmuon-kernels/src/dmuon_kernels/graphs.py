@@ -13,7 +13,8 @@ small matrices). It must not know what the function computes, and must never cha
   signatures capture on a fresh pool and stream (a failure on the CUDA side can leave the old
   pool marked as still recording);
 - Python's cyclic garbage collector is off while a graph is captured (see ``_capture``);
-- inputs on the CPU, inputs that need grad, inputs over ``GRAPH_MAX_NUMEL`` elements, calls made
+- inputs on the CPU, inputs that need grad, inputs over ``GRAPH_MAX_NUMEL`` elements (or the
+  call's ``max_numel``), calls made
   while another capture is in progress, and everything when ``DMUON_NS_CUDA_GRAPH=0`` run eagerly;
 - each capture (its eager reference run, the capture, the check replay) is timed as a
   ``capture`` phase (``dmuon_kernels._log``) and announced with its seconds
@@ -83,8 +84,14 @@ class GraphedFunction:
         self._pools: dict[torch.device, object] = {}
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
 
-    def __call__(self, x: Tensor, *, out_dtype: torch.dtype | None = None) -> Tensor:
-        """``fn(x)`` cast to ``out_dtype`` (default: fn's dtype), always a fresh tensor."""
+    def __call__(
+        self, x: Tensor, *, out_dtype: torch.dtype | None = None, max_numel: int | None = None
+    ) -> Tensor:
+        """``fn(x)`` cast to ``out_dtype`` (default: fn's dtype), always a fresh tensor.
+
+        ``max_numel`` (default ``GRAPH_MAX_NUMEL``): the largest input that may be captured, for
+        a caller whose launches cost more than the graph's memory (an overlapped step's
+        Newton-Schulz calls, launched from backward); a graph already captured always replays."""
         signature = _signature(x)
         captured = self._captured.get(signature)
         if captured is not None:
@@ -92,7 +99,7 @@ class GraphedFunction:
                 captured.static_input.copy_(x)
             captured.graph.replay()
             return _fresh(captured.static_output, out_dtype)
-        if not self._may_capture(x, signature):
+        if not self._may_capture(x, signature, max_numel):
             return _cast(self.fn(x), out_dtype)
         if signature not in self._warmed:
             self._warmed.add(signature)
@@ -141,11 +148,11 @@ class GraphedFunction:
         self._eager_only.clear()
         self._pools.clear()
 
-    def _may_capture(self, x: Tensor, signature: Signature) -> bool:
+    def _may_capture(self, x: Tensor, signature: Signature, max_numel: int | None) -> bool:
         return (
             self.enabled
             and x.is_cuda
-            and x.numel() <= GRAPH_MAX_NUMEL
+            and x.numel() <= (GRAPH_MAX_NUMEL if max_numel is None else max_numel)
             and not (x.requires_grad and torch.is_grad_enabled())
             and signature not in self._eager_only
             and not torch.cuda.is_current_stream_capturing()

@@ -614,17 +614,18 @@ class NewtonSchulz:
         buffer = self._graphed.static_input(shape, dtype, device)
         return torch.empty(shape, dtype=dtype, device=device) if buffer is None else buffer
 
-    def iterate_normalized(self, X: Tensor) -> Tensor:
+    def iterate_normalized(self, X: Tensor, *, graph_max_numel: int | None = None) -> Tensor:
         """The iteration alone on X (B, n, m), n <= m, in ``iteration_dtype(X.device)``, each
         matrix already divided by its Frobenius norm + eps; returns a fresh tensor of X's shape
-        and dtype."""
+        and dtype. ``graph_max_numel``: the largest X whose signature may get a CUDA graph
+        (default ``dmuon_kernels.graphs.GRAPH_MAX_NUMEL``)."""
         dtype = self.iteration_dtype(X.device)
         if X.dim() != 3 or X.dtype != dtype or X.shape[-2] > X.shape[-1]:
             raise ValueError(
                 f"iterate_normalized takes (B, n, m) with n <= m in {dtype}; got "
                 f"{tuple(X.shape)} in {X.dtype}. Use ns(G) for inputs it should normalise itself."
             )
-        return self._graphed(X)
+        return self._graphed(X, max_numel=graph_max_numel)
 
     @property
     def graphs(self) -> GraphedFunction:

@@ -1,0 +1,102 @@
+"""``dmuon.Muon(overlap_step=True)`` on CUDA at world size 1 (no torch.distributed): the
+speculation on its side stream, each of its Newton-Schulz calls a CUDA graph up to
+``dmuon.overlap.SPECULATION_GRAPH_MAX_NUMEL``. What ``step()`` commits equals, bit for bit, the
+same step computed by ``step()`` itself from the same gradients; both are close to the plain
+schedule, which batches Newton-Schulz across chunks. (On CPU and gloo:
+tests/core/test_overlap_step_single_process.py, tests/distributed/test_overlap_step.py.)"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import dmuon
+import dmuon_kernels.graphs
+from dmuon.hooks import get_dedicated_state
+
+VOCAB, DIM, LAYERS, STEPS = 256, 512, 8, 3  # eight layers: four chunks of two
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(DIM)
+        self.up_proj = nn.Linear(DIM, 2 * DIM, bias=False)
+        self.down_proj = nn.Linear(2 * DIM, DIM, bias=False)
+        self.out_proj = nn.Linear(DIM, DIM, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.out_proj(self.down_proj(F.gelu(self.up_proj(self.norm(x)))))
+
+
+class Decoder(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, DIM)
+        self.layers = nn.ModuleList(Block() for _ in range(LAYERS))
+        self.lm_head = nn.Linear(DIM, VOCAB, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        for layer in self.layers:
+            x = layer(x)
+        return self.lm_head(x)
+
+
+def train(overlap: bool, recompute: bool = False):
+    """Masters and momenta after STEPS steps; ``recompute``: every gradient is multiplied by 1
+    in place before ``step()`` (same values, a new version), so ``step()`` discards each
+    speculation and computes the unit itself."""
+    torch.manual_seed(0)
+    model = Decoder().to("cuda", torch.bfloat16)
+    dmuon.dedicate_params(model, None, lambda name, p: "proj" in name and p.ndim == 2)
+    optimizer = dmuon.Muon(model, weight_decay=0.01, overlap_step=overlap)
+    owned = [p for p in get_dedicated_state(model).iter_owned_masters() if p.route == "muon"]
+    generator = torch.Generator().manual_seed(1)
+    for _ in range(STEPS):
+        tokens = torch.randint(0, VOCAB, (4, 129), generator=generator).cuda()
+        logits = model(tokens[:, :-1])
+        F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten()).backward()
+        if recompute:
+            for p in owned:
+                p.master.grad.mul_(1.0)
+        optimizer.step()
+        optimizer.zero_grad()
+    torch.cuda.synchronize()
+    weights = {p.fqn: p.master.detach().clone() for p in owned}
+    momenta = {p.fqn: optimizer.state[p.master]["momentum_buffer"].clone() for p in owned}
+    return weights, momenta, optimizer
+
+
+@pytest.mark.parametrize("plain_graph_limit", [None, 1], ids=["default", "plain-step-eager"])
+def test_committed_speculation_is_the_step_recomputed_bit_for_bit(monkeypatch, plain_graph_limit):
+    """With the plain limit at 1 element no plain call replays a graph, while the overlapped
+    step's calls still do (their own limit): committed and recomputed take the same graphs."""
+    if plain_graph_limit is not None:
+        monkeypatch.setattr(dmuon_kernels.graphs, "GRAPH_MAX_NUMEL", plain_graph_limit)
+    weights, momenta, optimizer = train(overlap=True)
+    stats = optimizer.overlap_stats()
+    matrices = len(momenta)
+    assert stats.speculated == stats.committed == STEPS * matrices and stats.recomputed == 0
+    assert optimizer.newton_schulz.iteration_graphs.graph_count >= 1
+    again, again_momenta, recomputing = train(overlap=True, recompute=True)
+    stats = recomputing.overlap_stats()
+    assert stats.committed == 0 and stats.recomputed == stats.discarded == STEPS * matrices
+    for name in weights:
+        assert torch.equal(weights[name], again[name]), name
+        assert torch.equal(momenta[name], again_momenta[name]), name
+    if plain_graph_limit is not None:
+        _, _, plain = train(overlap=False)
+        assert plain.newton_schulz.iteration_graphs.graph_count == 0
+
+
+def test_the_overlapped_step_is_close_to_the_plain_schedule():
+    """The plain schedule batches each shape's Newton-Schulz over all layers, the overlapped one
+    over a chunk's: the kernels may round differently by batch, never by more than that."""
+    weights, momenta, _ = train(overlap=False)
+    overlapped, overlapped_momenta, _ = train(overlap=True)
+    for name in weights:
+        torch.testing.assert_close(overlapped[name], weights[name], rtol=0, atol=1e-4)
+        torch.testing.assert_close(overlapped_momenta[name], momenta[name], rtol=1e-5, atol=1e-6)
