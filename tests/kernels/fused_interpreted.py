@@ -93,6 +93,32 @@ def normalized_inputs_cases():
         }
 
 
+def new_momenta_cases():
+    """The new momentum into separate buffers (the overlapped step's speculation): the old ones
+    untouched, the new ones and the output bit for bit the in-place run's, on either path."""
+    rows, cols = SHAPE
+    first_steps = [False, True, False]
+    grads, buffers = step_inputs(3, SHAPE, torch.float32, seed=2, aligned=True)
+    for enabled in (True, False):
+        with_kernels(enabled)
+        in_place = [b.clone() for b in buffers]
+        expected_out = torch.empty(3, rows, cols, dtype=torch.float16)
+        fused.muon_normalized_inputs_(grads, in_place, first_steps, MOMENTUM, True, expected_out)
+        read = [b.clone() for b in buffers]
+        new = [torch.full_like(b, 7.0) for b in buffers]
+        out = torch.empty(3, rows, cols, dtype=torch.float16)
+        fused.muon_normalized_inputs_(
+            grads, read, first_steps, MOMENTUM, True, out, new_momenta=new
+        )
+        yield {
+            "case": "new_momenta",
+            "kernels": enabled,
+            "read_unchanged": all(torch.equal(r, b) for r, b in zip(read, buffers)),
+            "new_equal": all(torch.equal(n, i) for n, i in zip(new, in_place)),
+            "out_equal": torch.equal(out, expected_out),
+        }
+
+
 def single_matrix_cases():
     for nesterov in (True, False):
         for first_step in (True, False):
@@ -173,6 +199,7 @@ def apply_update_cases():
 def main() -> None:
     for cases in (
         normalized_inputs_cases,
+        new_momenta_cases,
         single_matrix_cases,
         normalize_frobenius_cases,
         apply_update_cases,

@@ -146,6 +146,11 @@ def test_normalized_inputs_refuse_mismatched_lists_and_outputs_with_the_sizes():
         muon_normalized_inputs_([grad], [buf, buf], [False], MOMENTUM, True, torch.empty(1, 4, 6))
     with pytest.raises(ValueError, match=r"gradients of shape \(4, 6\); got \(1, 4, 4\)"):
         muon_normalized_inputs_([grad], [buf], [False], MOMENTUM, True, torch.empty(1, 4, 4))
+    out = torch.empty(1, 4, 6)
+    with pytest.raises(ValueError, match="new_momenta must be one buffer per momentum buffer"):
+        muon_normalized_inputs_(
+            [grad], [buf], [False], MOMENTUM, True, out, new_momenta=[buf.double()]
+        )
 
 
 def test_normalize_frobenius_equals_the_quotient_rounded_once_and_survives_any_scale():

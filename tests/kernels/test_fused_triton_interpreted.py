@@ -62,6 +62,13 @@ def test_fused_inputs_match_the_fallback_within_one_rounding_and_stay_finite_at_
             assert case["out_ulps"] <= ULPS[case["dtype"]], case
 
 
+def test_momentum_into_new_buffers_leaves_the_old_ones_and_equals_the_in_place_run(results):
+    found = cases(results, "new_momenta")
+    assert {case["kernels"] for case in found} == {True, False}
+    for case in found:
+        assert case["read_unchanged"] and case["new_equal"] and case["out_equal"], case
+
+
 def test_single_matrix_momentum_and_normalize_match_the_fallback(results):
     for case in cases(results, "momentum_then_normalize"):
         assert case["update_is_buffer"], case

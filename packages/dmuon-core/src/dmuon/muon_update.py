@@ -124,14 +124,18 @@ def orthogonalized_matrices(
     nesterov: bool,
     scales: list[Tensor] | None = None,
     graph_max_numel: int | None = None,
+    new_momenta: list[Tensor] | None = None,
 ) -> Tensor:
     """B matrices of one Newton-Schulz shape (an (m, n) and an (n, m) matrix share one), with
     equal (rows, cols) adjacent: momentum and Nesterov into ``momenta``, the normalised input and
     one batched Newton-Schulz; returns its output (B, short, long). ``grads`` and ``momenta`` are
     fp32 (rows, cols) matrices (``momenta`` fp32 or bf16, or int8 with their ``scales``);
     ``first_steps[i]``: the momentum buffer is new (``buf = g``); ``graph_max_numel``: see
-    ``NewtonSchulz.iterate_normalized``. The overlapped step runs it during backward on momentum
-    copies (``dmuon.overlap``)."""
+    ``NewtonSchulz.iterate_normalized``. The overlapped step runs it during backward with
+    ``new_momenta`` (fp32 or bf16 buffers like ``momenta``, which are then only read), so the
+    optimizer state stays as it is (``dmuon.overlap``)."""
+    if new_momenta is not None and scales is not None:
+        raise ValueError("orthogonalized_matrices: new_momenta does not take int8 momenta")
     rows, cols = grads[0].shape
     inputs = newton_schulz.normalized_buffer(
         (len(grads), min(rows, cols), max(rows, cols)), grads[0].device
@@ -146,6 +150,7 @@ def orthogonalized_matrices(
             nesterov,
             out=inputs[start:stop],
             scales=None if scales is None else scales[start:stop],
+            new_momenta=None if new_momenta is None else new_momenta[start:stop],
         )
     return newton_schulz.iterate_normalized(inputs, graph_max_numel=graph_max_numel)
 
@@ -228,14 +233,18 @@ def normalized_inputs_(
     out: Tensor,
     eps: float = DEFAULT_NS_EPS,
     scales: list[Tensor] | None = None,
+    new_momenta: list[Tensor] | None = None,
 ) -> None:
     """Momentum (``buf = momentum·buf + g``, or ``buf = g`` on a first step) then the Muon
     input ``u = g + momentum·buf`` (Nesterov) or ``u = buf``, each divided by its Frobenius norm
     (+ ``eps``) and written into ``out``: (B, rows, cols), or its ``.mT`` for tall matrices, in
     the Newton-Schulz dtype. ``grads`` are B fp32 (rows, cols) matrices, ``momenta`` their fp32
-    or bf16 buffers, or int8 ones with their ``scales`` ([Note: 8-bit momentum])."""
+    or bf16 buffers, or int8 ones with their ``scales`` ([Note: 8-bit momentum]); with
+    ``new_momenta`` (not for int8) the new buffers go there and ``momenta`` are only read."""
     if scales is None:
-        muon_normalized_inputs_(grads, momenta, first_steps, momentum, nesterov, out, eps)
+        muon_normalized_inputs_(
+            grads, momenta, first_steps, momentum, nesterov, out, eps, new_momenta=new_momenta
+        )
         return
     wide = [dequantized(q, scale) for q, scale in zip(momenta, scales, strict=True)]
     muon_normalized_inputs_(grads, wide, first_steps, momentum, nesterov, out, eps)

@@ -602,9 +602,10 @@ class Muon(torch.optim.Optimizer):
         momenta: list[torch.Tensor],
         first_steps: list[bool],
         scales: list[torch.Tensor] | None = None,
+        new_momenta: list[torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        """Momentum and Nesterov (into ``momenta``) and one batched Newton-Schulz of one call's
-        matrices; returns its output (B, short, long)."""
+        """Momentum and Nesterov (into ``momenta``, or from them into ``new_momenta``) and one
+        batched Newton-Schulz of one call's matrices; returns its output (B, short, long)."""
         return muon_update.orthogonalized_matrices(
             self._newton_schulz,
             grads,
@@ -614,6 +615,7 @@ class Muon(torch.optim.Optimizer):
             nesterov=group["nesterov"],
             scales=scales,
             graph_max_numel=None if self._overlap is None else SPECULATION_GRAPH_MAX_NUMEL,
+            new_momenta=new_momenta,
         )
 
     def _apply_call(
@@ -643,16 +645,15 @@ class Muon(torch.optim.Optimizer):
     ) -> list[tuple[list[tuple[nn.Parameter, int | None]], torch.Tensor]]:
         """The overlapped step's work during backward on one unit: ``_muon_update``'s, with
         each master's gradient from ``grads`` (id -> its landed gradient) and its momentum
-        computed into a new buffer (``scratch``, id -> buffer), the state left untouched;
-        returns each call's matrices and Newton-Schulz output, which ``_apply_call`` applies
-        at commit."""
-        first_step_of, sources, copies = {}, [], []
+        computed from the state's buffer into a new one (``scratch``, id -> buffer), the state
+        left untouched; returns each call's matrices and Newton-Schulz output, which
+        ``_apply_call`` applies at commit."""
+        first_step_of, read = {}, {}
         for master in masters:
             buffer = self.state.get(master, {}).get("momentum_buffer")
-            if buffer is not None:  # copied below, in one launch for the unit
+            if buffer is not None:
                 scratch[id(master)], first_step_of[id(master)] = torch.empty_like(buffer), False
-                sources.append(buffer)
-                copies.append(scratch[id(master)])
+                read[id(master)] = buffer
             else:  # as ``_momentum_of`` creates it: zeros for an expert piece, whose experts
                 # each run ``buf = momentum * 0 + g``
                 create = torch.zeros if is_expert_piece(master) else torch.empty
@@ -660,17 +661,16 @@ class Muon(torch.optim.Optimizer):
                     _momentum_shape(master), dtype=torch.float32, device=master.device
                 )
                 first_step_of[id(master)] = not is_expert_piece(master)
-        if copies:
-            torch._foreach_copy_(copies, sources)
+                read[id(master)] = scratch[id(master)]  # read and written in place
         calls = []
         for call in _ns_calls_of(masters, self._row_blocks):
             grads_of_call = [_matrix(grads[id(master)], expert) for master, expert in call]
-            momenta = [
-                scratch[id(master)] if expert is None else scratch[id(master)][expert]
-                for master, expert in call
-            ]
+            momenta = [_matrix(read[id(master)], expert) for master, expert in call]
+            new_momenta = [_matrix(scratch[id(master)], expert) for master, expert in call]
             first_steps = [first_step_of[id(master)] for master, _ in call]
-            output = self._orthogonal(group, grads_of_call, momenta, first_steps)
+            output = self._orthogonal(
+                group, grads_of_call, momenta, first_steps, new_momenta=new_momenta
+            )
             calls.append((call, output))
         return calls
 

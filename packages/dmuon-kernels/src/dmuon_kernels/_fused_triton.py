@@ -63,8 +63,11 @@ def _sum_of_squares(x):  # fp32 tile -> fp64 scalar
 @triton.jit(do_not_specialize=["batch"])
 def _momentum_kernel(
     grad_ptr,  # first of B gradients (rows, cols), rows contiguous, any float dtype
-    buf_ptr,  # first of B momentum buffers (rows, cols), rows contiguous; updated in place
-    table_ptr,  # int64 (3, B): gradient offsets / GRAD_VEC, buffer offsets / BUF_VEC, first-step flags
+    buf_ptr,  # first of B momentum buffers (rows, cols), rows contiguous; read
+    new_ptr,  # first of B buffers the new momentum goes to (the buffers themselves: in place)
+    # int64 (4, B): gradient offsets / GRAD_VEC, buffer offsets / BUF_VEC, first-step flags,
+    # new-buffer offsets / BUF_VEC
+    table_ptr,
     out_ptr,  # (B, rows, cols) at strides (out_bs, out_rs, out_cs): u, or u scaled per tile
     exponent_ptr,  # int32 (B, tiles): the tile's scale is 2^-exponent (OUT_MODE 2)
     partial_ptr,  # fp64 (B, tiles): the tile's sum of u²
@@ -88,11 +91,12 @@ def _momentum_kernel(
     grad_at = grad_ptr + tl.load(table_ptr + matrix) * GRAD_VEC + element
     buf_at = buf_ptr + tl.load(table_ptr + batch + matrix) * BUF_VEC + element
     first_step = tl.load(table_ptr + 2 * batch + matrix) != 0
+    new_at = new_ptr + tl.load(table_ptr + 3 * batch + matrix) * BUF_VEC + element
     g = tl.load(grad_at, mask=mask, other=0.0).to(tl.float32)
     # A first step's buffer is uninitialised: loaded, then discarded by the where.
     b = tl.load(buf_at, mask=mask, other=0.0).to(tl.float32)
     b = tl.where(first_step, g, b * momentum + g)
-    tl.store(buf_at, b.to(buf_ptr.dtype.element_ty), mask=mask)
+    tl.store(new_at, b.to(new_ptr.dtype.element_ty), mask=mask)
     if NESTEROV:  # noqa: SIM108 (a constexpr branch, resolved at compile time)
         u = g + b * momentum
     else:
@@ -249,17 +253,26 @@ def momentum_pass(
     nesterov: bool,
     out: Tensor | None,  # (B, rows, cols), any strides; None: u is the buffer (no Nesterov)
     scaled: bool,
+    new_buffers: Sequence[Tensor] | None = None,  # B (rows, cols) like ``buffers``; default: them
 ) -> tuple[Tensor, Tensor | None] | None:
-    """Pass 1: buffers updated, u (or u scaled per tile) into ``out``; returns each matrix's sum
-    of u² (fp64 (B,)) and the tile exponents (int32 (B, tiles); None unless ``scaled``), or None
-    when no table can be made now."""
+    """Pass 1: the new momentum into ``new_buffers`` (the buffers themselves by default), u (or
+    u scaled per tile) into ``out``; returns each matrix's sum of u² (fp64 (B,)) and the tile
+    exponents (int32 (B, tiles); None unless ``scaled``), or None when no table can be made
+    now."""
     _await_compiles_ahead()
     batch = len(grads)
     rows, cols = grads[0].shape
     device = grads[0].device
-    grad_vec, buf_vec = vector_width(grads), vector_width(buffers)
+    new_buffers = buffers if new_buffers is None else new_buffers
+    grad_vec, buf_vec = vector_width(grads), vector_width([*buffers, *new_buffers])
     table = offset_table(
-        [*offsets(grads, grad_vec), *offsets(buffers, buf_vec), *map(int, first_steps)], device
+        [
+            *offsets(grads, grad_vec),
+            *offsets(buffers, buf_vec),
+            *map(int, first_steps),
+            *offsets(new_buffers, buf_vec),
+        ],
+        device,
     )
     if table is None:
         return None
@@ -267,10 +280,10 @@ def momentum_pass(
     partial = torch.empty((batch, tiles), dtype=torch.float64, device=device)
     exponents = torch.empty((batch, tiles), dtype=torch.int32, device=device) if scaled else None
     mode = 0 if out is None else (2 if scaled else 1)
-    target = buffers[0] if out is None else out
+    target = new_buffers[0] if out is None else out
     strides = (0, 0, 0) if out is None else out.stride()
     _momentum_kernel[(tiles, batch)](
-        grads[0], buffers[0], table, target, partial if exponents is None else exponents, partial,
+        grads[0], buffers[0], new_buffers[0], table, target, partial if exponents is None else exponents, partial,
         batch, rows, cols, *strides, momentum,
         NESTEROV=nesterov, OUT_MODE=mode, GRAD_VEC=grad_vec, BUF_VEC=buf_vec,
         TILE_R=TILE_ROWS, TILE_C=TILE_COLS, num_warps=WARPS,
@@ -433,8 +446,8 @@ def step_launches(
     momentum_launches = [
         (
             _momentum_kernel,
-            (grad, momentum_dtype, torch.int64, ns_dtype, torch.int32, torch.float64, batch,
-             rows, cols, *out_strides, 0.5),
+            (grad, momentum_dtype, momentum_dtype, torch.int64, ns_dtype, torch.int32,
+             torch.float64, batch, rows, cols, *out_strides, 0.5),
             dict(NESTEROV=nesterov, OUT_MODE=2, GRAD_VEC=grad_vec, BUF_VEC=vec[momentum_dtype],
                  **tiles),
         )

@@ -188,10 +188,13 @@ def muon_normalized_inputs_(
     nesterov: bool,
     out: Tensor,  # (B, rows, cols), or (B, cols, rows) for the transposed matrices
     eps: float = DEFAULT_NS_EPS,
+    new_momenta: Sequence[Tensor] | None = None,  # B buffers like ``momenta``; default: them
 ) -> None:
     """Momentum, then each matrix's Muon input ``u`` divided by its Frobenius norm (+ ``eps``)
     and cast to ``out``'s dtype, into ``out``: ``buf = momentum·buf + g`` (``buf = g`` where
     ``first_steps`` says so), ``u = g + momentum·buf`` with ``nesterov``, else ``u = buf``.
+    The new ``buf`` goes to ``new_momenta`` when given (``momenta`` are then only read: the
+    overlapped step's speculation keeps the optimizer state as it is), else into ``momenta``.
 
     ``out`` holds the matrices as they are, or transposed (Newton-Schulz takes rows <= cols);
     any strides. Two passes on CUDA (see the module docstring); no host synchronisation.
@@ -202,6 +205,14 @@ def muon_normalized_inputs_(
             "muon_normalized_inputs_ takes B >= 1 gradients, momentum buffers and first-step "
             f"flags and an output of B matrices; got {len(grads)}, {len(momenta)}, "
             f"{len(first_steps)} and an output of shape {tuple(out.shape)}"
+        )
+    if new_momenta is not None and (
+        len(new_momenta) != batch
+        or any(n.shape != m.shape or n.dtype != m.dtype for n, m in zip(new_momenta, momenta))
+    ):
+        raise ValueError(
+            "muon_normalized_inputs_: new_momenta must be one buffer per momentum buffer, of its "
+            "shape and dtype"
         )
     shape = tuple(grads[0].shape)
     if len(shape) != 2 or out.shape[-2:] not in (shape, shape[::-1]):
@@ -217,16 +228,21 @@ def muon_normalized_inputs_(
         and grads[0].numel() > 0
         and _rows_contiguous(grads, shape)
         and _rows_contiguous(momenta, shape)
+        and (new_momenta is None or _rows_contiguous(new_momenta, shape))
     ):
         summed = kernels.momentum_pass(
-            grads, momenta, first_steps, float(momentum), nesterov, oriented, scaled=True
-        )
+            grads, momenta, first_steps, float(momentum), nesterov, oriented, scaled=True,
+            new_buffers=new_momenta,
+        )  # fmt: skip
         if summed is not None:
             square_sums, exponents = summed
             kernels.normalize(oriented, oriented, square_sums, float(eps), exponents)
             return
     for grad, buf in zip(grads, momenta, strict=True):
         _check_same_shape("muon_normalized_inputs_", grad, buf)
+    if new_momenta is not None:  # the fallback updates in place: into the new buffers
+        torch._foreach_copy_(list(new_momenta), list(momenta))
+        momenta = new_momenta
     per_run = max(1, FALLBACK_BATCH_BYTES // (4 * max(1, math.prod(shape))))
     for start in range(0, batch, per_run):
         stop = start + per_run
