@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import contextlib
 import cProfile
 import dataclasses
 import json
@@ -48,10 +47,8 @@ from profile_overlap import union_us  # noqa: E402
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 
 import dmuon  # noqa: E402
-from dmuon_kernels import graphs  # noqa: E402
 
 VARIANTS = ("dmuon-z3", "dmuon-z3-overlap")
-DEFAULT_GRAPH_MAX_NUMEL = graphs.GRAPH_MAX_NUMEL
 PHASES = ("forward", "backward", "step")
 PROFILED_ITERATIONS = 3  # under cProfile, the speculation only
 # Runtime calls that make the host wait for the device.
@@ -103,14 +100,8 @@ def iteration(model, optimizer, tokens, device) -> tuple[list[float], list[torch
 
 
 def timed_variant(variant: str, args, mesh, device, tokens) -> dict:
-    """Phase medians and the traced iteration of one variant; what-if rules after ``+``:
-    ``graphs28`` lets Newton-Schulz calls up to 2**28 elements replay CUDA graphs, ``inline``
-    runs the speculation on the compute stream instead of a side stream."""
-    rules = variant.split("+")[1:]
-    graphs.GRAPH_MAX_NUMEL = 2**28 if "graphs28" in rules else DEFAULT_GRAPH_MAX_NUMEL
+    """Phase medians, the traced iteration and the speculation's profile of one variant."""
     model, optimizer, _ = bench_e2e.build(variant, args, mesh, device)
-    if "inline" in rules:
-        optimizer._overlap.landing = contextlib.nullcontext
     clock = SpeculationClock(optimizer)
     host = collections.defaultdict(list)
     for index in range(args.warmup + args.steps):

@@ -1,0 +1,120 @@
+"""Is the overlapped owner step slower than the plain one at world size 1? A paired comparison on
+bench_e2e's 0.89 B Llama.
+
+Both models live on the device at once (the same seed, the same tokens), and their iterations
+(zero_grad + forward + backward + step, CUDA events, synchronised after each) alternate in ABBA
+order, so that the machine's drift and the order within a round fall on both alike. Reported:
+each variant's median iteration, the median of the per-round differences (overlapped minus
+plain) with a 95% bootstrap interval, and their ratio. bench_e2e runs the variants one after the
+other, where a few milliseconds of drift between them is as large as the difference measured
+here.
+
+Usage (GPU machine, repository root)::
+
+    python -m torch.distributed.run --standalone --nproc-per-node 1 \\
+        benchmarks/overlap_ab.py --rounds 40 --out $OUT/overlap-ab.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import random
+import statistics
+from pathlib import Path
+
+import _common
+
+_common.add_package_sources_if_missing()  # before dmuon is imported
+
+import bench_e2e  # noqa: E402
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
+
+import dmuon  # noqa: E402
+
+PLAIN, OVERLAPPED = "dmuon-z3", "dmuon-z3-overlap"
+BOOTSTRAP_SAMPLES = 10_000
+
+
+def iteration_ms(model, optimizer, tokens, device) -> float:
+    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    optimizer.zero_grad(set_to_none=True)
+    bench_e2e.loss_of(model, tokens).backward()
+    optimizer.step()
+    stop.record()
+    torch.cuda.synchronize(device)
+    return start.elapsed_time(stop)
+
+
+def median_interval(values: list[float], seed: int = 0) -> tuple[float, float]:
+    """A 95% bootstrap interval of the median of ``values``."""
+    rng = random.Random(seed)
+    medians = sorted(
+        statistics.median(rng.choices(values, k=len(values))) for _ in range(BOOTSTRAP_SAMPLES)
+    )
+    return medians[int(0.025 * BOOTSTRAP_SAMPLES)], medians[int(0.975 * BOOTSTRAP_SAMPLES) - 1]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=40, help="ABBA rounds (2 iterations each)")
+    parser.add_argument("--warmup", type=int, default=3)
+    _common.add_record_options(parser, "default: benchmarks/results/overlap-ab-<date>.json")
+    options = parser.parse_args(argv)
+    args = bench_e2e.parse_args(["--warmup", str(options.warmup)])
+    device = _common.start_process_group("overlap_ab", "cuda", "nccl", "(none: CUDA only)")
+    mesh = init_device_mesh("cuda", (dist.get_world_size(),), mesh_dim_names=("shard",))
+    tokens = bench_e2e.training_tokens(args, device)
+    runs = {
+        variant: bench_e2e.build(variant, args, mesh, device)[:2] for variant in (PLAIN, OVERLAPPED)
+    }
+    for model, optimizer in runs.values():
+        for _ in range(options.warmup):
+            iteration_ms(model, optimizer, tokens, device)
+    times: dict[str, list[float]] = {PLAIN: [], OVERLAPPED: []}
+    for index in range(options.rounds):
+        order = (PLAIN, OVERLAPPED) if index % 2 == 0 else (OVERLAPPED, PLAIN)
+        for variant in (*order, *reversed(order)):
+            times[variant].append(iteration_ms(*runs[variant], tokens, device))
+    # Each round's two iterations of a variant, averaged: one paired difference per round.
+    per_round = {
+        v: [(t[2 * i] + t[2 * i + 1]) / 2 for i in range(options.rounds)] for v, t in times.items()
+    }
+    differences = [o - p for o, p in zip(per_round[OVERLAPPED], per_round[PLAIN])]
+    low, high = median_interval(differences)
+    plain_median = statistics.median(times[PLAIN])
+    summary = {
+        "plain_median_ms": plain_median,
+        "overlapped_median_ms": statistics.median(times[OVERLAPPED]),
+        "difference_median_ms": statistics.median(differences),
+        "difference_95_interval_ms": [low, high],
+        "ratio": statistics.median(times[OVERLAPPED]) / plain_median,
+        "overlap_stats": dataclasses.asdict(runs[OVERLAPPED][1].overlap_stats()),
+    }
+    for model, _ in runs.values():
+        dmuon.wait_all_replicate_broadcasts(model)
+    record = {
+        **bench_e2e.profile_record("overlap_ab", args, device, options.git_sha),
+        "rounds": options.rounds,
+        "order": "ABBA, alternating which variant leads",
+        "summary": summary,
+        "iteration_ms": times,
+    }
+    out = options.out or _common.result_path("overlap-ab", record["device"], _common.utc_now())
+    _common.write_json(Path(out), record)
+    print(
+        f"plain {summary['plain_median_ms']:.2f} ms, overlapped "
+        f"{summary['overlapped_median_ms']:.2f} ms (x{summary['ratio']:.4f}); per-round "
+        f"difference median {summary['difference_median_ms']:+.2f} ms, 95% interval "
+        f"[{low:+.2f}, {high:+.2f}] over {options.rounds} rounds; {summary['overlap_stats']}"
+    )
+    print(f"wrote {out}")
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
