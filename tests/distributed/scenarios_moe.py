@@ -186,9 +186,9 @@ def _record_newton_schulz(optimizer) -> list[tuple[int, int]]:
     newton_schulz = optimizer.newton_schulz
     iterate = newton_schulz.iterate_normalized
 
-    def recording(inputs):
+    def recording(inputs, **options):
         shapes.extend(tuple(matrix.shape) for matrix in inputs)
-        return iterate(inputs)
+        return iterate(inputs, **options)
 
     newton_schulz.iterate_normalized = recording
     return shapes
