@@ -17,6 +17,9 @@
 #           (after a change to the step)
 #   part 7: the optimizer step by kernel class (bench_step --profile), and inside the FSDP2 run
 #           against alone (profile_opt_step)
+#   part 8: the whole tests/gpu, then the overlapped step against the plain one at world size 1,
+#           paired (overlap_ab), and where each phase's host and device time goes
+#           (overlap_timeline)
 #
 # Usage, on the GPU machine from the repository root with .gpu/ carried along:
 #   bash benchmarks/gpu_session.sh <part> <git-sha>
@@ -118,8 +121,15 @@ case $part in
   step opt-step 150 python -m torch.distributed.run --standalone --nproc-per-node 1 \
     benchmarks/profile_opt_step.py --git-sha "$sha" --out "$out/profile-opt-step.json"
   ;;
+8)
+  sharded_gpu_tests 3 330
+  step overlap-ab 150 python -m torch.distributed.run --standalone --nproc-per-node 1 \
+    benchmarks/overlap_ab.py --rounds 60 --git-sha "$sha" --out "$out/overlap-ab.json"
+  step overlap-timeline 100 python -m torch.distributed.run --standalone --nproc-per-node 1 \
+    benchmarks/overlap_timeline.py --git-sha "$sha" --out "$out/overlap-timeline.json"
+  ;;
 *)
-  echo "part must be 1 to 7" >&2
+  echo "part must be 1 to 8" >&2
   exit 2
   ;;
 esac
