@@ -71,19 +71,19 @@ The speculation's launches are made from backward, on its thread: where backward
 (world size 1 on the H200, on some of its hosts), each one delays backward's own launches, and
 eager Newton-Schulz calls were most of it (the speculation's host time per iteration of the
 0.89 B Llama: 38.9 ms eager, 17.1 ms with graphs;
-``overlap-timeline-h200-w1-2026-12-04-333e147.json``). So in this
-mode every Newton-Schulz call (speculated or computed by ``step()``, one chunk's matrices of a
-shape) replays a CUDA graph up to ``SPECULATION_GRAPH_MAX_NUMEL`` elements, where the plain
-step stops at ``dmuon_kernels.graphs.GRAPH_MAX_NUMEL``; a call holds at most 256 MiB of fp16
-input (``dmuon.optim.NS_CALL_BYTES``), so only a single matrix over 2**28 elements stays eager.
+``overlap-timeline-h200-w1-2026-12-04-333e147.json``). So in this mode every Newton-Schulz
+call (speculated or computed by ``step()``, one chunk's matrices of a shape) replays a CUDA
+graph up to ``SPECULATION_GRAPH_MAX_NUMEL`` elements, where the plain step stops at
+``dmuon_kernels.graphs.GRAPH_MAX_NUMEL``; a call holds at most 256 MiB of fp16 input
+(``dmuon.optim.NS_CALL_BYTES``), so only a single matrix over 2**28 elements stays eager.
 A graph keeps its input, output and intermediates for good: about three times the call's input,
 once per shape, since the chunks of a uniform model share their shapes.
 
 Memory: from landing to ``step()``, per speculated matrix, a scratch momentum (fp32, 4 bytes an
 element, written by the fused pass from the state's buffer, which it only reads; the old buffer
-is freed at commit) and the Newton-Schulz output (its dtype: 2 bytes an
-element in fp16 on CUDA, 4 in fp32 on CPU): about 6 bytes per owned Muon element on CUDA, where
-the plain step holds only one Newton-Schulz call's transient buffers at a time.
+is freed at commit) and the Newton-Schulz output (its dtype: 2 bytes an element in fp16 on CUDA,
+4 in fp32 on CPU): about 6 bytes per owned Muon element on CUDA, where the plain step holds only
+one Newton-Schulz call's transient buffers at a time.
 """
 
 from __future__ import annotations

@@ -283,8 +283,8 @@ def momentum_pass(
     target = new_buffers[0] if out is None else out
     strides = (0, 0, 0) if out is None else out.stride()
     _momentum_kernel[(tiles, batch)](
-        grads[0], buffers[0], new_buffers[0], table, target, partial if exponents is None else exponents, partial,
-        batch, rows, cols, *strides, momentum,
+        grads[0], buffers[0], new_buffers[0], table, target,
+        partial if exponents is None else exponents, partial, batch, rows, cols, *strides, momentum,
         NESTEROV=nesterov, OUT_MODE=mode, GRAD_VEC=grad_vec, BUF_VEC=buf_vec,
         TILE_R=TILE_ROWS, TILE_C=TILE_COLS, num_warps=WARPS,
     )  # fmt: skip

@@ -14,8 +14,8 @@ small matrices). It must not know what the function computes, and must never cha
   pool marked as still recording);
 - Python's cyclic garbage collector is off while a graph is captured (see ``_capture``);
 - inputs on the CPU, inputs that need grad, inputs over ``GRAPH_MAX_NUMEL`` elements (or the
-  call's ``max_numel``), calls made
-  while another capture is in progress, and everything when ``DMUON_NS_CUDA_GRAPH=0`` run eagerly;
+  call's ``max_numel``), calls made while another capture is in progress, and everything when
+  ``DMUON_NS_CUDA_GRAPH=0`` run eagerly;
 - each capture (its eager reference run, the capture, the check replay) is timed as a
   ``capture`` phase (``dmuon_kernels._log``) and announced with its seconds
   (``DMUON_SYRK_AUTOTUNE_LOG=0`` silences the line).
