@@ -119,6 +119,7 @@ def timed_variant(variant: str, args, mesh, device, tokens) -> dict:
         host["iteration"].append(events[0].elapsed_time(events[-1]))
     medians = {name: statistics.median(values) for name, values in host.items()}
     medians.update(traced_iteration(model, optimizer, tokens, device))
+    medians["forward_profile"] = forward_profile(model, optimizer, tokens, device)
     if clock.seconds:
         clock.profiling = True
         for _ in range(PROFILED_ITERATIONS):
@@ -133,6 +134,22 @@ def timed_variant(variant: str, args, mesh, device, tokens) -> dict:
         medians["overlap_stats"] = dataclasses.asdict(optimizer.overlap_stats())
     dmuon.wait_all_replicate_broadcasts(model)
     return medians
+
+
+def forward_profile(model, optimizer, tokens, device) -> list[dict]:
+    """The forward phase (zero_grad and the loss) under cProfile, top functions by own time."""
+    profiler = cProfile.Profile()
+    for _ in range(PROFILED_ITERATIONS):
+        profiler.enable()
+        optimizer.zero_grad(set_to_none=True)
+        loss = bench_e2e.loss_of(model, tokens)
+        profiler.disable()
+        loss.backward()
+        optimizer.step()
+        torch.cuda.synchronize(device)
+    return _host_profile.top_functions(
+        pstats.Stats(profiler), PROFILED_ITERATIONS, _host_profile.OWN_TIME, top=25
+    )
 
 
 def traced_iteration(model, optimizer, tokens, device) -> dict:
@@ -232,6 +249,8 @@ def main(argv: list[str] | None = None) -> int:
     mesh = init_device_mesh("cuda", (dist.get_world_size(),), mesh_dim_names=("shard",))
     tokens = bench_e2e.training_tokens(args, device)
     variants = options.variants.split(",")
+    if len(set(variants)) != len(variants):
+        parser.error(f"--variants names each variant once; got {options.variants}")
     results = {}
     for variant in variants:
         results[variant] = timed_variant(variant, args, mesh, device, tokens)
@@ -254,6 +273,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  traced {phase}: " + ", ".join(f"{k} {v:.2f}" for k, v in row.items()))
         for row in results[variant]["blocking_calls"][:12]:
             print(f"  blocking {row['calls']:4d} x {row['ms']:8.2f} ms  {row['where'][:200]}")
+        print(_host_profile.format_rows(results[variant]["forward_profile"][:15], "  forward"))
         for order, rows in results[variant].get("speculation_profile", {}).items():
             print(_host_profile.format_rows(rows[:14], f"  speculation, per iteration, by {order}"))
         if "overlap_stats" in results[variant]:
