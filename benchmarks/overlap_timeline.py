@@ -14,7 +14,12 @@ Then one iteration under torch.profiler (CPU and CUDA): the host calls that bloc
 them, and the device's idle time within each phase's span of kernels. This says whether the
 overlapped step is slower at world size 1 because the device has no idle time to give (the
 speculation's kernels queue behind backward's), because the host blocks, or because the
-speculation's launches lengthen a host-bound backward.
+speculation's launches lengthen a host-bound backward. Last, ``PROFILED_ITERATIONS`` under
+cProfile: the forward phase, and with ``overlap_step`` the speculation, by function.
+
+Phases are compared across builds of a model here, and a build's forward host time alone varied
+by 20 ms on the H200 (``overlap-timeline-h200-w1-2026-12-04-b1832c9*.json``): compare backward
+and step, or measure the difference with ``overlap_ab.py``.
 
 Usage (GPU machine, repository root)::
 
