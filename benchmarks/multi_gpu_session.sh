@@ -3,15 +3,16 @@
 # size (default 2 4 8, those above the GPU count skipped) the protocol against the single-process
 # reference (run_protocol_cuda.py: 1-D Z3/Z2 and 2 x (world/2) HSDP async/sync, bit-identity
 # checks), the collective times the simulator's links assume (bench_collectives.py), and the
-# end-to-end step of FSDP2 + AdamW, dmuon Z3/Z2 and naive Muon (bench_e2e.py), each step
-# time-boxed so one hang cannot eat the session. JSON and logs land in $OUT (default
+# end-to-end step of FSDP2 + AdamW, dmuon Z3/Z2 and naive Muon (bench_e2e.py), and the overlapped
+# owner step against the plain one, paired (overlap_ab.py), each step time-boxed so one hang
+# cannot eat the session. JSON and logs land in $OUT (default
 # ./multi-gpu-out); commit the JSON under benchmarks/results/ and rerun
 # `dmuon-tools calibrate --results benchmarks/results --markdown > docs/simulator-calibration.md`.
 #
-#   bash benchmarks/multi_gpu_session.sh [protocol|collectives|e2e|e2e-large ...]
+#   bash benchmarks/multi_gpu_session.sh [protocol|collectives|e2e|e2e-large|overlap ...]
 #   WORLDS="8" bash benchmarks/multi_gpu_session.sh e2e
 #
-# With no arguments: protocol collectives e2e. e2e-large runs bench_e2e with d_model 4096 and 8
+# With no arguments: protocol collectives e2e overlap. e2e-large runs bench_e2e with d_model 4096 and 8
 # layers (about 3.6 B parameters: per-layer compute near Llama-3-8B's). Expects the checkout root
 # as working directory and the packages importable (installed, or their sources on PYTHONPATH as
 # the GPU machine's README says).
@@ -21,7 +22,7 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 export DMUON_CACHE_DIR=${DMUON_CACHE_DIR:-$(mktemp -d)}
 export DMUON_SYRK_AUTOTUNE_LOG=${DMUON_SYRK_AUTOTUNE_LOG:-0}
-steps=${*:-protocol collectives e2e}
+steps=${*:-protocol collectives e2e overlap}
 gpus=$(nvidia-smi --list-gpus 2>/dev/null | wc -l)
 sha=${DMUON_GIT_SHA:-$(git rev-parse --verify -q HEAD 2>/dev/null || echo unknown)}
 # Result names as the committed ones: <benchmark>-<gpu>-...-<date>.json ("NVIDIA H200" -> h200).
@@ -60,8 +61,11 @@ for world in ${WORLDS:-2 4 8}; do
       e2e-large)
         run e2e-large "${E2E_TIMEOUT:-600}" "$world" benchmarks/bench_e2e.py \
           --dim 4096 --layers 8 --out "$OUT/e2e-$device-d4096-w$world-$day.json" ;;
+      overlap)
+        run overlap "${OVERLAP_TIMEOUT:-600}" "$world" benchmarks/overlap_ab.py \
+          --rounds 30 --out "$OUT/overlap-ab-$device-w$world-$day.json" ;;
       *)
-        echo "unknown step $step (protocol, collectives, e2e, e2e-large)"; exit 2 ;;
+        echo "unknown step $step (protocol, collectives, e2e, e2e-large, overlap)"; exit 2 ;;
     esac
   done
 done

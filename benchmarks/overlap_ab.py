@@ -1,18 +1,20 @@
-"""Is the overlapped owner step slower than the plain one at world size 1? A paired comparison on
-bench_e2e's 0.89 B Llama.
+"""The overlapped owner step against the plain one, paired, on bench_e2e's 0.89 B Llama (or its
+``--quick`` model) at any world size.
 
 Both models live on the device at once (the same seed, the same tokens), and their iterations
-(zero_grad + forward + backward + step, CUDA events, synchronised after each) alternate in ABBA
-order, so that the machine's drift and the order within a round fall on both alike. Reported:
-each variant's median iteration, the median of the per-round differences (overlapped minus
-plain) with a 95% bootstrap interval, and their ratio. bench_e2e runs the variants one after the
-other, where a few milliseconds of drift between them is as large as the difference measured
-here.
+(zero_grad + forward + backward + step, synchronised after each; the slowest rank's time)
+alternate in ABBA order, so that the machine's drift and the order within a round fall on both
+alike. Reported: each variant's median iteration, the median of the per-round differences
+(overlapped minus plain) with a 95% bootstrap interval, and their ratio. bench_e2e runs the
+variants one after the other, where a few milliseconds of drift between them is as large as the
+difference measured at world size 1.
 
-Usage (GPU machine, repository root)::
+Usage (repository root)::
 
     python -m torch.distributed.run --standalone --nproc-per-node 1 \\
         benchmarks/overlap_ab.py --rounds 40 --out $OUT/overlap-ab.json
+    python -m torch.distributed.run --nproc-per-node 2 benchmarks/overlap_ab.py \\
+        --device cpu --quick --rounds 2   # a smoke test on gloo
 """
 
 from __future__ import annotations
@@ -39,14 +41,17 @@ BOOTSTRAP_SAMPLES = 10_000
 
 
 def iteration_ms(model, optimizer, tokens, device) -> float:
-    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
+    """One iteration's milliseconds on the slowest rank."""
+    timer = bench_e2e.Timer(device)
+    timer.start()
     optimizer.zero_grad(set_to_none=True)
     bench_e2e.loss_of(model, tokens).backward()
     optimizer.step()
-    stop.record()
-    torch.cuda.synchronize(device)
-    return start.elapsed_time(stop)
+    timer.stop()
+    _common.synchronize(device)
+    slowest = torch.tensor([timer.ms()], device=device)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    return slowest.item()
 
 
 def median_interval(values: list[float], seed: int = 0) -> tuple[float, float]:
@@ -62,12 +67,19 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=40, help="ABBA rounds (2 iterations each)")
     parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    parser.add_argument("--quick", action="store_true", help="bench_e2e's tiny model")
     _common.add_record_options(parser, "default: benchmarks/results/overlap-ab-<date>.json")
     options = parser.parse_args(argv)
-    args = bench_e2e.parse_args(["--warmup", str(options.warmup)])
-    device = _common.start_process_group("overlap_ab", "cuda", "nccl", "(none: CUDA only)")
-    mesh = init_device_mesh("cuda", (dist.get_world_size(),), mesh_dim_names=("shard",))
-    tokens = bench_e2e.training_tokens(args, device)
+    args = bench_e2e.parse_args(
+        ["--device", options.device, "--warmup", str(options.warmup)]
+        + (["--quick"] if options.quick else [])
+    )
+    backend = "nccl" if options.device == "cuda" else "gloo"
+    device = _common.start_process_group("overlap_ab", options.device, backend, "--device cpu")
+    world = dist.get_world_size()
+    mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("shard",))
+    tokens = bench_e2e.training_tokens(args, device, dist.get_rank())
     runs = {
         variant: bench_e2e.build(variant, args, mesh, device)[:2] for variant in (PLAIN, OVERLAPPED)
     }
@@ -98,20 +110,25 @@ def main(argv: list[str] | None = None) -> int:
         dmuon.wait_all_replicate_broadcasts(model)
     record = {
         **bench_e2e.profile_record("overlap_ab", args, device, options.git_sha),
+        "world_size": world,
+        "backend": backend,
         "rounds": options.rounds,
         "order": "ABBA, alternating which variant leads",
         "summary": summary,
         "iteration_ms": times,
     }
-    out = options.out or _common.result_path("overlap-ab", record["device"], _common.utc_now())
-    _common.write_json(Path(out), record)
-    print(
-        f"plain {summary['plain_median_ms']:.2f} ms, overlapped "
-        f"{summary['overlapped_median_ms']:.2f} ms (x{summary['ratio']:.4f}); per-round "
-        f"difference median {summary['difference_median_ms']:+.2f} ms, 95% interval "
-        f"[{low:+.2f}, {high:+.2f}] over {options.rounds} rounds; {summary['overlap_stats']}"
+    out = options.out or _common.result_path(
+        "overlap-ab", record["device"], _common.utc_now(), f"w{world}"
     )
-    print(f"wrote {out}")
+    if dist.get_rank() == 0:  # every rank holds the same slowest-rank times
+        _common.write_json(Path(out), record)
+        print(
+            f"world size {world} ({backend}): plain {summary['plain_median_ms']:.2f} ms, "
+            f"overlapped {summary['overlapped_median_ms']:.2f} ms (x{summary['ratio']:.4f}); "
+            f"per-round difference median {summary['difference_median_ms']:+.2f} ms, 95% "
+            f"interval [{low:+.2f}, {high:+.2f}] over {options.rounds} rounds; "
+            f"{summary['overlap_stats']}"
+        )
     dist.destroy_process_group()
     return 0
 

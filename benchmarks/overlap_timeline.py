@@ -283,7 +283,6 @@ def main(argv: list[str] | None = None) -> int:
             print(_host_profile.format_rows(rows[:14], f"  speculation, per iteration, by {order}"))
         if "overlap_stats" in results[variant]:
             print(f"  overlap stats {results[variant]['overlap_stats']}")
-    print(f"wrote {out}")
     dist.destroy_process_group()
     return 0
 
