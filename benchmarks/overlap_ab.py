@@ -112,6 +112,8 @@ def main(argv: list[str] | None = None) -> int:
         **bench_e2e.profile_record("overlap_ab", args, device, options.git_sha),
         "world_size": world,
         "backend": backend,
+        "checkpoint": args.checkpoint,
+        "param_dtype": str(args.param_dtype),
         "rounds": options.rounds,
         "order": "ABBA, alternating which variant leads",
         "summary": summary,

@@ -46,7 +46,7 @@ def test_every_committed_step_benchmark_is_compared_and_the_protocol_runs_are_ex
 ):
     sources = {row.source for row in calibration.rows}
     on_cpu = {path.name for path in RESULTS.glob("*-cpu-*.json")}
-    for pattern in ("step-*.json", "e2e-*.json", "host-*.json"):
+    for pattern in ("step-*.json", "e2e-*.json", "host-*.json", "overlap-ab-*.json"):
         assert {path.name for path in RESULTS.glob(pattern)} - on_cpu <= sources, pattern
     excluded = dict(calibration.excluded)
     protocol = {path.name for path in RESULTS.glob("protocol-*.json")}
@@ -90,6 +90,34 @@ def test_the_world_size_1_step_of_the_1b_llama_is_predicted_from_the_simulator(c
         if r.source == E2E_FILE and r.case == "dmuon-z3" and r.quantity == "step"
     )  # fmt: skip
     assert row.predicted == pytest.approx(expected.predictions["dmuon-z3"].step_ms)
+
+
+def test_a_paired_overlap_run_is_compared_step_by_step_and_by_its_ratio(calibration, tmp_path):
+    """overlap_ab.py's two medians against the simulator's two systems on bench_e2e's model, and
+    its ratio against theirs; a multi-GPU run of it (the world size it records) on NCCL."""
+    (source,) = [p for p in RESULTS.glob("overlap-ab-*.json") if "fcd3f46" in p.name]
+    data = json.loads(source.read_text())
+    shape = bench_e2e_shape(data["model"], source.name)
+    workload = Workload(seq_len=2048, micro_batch=4)
+    systems = ["dmuon-z3", "dmuon-z3-overlap"]
+    expected = simulate(shape, Layout(num_shards=1), workload, H200, systems).predictions
+    rows = {(r.case, r.quantity): r for r in calibration.rows if r.source == source.name}
+    assert rows[("dmuon-z3", "step")].measured == data["summary"]["plain_median_ms"]
+    assert rows[("dmuon-z3-overlap", "step")].measured == data["summary"]["overlapped_median_ms"]
+    ratio = rows[("dmuon-z3-overlap / dmuon-z3, paired", "step ratio")]
+    assert ratio.measured == data["summary"]["ratio"] and ratio.unit == "x"
+    assert ratio.predicted == pytest.approx(
+        expected["dmuon-z3-overlap"].step_ms / expected["dmuon-z3"].step_ms
+    )
+    assert rows[("dmuon-z3", "step")].predicted == pytest.approx(expected["dmuon-z3"].step_ms)
+    shutil.copytree(RESULTS, tmp_path / "results")
+    data.update(world_size=8, backend="nccl")
+    (tmp_path / "results" / "overlap-ab-h200-w8-2027-01-01.json").write_text(json.dumps(data))
+    multi = [
+        r for r in calibrate(tmp_path / "results").rows
+        if r.source == "overlap-ab-h200-w8-2027-01-01.json"
+    ]  # fmt: skip
+    assert len(multi) == 3 and {r.setting for r in multi} == {"NCCL, 8 GPUs"}
 
 
 def test_a_results_folder_that_does_not_exist_is_refused(tmp_path):

@@ -1,8 +1,8 @@
 """The simulator against the measurements: fitted constants, and predicted vs measured.
 
 Owns reading the committed benchmark results (``benchmarks/results/`` of the dmuon repository:
-``bench_e2e.py``, ``bench_step.py``, ``profile_host.py``, ``bench_ns.py``, ``bench_syrk.py`` and
-``run_protocol_cuda.py`` JSON), deriving the H200 machine's measured and fitted figures from the
+``bench_e2e.py``, ``overlap_ab.py``, ``bench_step.py``, ``profile_host.py``, ``bench_ns.py``,
+``bench_syrk.py`` and ``run_protocol_cuda.py`` JSON), deriving the H200 machine's measured and fitted figures from the
 files its ``sources`` name (``derive_h200``), and the calibration report: every measured
 component the simulator predicts, the prediction, the error, and whether the measurement fixed a
 constant (``fit``) or was left out of every fit (``held out``). It must not change the model to
@@ -404,6 +404,8 @@ def calibrate(results: str | Path, machine: Machine | None = None) -> Calibratio
             rows += _step_rows(path, machine, cublas_ns)
         elif name.startswith("e2e-"):
             rows += _e2e_rows(path, machine, gloo)
+        elif name.startswith("overlap-ab-"):
+            rows += _overlap_ab_rows(path, machine, gloo)
         elif name.startswith("host-"):
             rows += _host_rows(path, machine)
         elif name.startswith("collectives-"):
@@ -461,18 +463,24 @@ def _step_rows(
     return rows
 
 
-def _e2e_rows(path: Path, machine: Machine, gloo: Machine) -> list[Row]:
-    """``bench_e2e.py``: NCCL runs on one node (one GPU a rank), gloo runs of several ranks
-    sharing the one GPU (how the project's GPU machine runs them)."""
-    data = _read(path)
-    inputs = _get(data, "inputs", path)
+def _e2e_setting(
+    data: Mapping[str, Any], path: Path, machine: Machine, gloo: Machine
+) -> tuple[Machine, Layout, str]:
+    """The machine, layout and setting label of a run of bench_e2e's model: NCCL runs on one
+    node (one GPU a rank), gloo runs of several ranks sharing the one GPU (how the project's GPU
+    machine runs them)."""
     world = int(_get(data, "world_size", path))
     if _get(data, "backend", path) == "gloo" and world > 1:
-        machine, layout = gloo, _gloo_layout(world)
-        setting = f"gloo, {world} ranks on one GPU"
-    else:
-        layout = Layout(num_shards=world, gpus_per_node=max(8, world))
-        setting = "world size 1" if world == 1 else f"NCCL, {world} GPUs"
+        return gloo, _gloo_layout(world), f"gloo, {world} ranks on one GPU"
+    layout = Layout(num_shards=world, gpus_per_node=max(8, world))
+    return machine, layout, "world size 1" if world == 1 else f"NCCL, {world} GPUs"
+
+
+def _e2e_rows(path: Path, machine: Machine, gloo: Machine) -> list[Row]:
+    """``bench_e2e.py``: each variant's step, its parts and its peak."""
+    data = _read(path)
+    inputs = _get(data, "inputs", path)
+    machine, layout, setting = _e2e_setting(data, path, machine, gloo)
     shape = bench_e2e_shape(inputs["model"], path.name)
     workload = _e2e_workload(inputs)
     variants = [
@@ -524,6 +532,49 @@ def _e2e_rows(path: Path, machine: Machine, gloo: Machine) -> list[Row]:
                     setting=setting,
                 )
             )
+    return rows
+
+
+# The two systems ``overlap_ab.py`` alternates, and its summary's key for each.
+OVERLAP_AB_SYSTEMS = {"dmuon-z3": "plain_median_ms", "dmuon-z3-overlap": "overlapped_median_ms"}
+
+
+def _overlap_ab_rows(path: Path, machine: Machine, gloo: Machine) -> list[Row]:
+    """``overlap_ab.py``: the plain and the overlapped step measured paired (their iterations
+    alternated on one machine), each step and the ratio of the two."""
+    # Its first version ran NCCL at world size 1 only and recorded neither.
+    data = {"world_size": 1, "backend": "nccl", **_read(path)}
+    machine, layout, setting = _e2e_setting(data, path, machine, gloo)
+    shape = bench_e2e_shape(_get(data, "model", path), path.name)
+    # bench_e2e's defaults (activation checkpointing, bf16) where the file predates recording them
+    workload = _e2e_workload(data)
+    predictions = simulate(shape, layout, workload, machine, list(OVERLAP_AB_SYSTEMS))
+    predicted = {s: predictions.predictions[s].step_ms for s in OVERLAP_AB_SYSTEMS}
+    rows = [
+        Row(
+            source=path.name,
+            case=system,
+            quantity="step",
+            measured=float(_get(data, f"summary.{key}", path)),
+            predicted=predicted[system],
+            role="held out",
+            setting=setting,
+        )
+        for system, key in OVERLAP_AB_SYSTEMS.items()
+    ]
+    plain, overlapped = OVERLAP_AB_SYSTEMS
+    rows.append(
+        Row(
+            source=path.name,
+            case=f"{overlapped} / {plain}, paired",
+            quantity="step ratio",
+            measured=float(_get(data, "summary.ratio", path)),
+            predicted=predicted[overlapped] / predicted[plain],
+            role="held out",
+            unit="x",
+            setting=setting,
+        )
+    )
     return rows
 
 
@@ -720,13 +771,18 @@ def format_markdown(calibration: Calibration) -> str:
                 "|---|---|---:|---:|---:|---|",
             ]
         lines.append(
-            f"| {row.case} | {row.quantity} | {row.measured:.2f} {row.unit} | "
-            f"{row.predicted:.2f} {row.unit} | {row.error:+.1%} | {row.role} |"
+            f"| {row.case} | {row.quantity} | {_value(row.measured, row.unit)} | "
+            f"{_value(row.predicted, row.unit)} | {row.error:+.1%} | {row.role} |"
         )
     lines += ["", "## Not used", ""]
     for name, reason in calibration.excluded:
         lines.append(f"- `{name}`: {reason}.")
     return "\n".join(lines) + "\n"
+
+
+def _value(value: float, unit: str) -> str:
+    """A measured or predicted figure with its unit; a ratio ("x") to four decimals."""
+    return f"{value:.4f} x" if unit == "x" else f"{value:.2f} {unit}"
 
 
 def _largest_spread(rows: Sequence[Row]) -> str:
@@ -758,7 +814,7 @@ def format_text(calibration: Calibration, rows: Sequence[Row] | None = None) -> 
     lines.append("every row:")
     for row in rows if rows is not None else calibration.rows:
         lines.append(
-            f"  {row.source} {row.case} {row.quantity}: measured {row.measured:.2f} {row.unit}, "
-            f"predicted {row.predicted:.2f} {row.unit} ({row.error:+.1%}, {row.role})"
+            f"  {row.source} {row.case} {row.quantity}: measured {_value(row.measured, row.unit)}"
+            f", predicted {_value(row.predicted, row.unit)} ({row.error:+.1%}, {row.role})"
         )
     return "\n".join(lines)
