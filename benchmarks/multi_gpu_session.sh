@@ -12,10 +12,10 @@
 #   bash benchmarks/multi_gpu_session.sh [protocol|collectives|e2e|e2e-large|overlap ...]
 #   WORLDS="8" bash benchmarks/multi_gpu_session.sh e2e
 #
-# With no arguments: protocol collectives e2e overlap. e2e-large runs bench_e2e with d_model 4096 and 8
-# layers (about 3.6 B parameters: per-layer compute near Llama-3-8B's). Expects the checkout root
-# as working directory and the packages importable (installed, or their sources on PYTHONPATH as
-# the GPU machine's README says).
+# With no arguments: protocol collectives e2e overlap. e2e-large runs bench_e2e with d_model 4096
+# and 8 layers (about 3.6 B parameters: per-layer compute near Llama-3-8B's). Expects the checkout
+# root as working directory and the packages importable (installed, or their sources on PYTHONPATH
+# as the GPU machine's README says).
 set -u
 OUT=${OUT:-$PWD/multi-gpu-out}
 mkdir -p "$OUT"

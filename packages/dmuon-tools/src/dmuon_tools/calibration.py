@@ -2,12 +2,12 @@
 
 Owns reading the committed benchmark results (``benchmarks/results/`` of the dmuon repository:
 ``bench_e2e.py``, ``overlap_ab.py``, ``bench_step.py``, ``profile_host.py``, ``bench_ns.py``,
-``bench_syrk.py`` and ``run_protocol_cuda.py`` JSON), deriving the H200 machine's measured and fitted figures from the
-files its ``sources`` name (``derive_h200``), and the calibration report: every measured
-component the simulator predicts, the prediction, the error, and whether the measurement fixed a
-constant (``fit``) or was left out of every fit (``held out``). It must not change the model to
-fit a number: a constant is fitted once, on the one measurement ``machine.H200_SOURCES`` names,
-and every other measurement is a test of it.
+``bench_syrk.py`` and ``run_protocol_cuda.py`` JSON), deriving the H200 machine's measured and
+fitted figures from the files its ``sources`` name (``derive_h200``), and the calibration report:
+every measured component the simulator predicts, the prediction, the error, and whether the
+measurement fixed a constant (``fit``) or was left out of every fit (``held out``). It must not
+change the model to fit a number: a constant is fitted once, on the one measurement
+``machine.H200_SOURCES`` names, and every other measurement is a test of it.
 
 [Note: reading a benchmark file]
 Each family of files has a loader that takes what the simulator needs and says, naming the file
