@@ -56,8 +56,13 @@ import dmuon  # noqa: E402
 VARIANTS = ("dmuon-z3", "dmuon-z3-overlap")
 PHASES = ("forward", "backward", "step")
 PROFILED_ITERATIONS = 3  # under cProfile, the speculation only
-# Runtime calls that make the host wait for the device.
-BLOCKING = ("Synchronize", "cudaMemcpy ", "cudaMemcpy\0", "cudaFree", "cuMemFree", "cudaMalloc")
+# Runtime calls that make the host wait for the device, besides every "...Synchronize" (the
+# asynchronous copy, cudaMemcpyAsync, is not one of them).
+BLOCKING = ("cudaMemcpy", "cudaFree", "cuMemFree", "cudaMalloc")
+
+
+def blocks_host(call: str) -> bool:
+    return "Synchronize" in call or call.split("_")[0] in BLOCKING
 
 
 class SpeculationClock:
@@ -204,10 +209,11 @@ def summarise_trace(events: list[dict]) -> dict:
         ]
         if mine:
             first, last = min(s for s, _ in mine), max(t for _, t in mine)
+            busy = union_us(mine)
             idle[phase] = {
                 "device_span_ms": (last - first) / 1e3,
-                "device_busy_ms": union_us(mine) / 1e3,
-                "device_idle_ms": (last - first - union_us(mine)) / 1e3,
+                "device_busy_ms": busy / 1e3,
+                "device_idle_ms": (last - first - busy) / 1e3,
                 "kernels": len(mine),
             }
     python = [  # outermost first
@@ -219,11 +225,7 @@ def summarise_trace(events: list[dict]) -> dict:
     blocking = collections.Counter()
     blocking_ms = collections.Counter()
     for e in spans:
-        if e.get("cat") not in ("cuda_runtime", "cuda_driver") or not any(
-            b in e["name"] + "\0" for b in BLOCKING
-        ):
-            continue
-        if "Async" in e["name"]:
+        if e.get("cat") not in ("cuda_runtime", "cuda_driver") or not blocks_host(e["name"]):
             continue
         frames = [
             p["name"]
