@@ -15,7 +15,7 @@ them, and the device's idle time within each phase's span of kernels. This says 
 overlapped step is slower at world size 1 because the device has no idle time to give (the
 speculation's kernels queue behind backward's), because the host blocks, or because the
 speculation's launches lengthen a host-bound backward. Last, ``PROFILED_ITERATIONS`` under
-cProfile: the forward phase, and with ``overlap_step`` the speculation, by function.
+cProfile: the forward phase, the step, and with ``overlap_step`` the speculation, by function.
 
 Phases are compared across builds of a model here, and a build's forward host time alone varied
 by 20 ms on the H200 (``overlap-timeline-h200-w1-2026-12-04-b1832c9*.json``): compare backward
@@ -129,7 +129,7 @@ def timed_variant(variant: str, args, mesh, device, tokens) -> dict:
         host["iteration"].append(events[0].elapsed_time(events[-1]))
     medians = {name: statistics.median(values) for name, values in host.items()}
     medians.update(traced_iteration(model, optimizer, tokens, device))
-    medians["forward_profile"] = forward_profile(model, optimizer, tokens, device)
+    medians.update(phase_profiles(model, optimizer, tokens, device))
     if clock.seconds:
         clock.profiling = True
         for _ in range(PROFILED_ITERATIONS):
@@ -146,20 +146,26 @@ def timed_variant(variant: str, args, mesh, device, tokens) -> dict:
     return medians
 
 
-def forward_profile(model, optimizer, tokens, device) -> list[dict]:
-    """The forward phase (zero_grad and the loss) under cProfile, top functions by own time."""
-    profiler = cProfile.Profile()
+def phase_profiles(model, optimizer, tokens, device) -> dict[str, list[dict]]:
+    """The forward phase (zero_grad and the loss) and the step under cProfile, top functions by
+    own time each (the step's includes its wait for the device at the non-finite check)."""
+    profilers = {"forward_profile": cProfile.Profile(), "step_profile": cProfile.Profile()}
     for _ in range(PROFILED_ITERATIONS):
-        profiler.enable()
+        profilers["forward_profile"].enable()
         optimizer.zero_grad(set_to_none=True)
         loss = bench_e2e.loss_of(model, tokens)
-        profiler.disable()
+        profilers["forward_profile"].disable()
         loss.backward()
+        profilers["step_profile"].enable()
         optimizer.step()
+        profilers["step_profile"].disable()
         torch.cuda.synchronize(device)
-    return _host_profile.top_functions(
-        pstats.Stats(profiler), PROFILED_ITERATIONS, _host_profile.OWN_TIME, top=25
-    )
+    return {
+        name: _host_profile.top_functions(
+            pstats.Stats(profiler), PROFILED_ITERATIONS, _host_profile.OWN_TIME, top=25
+        )
+        for name, profiler in profilers.items()
+    }
 
 
 def traced_iteration(model, optimizer, tokens, device) -> dict:
@@ -280,7 +286,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  traced {phase}: " + ", ".join(f"{k} {v:.2f}" for k, v in row.items()))
         for row in results[variant]["blocking_calls"][:12]:
             print(f"  blocking {row['calls']:4d} x {row['ms']:8.2f} ms  {row['where'][:200]}")
-        print(_host_profile.format_rows(results[variant]["forward_profile"][:15], "  forward"))
+        for phase in ("forward", "step"):
+            rows = results[variant][f"{phase}_profile"][:15]
+            print(_host_profile.format_rows(rows, f"  {phase}, per iteration"))
         for order, rows in results[variant].get("speculation_profile", {}).items():
             print(_host_profile.format_rows(rows[:14], f"  speculation, per iteration, by {order}"))
         if "overlap_stats" in results[variant]:

@@ -73,6 +73,37 @@ def test_replayed_outputs_are_fresh_tensors():
     assert torch.equal(first, kept)
 
 
+def normalized(G):
+    """What ``iterate_normalized`` takes: each matrix over its Frobenius norm, fp16 on CUDA."""
+    return (G / G.norm(dim=(-2, -1), keepdim=True)).to("cuda", torch.float16)
+
+
+def test_held_results_outlive_replays_of_every_graph_sharing_the_pool():
+    """An overlapped step holds each call's result until commit while other signatures'
+    graphs, captured before and after, replay in one memory pool."""
+    ns, eager = NewtonSchulz(), NewtonSchulz()
+    eager.iteration_graphs.enabled = False
+    shapes = [(4, 128, 512), (2, 256, 256), (3, 64, 1024)]  # gram, direct, gram
+    inputs = {shape: [normalized(torch.randn(shape)) for _ in range(2)] for shape in shapes}
+    for _ in range(2):  # eager warm-up, then capture
+        for shape in shapes:
+            ns.iterate_normalized(inputs[shape][0])
+    assert ns.iteration_graphs.graph_count == len(shapes)
+    held = [(ns.iterate_normalized(X), X) for shape in shapes for X in inputs[shape]]
+    for shape in reversed(shapes):  # replay every graph again, newest first
+        ns.iterate_normalized(torch.zeros(shape, device="cuda", dtype=torch.float16))
+    for result, X in held:
+        assert torch.equal(result, eager.iterate_normalized(X))
+
+
+def test_a_finish_that_returns_a_graph_output_is_refused():
+    graphed = GraphedFunction(lambda x: (x * 2, x + 1), finish=lambda doubled, _: doubled[1:])
+    x = torch.randn(16, 16, device="cuda")
+    assert torch.equal(graphed(x), (x * 2)[1:])  # eager results are the caller's own
+    with pytest.raises(RuntimeError, match="finish returned \\(a view of\\) a graph's output"):
+        graphed(x)
+
+
 def test_failed_capture_does_not_leave_a_replayable_graph():
     def syncs_with_the_host(x):
         scale = float(x.abs().max())  # a host sync: not capturable

@@ -45,10 +45,17 @@ def test_cpu_inputs_run_eagerly_and_return_fresh_tensors():
     graphed = GraphedFunction(double)
     x = torch.arange(6.0).reshape(2, 3)
     for _ in range(3):
-        y = graphed(x, out_dtype=torch.float64)
-        assert y.dtype == torch.float64 and torch.equal(y, (x * 2).double())
+        y = graphed(x)
+        assert torch.equal(y, x * 2)
         assert graphed.mode(x) == "eager"
     assert len(calls) == 3
+
+
+def test_finish_runs_on_every_call_with_the_functions_outputs():
+    graphed = GraphedFunction(lambda x: (x * 2, x + 1), finish=lambda a, b: a @ b.mT)
+    x = torch.arange(6.0).reshape(2, 3)
+    for _ in range(3):
+        assert torch.equal(graphed(x), (x * 2) @ (x + 1).mT)
 
 
 def test_newton_schulz_through_its_graph_wrapper_matches_the_plain_function():

@@ -263,15 +263,14 @@ def momentum_pass(
     batch = len(grads)
     rows, cols = grads[0].shape
     device = grads[0].device
-    new_buffers = buffers if new_buffers is None else new_buffers
-    grad_vec, buf_vec = vector_width(grads), vector_width([*buffers, *new_buffers])
+    in_place = new_buffers is None
+    new_buffers = buffers if in_place else new_buffers
+    grad_vec = vector_width(grads)
+    buf_vec = vector_width(buffers if in_place else [*buffers, *new_buffers])
+    buffer_offsets = offsets(buffers, buf_vec)
+    new_offsets = buffer_offsets if in_place else offsets(new_buffers, buf_vec)
     table = offset_table(
-        [
-            *offsets(grads, grad_vec),
-            *offsets(buffers, buf_vec),
-            *map(int, first_steps),
-            *offsets(new_buffers, buf_vec),
-        ],
+        [*offsets(grads, grad_vec), *buffer_offsets, *map(int, first_steps), *new_offsets],
         device,
     )
     if table is None:

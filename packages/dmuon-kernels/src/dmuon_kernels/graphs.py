@@ -20,12 +20,16 @@ small matrices). It must not know what the function computes, and must never cha
   ``capture`` phase (``dmuon_kernels._log``) and announced with its seconds
   (``DMUON_SYRK_AUTOTUNE_LOG=0`` silences the line).
 
-A graph keeps its input, output and intermediates allocated for good. For a large input that
+A graph keeps its input, outputs and intermediates allocated for good. For a large input that
 costs gigabytes (a batch of 48 projections of a 1 B model: about 3 GiB) and saves nothing, since
 its kernels are long and launching them is not what limits it; so large inputs stay eager.
 
-The function must be a pure function of its one tensor argument (same input, same output), and
-must not keep references to its intermediates. Each call returns a fresh tensor.
+The function must be a pure function of its one tensor argument (same input, same outputs), and
+must not keep references to its intermediates. Each call returns a fresh tensor: a graph's
+outputs live in its memory pool, which the next replay of any graph sharing that pool may
+overwrite, so they never leave this module. With a ``finish`` the function's last step runs
+eagerly on them right after the replay and allocates the result (Newton-Schulz's final product),
+which costs one launch instead of a copy of the result; without one the output is copied.
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ from dmuon_kernels._log import CAPTURE, log_rank_tagged, timed_phase
 
 # (shape, strides, dtype, device); the shape as torch.Size, which hashes and compares as a tuple
 Signature = tuple[tuple[int, ...], tuple[int, ...], torch.dtype, torch.device]
+Outputs = Tensor | tuple[Tensor, ...]  # what the captured function returns
 
 GRAPH_MAX_NUMEL = 2**26
 """Inputs up to this many elements (a batch of 64 matrices of 1024 x 1024) replay a graph."""
@@ -59,23 +64,30 @@ def cuda_graphs_enabled() -> bool:
 class _Captured:
     graph: torch.cuda.CUDAGraph
     static_input: Tensor
-    static_output: Tensor
+    static_outputs: tuple[Tensor, ...]
 
 
 class GraphedFunction:
-    """Call ``fn(x)`` through a CUDA graph per input signature, eagerly where it cannot.
+    """Call ``finish(*fn(x))``: ``fn`` through a CUDA graph per input signature (eagerly where it
+    cannot), ``finish`` eagerly.
 
-    ``enabled=None`` reads ``DMUON_NS_CUDA_GRAPH`` now. ``name`` appears in warnings.
+    ``fn(x)`` returns a tensor or a tuple of tensors. ``finish`` takes them and returns a tensor
+    it allocates (never one of its arguments or a view of one: those are the graph's memory); it
+    must not be captured because its result has to outlive the next replay. Without ``finish``,
+    ``fn`` returns one tensor and the call returns a copy of it. ``enabled=None`` reads
+    ``DMUON_NS_CUDA_GRAPH`` now. ``name`` appears in warnings.
     """
 
     def __init__(
         self,
-        fn: Callable[[Tensor], Tensor],
+        fn: Callable[[Tensor], Outputs],
         *,
+        finish: Callable[..., Tensor] | None = None,
         name: str = "Newton-Schulz",
         enabled: bool | None = None,
     ) -> None:
         self.fn = fn
+        self.finish = finish
         self.name = name
         self.enabled = cuda_graphs_enabled() if enabled is None else bool(enabled)
         self._captured: dict[Signature, _Captured] = {}
@@ -84,10 +96,8 @@ class GraphedFunction:
         self._pools: dict[torch.device, object] = {}
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
 
-    def __call__(
-        self, x: Tensor, *, out_dtype: torch.dtype | None = None, max_numel: int | None = None
-    ) -> Tensor:
-        """``fn(x)`` cast to ``out_dtype`` (default: fn's dtype), always a fresh tensor.
+    def __call__(self, x: Tensor, *, max_numel: int | None = None) -> Tensor:
+        """``finish(*fn(x))``, always a fresh tensor.
 
         ``max_numel`` (default ``GRAPH_MAX_NUMEL``): the largest input that may be captured, for
         a caller whose launches cost more than the graph's memory (an overlapped step's
@@ -98,20 +108,21 @@ class GraphedFunction:
             if x is not captured.static_input:  # callers may write the input there directly
                 captured.static_input.copy_(x)
             captured.graph.replay()
-            return _fresh(captured.static_output, out_dtype)
+            return self._finished(captured.static_outputs, static=True)
         if not self._may_capture(x, signature, max_numel):
-            return _cast(self.fn(x), out_dtype)
+            return self._finished(_as_tuple(self.fn(x)), static=False)
         if signature not in self._warmed:
             self._warmed.add(signature)
-            return _cast(self.fn(x), out_dtype)
+            return self._finished(_as_tuple(self.fn(x)), static=False)
         announce = progress_lines_enabled()  # an invalid switch raises before any work
         shape, _, dtype, _ = signature
         what = f"{self.name} shape={tuple(shape)} dtype={_dtype_name(dtype)}"
         with timed_phase(CAPTURE, what) as phase:
-            output = self._capture(x, signature)
-        if announce and signature in self._captured:
+            outputs = self._capture(x, signature)
+        captured = signature in self._captured
+        if announce and captured:
             log_rank_tagged(f"captured a CUDA graph of {what} in {phase.seconds:.2f} s")
-        return _fresh(output, out_dtype)
+        return self._finished(outputs, static=captured)
 
     def static_input(
         self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
@@ -158,8 +169,9 @@ class GraphedFunction:
             and not torch.cuda.is_current_stream_capturing()
         )
 
-    def _capture(self, x: Tensor, signature: Signature) -> Tensor:
-        """Capture fn for ``signature``; return fn(x) (from the graph, or eager on failure)."""
+    def _capture(self, x: Tensor, signature: Signature) -> tuple[Tensor, ...]:
+        """Capture fn for ``signature``; return fn(x): the graph's outputs, or eager ones when
+        the capture failed (then ``signature`` is not in ``_captured``)."""
         device = x.device
         stream = self._streams.get(device)
         if stream is None:
@@ -176,7 +188,7 @@ class GraphedFunction:
             with torch.cuda.stream(stream):
                 # One eager run on the capture stream: lazy per-stream state (e.g. a cuBLAS
                 # workspace) is created outside the capture, and it is the replay's reference.
-                expected = self.fn(static_input)
+                expected = _as_tuple(self.fn(static_input))
             # Cyclic garbage can hold CUDA graphs (a dropped NewtonSchulz refers to itself
             # through its graph caches); destroying one in the middle of this capture is an
             # illegal call that invalidates it. torch.cuda.graph no longer collects first, so
@@ -187,13 +199,16 @@ class GraphedFunction:
                 with torch.cuda.graph(
                     graph, pool=pool, stream=stream, capture_error_mode="thread_local"
                 ):
-                    static_output = self.fn(static_input)
+                    static_outputs = _as_tuple(self.fn(static_input))
             finally:
                 if collecting:
                     gc.enable()
             torch.cuda.current_stream(device).wait_stream(stream)
             graph.replay()
-            identical = torch.equal(static_output, expected)
+            identical = len(static_outputs) == len(expected) and all(
+                torch.equal(output, reference)
+                for output, reference in zip(static_outputs, expected)
+            )
         except Exception as exc:  # any failure inside capture leaves this signature eager
             del graph
             # torch.cuda.graph does not leave its stream when capture_end raises: go back first.
@@ -211,13 +226,27 @@ class GraphedFunction:
                     f"; resetting the CUDA generator afterwards failed too ({recovery_problem})"
                 )
             self._stay_eager(signature, reason)
-            return self.fn(x)
+            return _as_tuple(self.fn(x))
         if not identical:
             del graph
             self._stay_eager(signature, "the graph replay was not bit-identical to eager")
             return expected
-        self._captured[signature] = _Captured(graph, static_input, static_output)
-        return static_output
+        self._captured[signature] = _Captured(graph, static_input, static_outputs)
+        return static_outputs
+
+    def _finished(self, outputs: tuple[Tensor, ...], *, static: bool) -> Tensor:
+        """The call's result from fn's outputs; ``static``: they are a graph's, to be left to
+        it."""
+        if self.finish is None:
+            (output,) = outputs
+            return output.clone() if static else output
+        result = self.finish(*outputs)
+        if static and _shares_memory(result, outputs):
+            raise RuntimeError(
+                f"{self.name}: finish returned (a view of) a graph's output, which the next "
+                "replay overwrites; it must allocate its result"
+            )
+        return result
 
     def _stay_eager(self, signature: Signature, reason: str) -> None:
         self._eager_only[signature] = reason
@@ -263,12 +292,10 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _cast(y: Tensor, out_dtype: torch.dtype | None) -> Tensor:
-    return y if out_dtype is None else y.to(out_dtype)
+def _as_tuple(outputs: Outputs) -> tuple[Tensor, ...]:
+    return outputs if isinstance(outputs, tuple) else (outputs,)
 
 
-def _fresh(static: Tensor, out_dtype: torch.dtype | None) -> Tensor:
-    """A tensor the next replay will not overwrite: the cast when it copies, else a clone."""
-    if out_dtype is not None and out_dtype != static.dtype:
-        return static.to(out_dtype)
-    return static.clone()
+def _shares_memory(result: Tensor, outputs: tuple[Tensor, ...]) -> bool:
+    storage = result.untyped_storage().data_ptr()
+    return any(output.untyped_storage().data_ptr() == storage for output in outputs)

@@ -31,10 +31,13 @@ side (``GRAM_MIN_ASPECT_RATIO``); below that the "gram" backend runs the direct 
 polynomial, fewer FLOPs, no accumulated Q).
 
 CUDA graphs (``dmuon_kernels.graphs``): ``ns(G)`` on a contiguous G (or one whose last two dims
-are transposed) replays one graph of the whole pipeline per (shape, strides, dtype, device), so a
-warmed call is a copy of G in, one replay and a copy out. Other layouts, and callers that
-normalise their own input (the fused optimizer step: ``normalized_buffer`` and
-``iterate_normalized``), replay a graph of the iteration alone.
+are transposed) replays one graph of normalisation and the iteration per (shape, strides, dtype,
+device), so a warmed call is a copy of G in, one replay, the final product and the restore.
+Other layouts, and callers that normalise their own input (the fused optimizer step:
+``normalized_buffer`` and ``iterate_normalized``), replay a graph of the iteration alone. The
+iteration's last product (Q·X, or a·X + poly·X) runs eagerly after the replay, into a new tensor:
+the graph's own outputs are overwritten by later replays, and copying the result out of it
+would cost one more pass over the output.
 
 This module must not know about devices beyond what torch gives it, nor import torch.distributed.
 """
@@ -149,11 +152,25 @@ def _plus_identity(Z: Tensor, a: float) -> Tensor:
 
 def direct_iteration(X: Tensor, coefficients: CoefficientTable, *, kernel: str = AUTO) -> Tensor:
     """Run ``X <- a·X + (b·A + c·A²)·X`` with A = X·Xᵀ, for X (n, m) or (B, n, m), n <= m."""
-    for a, b, c in coefficients:
+    return _direct_final_product(*_direct_factors(X, coefficients, kernel), coefficients, kernel)
+
+
+def _direct_factors(
+    X: Tensor, coefficients: CoefficientTable, kernel: str
+) -> tuple[Tensor, Tensor]:
+    """``direct_iteration`` but its last product: (b·A + c·A², X) of the last step."""
+    for step, (a, b, c) in enumerate(coefficients):
         A = syrk(X, kernel=kernel)  # (.., n, n)
         poly = syrk(A, C=A, alpha=c, beta=b, kernel=kernel)  # b·A + c·A², A symmetric
-        X = matmul(poly, X, C=X, beta=a, kernel=kernel)  # a·X + poly·X
-    return X
+        if step < len(coefficients) - 1:
+            X = matmul(poly, X, C=X, beta=a, kernel=kernel)  # a·X + poly·X
+    return poly, X
+
+
+def _direct_final_product(
+    poly: Tensor, X: Tensor, coefficients: CoefficientTable, kernel: str
+) -> Tensor:
+    return matmul(poly, X, C=X, beta=coefficients[-1][0], kernel=kernel)  # a·X + poly·X
 
 
 def gram_iteration(
@@ -164,6 +181,14 @@ def gram_iteration(
     kernel: str = AUTO,
 ) -> Tensor:
     """The Gram-matrix form of ``direct_iteration``; see the module docstring. Returns Q·X."""
+    Q, X = _gram_factors(X, coefficients, restart_iterations, kernel)
+    return matmul(Q, X, kernel=kernel)
+
+
+def _gram_factors(
+    X: Tensor, coefficients: CoefficientTable, restart_iterations: Sequence[int], kernel: str
+) -> tuple[Tensor, Tensor]:
+    """``gram_iteration`` but its last product: (Q, X) of the last segment."""
     last = len(coefficients) - 1
     restarts = set(restart_iterations)
     R = syrk(X, kernel=kernel)  # (.., n, n)
@@ -184,7 +209,7 @@ def gram_iteration(
         if not ends_segment:
             R_step = symmetric_product(R, Z, C=R, beta=a, kernel=kernel)  # R·(a·I + Z)
             R = symmetric_product(Z, R_step, C=R_step, beta=a, kernel=kernel)  # (aI+Z)R(aI+Z)
-    return matmul(Q, X, kernel=kernel)
+    return Q, X
 
 
 def _normalized_shape_of(shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -225,18 +250,33 @@ def normalized_input(
     return normalize_frobenius(X, eps=eps, dtype=dtype, out=out)
 
 
-def iterate(
+def iteration_factors(
     X: Tensor,
     *,
     backend: str,
     coefficients: CoefficientTable,
     restart_iterations: Sequence[int],
     kernel: str,
+) -> tuple[Tensor, Tensor]:
+    """Stage 2, the iteration on a normalised X (rows <= cols), but its last product, which
+    ``final_product`` computes from the two factors returned: the part CUDA graphs replay (the
+    result then needs no copy out of the graph)."""
+    if _gram_form(backend, X):
+        return _gram_factors(X, coefficients, restart_iterations, kernel)
+    return _direct_factors(X, coefficients, kernel)
+
+
+def final_product(
+    left: Tensor, X: Tensor, *, backend: str, coefficients: CoefficientTable, kernel: str
 ) -> Tensor:
-    """Stage 2: the iteration on a normalised X (rows <= cols); the part CUDA graphs replay."""
-    if backend == "gram" and uses_gram_form(X.shape[-2], X.shape[-1]):
-        return gram_iteration(X, coefficients, restart_iterations, kernel=kernel)
-    return direct_iteration(X, coefficients, kernel=kernel)
+    """The iteration's last product from ``iteration_factors``: Q·X, or a·X + poly·X."""
+    if _gram_form(backend, X):
+        return matmul(left, X, kernel=kernel)
+    return _direct_final_product(left, X, coefficients, kernel)
+
+
+def _gram_form(backend: str, X: Tensor) -> bool:
+    return backend == "gram" and uses_gram_form(X.shape[-2], X.shape[-1])
 
 
 def restored_output(X: Tensor, G: Tensor) -> Tensor:
@@ -459,14 +499,14 @@ class NewtonSchulz:
         dtype: the requested iteration dtype; None (the default) means fp16 for CUDA inputs and
             fp32 for the rest, decided per call by the input's device (``iteration_dtype``).
         config: the request as an ``NSConfig``.
-        graphs: the CUDA-graph cache of ``ns(G)`` calls: one graph of the whole pipeline
-            (normalise, iterate, restore) per signature of G.
+        graphs: the CUDA-graph cache of ``ns(G)`` calls: one graph of normalisation and the
+            iteration but its last product per signature of G.
         iteration_graphs: the CUDA-graph cache of the iteration alone, which
             ``iterate_normalized``, ``normalized_buffer``, ``prepare`` and ``ns(G)`` on other
             layouts use.
 
-    A whole-pipeline graph keeps a static input and output of G's shape and dtype (plus the
-    pipeline's fp32 intermediates) allocated for good, per signature;
+    A whole-call graph keeps a static input of G's shape and dtype and the pipeline's
+    intermediates allocated for good, per signature;
     ``dmuon_kernels.graphs.GRAPH_MAX_NUMEL`` bounds which inputs get one.
     """
 
@@ -510,12 +550,17 @@ class NewtonSchulz:
         self.kernel, self.kernel_reason = effective_kernel(
             self._syrk_kernel, self.iteration_dtype(device), device
         )
-        # Two graph caches: ns(G) replays the whole pipeline (_orthogonalize), so a warmed call
-        # is a copy in, one replay and a copy out; the fused optimizer step normalises on its
-        # own and replays the iteration alone (_iterate), writing into that graph's input.
-        self._graphed = GraphedFunction(self._iterate, name=f"NewtonSchulz({self.backend!r})")
+        # Two graph caches: ns(G) replays normalisation and the iteration (_normalized_factors),
+        # so a warmed call is a copy in, one replay and the final product; the fused optimizer
+        # step normalises on its own and replays the iteration alone (_factors), writing into
+        # that graph's input. Both leave the final product to run eagerly into a new tensor.
+        self._graphed = GraphedFunction(
+            self._factors, finish=self._final_product, name=f"NewtonSchulz({self.backend!r})"
+        )
         self._graphed_call = GraphedFunction(
-            self._orthogonalize, name=f"NewtonSchulz({self.backend!r}) call"
+            self._normalized_factors,
+            finish=self._final_product,
+            name=f"NewtonSchulz({self.backend!r}) call",
         )
 
     @property
@@ -563,15 +608,15 @@ class NewtonSchulz:
         if G.numel() == 0:
             return torch.zeros_like(G)
         if G.is_contiguous() or G.mT.is_contiguous():
-            return self._graphed_call(G)
+            return restored_output(self._graphed_call(G), G)
         # A graph's static input copies G's strides: for a slice with gaps that would allocate
         # the whole span it strides over, and an expanded G (stride 0) cannot be copied into.
         # Such inputs replay the iteration alone, normalised straight into its graph's input
-        # buffer; the cast back to G's dtype is the copy that frees the static output.
+        # buffer.
         dtype = self.iteration_dtype(G.device)
         buffer = self._graphed.static_input(normalized_shape(G), dtype, G.device)
         X = normalized_input(G, eps=self._request.eps, dtype=dtype, out=buffer)
-        return restored_output(self._graphed(X, out_dtype=G.dtype), G)
+        return restored_output(self._graphed(X), G)
 
     def prepare(
         self, shapes: Iterable[Sequence[int]], device: torch.device | str | None = None
@@ -639,20 +684,26 @@ class NewtonSchulz:
         input (B, n, m): what ``iterate_normalized`` (the fused optimizer step) replays."""
         return self._graphed
 
-    def _orthogonalize(self, G: Tensor) -> Tensor:
-        """What the whole-call graphs capture: normalise, iterate, restore; a pure function of G
-        (non-empty) that returns a tensor of G's shape and dtype."""
+    def _normalized_factors(self, G: Tensor) -> tuple[Tensor, Tensor]:
+        """What the whole-call graphs capture: normalise G (non-empty), then ``_factors``."""
         X = normalized_input(G, eps=self._request.eps, dtype=self.iteration_dtype(G.device))
-        return restored_output(self._iterate(X), G)
+        return self._factors(X)
 
-    def _iterate(self, X: Tensor) -> Tensor:
-        """What the iteration graphs capture: the iteration on a normalised X."""
-        return iterate(
+    def _factors(self, X: Tensor) -> tuple[Tensor, Tensor]:
+        """What the iteration graphs capture: the iteration on a normalised X but its last
+        product."""
+        return iteration_factors(
             X,
             backend=self.backend,
             coefficients=self.coefficients,
             restart_iterations=self.restart_iterations,
             kernel=self._syrk_kernel,
+        )
+
+    def _final_product(self, left: Tensor, X: Tensor) -> Tensor:
+        """The iteration's last product, run eagerly after each graph replay (``finish``)."""
+        return final_product(
+            left, X, backend=self.backend, coefficients=self.coefficients, kernel=self._syrk_kernel
         )
 
     def __repr__(self) -> str:
