@@ -114,6 +114,8 @@ SPECULATION_CHUNKS = 4
 # The largest Newton-Schulz input the overlapped step replays as a CUDA graph: see [Note:
 # speculation graphs]. 2**28 fp16 elements: 512 MiB of input.
 SPECULATION_GRAPH_MAX_NUMEL = 2**28
+# The side stream's CUDA priority (lower is higher; 0, the default streams', is the lowest).
+SPECULATION_STREAM_PRIORITY = 0
 Boundary = TypeVar("Boundary", bound=Hashable)
 
 
@@ -210,7 +212,7 @@ class OverlappedStep:
                 if boundary is not None and m.numel() > 0:
                     elements[boundary] = elements.get(boundary, 0) + m.numel()
             order = [b for b in boundaries if b in elements]
-            for boundary, chunk in speculation_chunks(order, elements).items():
+            for boundary, chunk in speculation_chunks(order, elements, SPECULATION_CHUNKS).items():
                 self._chunk_of[(group_index, boundary)] = chunk
                 self._chunk_boundaries.setdefault((group_index, chunk), set()).add(boundary)
             for m in param_groups[group_index]["params"]:
@@ -229,7 +231,7 @@ class OverlappedStep:
             yield
             return
         if self._side is None:
-            self._side = torch.cuda.Stream(self._device)
+            self._side = torch.cuda.Stream(self._device, priority=SPECULATION_STREAM_PRIORITY)
         self._side.wait_stream(torch.cuda.current_stream(self._device))
         self._side_used = True
         with torch.cuda.stream(self._side):
