@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from dmuon.inspect import SPECULATION_CHUNKS
 from dmuon_tools.calibration import (
     E2E_FILE,
     GLOO_FILE,
@@ -118,6 +119,36 @@ def test_a_paired_overlap_run_is_compared_step_by_step_and_by_its_ratio(calibrat
         if r.source == "overlap-ab-h200-w8-2027-01-01.json"
     ]  # fmt: skip
     assert len(multi) == 3 and {r.setting for r in multi} == {"NCCL, 8 GPUs"}
+
+
+def test_an_overlap_what_if_run_is_excluded_with_its_settings(tmp_path):
+    """A run with the speculation's chunks or stream priority off the defaults measures
+    something the simulator does not model: listed as excluded, never compared."""
+    (source,) = [p for p in RESULTS.glob("overlap-ab-*.json") if "fcd3f46" in p.name]
+    data = json.loads(source.read_text())
+    shutil.copytree(RESULTS, tmp_path / "results")
+    for name, settings in {
+        "overlap-ab-h200-w1-2027-01-01-chunks.json": {"speculation_chunks": 2},
+        "overlap-ab-h200-w1-2027-01-01-priority.json": {"speculation_stream_priority": -5},
+        "overlap-ab-h200-w1-2027-01-01-defaults.json": {
+            "speculation_chunks": SPECULATION_CHUNKS,
+            "speculation_stream_priority": 0,
+        },
+    }.items():
+        (tmp_path / "results" / name).write_text(json.dumps({**data, **settings}))
+    result = calibrate(tmp_path / "results")
+    excluded = dict(result.excluded)
+    assert (
+        "speculation chunks 2, side-stream priority 0"
+        in excluded["overlap-ab-h200-w1-2027-01-01-chunks.json"]
+    )
+    assert "priority -5" in excluded["overlap-ab-h200-w1-2027-01-01-priority.json"]
+    compared = {r.source for r in result.rows}
+    assert "overlap-ab-h200-w1-2027-01-01-defaults.json" in compared
+    assert not compared & {
+        "overlap-ab-h200-w1-2027-01-01-chunks.json",
+        "overlap-ab-h200-w1-2027-01-01-priority.json",
+    }
 
 
 def test_a_results_folder_that_does_not_exist_is_refused(tmp_path):

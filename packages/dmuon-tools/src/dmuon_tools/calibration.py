@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from dmuon.inspect import SPECULATION_CHUNKS
 from dmuon_tools.costs import (
     ADAMW_BYTES_PER_ELEMENT,
     COLLECTIVES,
@@ -405,7 +406,11 @@ def calibrate(results: str | Path, machine: Machine | None = None) -> Calibratio
         elif name.startswith("e2e-"):
             rows += _e2e_rows(path, machine, gloo)
         elif name.startswith("overlap-ab-"):
-            rows += _overlap_ab_rows(path, machine, gloo)
+            what_if = _overlap_what_if(path)
+            if what_if is None:
+                rows += _overlap_ab_rows(path, machine, gloo)
+            else:
+                excluded.append((name, what_if))
         elif name.startswith("host-"):
             rows += _host_rows(path, machine)
         elif name.startswith("collectives-"):
@@ -537,6 +542,19 @@ def _e2e_rows(path: Path, machine: Machine, gloo: Machine) -> list[Row]:
 
 # The two systems ``overlap_ab.py`` alternates, and its summary's key for each.
 OVERLAP_AB_SYSTEMS = {"dmuon-z3": "plain_median_ms", "dmuon-z3-overlap": "overlapped_median_ms"}
+
+
+def _overlap_what_if(path: Path) -> str | None:
+    """Why an ``overlap_ab.py`` run is a what-if the simulator does not model, or None."""
+    data = _read(path)
+    chunks = data.get("speculation_chunks", SPECULATION_CHUNKS)
+    priority = data.get("speculation_stream_priority", 0)
+    if (chunks, priority) == (SPECULATION_CHUNKS, 0):
+        return None
+    return (
+        f"a what-if run (speculation chunks {chunks}, side-stream priority {priority}); the "
+        f"simulator models the defaults ({SPECULATION_CHUNKS} chunks, priority 0)"
+    )
 
 
 def _overlap_ab_rows(path: Path, machine: Machine, gloo: Machine) -> list[Row]:
