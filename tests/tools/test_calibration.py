@@ -42,18 +42,34 @@ def test_the_committed_report_is_what_the_command_prints(calibration):
     assert committed == json.loads(json.dumps(calibration.to_json()))
 
 
+def speculation_settings(path: Path) -> tuple[int, int]:
+    """An overlap_ab run's speculation chunks and side-stream priority (older runs: defaults)."""
+    data = json.loads(path.read_text())
+    return (
+        data.get("speculation_chunks", SPECULATION_CHUNKS),
+        data.get("speculation_stream_priority", 0),
+    )
+
+
 def test_every_committed_step_benchmark_is_compared_and_the_protocol_runs_are_excluded(
     calibration,
 ):
     sources = {row.source for row in calibration.rows}
     on_cpu = {path.name for path in RESULTS.glob("*-cpu-*.json")}
+    what_ifs = {
+        path.name
+        for path in RESULTS.glob("overlap-ab-*.json")
+        if speculation_settings(path) != (SPECULATION_CHUNKS, 0)
+    }
+    assert what_ifs  # the committed what-if runs of the overlapped step
     for pattern in ("step-*.json", "e2e-*.json", "host-*.json", "overlap-ab-*.json"):
-        assert {path.name for path in RESULTS.glob(pattern)} - on_cpu <= sources, pattern
+        assert {path.name for path in RESULTS.glob(pattern)} - on_cpu - what_ifs <= sources
     excluded = dict(calibration.excluded)
     protocol = {path.name for path in RESULTS.glob("protocol-*.json")}
-    assert protocol | on_cpu == set(excluded)
+    assert protocol | on_cpu | what_ifs == set(excluded)
     assert all("no step time is recorded" in excluded[name] for name in protocol)
-    assert not sources & on_cpu
+    assert all("a what-if run" in excluded[name] for name in what_ifs)
+    assert not sources & (on_cpu | what_ifs)
 
 
 def test_a_fit_row_is_matched_and_held_out_rows_are_the_rest(calibration):
