@@ -18,8 +18,9 @@
 #   part 7: the optimizer step by kernel class (bench_step --profile), and inside the FSDP2 run
 #           against alone (profile_opt_step)
 #   part 8: the whole tests/gpu, then the overlapped step against the plain one at world size 1,
-#           paired (overlap_ab), and where each phase's host and device time goes
-#           (overlap_timeline)
+#           paired (overlap_ab), and each one's step and peak memory (bench_e2e)
+#   part 9: where the overlapped step's time goes at world size 1: each phase's host and device
+#           time (overlap_timeline), the kernels by stream and name (profile_overlap)
 #
 # Usage, on the GPU machine from the repository root with .gpu/ carried along:
 #   bash benchmarks/gpu_session.sh <part> <git-sha>
@@ -122,14 +123,21 @@ case $part in
     benchmarks/profile_opt_step.py --git-sha "$sha" --out "$out/profile-opt-step.json"
   ;;
 8)
-  sharded_gpu_tests 3 330
+  sharded_gpu_tests 4 250
   step overlap-ab 150 python -m torch.distributed.run --standalone --nproc-per-node 1 \
     benchmarks/overlap_ab.py --rounds 60 --git-sha "$sha" --out "$out/overlap-ab.json"
+  step e2e 130 python -m torch.distributed.run --standalone --nproc-per-node 1 \
+    benchmarks/bench_e2e.py --variants dmuon-z3,dmuon-z3-overlap \
+    --git-sha "$sha" --out "$out/e2e-w1.json"
+  ;;
+9)
   step overlap-timeline 100 python -m torch.distributed.run --standalone --nproc-per-node 1 \
     benchmarks/overlap_timeline.py --git-sha "$sha" --out "$out/overlap-timeline.json"
+  step profile-overlap 200 python -m torch.distributed.run --standalone --nproc-per-node 1 \
+    benchmarks/profile_overlap.py --git-sha "$sha" --out "$out/profile-overlap.json"
   ;;
 *)
-  echo "part must be 1 to 8" >&2
+  echo "part must be 1 to 9" >&2
   exit 2
   ;;
 esac

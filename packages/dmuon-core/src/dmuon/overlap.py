@@ -76,8 +76,9 @@ call (speculated or computed by ``step()``, one chunk's matrices of a shape) rep
 graph up to ``SPECULATION_GRAPH_MAX_NUMEL`` elements, where the plain step stops at
 ``dmuon_kernels.graphs.GRAPH_MAX_NUMEL``; a call holds at most 256 MiB of fp16 input
 (``dmuon.optim.NS_CALL_BYTES``), so only a single matrix over 2**28 elements stays eager.
-A graph keeps its input, output and intermediates for good: about three times the call's input,
-once per shape, since the chunks of a uniform model share their shapes.
+A graph keeps its input and intermediates for good (the iteration's final product runs after the
+replay, into the tensor the call returns): about twice the call's input, once per shape, since
+the chunks of a uniform model share their shapes.
 
 Memory: from landing to ``step()``, per speculated matrix, a scratch momentum (fp32, 4 bytes an
 element, written by the fused pass from the state's buffer, which it only reads; the old buffer
@@ -114,7 +115,9 @@ SPECULATION_CHUNKS = 4
 # The largest Newton-Schulz input the overlapped step replays as a CUDA graph: see [Note:
 # speculation graphs]. 2**28 fp16 elements: 512 MiB of input.
 SPECULATION_GRAPH_MAX_NUMEL = 2**28
-# The side stream's CUDA priority (lower is higher; 0, the default streams', is the lowest).
+# The side stream's CUDA priority (lower is higher; 0, the default streams', is the lowest). The
+# highest, -5, was no faster at world size 1 on the H200 (paired +4.50 ms over the plain step
+# against +2.79 at 0; overlap-ab-h200-w1-2026-12-04-142ad87-chunks4-priority*.json).
 SPECULATION_STREAM_PRIORITY = 0
 Boundary = TypeVar("Boundary", bound=Hashable)
 
