@@ -3,6 +3,7 @@
 # time-boxed so a hung one cannot take the rest down. Writes logs and JSON under $OUT; prints
 # each step's exit status and the tail of its log.
 #
+#   part 0: the whole tests/gpu alone (the log to commit after a change to GPU code)
 #   part 1: the whole tests/gpu (the logs to commit), the end-to-end step at world size 1 with
 #           the low-memory state: bf16 momentum and masters offloaded to CPU (issue 26)
 #   part 2: why the overlapped step is slower at world size 1 (issue 24: profile_overlap), the
@@ -18,9 +19,10 @@
 #   part 7: the optimizer step by kernel class (bench_step --profile), and inside the FSDP2 run
 #           against alone (profile_opt_step)
 #   part 8: the whole tests/gpu, then the overlapped step against the plain one at world size 1,
-#           paired (overlap_ab), and each one's step and peak memory (bench_e2e)
-#   part 9: where the overlapped step's time goes at world size 1: each phase's host and device
-#           time (overlap_timeline), the kernels by stream and name (profile_overlap)
+#           paired (overlap_ab)
+#   part 9: the overlapped step at world size 1: each one's step and peak memory (bench_e2e),
+#           where each phase's host and device time goes (overlap_timeline), the kernels by
+#           stream and name (profile_overlap)
 #
 # Usage, on the GPU machine from the repository root with .gpu/ carried along:
 #   bash benchmarks/gpu_session.sh <part> <git-sha>
@@ -73,6 +75,11 @@ sharded_gpu_tests() {  # sharded_gpu_tests <shards> <seconds>
 }
 
 case $part in
+0)
+  # Three shards took 223 to over 342 s (2026-12-04); four at once were slower still (two past
+  # 250 s): the machine's 16 cores compile for all of them.
+  sharded_gpu_tests 3 420
+  ;;
 1)
   sharded_gpu_tests 3 330
   step e2e 180 python -m torch.distributed.run --standalone --nproc-per-node 1 \
@@ -123,21 +130,21 @@ case $part in
     benchmarks/profile_opt_step.py --git-sha "$sha" --out "$out/profile-opt-step.json"
   ;;
 8)
-  sharded_gpu_tests 4 250
+  sharded_gpu_tests 3 400
   step overlap-ab 150 python -m torch.distributed.run --standalone --nproc-per-node 1 \
     benchmarks/overlap_ab.py --rounds 60 --git-sha "$sha" --out "$out/overlap-ab.json"
+  ;;
+9)
   step e2e 130 python -m torch.distributed.run --standalone --nproc-per-node 1 \
     benchmarks/bench_e2e.py --variants dmuon-z3,dmuon-z3-overlap \
     --git-sha "$sha" --out "$out/e2e-w1.json"
-  ;;
-9)
   step overlap-timeline 100 python -m torch.distributed.run --standalone --nproc-per-node 1 \
     benchmarks/overlap_timeline.py --git-sha "$sha" --out "$out/overlap-timeline.json"
   step profile-overlap 200 python -m torch.distributed.run --standalone --nproc-per-node 1 \
     benchmarks/profile_overlap.py --git-sha "$sha" --out "$out/profile-overlap.json"
   ;;
 *)
-  echo "part must be 1 to 9" >&2
+  echo "part must be 0 to 9" >&2
   exit 2
   ;;
 esac
