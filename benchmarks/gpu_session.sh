@@ -78,7 +78,7 @@ case $part in
 0)
   # Three shards took 223 to over 342 s (2026-12-04); four at once were slower still (two past
   # 250 s): the machine's 16 cores compile for all of them.
-  sharded_gpu_tests 3 420
+  sharded_gpu_tests 3 385
   ;;
 1)
   sharded_gpu_tests 3 330
