@@ -81,7 +81,7 @@ case $part in
   sharded_gpu_tests 3 385
   ;;
 1)
-  sharded_gpu_tests 3 330
+  sharded_gpu_tests 3 380
   step e2e 180 python -m torch.distributed.run --standalone --nproc-per-node 1 \
     benchmarks/bench_e2e.py --variants \
     fsdp2-adamw,dmuon-z3,dmuon-z3+offload,dmuon-z3+bf16m,dmuon-z3+bf16m+offload \
@@ -119,7 +119,7 @@ case $part in
     --git-sha "$sha" --out "$out/cold-start.json"
   ;;
 6)
-  sharded_gpu_tests 3 330
+  sharded_gpu_tests 3 380
   step e2e 200 python -m torch.distributed.run --standalone --nproc-per-node 1 \
     benchmarks/bench_e2e.py --variants fsdp2-adamw,dmuon-z3,dmuon-z3-overlap \
     --git-sha "$sha" --out "$out/e2e-w1.json"
