@@ -35,7 +35,6 @@ import torch.distributed as dist  # noqa: E402
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 
 import dmuon  # noqa: E402
-import dmuon.overlap  # noqa: E402
 
 PLAIN, OVERLAPPED = "dmuon-z3", "dmuon-z3-overlap"
 BOOTSTRAP_SAMPLES = 10_000
@@ -70,22 +69,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--quick", action="store_true", help="bench_e2e's tiny model")
-    parser.add_argument(
-        "--chunks",
-        type=int,
-        default=dmuon.overlap.SPECULATION_CHUNKS,
-        help="what-if: the speculation's chunks per param group (dmuon.overlap)",
-    )
-    parser.add_argument(
-        "--side-priority",
-        type=int,
-        default=dmuon.overlap.SPECULATION_STREAM_PRIORITY,
-        help="what-if: the speculation stream's CUDA priority (lower is higher)",
-    )
     _common.add_record_options(parser, "default: benchmarks/results/overlap-ab-<date>.json")
     options = parser.parse_args(argv)
-    dmuon.overlap.SPECULATION_CHUNKS = options.chunks
-    dmuon.overlap.SPECULATION_STREAM_PRIORITY = options.side_priority
     args = bench_e2e.parse_args(
         ["--device", options.device, "--warmup", str(options.warmup)]
         + (["--quick"] if options.quick else [])
@@ -130,8 +115,6 @@ def main(argv: list[str] | None = None) -> int:
         "checkpoint": args.checkpoint,
         "param_dtype": str(args.param_dtype),
         "rounds": options.rounds,
-        "speculation_chunks": options.chunks,
-        "speculation_stream_priority": options.side_priority,
         "order": "ABBA, alternating which variant leads",
         "summary": summary,
         "iteration_ms": times,
