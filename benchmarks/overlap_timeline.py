@@ -33,10 +33,8 @@ import argparse
 import collections
 import cProfile
 import dataclasses
-import json
 import pstats
 import statistics
-import tempfile
 import time
 from pathlib import Path
 
@@ -48,7 +46,7 @@ _common.add_package_sources_if_missing()  # before dmuon is imported
 import bench_e2e  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from profile_overlap import union_us  # noqa: E402
+from profile_overlap import DEVICE_CATEGORIES, trace_events, union_us  # noqa: E402
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 
 import dmuon  # noqa: E402
@@ -186,11 +184,7 @@ def traced_iteration(model, optimizer, tokens, device) -> dict:
                 else:
                     run()
         torch.cuda.synchronize(device)
-    with tempfile.TemporaryDirectory() as folder:
-        trace = Path(folder) / "trace.json"
-        profile.export_chrome_trace(str(trace))
-        events = json.loads(trace.read_text())["traceEvents"]
-    return summarise_trace(events)
+    return summarise_trace(trace_events(profile))
 
 
 def summarise_trace(events: list[dict]) -> dict:
@@ -205,7 +199,7 @@ def summarise_trace(events: list[dict]) -> dict:
         for e in spans
         if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})
     }
-    device = [e for e in spans if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    device = [e for e in spans if e.get("cat") in DEVICE_CATEGORIES]
     idle = {}
     for phase, (start, stop) in phases.items():
         mine = [

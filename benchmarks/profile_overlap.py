@@ -61,12 +61,18 @@ def profiled_steps(variant: str, args, mesh, device, tokens) -> tuple[list[float
             torch.cuda.synchronize(device)
             step_ms.append(timer.ms())
     dmuon.wait_all_replicate_broadcasts(model)
+    device_events = [
+        e for e in trace_events(profile) if e.get("ph") == "X" and e.get("cat") in DEVICE_CATEGORIES
+    ]
+    return step_ms, device_events
+
+
+def trace_events(profile: torch.profiler.profile) -> list[dict]:
+    """A finished torch.profiler run's Chrome-trace events."""
     with tempfile.TemporaryDirectory() as folder:
         trace = Path(folder) / "trace.json"
         profile.export_chrome_trace(str(trace))
-        events = json.loads(trace.read_text())["traceEvents"]
-    device_events = [e for e in events if e.get("ph") == "X" and e.get("cat") in DEVICE_CATEGORIES]
-    return step_ms, device_events
+        return json.loads(trace.read_text())["traceEvents"]
 
 
 def union_us(intervals: list[tuple[float, float]]) -> float:
