@@ -4,9 +4,9 @@ with ``dmuon-z3`` and with ``dmuon-z3-overlap`` under torch.profiler, summarised
 For each variant, over the profiled steps: the step's time (CUDA events), each stream's busy time
 (the union of its kernels' and copies' intervals), the time two or more streams ran at once, the
 total kernel time, and the kernels whose total time changed most between the two variants. The
-overlapped step measured 9-11% slower than the plain one at world size 1 on the H200, where it
-has no communication to hide behind; this says whether that is more work (extra kernels or
-copies), slower kernels (the two streams contending) or idle gaps.
+overlapped step measured slower than the plain one at world size 1 on the H200 (9-11% at first,
+1-2% since 2026-12-04), where it has no communication to hide behind; this says whether that is
+more work (extra kernels or copies), slower kernels (the two streams contending) or idle gaps.
 
 Usage (GPU machine, repository root)::
 
