@@ -96,6 +96,33 @@ def test_held_results_outlive_replays_of_every_graph_sharing_the_pool():
         assert torch.equal(result, eager.iterate_normalized(X))
 
 
+def test_replays_from_two_streams_take_turns_in_the_pool():
+    """A replay queued on a side stream behind a long kernel (an overlapped step's speculation)
+    while the compute stream writes the same graph's input buffer, replays it and replays
+    another graph of the pool: each call still gets its own input's result."""
+    ns, eager = NewtonSchulz(), NewtonSchulz()
+    eager.iteration_graphs.enabled = False
+    shapes = [(4, 128, 512), (2, 256, 256)]
+    for _ in range(2):  # eager warm-up, then capture
+        for shape in shapes:
+            ns.iterate_normalized(normalized(torch.randn(shape)))
+    X1, X2 = (normalized(torch.randn(shapes[0])) for _ in range(2))
+    Y = normalized(torch.randn(shapes[1]))
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(200_000_000)  # about 0.1 s: the side stream's replay runs last
+        on_side = ns.iterate_normalized(X1)
+    buffer = ns.normalized_buffer(shapes[0], torch.device("cuda"))
+    buffer.copy_(X2)
+    on_compute = ns.iterate_normalized(buffer)
+    other = ns.iterate_normalized(Y)
+    torch.cuda.synchronize()
+    assert torch.equal(on_side, eager.iterate_normalized(X1))
+    assert torch.equal(on_compute, eager.iterate_normalized(X2))
+    assert torch.equal(other, eager.iterate_normalized(Y))
+
+
 def test_a_finish_that_returns_a_graph_output_is_refused():
     graphed = GraphedFunction(lambda x: (x * 2, x + 1), finish=lambda doubled, _: doubled[1:])
     x = torch.randn(16, 16, device="cuda")

@@ -19,20 +19,37 @@ from tests.numerics import relative_error
 LAYERS, STEPS = 8, 3  # eight layers: four chunks of two
 
 
-def train(overlap: bool, recompute: bool = False):
+SLOW_CYCLES = 50_000_000  # about 25 ms of an idle kernel on an H200
+
+
+def train(
+    overlap: bool, recompute: bool = False, max_norm: float | None = None, slow: bool = False
+):
     """Masters and momenta after STEPS steps; ``recompute``: every gradient is multiplied by 1
     in place before ``step()`` (same values, a new version), so ``step()`` discards each
-    speculation and computes the unit itself."""
+    speculation and computes the unit itself; ``max_norm``: ``dmuon.clip_grad_norm_`` before
+    each step; ``slow``: each unit's speculation starts ``SLOW_CYCLES`` late on its stream, so
+    the clip, the non-finite check and ``step()`` are queued while it still runs."""
     torch.manual_seed(0)
     model = TinyDecoder(LAYERS).to("cuda", torch.bfloat16)
     dmuon.dedicate_params(model, None, proj_predicate)
     optimizer = dmuon.Muon(model, weight_decay=0.01, overlap_step=overlap)
+    if slow:
+        speculate = optimizer._overlap._speculate
+
+        def late(*args):
+            torch.cuda._sleep(SLOW_CYCLES)
+            return speculate(*args)
+
+        optimizer._overlap._speculate = late
     owned = [p for p in get_dedicated_state(model).iter_owned_masters() if p.route == "muon"]
     for tokens in batches(STEPS, 1, per_rank=4, seq=33):
         loss_fn(model, tokens.cuda()).backward()
         if recompute:
             for p in owned:
                 p.master.grad.mul_(1.0)
+        if max_norm is not None:
+            dmuon.clip_grad_norm_(model, optimizer, max_norm)
         optimizer.step()
         optimizer.zero_grad()
     torch.cuda.synchronize()
@@ -72,3 +89,22 @@ def test_the_overlapped_step_is_close_to_the_plain_schedule():
         torch.testing.assert_close(overlapped[name], weights[name], rtol=0, atol=1e-4)
         # bf16 compute: weights a rounding apart can give gradients a bf16 rounding apart
         assert relative_error(overlapped_momenta[name], momenta[name]) < 1e-2, name
+
+
+@pytest.mark.parametrize("max_norm", [None, 1e9, 1e-3], ids=["no-clip", "clip-by-1", "clip"])
+def test_a_speculation_still_running_at_the_step_is_waited_for(max_norm):
+    """The compute stream waits for the side stream only before the clip scales and before the
+    commit, not at the end of backward: a speculation that runs late must still be what the
+    commit applies (bit for bit what step() computes itself), and a clip that scales must still
+    discard it."""
+    weights, momenta, optimizer = train(overlap=True, max_norm=max_norm, slow=True)
+    stats = optimizer.overlap_stats()
+    matrices = STEPS * len(momenta)
+    if max_norm == 1e-3:
+        assert stats.committed == 0 and stats.discarded == stats.recomputed == matrices
+    else:
+        assert stats.committed == stats.speculated == matrices and stats.recomputed == 0
+    again, again_momenta, _ = train(overlap=True, recompute=True, max_norm=max_norm)
+    for name in weights:
+        assert torch.equal(weights[name], again[name]), name
+        assert torch.equal(momenta[name], again_momenta[name]), name

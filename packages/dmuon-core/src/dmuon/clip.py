@@ -132,7 +132,9 @@ def clip_grad_norm_(
         clip_by = total_norm
         if parts[0][1].nonfinite != "ignore":  # keep the culprits findable: see the docstring
             clip_by = torch.where(torch.isfinite(total_norm), total_norm, 0.0)
-        overlapped = [(o, o.versions()) for _, opt in parts if (o := opt._overlap) is not None]
+        overlapped = [
+            (o, o.before_gradients_scaled()) for _, opt in parts if (o := opt._overlap) is not None
+        ]
         # One call per kind of gradient: plain tensors and each mesh's DTensors do not mix.
         for params in kinds.clipped_lists():
             if params:

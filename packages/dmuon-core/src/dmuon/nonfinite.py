@@ -36,6 +36,26 @@ def check_policy(nonfinite: object) -> str:
     return nonfinite
 
 
+class PendingFlag:
+    """A 0-dim device bool for the host to read later without waiting for the work queued after
+    it: on CUDA copied to pinned memory behind an event at once (the step reads a clip's finite
+    flag so, and does not wait for the clip's scaling or an overlapped step's speculation)."""
+
+    def __init__(self, flag: torch.Tensor) -> None:
+        self._ready: torch.cuda.Event | None = None
+        self._flag = flag
+        if flag.is_cuda:
+            self._flag = torch.empty((), dtype=flag.dtype, pin_memory=True)
+            self._flag.copy_(flag, non_blocking=True)
+            self._ready = torch.cuda.Event()
+            self._ready.record(torch.cuda.current_stream(flag.device))
+
+    def value(self) -> bool:
+        if self._ready is not None:
+            self._ready.synchronize()
+        return bool(self._flag.item())
+
+
 def nonfinite_gradients(
     named_grads: Iterable[tuple[str, torch.Tensor]],
     groups: Sequence[dist.ProcessGroup | None],

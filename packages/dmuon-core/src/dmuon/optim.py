@@ -461,6 +461,8 @@ class Muon(torch.optim.Optimizer):
         try:
             if self.nonfinite != "ignore" and self._skip_for_nonfinite_gradients():
                 return loss
+            if self._overlap is not None:  # the commit reads what the speculation wrote
+                self._overlap.wait_for_speculation()
             self._dedicated.before_step()
             for index, group in enumerate(self.param_groups):
                 if group["route"] == MUON_ROUTE:

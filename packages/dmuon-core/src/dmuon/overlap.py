@@ -51,10 +51,17 @@ batched matmuls and the SYRK autotune are batch-invariant, which is to be measur
 
 Streams (CUDA): a landing makes the side stream wait for the compute stream (so it sees the
 gradients, the momentum and the previous step's writes) and the reduces; the tensors it reads
-that the compute stream allocated are ``record_stream``-ed on the side stream. The end of
-backward makes the compute stream wait for the side stream before the masters take their
-gradients (so ``clip_grad_norm_`` and ``step()`` read finished work, and the clip's in-place
-scaling never races the speculation's reads).
+that the compute stream allocated are ``record_stream``-ed on the side stream. Each landing
+records an event once its gradients are averaged, before its speculation; the end of backward
+makes the compute stream wait for the last one before the masters take their gradients, so
+whatever reads them next (the non-finite check, a clip's norm, the user) reads final values,
+while the speculation of the last chunk may still run. The compute stream waits for the whole
+speculation only where something could race it: before ``dmuon.clip_grad_norm_`` scales the
+gradients in place (they may still be read), and in ``step()`` after the non-finite decision
+(the commit reads its results). So the host's wait for that decision, and its launches of the
+commit, overlap the last chunk's Newton-Schulz instead of following it. A Newton-Schulz graph
+called from another stream meanwhile waits for the side stream's replays by itself
+(``dmuon_kernels.graphs``).
 
 [Note: speculation chunks]
 A unit was first one boundary (one layer), and on the H200 at world size 1 that made the
@@ -224,7 +231,9 @@ class OverlappedStep:
                 if chunk is not None and m.numel() > 0:
                     self._unit_masters.setdefault((group_index, chunk), []).append(m)
         self._side: torch.cuda.Stream | None = None
-        self._side_used = False
+        # On the side stream after the latest landing's averaging: see the Note's "Streams".
+        self._averaged: torch.cuda.Event | None = None
+        self._side_unwaited = False  # speculation the compute stream has not waited for yet
         self.stats = OverlapStepStats()
 
     # ---- during backward (``hooks.GradientListener``) -------------------------------------------
@@ -237,7 +246,7 @@ class OverlappedStep:
         if self._side is None:
             self._side = torch.cuda.Stream(self._device, priority=SPECULATION_STREAM_PRIORITY)
         self._side.wait_stream(torch.cuda.current_stream(self._device))
-        self._side_used = True
+        self._side_unwaited = True
         with torch.cuda.stream(self._side):
             yield
 
@@ -253,6 +262,8 @@ class OverlappedStep:
         if self._side is not None and self._device.type == "cuda":
             for item in received:  # read here, allocated (and freed) by the compute stream
                 item.message.record_stream(self._side)
+            self._averaged = torch.cuda.Event()
+            self._averaged.record(self._side)
         with torch.no_grad():
             for group_index in self._muon_groups:
                 chunk = self._chunk_of.get((group_index, group))
@@ -308,17 +319,26 @@ class OverlappedStep:
         )
 
     def before_masters_take_gradients(self) -> None:
-        if self._side_used:
+        if self._averaged is not None:  # final gradients; the speculation may go on
+            torch.cuda.current_stream(self._device).wait_event(self._averaged)
+            self._averaged = None
+
+    def wait_for_speculation(self) -> None:
+        """Order the compute stream after everything speculated so far (before a write to
+        what it reads, or a read of what it wrote)."""
+        if self._side_unwaited:
             torch.cuda.current_stream(self._device).wait_stream(self._side)
-            self._side_used = False
+            self._side_unwaited = False
 
     def gradients_cleared(self) -> None:
         self.discard()
 
     # ---- dmuon.clip_grad_norm_ ------------------------------------------------------------------
 
-    def versions(self) -> dict[int, int]:
-        """Before a clip scales the gradients: each speculated message's version now."""
+    def before_gradients_scaled(self) -> dict[int, int]:
+        """Before a clip scales the gradients in place: the speculation's reads of them are
+        ordered first; returns each speculated message's version now."""
+        self.wait_for_speculation()
         return {
             id(i.message): tensor_version(i.message)
             for u in self._units.values()

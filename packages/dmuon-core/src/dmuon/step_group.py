@@ -37,7 +37,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from dmuon import collectives
 from dmuon.consistency import check_ranks_agree
-from dmuon.nonfinite import nonfinite_gradients
+from dmuon.nonfinite import PendingFlag, nonfinite_gradients
 
 if TYPE_CHECKING:
     from dmuon.hooks import DedicatedState
@@ -86,7 +86,7 @@ class StepGroup:
         self._verdict: tuple[tuple[int, ...], list[str]] | None = None
         self._verdict_users: set[int] = set()
         # (gradient generations, the clipped norm is finite) of the last clip over the group.
-        self._clip_norm: tuple[tuple[int, ...], torch.Tensor] | None = None
+        self._clip_norm: tuple[tuple[int, ...], PendingFlag] | None = None
 
     def join(self, member: StepMember) -> None:
         """Add an optimizer (``dmuon.Muon`` does it at construction); collective over the
@@ -133,7 +133,7 @@ class StepGroup:
             self._verdict_users.add(id(optimizer))
             return self._verdict[1], False
         clip_norm, self._clip_norm = self._clip_norm, None
-        if clip_norm is not None and clip_norm[0] == generations and clip_norm[1].item():
+        if clip_norm is not None and clip_norm[0] == generations and clip_norm[1].value():
             names: list[str] = []  # the clipped norm, over every stage, was finite
         else:
             names = nonfinite_gradients(
@@ -146,8 +146,10 @@ class StepGroup:
 
     def record_clip_norm(self, total_norm: torch.Tensor) -> None:
         """``dmuon.clip_grad_norm_`` over the whole group found ``total_norm`` (every stage's):
-        the verdict of this step can read it instead of checking again. No host sync here."""
-        self._clip_norm = (self._generations(), torch.isfinite(total_norm))
+        the verdict of this step can read it instead of checking again. No host sync here: the
+        flag starts for the host now, so the verdict waits for the norm, not for what the clip
+        queues after it."""
+        self._clip_norm = (self._generations(), PendingFlag(torch.isfinite(total_norm)))
 
     def all_reduce_over_pipeline(self, tensor: torch.Tensor, op: dist.ReduceOp) -> None:
         """Reduce ``tensor`` over the pipeline stages in place (nothing without a pipeline)."""

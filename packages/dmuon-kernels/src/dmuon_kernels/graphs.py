@@ -24,6 +24,13 @@ A graph keeps its input, outputs and intermediates allocated for good. For a lar
 costs gigabytes (a batch of 48 projections of a 1 B model: about 3 GiB) and saves nothing, since
 its kernels are long and launching them is not what limits it; so large inputs stay eager.
 
+Streams: a call runs on the caller's current stream, and the graphs of one pool share memory
+(inputs, intermediates, outputs), so a replay (or a capture's check replay, or a caller writing
+into ``static_input``) on another stream than the pool's last use waits for that use to finish
+first (one event per replay). One instance can then serve callers on several streams: an
+overlapped optimizer step replays on its side stream while a later call may come from the compute
+stream, or two pipeline stages' side streams share one ``NewtonSchulz``.
+
 The function must be a pure function of its one tensor argument (same input, same outputs), and
 must not keep references to its intermediates. Each call returns a fresh tensor: a graph's
 outputs live in its memory pool, which the next replay of any graph sharing that pool may
@@ -95,6 +102,8 @@ class GraphedFunction:
         self._eager_only: dict[Signature, str] = {}  # signature -> why it stays eager
         self._pools: dict[torch.device, object] = {}
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
+        # device -> (stream, event after it) of the last replay of one of its graphs
+        self._last_use: dict[torch.device, tuple[torch.cuda.Stream, torch.cuda.Event]] = {}
 
     def __call__(self, x: Tensor, *, max_numel: int | None = None) -> Tensor:
         """``finish(*fn(x))``, always a fresh tensor.
@@ -105,10 +114,11 @@ class GraphedFunction:
         signature = _signature(x)
         captured = self._captured.get(signature)
         if captured is not None:
+            self._after_last_use(x.device)
             if x is not captured.static_input:  # callers may write the input there directly
                 captured.static_input.copy_(x)
             captured.graph.replay()
-            return self._finished(captured.static_outputs, static=True)
+            return self._used(x.device, self._finished(captured.static_outputs, static=True))
         if not self._may_capture(x, signature, max_numel):
             return self._finished(_as_tuple(self.fn(x)), static=False)
         if signature not in self._warmed:
@@ -122,7 +132,8 @@ class GraphedFunction:
         captured = signature in self._captured
         if announce and captured:
             log_rank_tagged(f"captured a CUDA graph of {what} in {phase.seconds:.2f} s")
-        return self._finished(outputs, static=captured)
+        result = self._finished(outputs, static=captured)
+        return self._used(x.device, result) if captured else result
 
     def static_input(
         self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
@@ -130,14 +141,18 @@ class GraphedFunction:
         """The captured graph's input buffer for contiguous inputs of this shape, or None.
 
         A caller that produces the input anyway can write it there and pass the buffer itself,
-        which saves the copy into the graph (Newton-Schulz normalises straight into it).
+        which saves the copy into the graph (Newton-Schulz normalises straight into it). The
+        caller's current stream is ordered after the pool's last use, so the write is too.
         """
         strides, step = [], 1
         for size in reversed(shape):  # the strides of a contiguous tensor of `shape`
             strides.insert(0, step)
             step *= max(size, 1)
         captured = self._captured.get((tuple(shape), tuple(strides), dtype, device))
-        return None if captured is None else captured.static_input
+        if captured is None:
+            return None
+        self._after_last_use(device)
+        return captured.static_input
 
     def mode(self, x: Tensor) -> str:
         """``"graph"`` when ``x``'s signature replays a graph, else ``"eager"`` (for tests/reports)."""
@@ -158,6 +173,25 @@ class GraphedFunction:
         self._warmed.clear()
         self._eager_only.clear()
         self._pools.clear()
+        self._last_use.clear()
+
+    def _after_last_use(self, device: torch.device) -> None:
+        """Order the current stream after the last replay on ``device``'s pool, if that was on
+        another stream (its graphs' memory is about to be written again)."""
+        last = self._last_use.get(device)
+        if last is not None:
+            stream, done = last
+            current = torch.cuda.current_stream(device)
+            if stream != current:
+                current.wait_event(done)
+
+    def _used(self, device: torch.device, result: Tensor) -> Tensor:
+        """Record the replay (and its ``finish``) just enqueued as the pool's last use."""
+        stream = torch.cuda.current_stream(device)
+        done = torch.cuda.Event()
+        done.record(stream)
+        self._last_use[device] = (stream, done)
+        return result
 
     def _may_capture(self, x: Tensor, signature: Signature, max_numel: int | None) -> bool:
         return (
@@ -181,6 +215,7 @@ class GraphedFunction:
             pool = self._pools[device] = torch.cuda.graph_pool_handle()
         static_input = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=device)
         static_input.copy_(x)
+        self._after_last_use(device)  # the check replay below writes into the pool
         caller_stream = torch.cuda.current_stream(device)
         stream.wait_stream(caller_stream)
         graph = torch.cuda.CUDAGraph()
