@@ -35,6 +35,7 @@ import torch.distributed as dist  # noqa: E402
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 
 import dmuon  # noqa: E402
+from dmuon.inspect import SPECULATION_CHUNKS  # noqa: E402
 
 PLAIN, OVERLAPPED = "dmuon-z3", "dmuon-z3-overlap"
 BOOTSTRAP_SAMPLES = 10_000
@@ -115,6 +116,7 @@ def main(argv: list[str] | None = None) -> int:
         "checkpoint": args.checkpoint,
         "param_dtype": str(args.param_dtype),
         "rounds": options.rounds,
+        "speculation_chunks": SPECULATION_CHUNKS,
         "order": "ABBA, alternating which variant leads",
         "summary": summary,
         "iteration_ms": times,

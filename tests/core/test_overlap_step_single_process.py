@@ -64,8 +64,8 @@ def test_one_process_overlapped_step_is_the_plain_step(clip):
 
 @pytest.mark.parametrize("skip_layer", [None, 4])
 def test_chunks_of_several_layers_are_committed_bit_for_bit(skip_layer):
-    """Nine layers in four chunks, so a chunk's unit waits for several boundaries to land. A
-    layer skipped in forward never lands: its chunk is computed by step(), the others commit."""
+    """Nine layers in chunks of several, so a chunk's unit waits for several boundaries to land.
+    A layer skipped in forward never lands: its chunk is computed by step(), the others commit."""
     plain_weights, plain_momenta, _ = train(False, layers=9, skip_layer=skip_layer)
     weights, momenta, optimizer = train(True, layers=9, skip_layer=skip_layer)
     assert plain_momenta.keys() == momenta.keys()
@@ -76,10 +76,15 @@ def test_chunks_of_several_layers_are_committed_bit_for_bit(skip_layer):
     stats = optimizer.overlap_stats()
     if skip_layer is None:
         assert stats.committed == stats.speculated == 3 * len(momenta) and stats.recomputed == 0
-    else:  # chunks: layers 0-2, 3-4, 5-6, 7-8; layer 3 is recomputed, 4 has no gradient
+    else:  # the rest of the skipped layer's chunk is recomputed; the layer has no gradient
+        chunk_of = speculation_chunks(list(range(9)), dict.fromkeys(range(9), 1))
+        recomputed = [
+            i for i in range(9) if chunk_of[i] == chunk_of[skip_layer] and i != skip_layer
+        ]
         per_layer = len(momenta) // 8
-        assert stats.recomputed == 3 * per_layer
-        assert stats.committed == stats.speculated == 3 * 7 * per_layer
+        assert 0 < len(recomputed) < 8
+        assert stats.recomputed == 3 * len(recomputed) * per_layer
+        assert stats.committed == stats.speculated == 3 * (8 - len(recomputed)) * per_layer
 
 
 def test_boundaries_are_cut_into_consecutive_chunks_of_about_equal_elements():

@@ -16,7 +16,7 @@ from dmuon.hooks import get_dedicated_state
 from dmuon.testing import TinyDecoder, batches, loss_fn, proj_predicate
 from tests.numerics import relative_error
 
-LAYERS, STEPS = 8, 3  # eight layers: four chunks of two
+LAYERS, STEPS = 8, 3  # eight layers: two chunks of four
 
 
 SLOW_CYCLES = 50_000_000  # about 25 ms of an idle kernel on an H200

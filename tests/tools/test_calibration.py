@@ -14,6 +14,7 @@ from dmuon.inspect import SPECULATION_CHUNKS
 from dmuon_tools.calibration import (
     E2E_FILE,
     GLOO_FILE,
+    UNRECORDED_SPECULATION_CHUNKS,
     bench_e2e_shape,
     calibrate,
     derive_h200,
@@ -43,10 +44,11 @@ def test_the_committed_report_is_what_the_command_prints(calibration):
 
 
 def speculation_settings(path: Path) -> tuple[int, int]:
-    """An overlap_ab run's speculation chunks and side-stream priority (older runs: defaults)."""
+    """An overlap_ab run's speculation chunks and side-stream priority (older runs recorded
+    neither: the defaults of then)."""
     data = json.loads(path.read_text())
     return (
-        data.get("speculation_chunks", SPECULATION_CHUNKS),
+        data.get("speculation_chunks", UNRECORDED_SPECULATION_CHUNKS),
         data.get("speculation_stream_priority", 0),
     )
 
@@ -68,7 +70,7 @@ def test_every_committed_step_benchmark_is_compared_and_the_protocol_runs_are_ex
     protocol = {path.name for path in RESULTS.glob("protocol-*.json")}
     assert protocol | on_cpu | what_ifs == set(excluded)
     assert all("no step time is recorded" in excluded[name] for name in protocol)
-    assert all("a what-if run" in excluded[name] for name in what_ifs)
+    assert all("run with speculation chunks" in excluded[name] for name in what_ifs)
     assert not sources & (on_cpu | what_ifs)
 
 
@@ -112,7 +114,11 @@ def test_the_world_size_1_step_of_the_1b_llama_is_predicted_from_the_simulator(c
 def test_a_paired_overlap_run_is_compared_step_by_step_and_by_its_ratio(calibration, tmp_path):
     """overlap_ab.py's two medians against the simulator's two systems on bench_e2e's model, and
     its ratio against theirs; a multi-GPU run of it (the world size it records) on NCCL."""
-    (source,) = [p for p in RESULTS.glob("overlap-ab-*.json") if "fcd3f46" in p.name]
+    source = next(
+        p
+        for p in sorted(RESULTS.glob("overlap-ab-*.json"))
+        if speculation_settings(p) == (SPECULATION_CHUNKS, 0)
+    )
     data = json.loads(source.read_text())
     shape = bench_e2e_shape(data["model"], source.name)
     workload = Workload(seq_len=2048, micro_batch=4)
@@ -144,7 +150,7 @@ def test_an_overlap_what_if_run_is_excluded_with_its_settings(tmp_path):
     data = json.loads(source.read_text())
     shutil.copytree(RESULTS, tmp_path / "results")
     for name, settings in {
-        "overlap-ab-h200-w1-2027-01-01-chunks.json": {"speculation_chunks": 2},
+        "overlap-ab-h200-w1-2027-01-01-chunks.json": {"speculation_chunks": 2 * SPECULATION_CHUNKS},
         "overlap-ab-h200-w1-2027-01-01-priority.json": {"speculation_stream_priority": -5},
         "overlap-ab-h200-w1-2027-01-01-defaults.json": {
             "speculation_chunks": SPECULATION_CHUNKS,
@@ -155,7 +161,7 @@ def test_an_overlap_what_if_run_is_excluded_with_its_settings(tmp_path):
     result = calibrate(tmp_path / "results")
     excluded = dict(result.excluded)
     assert (
-        "speculation chunks 2, side-stream priority 0"
+        f"speculation chunks {2 * SPECULATION_CHUNKS}, side-stream priority 0"
         in excluded["overlap-ab-h200-w1-2027-01-01-chunks.json"]
     )
     assert "priority -5" in excluded["overlap-ab-h200-w1-2027-01-01-priority.json"]

@@ -70,8 +70,13 @@ instead of every layer's, so each problem fell under the autotuner's size bound 
 cuBLAS, less efficiently (torch.profiler, ``benchmarks/profile_overlap.py``: quack's SYRK time
 -16.6 ms per step, cuBLAS's +28 ms; profile-overlap-h200-w1-2026-12-02-8814852.json). So each
 Muon param group's boundaries, in the model's order, are cut into ``SPECULATION_CHUNKS`` runs of
-about equal owned elements: each Newton-Schulz batch is a quarter of the plain step's, and
-three quarters of the owner work can still start before backward ends.
+about equal owned elements. Two, not four: each Newton-Schulz batch is then half of the plain
+step's instead of a quarter. On the H200 at world size 1, paired against the plain step, four
+chunks gave +1.87 ms (215ad1a) and two -2.37 ms (interval -4.03 to -0.10), though on two machine
+starts; at side-stream priority -5, four gave +4.50 and two +2.25 (142ad87;
+overlap-ab-h200-w1-2026-12-04-*.json). ``dmuon-tools simulate`` puts two and four within 1 ms of
+each other for Llama-3-8B and 70B on 8 to 512 GPUs: half of the owner work starts before
+backward ends instead of three quarters, but there it is a small share of the step.
 
 [Note: speculation graphs]
 The speculation's launches are made from backward, on its thread: where backward is host-bound
@@ -119,7 +124,7 @@ Apply = Callable[[dict, Call, torch.Tensor], None]
 
 # How many runs of consecutive boundaries a param group's speculation is cut into: see [Note:
 # speculation chunks].
-SPECULATION_CHUNKS = 4
+SPECULATION_CHUNKS = 2
 # The largest Newton-Schulz input the overlapped step replays as a CUDA graph: see [Note:
 # speculation graphs]. 2**28 fp16 elements: 512 MiB of input.
 SPECULATION_GRAPH_MAX_NUMEL = 2**28
