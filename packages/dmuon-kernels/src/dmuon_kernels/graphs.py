@@ -26,8 +26,8 @@ its kernels are long and launching them is not what limits it; so large inputs s
 
 Streams: a call runs on the caller's current stream, and the graphs of one pool share memory
 (inputs, intermediates, outputs), so a replay (or a capture's check replay, or a caller writing
-into ``static_input``) on another stream than the pool's last use waits for that use to finish
-first (one event per replay). One instance can then serve callers on several streams: an
+into ``static_input``) on another stream than the last replay on that device waits for it to
+finish first (one event per replay). One instance can then serve callers on several streams: an
 overlapped optimizer step replays on its side stream while a later call may come from the compute
 stream, or two pipeline stages' side streams share one ``NewtonSchulz``.
 
@@ -142,7 +142,7 @@ class GraphedFunction:
 
         A caller that produces the input anyway can write it there and pass the buffer itself,
         which saves the copy into the graph (Newton-Schulz normalises straight into it). The
-        caller's current stream is ordered after the pool's last use, so the write is too.
+        caller's current stream is ordered after the device's last replay, so the write is too.
         """
         strides, step = [], 1
         for size in reversed(shape):  # the strides of a contiguous tensor of `shape`
@@ -176,8 +176,8 @@ class GraphedFunction:
         self._last_use.clear()
 
     def _after_last_use(self, device: torch.device) -> None:
-        """Order the current stream after the last replay on ``device``'s pool, if that was on
-        another stream (its graphs' memory is about to be written again)."""
+        """Order the current stream after the last replay on ``device``, if that was on another
+        stream (its graphs' memory is about to be written again)."""
         last = self._last_use.get(device)
         if last is not None:
             stream, done = last
@@ -186,7 +186,7 @@ class GraphedFunction:
                 current.wait_event(done)
 
     def _used(self, device: torch.device, result: Tensor) -> Tensor:
-        """Record the replay (and its ``finish``) just enqueued as the pool's last use."""
+        """Record the replay (and its ``finish``) just enqueued as the device's last one."""
         stream = torch.cuda.current_stream(device)
         done = torch.cuda.Event()
         done.record(stream)
