@@ -96,8 +96,8 @@ class GradientListener(Protocol):
         """The owned gradients of ``group`` are final for this backward (``averaged``)."""
 
     def before_masters_take_gradients(self) -> None:
-        """End of backward: the landings' work must be ordered before what reads the masters'
-        gradients next."""
+        """End of backward: the landings' averaging must be ordered before what reads the
+        masters' gradients next (work the listener started on them may go on)."""
 
     def gradients_cleared(self) -> None:
         """``zero_grad``: the gradients the landings read are gone."""
