@@ -46,12 +46,11 @@ _common.add_package_sources_if_missing()  # before dmuon is imported
 import bench_e2e  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from profile_overlap import DEVICE_CATEGORIES, trace_events, union_us  # noqa: E402
+from profile_overlap import DEVICE_CATEGORIES, VARIANTS, trace_events, union_us  # noqa: E402
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 
 import dmuon  # noqa: E402
 
-VARIANTS = ("dmuon-z3", "dmuon-z3-overlap")
 PHASES = ("forward", "backward", "step")
 PROFILED_ITERATIONS = 3  # under cProfile, the speculation only
 # Runtime calls that make the host wait for the device, besides every "...Synchronize" (the

@@ -5,8 +5,9 @@ For each variant, over the profiled steps: the step's time (CUDA events), each s
 (the union of its kernels' and copies' intervals), the time two or more streams ran at once, the
 total kernel time, and the kernels whose total time changed most between the two variants. The
 overlapped step measured slower than the plain one at world size 1 on the H200 (9-11% at first,
-1-2% since 2026-12-04), where it has no communication to hide behind; this says whether that is
-more work (extra kernels or copies), slower kernels (the two streams contending) or idle gaps.
+then 1-2%; 1-2% faster since two chunks and no end-of-backward wait), where it has no
+communication to hide behind; this says whether a difference is more work (extra kernels or
+copies), slower kernels (the two streams contending) or idle gaps.
 
 Usage (GPU machine, repository root)::
 
