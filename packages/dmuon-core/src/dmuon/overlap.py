@@ -90,8 +90,8 @@ graph up to ``SPECULATION_GRAPH_MAX_NUMEL`` elements, where the plain step stops
 (``dmuon.optim.NS_CALL_BYTES``), so only a single matrix over 2**28 elements stays eager.
 A graph keeps its input and intermediates for good (the iteration's final product runs after the
 replay, into the tensor the call returns), once per shape, since the chunks of a uniform model
-share their shapes: on the H200's 0.89 B Llama the peak is 17.2 GiB against the plain step's 13.5
-(``e2e-h200-w1-2026-12-04-3f0b256-overlap.json``).
+share their shapes: on the H200's 0.89 B Llama the peak is 17.6 GiB against the plain step's 13.5
+(``e2e-h200-w1-2026-12-04-dd0ad90-overlap.json``; 17.2 with four chunks).
 
 Memory: from landing to ``step()``, per speculated matrix, a scratch momentum (fp32, 4 bytes an
 element, written by the fused pass from the state's buffer, which it only reads; the old buffer
