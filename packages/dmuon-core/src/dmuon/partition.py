@@ -44,6 +44,21 @@ parameters, and since they share the layer id, the spreading pass puts them on d
 when the balance allows: an (8, m, n) stack on 4 owners gets 2 experts on each. A slice is named
 ``<name>[start:stop]`` (``expert_piece_name``) in ``owners`` and in its unit.
 
+[Note: expert parallelism]
+Under expert parallelism (EP) a stack's E experts are split over the ``ep`` ranks: EP slot ``e``
+holds experts ``[e * E / ep, (e + 1) * E / ep)``, and only the ranks of that slot (its
+expert-FSDP ranks, times the HSDP replicas) ever hold them. ``plan_ownership(expert_groups=...)``
+names those ranks by their owner slots on the full grid: ``expert_groups[e]`` is the slots of EP
+slot ``e``, in its expert grid's order (``expert_parallel_groups`` gives torchtitan's layout).
+Each EP slot's experts are cut like a stack of ``E / ep`` experts on ``len(expert_groups[e])``
+slots (``expert_slices``, offset to the slot's first expert), and each slice is a unit *pinned*
+to its EP slot: LPT places it on the least-loaded slot of its group, so broadcasts and reduces of
+its experts never leave the group, and the owners inside each EP slot are balanced together
+with the other units on the same slots (the placement is one LPT over every unit, heaviest
+first). The spreading pass never moves a pinned unit, nor swaps one in a rotation. Owners stay
+coordinates of the full (shard, replicate) grid; ``expert_slices[name]`` lists every EP slot's
+slices, in expert order.
+
 A matrix whose Newton-Schulz runs per row block (``ParamSpec.row_blocks``, [Note: row blocks] in
 ``dmuon.row_blocks``) costs the sum of its blocks' ``ns_cost``: q_proj split into 32 heads of
 (128, 4096) costs 32 * ns_cost((128, 4096)), about 99x less than ns_cost((4096, 4096)).
@@ -172,6 +187,20 @@ class OwnershipPlan:
     # expert stack name -> its slices [start, stop), in expert order (see [Note: expert stacks])
     expert_slices: dict[str, tuple[tuple[int, int], ...]] = field(default_factory=dict)
     num_tp: int = 1
+    # Under expert parallelism, the owner slots of each EP slot (see [Note: expert
+    # parallelism]); () without it.
+    expert_groups: tuple[tuple[int, ...], ...] = ()
+
+    @property
+    def num_ep(self) -> int:
+        """The expert-parallel degree: 1 without ``expert_groups``."""
+        return max(len(self.expert_groups), 1)
+
+    def ep_experts(self, name: str, ep_slot: int) -> tuple[int, int]:
+        """Experts ``[start, stop)`` of the stack ``name`` that EP slot ``ep_slot`` holds."""
+        num_experts = self.expert_slices[name][-1][1]
+        per_slot = num_experts // self.num_ep
+        return ep_slot * per_slot, (ep_slot + 1) * per_slot
 
     @property
     def num_slots(self) -> int:
@@ -216,7 +245,8 @@ class OwnershipPlan:
         parts = [
             f"dmuon partition: {len(self.owners)} params in {len(self.units)} units over "
             f"{num_slots} owners (G={self.num_shards} x R={self.num_replicas}"
-            + (f" x TP={self.num_tp})" if self.num_tp > 1 else ")"),
+            + (f" x TP={self.num_tp})" if self.num_tp > 1 else ")")
+            + (f", experts over EP={self.num_ep}" if self.expert_groups else ""),
             f"load min/mean/max = {min(loads_gflop):,.1f}/{mean:,.1f}/{max(loads_gflop):,.1f} "
             f"GFLOP",
             f"imbalance {self.imbalance:.3f}",
@@ -322,6 +352,32 @@ def expert_slices(num_experts: int, num_slots: int) -> tuple[tuple[int, int], ..
     return tuple(ranges)
 
 
+def expert_parallel_groups(
+    num_shards: int, num_replicas: int, num_ep: int
+) -> tuple[tuple[int, ...], ...]:
+    """The owner slots of each EP slot in torchtitan's layout, for ``plan_ownership(expert_groups=
+    ...)``: the shard index is ``efsdp_index * num_ep + ep_index`` (the ``ep`` dim varies fastest,
+    as torchtitan unflattens ("dp_replicate", "efsdp", "ep") from the same ranks as
+    ("dp_replicate", "fsdp")), so EP slot ``e`` holds the shard indices ``e, e + num_ep, ...`` of
+    every replica. ``expert_parallel_groups(4, 1, 2) == ((0, 2), (1, 3))``."""
+    _check_grid_size("num_shards", num_shards, "the size of the shard mesh dim")
+    _check_grid_size("num_replicas", num_replicas, "the size of the replicate mesh dim")
+    _check_grid_size("num_ep", num_ep, "the size of the expert-parallel mesh dim")
+    if num_shards % num_ep:
+        raise ValueError(
+            f"expert_parallel_groups: num_ep={num_ep} does not divide num_shards={num_shards}; "
+            "the ep dim splits the shard dim, so pass an ep degree that divides it"
+        )
+    return tuple(
+        tuple(
+            replica * num_shards + index * num_ep + ep
+            for replica in range(num_replicas)
+            for index in range(num_shards // num_ep)
+        )
+        for ep in range(num_ep)
+    )
+
+
 def expert_piece_name(name: str, start: int, stop: int) -> str:
     """The name of experts ``[start, stop)`` of the stack ``name`` in a plan: ``name[start:stop]``."""
     return f"{name}[{start}:{stop}]"
@@ -334,6 +390,7 @@ def plan_ownership(
     *,
     small_param_numel: int = DEFAULT_SMALL_PARAM_NUMEL,
     num_tp: int = 1,
+    expert_groups: Sequence[Sequence[int]] | None = None,
 ) -> OwnershipPlan:
     """Give every parameter one owner among the ``num_shards * num_replicas * num_tp`` slots.
 
@@ -341,7 +398,9 @@ def plan_ownership(
     parameters form one unit (one owner); a small parameter without a layer id is a unit alone (so
     unlayered parameters never pile onto one owner). Unit cost = sum of :func:`param_cost`. An
     expert stack (``expert_stack=True``) is cut into expert slices, each a unit alone (see [Note:
-    expert stacks] in this module's docstring).
+    expert stacks] in this module's docstring). With ``expert_groups`` (expert parallelism: the
+    owner slots of each EP slot), each EP slot's experts are cut over its own slots and owned
+    there only (see [Note: expert parallelism]).
 
     Placement: one global LPT greedy over all units, then a repair pass that moves a layer's
     units onto distinct owners without making the heaviest owner heavier (see [Note: spreading a
@@ -368,11 +427,26 @@ def plan_ownership(
     _check_specs(specs)
 
     num_slots = num_shards * num_replicas * num_tp
-    slices_of = {
-        spec.name: expert_slices(spec.shape[0], num_slots) for spec in specs if spec.expert_stack
-    }
+    groups = _check_expert_groups(expert_groups, num_slots, num_tp, specs)
+    pinned: dict[tuple[int, int], tuple[int, ...]] = {}  # (stack, start) -> its EP slot's slots
+    slices_of = {}
+    for spec in specs:
+        if not spec.expert_stack:
+            continue
+        if not groups:
+            slices_of[spec.name] = expert_slices(spec.shape[0], num_slots)
+            continue
+        per_slot = spec.shape[0] // len(groups)
+        ranges = []
+        for ep, slots in enumerate(groups):
+            first = ep * per_slot
+            for start, stop in expert_slices(per_slot, len(slots)):
+                ranges.append((first + start, first + stop))
+                pinned[(id(spec), first + start)] = slots
+        slices_of[spec.name] = tuple(ranges)
     units = sorted(
-        _build_units(specs, small_param_numel, slices_of), key=lambda u: (-u.cost, u.order_key)
+        _build_units(specs, small_param_numel, slices_of, pinned),
+        key=lambda u: (-u.cost, u.order_key),
     )
     loads = _place_greedy(units, num_slots)
     _spread_layers(units, loads, num_slots)
@@ -406,6 +480,7 @@ def plan_ownership(
         unlayered=tuple(spec.name for spec in specs if spec.layer_id is None),
         expert_slices=slices_of,
         num_tp=num_tp,
+        expert_groups=groups,
     )
 
 
@@ -428,6 +503,9 @@ class _Unit:
     cost: int  # exact integer FLOPs: equal-cost ties and swaps compare exactly
     order_key: str  # smallest member name: order-independent tie-break
     slot: int = -1
+    # The only slots it may take (an EP slot's expert slice, [Note: expert parallelism]); None:
+    # any slot. A pinned unit is never moved by the spreading pass.
+    slots: tuple[int, ...] | None = None
 
 
 def _ns_cost_int(shape: Sequence[int]) -> int:
@@ -477,16 +555,68 @@ def _check_specs(specs: tuple[ParamSpec, ...]) -> None:
         first_index[spec.name] = index
 
 
+def _check_expert_groups(
+    expert_groups: Sequence[Sequence[int]] | None,
+    num_slots: int,
+    num_tp: int,
+    specs: tuple[ParamSpec, ...],
+) -> tuple[tuple[int, ...], ...]:
+    """``expert_groups`` as tuples, checked: disjoint groups of one size, slots on the grid,
+    and every expert stack's experts divisible by the EP degree."""
+    if expert_groups is None:
+        return ()
+    if isinstance(expert_groups, (str, bytes)) or not isinstance(expert_groups, Sequence):
+        raise TypeError(
+            f"plan_ownership: expert_groups must be a sequence of owner-slot sequences, one per "
+            f"EP slot, got {expert_groups!r}; see expert_parallel_groups"
+        )
+    groups = []
+    for group in expert_groups:
+        if isinstance(group, (str, bytes)) or not isinstance(group, Sequence):
+            raise TypeError(
+                f"plan_ownership: expert_groups must hold one sequence of owner slots per EP "
+                f"slot, got {group!r} in {expert_groups!r}; see expert_parallel_groups"
+            )
+        groups.append(tuple(group))
+    flat = [slot for group in groups for slot in group]
+    problem = None
+    if not groups or not groups[0]:
+        problem = "it is empty or holds an empty group"
+    elif num_tp > 1:
+        problem = f"tensor parallelism (num_tp={num_tp}) with expert parallelism is not supported"
+    elif any(len(group) != len(groups[0]) for group in groups):
+        problem = f"its groups differ in size ({[len(group) for group in groups]})"
+    elif any(isinstance(s, bool) or not isinstance(s, int) or not 0 <= s < num_slots for s in flat):
+        problem = f"it names slots outside the grid's 0..{num_slots - 1}"
+    elif len(set(flat)) != len(flat):
+        problem = "a slot is in two groups (or twice in one)"
+    if problem is not None:
+        raise ValueError(
+            f"plan_ownership: expert_groups={[list(group) for group in groups]} is not a split of "
+            f"the {num_slots} owner slots into EP slots: {problem}; pass one group of owner "
+            "slots per EP slot, all of one size (expert_parallel_groups gives torchtitan's)"
+        )
+    for spec in specs:
+        if spec.expert_stack and spec.shape[0] % len(groups):
+            raise ValueError(
+                f"plan_ownership: expert stack {spec.name!r} has {spec.shape[0]} experts, not a "
+                f"multiple of the expert-parallel degree {len(groups)}; each EP slot must hold "
+                "as many experts as the others (the model's experts are split evenly over ep)"
+            )
+    return tuple(groups)
+
+
 def _build_units(
     specs: tuple[ParamSpec, ...],
     small_param_numel: int,
     slices_of: dict[str, tuple[tuple[int, int], ...]],
+    pinned: dict[tuple[int, int], tuple[int, ...]],
 ) -> list[_Unit]:
     units: list[_Unit] = []
     small_by_layer: dict[str, list[ParamSpec]] = {}
     for spec in specs:
         if spec.expert_stack:
-            units.extend(_expert_units(spec, slices_of[spec.name]))
+            units.extend(_expert_units(spec, slices_of[spec.name], pinned))
         elif spec.layer_id is not None and math.prod(spec.shape) < small_param_numel:
             small_by_layer.setdefault(spec.layer_id, []).append(spec)
         else:
@@ -495,8 +625,13 @@ def _build_units(
     return units
 
 
-def _expert_units(spec: ParamSpec, ranges: tuple[tuple[int, int], ...]) -> list[_Unit]:
-    """One unit per expert slice of a stack: its experts' Newton-Schulz cost."""
+def _expert_units(
+    spec: ParamSpec,
+    ranges: tuple[tuple[int, int], ...],
+    pinned: dict[tuple[int, int], tuple[int, ...]],
+) -> list[_Unit]:
+    """One unit per expert slice of a stack: its experts' Newton-Schulz cost (pinned to its EP
+    slot's owner slots under expert parallelism)."""
     per_expert = _ns_cost_int(spec.shape[1:])
     units = []
     for start, stop in ranges:
@@ -507,6 +642,7 @@ def _expert_units(spec: ParamSpec, ranges: tuple[tuple[int, int], ...]) -> list[
                 layer_id=spec.layer_id,
                 cost=(stop - start) * per_expert,
                 order_key=name,
+                slots=pinned.get((id(spec), start)),
             )
         )
     return units
@@ -523,14 +659,21 @@ def _unit_of(specs: list[ParamSpec], layer_id: str | None) -> _Unit:
 
 
 def _place_greedy(units: list[_Unit], num_slots: int) -> list[int]:
-    """Plain LPT: each unit (heaviest first) on the least-loaded slot; sets unit.slot."""
+    """Plain LPT: each unit (heaviest first) on the least-loaded slot it may take (a pinned unit:
+    among its ``slots``); sets unit.slot."""
     loads = [0] * num_slots
-    heap = [(0, slot) for slot in range(num_slots)]  # (load, slot): ties go to the lowest slot
+    # (load, slot): ties go to the lowest slot; an entry is stale once a pinned unit raised the
+    # slot's load past it.
+    heap = [(0, slot) for slot in range(num_slots)]
     for unit in units:
-        load, slot = heapq.heappop(heap)
-        load += unit.cost
-        heapq.heappush(heap, (load, slot))
-        loads[slot] = load
+        if unit.slots is not None:
+            slot = min(unit.slots, key=lambda s: (loads[s], s))
+        else:
+            while heap[0][0] != loads[heap[0][1]]:
+                heapq.heappop(heap)
+            slot = heapq.heappop(heap)[1]
+        loads[slot] += unit.cost
+        heapq.heappush(heap, (loads[slot], slot))
         unit.slot = slot
     return loads
 
@@ -549,6 +692,7 @@ def _spread_layers(units: list[_Unit], loads: list[int], num_slots: int) -> None
         layer = unit.layer_id
         return (
             layer is not None
+            and unit.slots is None
             and units_per_layer[layer] <= num_slots
             and count[layer][unit.slot] > 1
         )
@@ -560,7 +704,8 @@ def _spread_layers(units: list[_Unit], loads: list[int], num_slots: int) -> None
     # cost -> slot -> units of that cost on that slot (the candidates for rotations).
     same_cost_at: dict[int, dict[int, list[_Unit]]] = {}
     for unit in units:
-        same_cost_at.setdefault(unit.cost, {}).setdefault(unit.slot, []).append(unit)
+        if unit.slots is None:  # a pinned unit never moves (see [Note: expert parallelism])
+            same_cost_at.setdefault(unit.cost, {}).setdefault(unit.slot, []).append(unit)
     # (load, slot) entries; an entry is stale when its load differs from loads[slot].
     by_load = [(load, slot) for slot, load in enumerate(loads)]
     heapq.heapify(by_load)
