@@ -34,7 +34,13 @@ from dmuon.deferred import dedicate_before_fully_shard  # noqa: E402
 from dmuon.optim import Muon  # noqa: E402
 from dmuon.partition import OwnerCoord  # noqa: E402
 from dmuon.policy import ParamDefaults, ParamPolicy  # noqa: E402
-from dmuon.qk_clip import AttentionHeads, QKClip, attention_max_logits  # noqa: E402
+from dmuon.qk_clip import (  # noqa: E402
+    AttentionHeads,
+    MLAHeads,
+    QKClip,
+    attention_max_logits,
+    mla_max_logits,
+)
 from dmuon.step_group import StepGroup  # noqa: E402
 from dmuon_kernels import (  # noqa: E402
     KELLER_COEFFICIENTS,
@@ -77,6 +83,7 @@ __all__ = [
     "POLAR_EXPRESS_COEFFICIENTS",
     "YOU_COEFFICIENTS",
     "AttentionHeads",
+    "MLAHeads",
     "Muon",
     "NewtonSchulz",
     "OwnerCoord",
@@ -94,6 +101,7 @@ __all__ = [
     "get_backend_status",
     "get_ns_backend",
     "inspect",
+    "mla_max_logits",
     "no_sync",
     "set_gradient_divide_factor",
     "wait_all_replicate_broadcasts",

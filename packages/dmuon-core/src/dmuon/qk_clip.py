@@ -15,11 +15,16 @@ key head in W_k by gamma_h^(1 - alpha): its logits scale by gamma_h, so S_h beco
 same inputs. Rows of a projection (its output features) belong to heads: head h owns rows
 [h * head_dim, (h + 1) * head_dim).
 
-- Grouped-query attention (several query heads share one key head): the shared key head is left
-  alone and each query head over the threshold takes gamma_h whole (Kimi's own rule for MLA's
-  shared rotary key, "so the clip does not couple across heads"): the logits of head h scale by
-  exactly gamma_h, so they end at tau, and no head under the threshold changes. With one key
-  head per query head, alpha splits gamma_h between them as the paper writes it.
+- Grouped-query attention (several query heads share one key head), two conventions (``gqa=``):
+  ``"per_query_head"`` (the default): the shared key head is left alone and each query head over
+  the threshold takes gamma_h whole (Kimi's own rule for MLA's shared rotary key, "so the clip
+  does not couple across heads"): the logits of head h scale by exactly gamma_h, so they end at
+  tau, and no head under the threshold changes. ``"per_key_group"`` (Megatron-LM's): one
+  gamma_g = tau / max_{h in g} S_h per key head g, the group's query rows by gamma_g^alpha and
+  the key head's rows by gamma_g^(1 - alpha): the group's worst head ends at tau and its other
+  heads, over the threshold or not, scale by gamma_g too (the coupling the default avoids; in
+  exchange the key's norm shrinks with the queries'). With one key head per query head, both
+  are the paper's rule, alpha splitting gamma_h between them.
 - Biases (Qwen2's q_proj / k_proj): q^h = W_q^h x + b_q^h scales by a factor only if b_q^h does
   too, so a named bias is scaled with its head's rows; a bias left out would break the bound.
 - RoPE rotates q and k after the projections; a rotation is linear, so scaling the rows scales
@@ -28,6 +33,26 @@ same inputs. Rows of a projection (its output features) belong to heads: head h 
   shared by every head): the norm undoes any scale of the projection's rows, so those are left
   alone; the two gains are scaled instead, q_norm by gamma^alpha and k_norm by gamma^(1 - alpha)
   with gamma = tau / max_h S_h, one factor for the layer (the gains are shared by its heads).
+
+[Note: MLA]
+Multi-head latent attention (DeepSeek-V2/V3, Kimi K2) splits each head's query and key into a
+content part (no position) and a rotary part: the logit is
+``scaling * (q^C_h . k^C_h + q^R_h . k^R)``, where q^C_h, q^R_h are head h's rows of the query
+up-projection (``q_b_proj`` / ``wq_b``: per head qk_nope_head_dim content rows, then
+qk_rope_head_dim rotary rows), k^C_h head h's first qk_nope_head_dim rows of the key-value
+up-projection (``kv_b_proj`` / ``wkv_b``: per head the key content rows, then v_head_dim value
+rows), and k^R one rotary key every head shares (the last qk_rope_head_dim rows of
+``kv_a_proj_with_mqa`` / ``wkv_a``). Kimi K2 (arXiv 2507.20534, section 2.1, "MuonClip", its
+QK-Clip for MLA) clips head h with gamma_h = tau / S_h as: q^C_h and k^C_h each by
+sqrt(gamma_h), q^R_h by gamma_h, and k^R not at all ("so the clip does not couple across
+heads"): both terms of the logit scale by gamma_h. dmuon writes sqrt as alpha / 1 - alpha for
+the content parts (alpha=0.5 is the report's). The value rows and ``wkv_a`` are never touched.
+The latent norms before the up-projections (``q_a_layernorm``, ``kv_a_layernorm``) normalise
+their inputs, not the heads, so they do not undo the scaling. The logits MLA's softmax sees are
+those of its concatenated q and k (the shared rotary key repeated per head), so
+``attention_max_logits`` reads them from an attention kernel's inputs; ``mla_max_logits`` takes
+the four parts without repeating k^R. DeepSeek's softmax scale (qk_head_dim^-0.5 times YaRN's
+mscale squared) is the ``scaling`` to pass.
 
 [Note: where the clip runs]
 The optimizer updates the owners' fp32 masters (and FSDP2's shards), then
@@ -44,8 +69,9 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
+from typing import Literal, get_args
 
 import torch
 import torch.distributed as dist
@@ -60,6 +86,10 @@ from dmuon.param import DedicatedParam
 
 # Logits of one block of query rows, at most: the observation's transient memory.
 LOGITS_BLOCK_NUMEL = 2**26
+
+# Grouped-query attention's two conventions ([Note: the clip]); the first is the default.
+GQAClip = Literal["per_query_head", "per_key_group"]
+GQA_CLIPS: tuple[str, ...] = get_args(GQAClip)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -94,6 +124,76 @@ class AttentionHeads:
         return {role: getattr(self, role) for role in roles if getattr(self, role) is not None}
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class MLAHeads:
+    """One multi-head latent attention layer (DeepSeek-V2/V3, Kimi K2) whose query and key
+    up-projections QK-clip rescales as the Kimi K2 report does for MLA ([Note: MLA] in
+    ``dmuon.qk_clip``).
+
+    ``name`` is the key its attention records under (``QKClip.record``); the others are
+    parameter FQNs of the model. ``q_weight`` is the projection whose output is the query heads,
+    (num_heads * (qk_nope_head_dim + qk_rope_head_dim), in), each head's rows the content part
+    then the rotary part (DeepSeek's ``q_b_proj`` / torchtitan's ``wq_b``, or ``q_proj`` / ``wq``
+    without a query LoRA); ``kv_weight`` is the key-value up-projection, (num_heads *
+    (qk_nope_head_dim + v_head_dim), kv_lora_rank), each head's rows its key content part then
+    its value (``kv_b_proj`` / ``wkv_b``). The shared rotary key (the last qk_rope_head_dim rows
+    of ``kv_a_proj_with_mqa`` / ``wkv_a``) is never touched, so it is not named.
+    """
+
+    name: str
+    q_weight: str
+    kv_weight: str
+    num_heads: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+
+    @property
+    def kv_heads(self) -> int:
+        return self.num_heads  # each query head has its own key content head
+
+    def fqns(self) -> dict[str, str]:
+        """role -> FQN of every parameter named."""
+        return {"q_weight": self.q_weight, "kv_weight": self.kv_weight}
+
+
+Heads = AttentionHeads | MLAHeads
+
+
+def _max_logits_in_blocks(
+    block_logits: Callable[[int, int], torch.Tensor],
+    *,
+    batch: int,
+    num_heads: int,
+    q_len: int,
+    kv_len: int,
+    device: torch.device,
+    scaling: float,
+    attention_mask: torch.Tensor | None,
+    is_causal: bool,
+) -> torch.Tensor:
+    """(num_heads,) float32 maxima of ``scaling * block_logits(start, stop)`` ((batch,
+    num_heads, stop - start, kv_len) raw dot products of query rows [start, stop)) over the
+    allowed pairs, in blocks of at most ``LOGITS_BLOCK_NUMEL`` logits."""
+    rows = max(1, LOGITS_BLOCK_NUMEL // max(1, batch * num_heads * kv_len))
+    result = torch.full((num_heads,), -math.inf, dtype=torch.float32, device=device)
+    for start in range(0, q_len, rows):
+        stop = min(q_len, start + rows)
+        logits = (block_logits(start, stop) * scaling).float()
+        if attention_mask is not None:
+            mask = attention_mask[..., start:stop, :]
+            if mask.dtype == torch.bool:
+                logits = logits.masked_fill(~mask, -math.inf)
+            else:
+                logits = logits + mask.float()
+        elif is_causal:
+            query_pos = torch.arange(start, stop, device=device)[:, None]
+            key_pos = torch.arange(kv_len, device=device)[None, :]
+            logits = logits.masked_fill(key_pos > query_pos + (kv_len - q_len), -math.inf)
+        result = torch.maximum(result, logits.amax(dim=(0, 2, 3)))
+    return result
+
+
 @torch.no_grad()
 def attention_max_logits(
     query: torch.Tensor,
@@ -112,7 +212,9 @@ def attention_max_logits(
     num_heads, q_len, kv_len): boolean (True: attended) or additive (added, as eager attention
     does). With no mask and ``is_causal``, query i sees keys j <= i + kv_len - q_len. Costs one
     extra ``q k^T`` (half the attention's matmuls), in blocks of query rows of at most
-    ``LOGITS_BLOCK_NUMEL`` logits, with no autograd graph.
+    ``LOGITS_BLOCK_NUMEL`` logits, with no autograd graph. MLA's query and key (content and
+    rotary parts concatenated, the shared rotary key repeated per head, as attention kernels
+    take them) are read here too; ``dmuon.mla_max_logits`` takes the parts apart.
     """
     batch, num_heads, q_len, head_dim = query.shape
     num_kv_heads, kv_len = key.shape[1], key.shape[2]
@@ -126,37 +228,104 @@ def attention_max_logits(
     # (batch, kv_heads, group, q_len, head_dim): the query heads of each key head together.
     grouped = query.reshape(batch, num_kv_heads, group, q_len, head_dim)
     keys_t = key.transpose(-1, -2).unsqueeze(2)  # (batch, kv_heads, 1, head_dim, kv_len)
-    rows = max(1, LOGITS_BLOCK_NUMEL // max(1, batch * num_heads * kv_len))
-    result = torch.full((num_heads,), -math.inf, dtype=torch.float32, device=query.device)
-    for start in range(0, q_len, rows):
-        stop = min(q_len, start + rows)
-        logits = (grouped[:, :, :, start:stop] @ keys_t) * scaling
-        logits = logits.reshape(batch, num_heads, stop - start, kv_len).float()
-        if attention_mask is not None:
-            mask = attention_mask[..., start:stop, :]
-            if mask.dtype == torch.bool:
-                logits = logits.masked_fill(~mask, -math.inf)
-            else:
-                logits = logits + mask.float()
-        elif is_causal:
-            query_pos = torch.arange(start, stop, device=query.device)[:, None]
-            key_pos = torch.arange(kv_len, device=query.device)[None, :]
-            logits = logits.masked_fill(key_pos > query_pos + (kv_len - q_len), -math.inf)
-        result = torch.maximum(result, logits.amax(dim=(0, 2, 3)))
-    return result
+
+    def block_logits(start: int, stop: int) -> torch.Tensor:
+        logits = grouped[:, :, :, start:stop] @ keys_t
+        return logits.reshape(batch, num_heads, stop - start, kv_len)
+
+    return _max_logits_in_blocks(
+        block_logits, batch=batch, num_heads=num_heads, q_len=q_len, kv_len=kv_len,
+        device=query.device, scaling=scaling, attention_mask=attention_mask, is_causal=is_causal,
+    )  # fmt: skip
+
+
+@torch.no_grad()
+def mla_max_logits(
+    q_nope: torch.Tensor,
+    q_rope: torch.Tensor,
+    k_nope: torch.Tensor,
+    k_rope: torch.Tensor,
+    *,
+    scaling: float,
+    attention_mask: torch.Tensor | None = None,
+    is_causal: bool = False,
+) -> torch.Tensor:
+    """The largest attention logit of each head of multi-head latent attention, (num_heads,)
+    in float32: ``scaling * (q_nope . k_nope + q_rope . k_rope)``, the logit MLA's softmax sees.
+
+    ``q_nope`` is (batch, num_heads, q_len, qk_nope_head_dim), ``q_rope`` (batch, num_heads,
+    q_len, qk_rope_head_dim) after RoPE, ``k_nope`` (batch, num_heads, kv_len,
+    qk_nope_head_dim), ``k_rope`` (batch, 1, kv_len, qk_rope_head_dim) after RoPE, the rotary
+    key every head shares (never repeated here). ``scaling`` is the softmax scale as the
+    attention uses it (DeepSeek-V3: (qk_nope_head_dim + qk_rope_head_dim)^-0.5 times YaRN's
+    mscale squared). Masks as in ``dmuon.attention_max_logits``; same cost and blocks.
+    """
+    batch, num_heads, q_len, nope = q_nope.shape
+    kv_len, rope = k_nope.shape[2], k_rope.shape[3]
+    if (
+        q_rope.shape[:3] != q_nope.shape[:3]
+        or tuple(k_nope.shape) != (batch, num_heads, kv_len, nope)
+        or tuple(k_rope.shape) != (batch, 1, kv_len, rope)
+        or q_rope.shape[3] != rope
+    ):
+        raise ValueError(
+            f"dmuon.mla_max_logits: q_nope {tuple(q_nope.shape)}, q_rope {tuple(q_rope.shape)}, "
+            f"k_nope {tuple(k_nope.shape)} and k_rope {tuple(k_rope.shape)} must be (batch, "
+            "heads, q_len, nope), (batch, heads, q_len, rope), (batch, heads, kv_len, nope) and "
+            "(batch, 1, kv_len, rope): the rotary key is shared by every head."
+        )
+    k_nope_t, k_rope_t = k_nope.transpose(-1, -2), k_rope.transpose(-1, -2)
+
+    def block_logits(start: int, stop: int) -> torch.Tensor:
+        return q_nope[:, :, start:stop] @ k_nope_t + q_rope[:, :, start:stop] @ k_rope_t
+
+    return _max_logits_in_blocks(
+        block_logits, batch=batch, num_heads=num_heads, q_len=q_len, kv_len=kv_len,
+        device=q_nope.device, scaling=scaling, attention_mask=attention_mask,
+        is_causal=is_causal,
+    )  # fmt: skip
+
+
+def _gamma(max_logits: torch.Tensor, threshold: float) -> torch.Tensor:
+    """tau / S per head where S is finite and over tau, else 1."""
+    over = torch.isfinite(max_logits) & (max_logits > threshold)
+    return torch.where(over, threshold / max_logits, torch.ones_like(max_logits))
 
 
 def clip_factors(
-    max_logits: torch.Tensor, *, threshold: float, alpha: float, num_kv_heads: int
+    max_logits: torch.Tensor,
+    *,
+    threshold: float,
+    alpha: float,
+    num_kv_heads: int,
+    gqa: GQAClip = "per_query_head",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The factors of [Note: the clip]: (num_heads,) for the query heads' rows and
     (num_kv_heads,) for the key heads' rows; 1 where a head is under the threshold (or its
-    maximum is not finite)."""
-    over = torch.isfinite(max_logits) & (max_logits > threshold)
-    gamma = torch.where(over, threshold / max_logits, torch.ones_like(max_logits))
-    if num_kv_heads != max_logits.numel():  # a shared key head: the query takes gamma whole
+    maximum is not finite). With fewer key heads than query heads, ``gqa`` picks the
+    convention: ``"per_query_head"`` (the query takes gamma_h whole, the shared key head 1) or
+    ``"per_key_group"`` (one gamma per key head from its group's largest maximum, split by
+    alpha between the group's query heads and the key head)."""
+    if num_kv_heads == max_logits.numel():
+        gamma = _gamma(max_logits, threshold)
+        return gamma.pow(alpha), gamma.pow(1.0 - alpha)
+    if gqa == "per_query_head":  # a shared key head: the query takes gamma whole
+        gamma = _gamma(max_logits, threshold)
         return gamma, torch.ones(num_kv_heads, dtype=gamma.dtype, device=gamma.device)
-    return gamma.pow(alpha), gamma.pow(1.0 - alpha)
+    finite = torch.where(torch.isfinite(max_logits), max_logits, -math.inf)
+    group_gamma = _gamma(finite.view(num_kv_heads, -1).amax(dim=1), threshold)
+    group = max_logits.numel() // num_kv_heads
+    return group_gamma.pow(alpha).repeat_interleave(group), group_gamma.pow(1.0 - alpha)
+
+
+def mla_clip_factors(
+    max_logits: torch.Tensor, *, threshold: float, alpha: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The factors of [Note: MLA], each (num_heads,): the query content rows (gamma^alpha), the
+    query rotary rows (gamma), the key content rows (gamma^(1 - alpha)); 1 where a head is
+    under the threshold (or its maximum is not finite)."""
+    gamma = _gamma(max_logits, threshold)
+    return gamma.pow(alpha), gamma, gamma.pow(1.0 - alpha)
 
 
 class QKClip:
@@ -166,10 +335,15 @@ class QKClip:
     Args:
         model: the model ``dedicate_params`` prepared.
         optimizer: its ``dmuon.Muon``.
-        attention: one ``AttentionHeads`` per attention layer to clip.
+        attention: one ``AttentionHeads`` (or ``MLAHeads`` for multi-head latent attention)
+            per attention layer to clip.
         threshold: tau, the largest logit a head keeps (Kimi K2: 100).
         alpha: the query's share of the clip (0.5: the square root on each side); see
-            [Note: the clip] for grouped-query attention and QK-norm.
+            [Note: the clip] for grouped-query attention and QK-norm, [Note: MLA] for MLA.
+        gqa: with fewer key heads than query heads, ``"per_query_head"`` (default: each query
+            head over tau takes its gamma whole, the shared key head stays) or
+            ``"per_key_group"`` (Megatron's: one gamma per key head, from its group's largest
+            maximum, on the group's query heads and the key head); see [Note: the clip].
 
     Each layer's attention calls ``record(name, max_logits)`` in every training forward (the
     (num_heads,) maxima of ``dmuon.attention_max_logits``, or this TP rank's heads), dmuon_hf's
@@ -186,12 +360,13 @@ class QKClip:
         self,
         model: nn.Module,
         optimizer: torch.optim.Optimizer,
-        attention: Sequence[AttentionHeads],
+        attention: Sequence[AttentionHeads | MLAHeads],
         *,
         threshold: float = 100.0,
         alpha: float = 0.5,
+        gqa: GQAClip = "per_query_head",
     ) -> None:
-        _check_settings(threshold, alpha, attention)
+        _check_settings(threshold, alpha, gqa, attention)
         attention = [_canonical(layer) for layer in attention]
         self._state = get_dedicated_state(model)
         if getattr(optimizer, "_dedicated", None) is not self._state:
@@ -202,19 +377,19 @@ class QKClip:
             )
         self.threshold = float(threshold)
         self.alpha = float(alpha)
+        self.gqa = gqa
         self.model = model
         self.layers = {layer.name: layer for layer in attention}
         self._shapes = _check_parameters(model, self._state, attention)
-        self._head_dims = {
-            layer.name: self._shapes[layer.q_weight][0] // layer.num_heads for layer in attention
-        }
-        _check_head_shapes(attention, self._shapes, self._head_dims)
+        # name -> (rows per query head in q_weight, rows per key head in k_weight / kv_weight).
+        self._head_rows = {layer.name: _rows_per_head(layer, self._shapes) for layer in attention}
+        _check_head_shapes(attention, self._shapes, self._head_rows)
         check_ranks_agree(
             self._state.mesh.world_group,
             {
                 "qk_clip": (
-                    "QK-clip settings (threshold, alpha, attention layers)",
-                    (self.threshold, self.alpha, list(attention)),
+                    "QK-clip settings (threshold, alpha, gqa, attention layers)",
+                    (self.threshold, self.alpha, self.gqa, list(attention)),
                 )
             },
         )
@@ -222,8 +397,8 @@ class QKClip:
         self._observed: dict[str, torch.Tensor] = {}
         # name -> (first query head, query heads) this rank's attention computes (TP: a chunk).
         self._local_heads: dict[str, tuple[int, int]] = {}
-        # name -> (query-row factors, key-row factors) of the step running now.
-        self._pending: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        # name -> {FQN: factor per row of the full parameter, or one factor} of the step now.
+        self._pending: dict[str, dict[str, torch.Tensor]] = {}
         self._local_rows: dict[str, torch.Tensor | None] = {}  # FQN -> this rank's rows
         self.last_max_logits: dict[str, torch.Tensor] = {}
         self.clipped_heads = 0  # heads over the threshold in the last step
@@ -273,23 +448,23 @@ class QKClip:
             self._observed[name] = observed
         torch.maximum(observed[start : start + count], values, out=observed[start : start + count])
 
-    def _heads_of(self, layer: AttentionHeads) -> tuple[int, int]:
+    def _heads_of(self, layer: Heads) -> tuple[int, int]:
         """(first query head, count) that this rank's attention computes: all of them, or the
         chunk of a tensor-parallel q projection (rows split over TP ranks, colwise)."""
         heads = self._local_heads.get(layer.name)
         if heads is None:
-            head_dim = self._head_dims[layer.name]
+            q_rows, k_rows = self._head_rows[layer.name]
             rows = self._tp_rows(layer.q_weight)
-            heads = _head_range(layer, "q_weight", rows, head_dim, layer.num_heads)
-            k_heads = _head_range(layer, "k_weight", self._tp_rows(layer.k_weight), head_dim,
-                                  layer.kv_heads)  # fmt: skip
+            heads = _head_range(layer, "q_weight", rows, q_rows, layer.num_heads)
+            k_role, k_fqn = _key_projection(layer)
+            k_heads = _head_range(layer, k_role, self._tp_rows(k_fqn), k_rows, layer.kv_heads)
             group = layer.num_heads // layer.kv_heads
             if (k_heads[0] * group, k_heads[1] * group) != heads:
                 raise ValueError(
                     f"dmuon.QKClip: layer {layer.name!r}: this rank computes query heads "
                     f"[{heads[0]}, {sum(heads)}) but key heads [{k_heads[0]}, {sum(k_heads)}), "
-                    f"which do not serve them ({group} query heads per key head). Split q_proj "
-                    "and k_proj over the same TP ranks, by whole heads."
+                    f"which do not serve them ({group} query heads per key head). Split "
+                    f"{layer.q_weight} and {k_fqn} over the same TP ranks, by whole heads."
                 )
             self._local_heads[layer.name] = heads
         return heads
@@ -361,12 +536,42 @@ class QKClip:
         self.clipped_heads = 0
         for name, flag in zip(names, flags[0]):
             if flag:
-                layer = self.layers[name]
-                self._pending[name] = clip_factors(
-                    per_layer[name], threshold=self.threshold, alpha=self.alpha,
-                    num_kv_heads=layer.kv_heads,
-                )  # fmt: skip
+                self._pending[name] = self._row_factors(self.layers[name], per_layer[name])
                 self.clipped_heads += int((per_layer[name] > self.threshold).sum())
+
+    def _row_factors(self, layer: Heads, max_logits: torch.Tensor) -> dict[str, torch.Tensor]:
+        """FQN -> the factor of each row of the full parameter (or one factor for the layer's
+        QK-norm gains) that clips ``layer`` with these reduced maxima: [Note: the clip],
+        [Note: MLA]. A parameter the clip leaves alone is not listed."""
+        q_rows, k_rows = self._head_rows[layer.name]
+        if isinstance(layer, MLAHeads):
+            q_content, q_rope, k_content = mla_clip_factors(
+                max_logits, threshold=self.threshold, alpha=self.alpha
+            )
+            nope, rope = layer.qk_nope_head_dim, layer.qk_rope_head_dim
+            # (num_heads, rows per head) -> one factor per row, head after head.
+            q = torch.cat(
+                [q_content[:, None].expand(-1, nope), q_rope[:, None].expand(-1, rope)], 1
+            )
+            value = torch.ones(layer.num_heads, layer.v_head_dim, device=max_logits.device)
+            kv = torch.cat([k_content[:, None].expand(-1, nope), value], 1)
+            return {layer.q_weight: q.reshape(-1), layer.kv_weight: kv.reshape(-1)}
+        if layer.q_norm is not None:  # QK-norm: one factor for the layer, on the gains
+            gamma = _gamma(max_logits, self.threshold).min()
+            return {layer.q_norm: gamma.pow(self.alpha), layer.k_norm: gamma.pow(1.0 - self.alpha)}
+        q_factors, k_factors = clip_factors(
+            max_logits, threshold=self.threshold, alpha=self.alpha, num_kv_heads=layer.kv_heads,
+            gqa=self.gqa,
+        )  # fmt: skip
+        factors = {layer.q_weight: q_factors.repeat_interleave(q_rows)}
+        if layer.q_bias is not None:
+            factors[layer.q_bias] = factors[layer.q_weight]
+        # per_query_head leaves a shared key head alone (its factors are all 1).
+        if layer.kv_heads == layer.num_heads or self.gqa == "per_key_group":
+            factors[layer.k_weight] = k_factors.repeat_interleave(k_rows)
+            if layer.k_bias is not None:
+                factors[layer.k_bias] = factors[layer.k_weight]
+        return factors
 
     def _groups(self) -> list[dist.ProcessGroup]:
         """The data-parallel grid, then every TP group a clipped projection is split over."""
@@ -375,7 +580,7 @@ class QKClip:
             groups.append(self._state.mesh.tp_group)
         params = _model_parameters(self.model)
         for layer in self.layers.values():
-            for fqn in (layer.q_weight, layer.k_weight):
+            for fqn in (layer.q_weight, _key_projection(layer)[1]):
                 param = params.get(fqn)
                 if isinstance(param, DTensor) and param.device_mesh.mesh_dim_names:
                     for name in param.device_mesh.mesh_dim_names:
@@ -393,26 +598,9 @@ class QKClip:
         if not self._pending:
             return
         params = _model_parameters(self.model)
-        for name, (q_factors, k_factors) in self._pending.items():
-            layer = self.layers[name]
-            if layer.q_norm is not None:  # QK-norm: one factor for the layer, on the gains
-                gamma = clip_factors(
-                    self.last_max_logits[name], threshold=self.threshold, alpha=1.0,
-                    num_kv_heads=layer.num_heads,
-                )[0].min()  # fmt: skip
-                self._scale(params, layer.q_norm, gamma.pow(self.alpha))
-                self._scale(params, layer.k_norm, gamma.pow(1.0 - self.alpha))
-                continue
-            head_dim = self._head_dims[name]
-            q_rows = q_factors.repeat_interleave(head_dim)
-            k_rows = k_factors.repeat_interleave(head_dim)
-            self._scale(params, layer.q_weight, q_rows)
-            if layer.q_bias is not None:
-                self._scale(params, layer.q_bias, q_rows)
-            if layer.kv_heads == layer.num_heads:  # a shared key head is left alone
-                self._scale(params, layer.k_weight, k_rows)
-                if layer.k_bias is not None:
-                    self._scale(params, layer.k_bias, k_rows)
+        for factors in self._pending.values():
+            for fqn, row_factors in factors.items():
+                self._scale(params, fqn, row_factors)
 
     def _scale(self, params: dict[str, nn.Parameter], fqn: str, factors: torch.Tensor) -> None:
         """Multiply this rank's rows of ``fqn`` by ``factors`` (one per row of the full
@@ -451,7 +639,24 @@ def _model_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
     return {canonical_fqn(name): param for name, param in model.named_parameters()}
 
 
-def _canonical(layer: AttentionHeads) -> AttentionHeads:
+def _key_projection(layer: Heads) -> tuple[str, str]:
+    """(role, FQN) of the projection whose rows are the key heads' (MLA: the key content
+    rows, inside the key-value up-projection)."""
+    if isinstance(layer, MLAHeads):
+        return "kv_weight", layer.kv_weight
+    return "k_weight", layer.k_weight
+
+
+def _rows_per_head(layer: Heads, shapes: dict[str, tuple[int, ...]]) -> tuple[int, int]:
+    """(rows of one query head in q_weight, rows of one key head in its key projection)."""
+    if isinstance(layer, MLAHeads):
+        return (layer.qk_nope_head_dim + layer.qk_rope_head_dim,
+                layer.qk_nope_head_dim + layer.v_head_dim)  # fmt: skip
+    head_dim = shapes[layer.q_weight][0] // layer.num_heads
+    return head_dim, head_dim
+
+
+def _canonical(layer: Heads) -> Heads:
     return replace(layer, **{role: canonical_fqn(fqn) for role, fqn in layer.fqns().items()})
 
 
@@ -485,7 +690,7 @@ def _rows_under(num_rows: int, mesh, placements: list) -> torch.Tensor:
 
 
 def _head_range(
-    layer: AttentionHeads, role: str, rows: torch.Tensor | None, head_dim: int, heads: int
+    layer: Heads, role: str, rows: torch.Tensor | None, head_dim: int, heads: int
 ) -> tuple[int, int]:
     if rows is None:
         return 0, heads
@@ -499,7 +704,9 @@ def _head_range(
     return int(rows[0]) // head_dim, rows.numel() // head_dim
 
 
-def _check_settings(threshold: float, alpha: float, attention: Sequence[AttentionHeads]) -> None:
+def _check_settings(
+    threshold: float, alpha: float, gqa: str, attention: Sequence[AttentionHeads | MLAHeads]
+) -> None:
     if (
         isinstance(threshold, bool)
         or not isinstance(threshold, (int, float))
@@ -508,16 +715,32 @@ def _check_settings(threshold: float, alpha: float, attention: Sequence[Attentio
         raise ValueError(f"dmuon.QKClip: threshold must be a positive number, got {threshold!r}.")
     if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0 <= alpha <= 1:
         raise ValueError(f"dmuon.QKClip: alpha must be a number in [0, 1], got {alpha!r}.")
-    if not attention or not all(isinstance(layer, AttentionHeads) for layer in attention):
+    if gqa not in GQA_CLIPS:
+        raise ValueError(f"dmuon.QKClip: gqa must be one of {GQA_CLIPS}, got {gqa!r}.")
+    if not attention or not all(
+        isinstance(layer, (AttentionHeads, MLAHeads)) for layer in attention
+    ):
         raise TypeError(
             "dmuon.QKClip: attention must be a non-empty list of dmuon.AttentionHeads(name=..., "
-            "q_weight=..., k_weight=..., num_heads=...), one per attention layer."
+            "q_weight=..., k_weight=..., num_heads=...) or, for multi-head latent attention, "
+            "dmuon.MLAHeads(name=..., q_weight=..., kv_weight=..., num_heads=..., "
+            "qk_nope_head_dim=..., qk_rope_head_dim=..., v_head_dim=...), one per attention layer."
         )
     names = [layer.name for layer in attention]
     repeated = sorted({name for name in names if names.count(name) > 1})
     if repeated:
         raise ValueError(f"dmuon.QKClip: attention layers named twice: {repeated}.")
     for layer in attention:
+        if isinstance(layer, MLAHeads):
+            dims = {"num_heads": layer.num_heads, "qk_nope_head_dim": layer.qk_nope_head_dim,
+                    "qk_rope_head_dim": layer.qk_rope_head_dim, "v_head_dim": layer.v_head_dim}  # fmt: skip
+            if any(value < 1 for value in dims.values()):
+                raise ValueError(
+                    f"dmuon.QKClip: MLA layer {layer.name!r} has {dims}: every one must be "
+                    "positive (a layer without rotary part is plain attention: describe it with "
+                    "dmuon.AttentionHeads)."
+                )
+            continue
         if layer.num_heads < 1 or layer.kv_heads < 1 or layer.num_heads % layer.kv_heads:
             raise ValueError(
                 f"dmuon.QKClip: layer {layer.name!r} has num_heads={layer.num_heads} and "
@@ -532,7 +755,7 @@ def _check_settings(threshold: float, alpha: float, attention: Sequence[Attentio
 
 
 def _check_parameters(
-    model: nn.Module, state: DedicatedState, attention: Sequence[AttentionHeads]
+    model: nn.Module, state: DedicatedState, attention: Sequence[AttentionHeads | MLAHeads]
 ) -> dict[str, tuple[int, ...]]:
     """The full shape of every parameter named; each must exist and not be an expert piece."""
     params = _model_parameters(model)
@@ -560,9 +783,25 @@ def _check_parameters(
     return shapes
 
 
-def _check_head_shapes(attention, shapes, head_dims) -> None:
+def _check_head_shapes(attention, shapes, head_rows) -> None:
     for layer in attention:
-        head_dim = head_dims[layer.name]
+        if isinstance(layer, MLAHeads):
+            q_rows, kv_rows = head_rows[layer.name]
+            for role, rows, parts in (
+                ("q_weight", q_rows, "qk_nope_head_dim + qk_rope_head_dim"),
+                ("kv_weight", kv_rows, "qk_nope_head_dim + v_head_dim"),
+            ):
+                fqn = getattr(layer, role)
+                shape = shapes[canonical_fqn(fqn)]
+                if len(shape) != 2 or shape[0] != layer.num_heads * rows:
+                    raise ValueError(
+                        f"dmuon.QKClip: MLA layer {layer.name!r}: {role} {fqn} has shape {shape}; "
+                        f"with num_heads={layer.num_heads} and {parts} = {rows} it should be "
+                        f"({layer.num_heads * rows}, in). Name the up-projection whose rows are "
+                        "the heads (q_b_proj / wq_b, or q_proj / wq; kv_b_proj / wkv_b)."
+                    )
+            continue
+        head_dim = head_rows[layer.name][0]
         expected = {
             "q_weight": layer.num_heads * head_dim,
             "k_weight": layer.kv_heads * head_dim,
