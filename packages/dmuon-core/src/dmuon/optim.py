@@ -52,7 +52,9 @@ from dmuon.muon_update import (
     quantize_,
 )
 from dmuon.nonfinite import check_policy
+from dmuon.ns_counts import NewtonSchulzCounts
 from dmuon.offload import MasterOffload, check_masters_can_be_offloaded
+from dmuon.optim_layout import LAYOUT_KEY, check_layout, layout_record, without_layout
 from dmuon.overlap import SPECULATION_GRAPH_MAX_NUMEL, OverlappedStep, OverlapStepStats
 from dmuon.param import MUON_ROUTE, DedicatedParam, is_dedicated
 from dmuon.routing import (
@@ -241,6 +243,9 @@ class Muon(torch.optim.Optimizer):
         self.offload_masters = offload_masters
         self.nonfinite = check_policy(nonfinite)
         self._steps_taken = 0
+        # Newton-Schulz outputs applied per owned matrix ([Note: one Newton-Schulz per matrix
+        # per step] in ``dmuon.ns_counts``); read through ``dmuon.inspect.newton_schulz_counts``.
+        self._ns_counts = NewtonSchulzCounts()
         # id(master) -> the TP-sharded parameter whose chunk it holds (masters never change).
         self._tp_chunks = {
             id(p.master): p for p in self._dedicated.iter_owned_masters() if p.is_tp_sharded
@@ -509,17 +514,31 @@ class Muon(torch.optim.Optimizer):
         ]
 
     def state_dict(self) -> dict:
-        """This rank's state, keyed by index as in torch (same layout only); see below."""
+        """This rank's state, keyed by index as in torch, with the layout that wrote it
+        (``dmuon.optim_layout.LAYOUT_KEY``): it loads on this rank and layout only; resharding
+        is ``dmuon.checkpoint``'s (see [Note: per-rank state dicts] in ``dmuon.optim_layout``)."""
         _refuse_torch_checkpoint_state_dict(sys._getframe(1), "get_optimizer_state_dict")
-        return super().state_dict()
+        return {
+            **super().state_dict(),
+            LAYOUT_KEY: layout_record(self._dedicated.mesh, self._facts),
+        }
 
     def load_state_dict(self, state_dict: dict) -> None:
         """torch's, except that the update rule and the state's dtypes stay this optimizer's
         (``normuon``, ``momentum_dtype``: a checkpoint of another rule loads into this one), and
-        a key the saved groups lack (an option newer than the checkpoint) keeps its value."""
+        a key the saved groups lack (an option newer than the checkpoint) keeps its value.
+
+        Collective over the ownership grid: a dict written on another rank or layout (or, with
+        several ranks, without a layout record) raises ValueError on every rank before anything
+        changes (see [Note: per-rank state dicts] in ``dmuon.optim_layout``)."""
         _refuse_torch_checkpoint_state_dict(sys._getframe(1), "set_optimizer_state_dict")
+        check_layout(
+            state_dict,
+            layout_record(self._dedicated.mesh, self._facts),
+            self._dedicated.mesh.world_group,
+        )
         before = [{k: v for k, v in group.items() if k != "params"} for group in self.param_groups]
-        super().load_state_dict(state_dict)
+        super().load_state_dict(without_layout(state_dict))
         for group, kept in zip(self.param_groups, before):
             for key, value in kept.items():
                 if key in RULE_KEYS or key not in group:
@@ -637,6 +656,7 @@ class Muon(torch.optim.Optimizer):
             adjust_lr=group["adjust_lr"],
             normuon=normuon,
         )
+        self._ns_counts.received(masters)
 
     def _speculate_unit(
         self,
@@ -720,6 +740,7 @@ class Muon(torch.optim.Optimizer):
                 adjust_lr=group["adjust_lr"],
                 matrix_shape=tuple(p.shape),
             )
+        self._ns_counts.received((p.master, None) for p in params)
 
     # ---- the AdamW route ------------------------------------------------------------------------
 
