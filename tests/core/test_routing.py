@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import dmuon
-from dmuon import optim as dmuon_optim
+from dmuon import _log as dmuon_log
 from tests.distributed.models import TinyDecoder, batches, loss_fn, proj_predicate
 
 NORMS_AND_BIASES = {
@@ -377,12 +377,10 @@ def test_the_dmuon_logger_gets_a_stderr_handler_only_when_nothing_is_configured(
     monkeypatch.setattr(root, "handlers", [])
     monkeypatch.setattr(dmuon_logger, "handlers", [])
     monkeypatch.setattr(dmuon_logger, "level", logging.NOTSET)
-    monkeypatch.setattr(dmuon_optim, "_log_handler", None)
-    dmuon_optim._ensure_log_handler()
-    dmuon_optim._ensure_log_handler()
+    monkeypatch.setattr(dmuon_log, "_handler", None)
+    dmuon_log.make_visible()
+    dmuon_log.make_visible()
     assert len(dmuon_logger.handlers) == 1
-    handler = dmuon_logger.handlers[0]
-    assert isinstance(handler, logging.StreamHandler) and handler.level == logging.INFO
     assert dmuon_logger.getEffectiveLevel() == logging.INFO
 
 
@@ -390,8 +388,8 @@ def test_the_dmuon_logger_gets_no_handler_when_the_application_configured_loggin
     dmuon_logger = logging.getLogger("dmuon")
     monkeypatch.setattr(logging.getLogger(), "handlers", [logging.NullHandler()])
     monkeypatch.setattr(dmuon_logger, "handlers", [])
-    monkeypatch.setattr(dmuon_optim, "_log_handler", None)
-    dmuon_optim._ensure_log_handler()
+    monkeypatch.setattr(dmuon_log, "_handler", None)
+    dmuon_log.make_visible()
     assert dmuon_logger.handlers == []
 
 

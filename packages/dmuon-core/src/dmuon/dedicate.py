@@ -11,7 +11,6 @@ up with ``get_dedicated_state``), which the owner step (``optim``) then asks.
 from __future__ import annotations
 
 import contextlib
-import logging
 import warnings
 from collections.abc import Callable, Iterator
 from datetime import timedelta
@@ -22,6 +21,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from dmuon import data_parallel, fsdp2
+from dmuon._log import log_once
 from dmuon._text import preview_names
 from dmuon._torch_internals import prepare_tensor_parallel_model_for_ddp
 from dmuon.boundaries import group_by_boundary
@@ -43,9 +43,6 @@ from dmuon.tp import (
     find_tensor_parallel_layout,
     model_parallel_dims,
 )
-from dmuon_kernels._log import rank_tag
-
-logger = logging.getLogger("dmuon")
 
 NO_MATCH_WARNING = (
     "dedicate_params: no parameters matched the predicate. Print the 2-D parameters to see their "
@@ -194,7 +191,7 @@ def dedicate_params(
             UserWarning,
             stacklevel=2,
         )
-    logger.info("%s %s", rank_tag().rstrip(), plan.describe())
+    log_once("[DMuon] %s", plan.describe())
 
     params: dict[str, DedicatedParam] = {}
     for name, module, attr, param in selected:

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import functools
 import itertools
-import logging
 import math
 import sys
 import warnings
@@ -29,12 +28,12 @@ from collections import defaultdict
 from collections.abc import Callable, Iterator
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.optim.adamw import adamw
 
 from dmuon import muon_update
+from dmuon._log import log_once
 from dmuon._text import preview_names
 from dmuon.consistency import check_ranks_agree
 from dmuon.data_parallel import check_data_parallel_layout
@@ -86,7 +85,6 @@ ROW_SECOND_MOMENT = "row_second_moment"
 # An int8 momentum's state ([Note: 8-bit momentum] in ``muon_update``): other names than a float
 # buffer's, so a checkpoint never loads one into the other.
 MOMENTUM_INT8, MOMENTUM_SCALE = "momentum_int8", "momentum_scale"
-logger = logging.getLogger("dmuon")
 _FUSED_ADAMW_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 # Newton-Schulz input of one batched call, at 2 bytes an element: the iteration's transient
 # workspace (a few times its input) stays near a GiB however many matrices share a shape.
@@ -900,28 +898,9 @@ def _local_tensors(local: dict, fqn: str) -> tuple[torch.Tensor, ...]:
 
 
 def _log_route_summaries(rows: list[RoutingRow]) -> None:
-    """One INFO line per route on rank 0 (the ``dmuon`` logger gets a handler if none)."""
-    if dist.is_initialized() and dist.get_rank() != 0:
-        return
-    _ensure_log_handler()
+    """One INFO line per route on rank 0, visible without logging set-up (``dmuon._log``)."""
     for line in route_summaries(rows):
-        logger.info("[DMuon] %s", line)
-
-
-_log_handler: logging.Handler | None = None
-
-
-def _ensure_log_handler() -> None:
-    """Like torch.distributed's own warnings: when the application configured no logging (no
-    handler on ``dmuon`` nor on the root logger), add one stderr handler at INFO, once."""
-    global _log_handler
-    if _log_handler is not None or logger.handlers or logging.getLogger().handlers:
-        return
-    _log_handler = logging.StreamHandler(sys.stderr)
-    _log_handler.setLevel(logging.INFO)
-    logger.addHandler(_log_handler)
-    if logger.level == logging.NOTSET or logger.level > logging.INFO:
-        logger.setLevel(logging.INFO)
+        log_once("[DMuon] %s", line)
 
 
 def _refuse_torch_checkpoint_state_dict(caller, dmuon_function: str) -> None:
