@@ -27,6 +27,7 @@ import inspect
 import math
 from collections.abc import Callable
 from datetime import timedelta
+from types import FrameType
 from typing import Any
 
 import torch
@@ -110,6 +111,27 @@ def tensor_version(tensor: torch.Tensor) -> int:
 def view_base(tensor: torch.Tensor) -> torch.Tensor | None:
     """The tensor ``tensor`` is a view of (None if it is not a view): ``Tensor._base``."""
     return tensor._base
+
+
+# ---- torch's gradient clipping -----------------------------------------------------------------
+
+# The module that defines ``torch.nn.utils.clip_grad_norm_``, ``clip_grads_with_norm_``,
+# ``clip_grad_value_`` and the deprecated ``clip_grad_norm``; each reads ``p.grad`` of every
+# parameter it is given there, in its own body or a comprehension of it (torch 2.11 to 2.13).
+# ``tests/core/test_torch_habits.py`` checks that the public names still come from it.
+TORCH_CLIPPING_MODULE = "torch.nn.utils.clip_grad"
+
+
+def torch_clipping_function_at(frame: FrameType | None) -> str | None:
+    """The public name of the ``torch.nn.utils`` clipping function ``frame`` runs in (or a
+    comprehension of it), e.g. ``"torch.nn.utils.clip_grad_norm_"``; None for any other code."""
+    while frame is not None and frame.f_globals.get("__name__") == TORCH_CLIPPING_MODULE:
+        name = frame.f_code.co_name
+        if not name.startswith("<"):  # not a comprehension: the function itself
+            # torch.nn.utils exports _clip_grads_with_norm_ as clip_grads_with_norm_.
+            return f"torch.nn.utils.{name.lstrip('_')}"
+        frame = frame.f_back
+    return None
 
 
 # ---- meshes and process groups ------------------------------------------------------------------

@@ -18,7 +18,34 @@ The gradients of a dmuon model live in four kinds of places, each counted exactl
   once.
 
 ``model.parameters()`` alone would miss the masters (they are not module parameters), which is
-why ``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)`` is wrong for a dmuon model.
+why ``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)`` is wrong for a dmuon model: it
+raises instead, see [Note: torch's clipping on a dmuon model].
+
+[Note: torch's clipping on a dmuon model]
+``torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)``, the habit of every torch loop,
+would see the dedicated parameters' 0-element placeholders with no gradient and return a smaller
+norm, leaving the dedicated gradients unscaled: a silently different clip. Making it right would
+take a collective that torch's function does not issue and the optimizer that only
+``dmuon.clip_grad_norm_`` is given, so it raises instead, on every rank alike with no
+collective: the placeholder's ``grad`` getter (``dmuon.param.DedicatedPlaceholder``) raises when
+it is read from torch's clipping module (``_torch_internals.torch_clipping_function_at``). Every
+rank holds the same placeholders, and torch reads every parameter's ``grad`` before its first
+collective, so every rank raises at the same point and none waits on another. This covers
+``clip_grad_norm_``, ``clip_grads_with_norm_``, ``clip_grad_value_`` and the deprecated
+``clip_grad_norm``, however they were imported; a frozen dedicated parameter (no gradient
+anywhere, so torch's norm is the right one) and a model without dedicated parameters are left to
+torch. ``torch.nn.utils.get_total_norm`` takes gradients, not parameters: it cannot tell that a
+caller's ``[p.grad for p in model.parameters() if p.grad is not None]`` left the dedicated ones
+out (``clip_grads_with_norm_``, its partner, then raises).
+
+Elsewhere the placeholder's ``grad`` stays None, on purpose. It is the truth about the
+placeholder (the gradient lives reduced on one rank, as a master's), and it is what torch means
+by "no gradient here": ``model.zero_grad()``, torch's optimizers and ``p.grad is not None``
+checks in user and library code read it as such. A gradient that told the truth on every rank
+would cost a broadcast of every dedicated gradient each step; one that raised on every read
+would break those checks. A user's own loop over ``model.parameters()`` reading ``p.grad`` gets
+None for a dedicated parameter; the docs name ``dmuon.clip_grad_norm_(model, optimizer,
+float("inf"))`` for the norm.
 
 [Note: parts and pipeline stages]
 A model cut into pipeline stages has one dedicated part and one optimizer per stage, and a rank
@@ -36,6 +63,7 @@ import math
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -49,11 +77,23 @@ from dmuon.hooks import DedicatedState, get_dedicated_state
 from dmuon.optim import Muon
 
 
+class _Required:
+    """The default of ``clip_grad_norm_``'s required arguments, so that a call with torch's
+    arguments (``clip_grad_norm_(model.parameters(), max_norm)``) gets dmuon's message rather
+    than Python's bare ``missing 1 required positional argument``."""
+
+    def __repr__(self) -> str:
+        return "<required>"
+
+
+_REQUIRED: Any = _Required()
+
+
 @torch.no_grad()
 def clip_grad_norm_(
     models: nn.Module | Sequence[nn.Module],
-    optimizers: Muon | Sequence[Muon],
-    max_norm: float,
+    optimizers: Muon | Sequence[Muon] = _REQUIRED,
+    max_norm: float = _REQUIRED,
     norm_type: float | str = 2.0,
     error_if_nonfinite: bool = False,
     foreach: bool | None = None,
@@ -84,7 +124,11 @@ def clip_grad_norm_(
     When the optimizers skip or refuse non-finite steps (``nonfinite="skip"`` or ``"raise"``), a
     non-finite norm leaves the gradients unscaled, so the step's check still names the
     parameters that hold a NaN or an infinity. Collective: every rank must call it.
+
+    ``torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)`` raises on a dmuon model,
+    naming this function (see [Note: torch's clipping on a dmuon model]).
     """
+    _check_arguments(models, optimizers, max_norm)
     parts = _parts(models, optimizers)
     step_group = parts[0][1].step_group
     p = _check_norm_type(norm_type)
@@ -195,6 +239,49 @@ class _GradientKinds:
     def clipped_lists(self) -> list[list[torch.Tensor]]:
         masters = [p for owned in self.owned.values() for p in owned.masters + owned.chunks]
         return [masters, self.replicated, *self.sharded.values()]
+
+
+def _check_arguments(models, optimizers, max_norm) -> None:
+    """Refuse torch's arguments, ``(parameters, max_norm)``, saying what this function takes."""
+    model_given = isinstance(models, nn.Module) or (
+        isinstance(models, Sequence)
+        and not isinstance(models, str)
+        and all(isinstance(model, nn.Module) for model in models)
+    )
+    optimizer_given = isinstance(optimizers, torch.optim.Optimizer) or (
+        isinstance(optimizers, Sequence) and not isinstance(optimizers, str)
+    )
+    if not (model_given and optimizer_given):
+        raise TypeError(
+            "dmuon.clip_grad_norm_ takes (model, optimizer, max_norm), not torch's (parameters, "
+            f"max_norm): got {_described(models)} as the model and {_described(optimizers)} as "
+            "the optimizer. The norm must count the owners' fp32 masters, which are not among "
+            "model.parameters() and which only the optimizer knows: call "
+            "dmuon.clip_grad_norm_(model, optimizer, max_norm) with the model "
+            "dmuon.dedicate_params prepared and its dmuon.Muon (or lists of the parts' models "
+            "and optimizers)."
+        )
+    if max_norm is _REQUIRED:
+        raise TypeError(
+            "dmuon.clip_grad_norm_ takes (model, optimizer, max_norm): max_norm is missing. Pass "
+            "the largest total norm to leave, or float('inf') to only compute the norm."
+        )
+
+
+def _described(value: object) -> str:
+    """What a wrong argument is, for a message: ``a generator``, ``a list of Parameter``, ``1.0``."""
+    if value is _REQUIRED:
+        return "nothing"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, (list, tuple)):
+        kinds = sorted({type(item).__name__ for item in value})
+        return (
+            f"a {type(value).__name__} of {', '.join(kinds)}"
+            if kinds
+            else f"an empty {type(value).__name__}"
+        )
+    return f"a {type(value).__name__}"
 
 
 def _parts(models, optimizers) -> list[tuple[DedicatedState, Muon]]:

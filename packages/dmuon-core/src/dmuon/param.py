@@ -17,6 +17,7 @@ the segment for backward (Z3) must not trip autograd's check on tensors it saved
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -24,7 +25,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from dmuon._torch_internals import disabled_torch_function_impl
+from dmuon._torch_internals import disabled_torch_function_impl, torch_clipping_function_at
 from dmuon.partition import OwnerCoord
 from dmuon.routing import ADAMW_ROUTE, MUON_ROUTE
 from dmuon.storage import tensor_over
@@ -66,7 +67,20 @@ PLACEHOLDER_WRITE_ERROR = (
     "dmuon.checkpoint.set_model_state_dict."
 )
 
+PLACEHOLDER_GRAD_CLIP_ERROR = (
+    "{name} read the gradient of a dedicated parameter, which dmuon keeps on its owner rank's "
+    "fp32 master: the module holds a 0-element placeholder with no gradient, so torch's "
+    "function would leave the dedicated matrices out of the norm and unscaled, a silently "
+    "different clip. Clip with dmuon.clip_grad_norm_(model, optimizer, max_norm) (norm_type, "
+    "error_if_nonfinite and foreach as in torch), which counts every gradient the optimizer "
+    "updates (max_norm=float('inf') only returns the norm); clip by value over the optimizer's "
+    "parameters: torch.nn.utils.clip_grad_value_([p for group in optimizer.param_groups for p "
+    "in group['params']], clip_value). See [Note: torch's clipping on a dmuon model] in "
+    "dmuon.clip."
+)
+
 _DATA_GETTER = torch.Tensor.data.__get__  # type: ignore[attr-defined]
+_GRAD_GETTER = torch.Tensor.grad.__get__  # type: ignore[attr-defined]
 # In-place methods that change metadata, not the (empty) value.
 _METADATA_WRITES = frozenset({"requires_grad_", "share_memory_"})
 
@@ -77,7 +91,10 @@ class DedicatedPlaceholder(nn.Parameter):
     It answers metadata queries (dtype, device, requires_grad, grad) like any parameter, but
     refuses to hand out, pickle or overwrite its (empty) value: a ``named_parameters()``-based
     saver, a cast of the model or an initialisation run after adoption (``nn.init.*_``) would
-    otherwise go through with nothing, without a word.
+    otherwise go through with nothing, without a word. For the same reason its gradient (None)
+    refuses to be read by torch's clipping functions (``torch.nn.utils.clip_grad_norm_`` and
+    its siblings), which name ``dmuon.clip_grad_norm_`` instead (see [Note: torch's clipping on
+    a dmuon model] in ``dmuon.clip``).
     """
 
     _VALUE_READS = frozenset(
@@ -103,6 +120,11 @@ class DedicatedPlaceholder(nn.Parameter):
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
+        # torch's clipping reads this gradient: [Note: torch's clipping on a dmuon model]
+        if func == _GRAD_GETTER:
+            reader = torch_clipping_function_at(sys._getframe(1))
+            if reader is not None and args[0].requires_grad:
+                raise RuntimeError(PLACEHOLDER_GRAD_CLIP_ERROR.format(name=reader))
         if func in cls._VALUE_READS:
             what = "reading .data" if func is _DATA_GETTER else f"{func.__name__}()"
             raise RuntimeError(PLACEHOLDER_VALUE_ERROR.format(what=what))
