@@ -25,7 +25,15 @@ Sharded dicts go straight into ``torch.distributed.checkpoint.save/load`` too; `
 Every function is collective over the ranks of the model's ownership grid and drains pending
 post-step publishes first. ``StateDictOptions``: ``full_state_dict``, ``cpu_offload``,
 ``ignore_frozen_params``, ``strict`` and ``flatten_optimizer_state_dict`` are honoured;
-``broadcast_from_rank0`` and ``dsd_fqn_modifiers`` raise.
+``broadcast_from_rank0`` in ``set_model_state_dict`` (a big model loaded from one full dict on
+the first rank, each owner receiving only its matrices; a meta-device model after ``to_empty``
+included); elsewhere it and ``dsd_fqn_modifiers`` raise::
+
+    model.to_empty(device=device)  # after dedicate_params and fully_shard on the meta device
+    full = torch.load("model.pt", mmap=True) if dist.get_rank() == 0 else {}
+    dckpt.set_model_state_dict(
+        model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    )
 """
 
 from __future__ import annotations
@@ -64,6 +72,13 @@ def set_state_dict(
     options: StateDictOptions | None = None,
 ) -> IncompatibleKeys:
     """Load both; the model first, so the weights every copy serves are the loaded ones."""
+    if options is not None and options.broadcast_from_rank0:
+        raise ValueError(
+            "dmuon.checkpoint.set_state_dict does not take StateDictOptions(broadcast_from_rank0="
+            "True): the optimizer state cannot come from the first rank alone. Load the model "
+            "with set_model_state_dict(model, full, options=...) and the optimizer from a "
+            "sharded checkpoint (dmuon.checkpoint.load) with set_optimizer_state_dict."
+        )
     result = set_model_state_dict(model, model_state_dict, options=options)
     set_optimizer_state_dict(model, optimizers, optim_state_dict, options=options)
     return result

@@ -35,8 +35,9 @@ class CheckpointContext:
     options: StateDictOptions
     group: dist.ProcessGroup | None  # every rank of the ownership grid; None for one slot
     rank: int  # this rank's global rank
-    # Global rank that gets the full state dict under cpu_offload: the lowest of the grid and,
-    # under tensor parallelism, of its TP peers' grids (they hold the same model).
+    # Global rank that gets the full state dict under cpu_offload, and the one that holds it
+    # under broadcast_from_rank0: the lowest of the grid and, under tensor parallelism, of its
+    # TP peers' grids (they hold the same model).
     receiver: int
     receiver_in_grid: bool  # this rank's grid holds the receiver (else it sends nothing)
     device: torch.device  # where tensors travel (the device of the dedicated weights)
@@ -125,9 +126,12 @@ class CheckpointContext:
         return everyone
 
 
-def checkpoint_context(model: nn.Module, options: StateDictOptions | None) -> CheckpointContext:
-    """Check the options, drain pending publishes, and describe this rank's part."""
-    options = _check_options(options)
+def checkpoint_context(
+    model: nn.Module, options: StateDictOptions | None, *, loading: bool = False
+) -> CheckpointContext:
+    """Check the options, drain pending publishes, and describe this rank's part.
+    ``loading``: for ``set_model_state_dict``, the one call that takes ``broadcast_from_rank0``."""
+    options = _check_options(options, loading=loading)
     state = get_dedicated_state(model)
     state.ensure_adopted()
     # A publish in flight still writes the replicas' copies: let it land before reading or
@@ -139,7 +143,8 @@ def checkpoint_context(model: nn.Module, options: StateDictOptions | None) -> Ch
     grid_lowest = min(rank for row in mesh.rank_grid for rank in row)
     device = state.device
     receiver = grid_lowest
-    if options.full_state_dict and options.cpu_offload and mesh.tp_group is not None:
+    one_rank_holds_it = options.cpu_offload or options.broadcast_from_rank0
+    if options.full_state_dict and one_rank_holds_it and mesh.tp_group is not None:
         lowest = torch.tensor([grid_lowest], device=device)
         dist.all_reduce(lowest, op=dist.ReduceOp.MIN, group=mesh.tp_group)
         receiver = int(lowest.item())
@@ -154,7 +159,7 @@ def checkpoint_context(model: nn.Module, options: StateDictOptions | None) -> Ch
     )
 
 
-def _check_options(options: StateDictOptions | None) -> StateDictOptions:
+def _check_options(options: StateDictOptions | None, *, loading: bool) -> StateDictOptions:
     if options is None:
         return _DEFAULT_OPTIONS
     if not isinstance(options, StateDictOptions):
@@ -168,11 +173,12 @@ def _check_options(options: StateDictOptions | None) -> StateDictOptions:
             "StateDictOptions(broadcast_from_rank0=True) needs full_state_dict=True (rank 0 "
             "holds a full state dict); set both."
         )
-    if options.broadcast_from_rank0:
+    if options.broadcast_from_rank0 and not loading:
         raise ValueError(
-            "dmuon.checkpoint does not support StateDictOptions(broadcast_from_rank0=True) yet: "
-            "give every rank the full state dict (full_state_dict=True, broadcast_from_rank0="
-            "False), or load a sharded checkpoint with torch.distributed.checkpoint.load."
+            "StateDictOptions(broadcast_from_rank0=True) is for loading a model state dict: "
+            "dmuon.checkpoint.set_model_state_dict takes it (the full dict on the first rank, {} "
+            "elsewhere). Reading full dicts, use cpu_offload=True (one copy on the first rank); "
+            "optimizer state loads from a sharded checkpoint or a full dict on every rank."
         )
     if options.dsd_fqn_modifiers != _DEFAULT_OPTIONS.dsd_fqn_modifiers:
         raise ValueError(

@@ -15,6 +15,9 @@ they do on a stock model. Values by mode:
 - ``full_state_dict=True``: every value is the full tensor in the parameter's own dtype, on
   every rank, or with ``cpu_offload=True`` on the CPU of the receiving rank only (the lowest
   rank of the ownership grid; rank 0 for a mesh over all ranks), the others getting ``{}``.
+
+Loading takes either, and with ``broadcast_from_rank0=True`` a full dict that only that first
+rank holds (``_from_source`` moves its values; the checks stay here).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from dmuon._torch_internals import EXTRA_STATE_KEY_SUFFIX, IncompatibleKeys, local_shards
 from dmuon.checkpoint._context import CheckpointContext, checkpoint_context
 from dmuon.checkpoint._experts import load_stack_values, stack_model_entry, stack_value_error
+from dmuon.checkpoint._from_source import Entry, Plan, Transfer, ValueInfo
 from dmuon.experts import ExpertStack
 from dmuon.fqn import canonical_fqn, state_dict_key
 from dmuon.module_state import loading_elsewhere, owns_part, read_with, register_load_pre_hook
@@ -108,21 +112,20 @@ def set_model_state_dict(
     every copy that serves forward (local segments, HSDP replicas) before this returns; FSDP2's
     parameters take their local shards. Collective. With ``strict`` (the default) missing,
     unexpected or mis-shaped keys raise on every rank, naming them, before any weight changes.
+
+    ``StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)``: only the first rank of
+    the ownership grid (rank 0 for a mesh over every rank) holds the full dict, the others pass
+    ``{}``; each owner receives only its matrices (see [Note: each owner receives only its
+    matrices] in ``dmuon.checkpoint._from_source``). The model may come from the meta device
+    (``to_empty`` after ``dedicate_params`` and ``fully_shard``, then this load).
     """
-    ctx = checkpoint_context(model, options)
-    found = _Found(dedicated=_dedicated_by_placeholder(ctx))
-    keyed = {state_dict_key(model, key): value for key, value in model_state_dict.items()}
-    handles = [
-        register_load_pre_hook(module, found.take_values)
-        for module in model.modules()
-        if module._parameters or module._buffers or _has_extra_state(module)
-    ]
-    try:
-        with loading_elsewhere(ctx.state):
-            incompatible = model.load_state_dict(keyed, strict=False)
-    finally:
-        for handle in handles:
-            handle.remove()
+    ctx = checkpoint_context(model, options, loading=True)
+    from_source = ctx.options.broadcast_from_rank0
+    if from_source and ctx.rank != ctx.receiver:
+        model_state_dict = {}  # torch's convention: only the source's dict is read
+    found, incompatible = _take_values(ctx, model, model_state_dict)
+    if from_source:
+        return _load_from_source(ctx, model, found, incompatible)
 
     frozen = _frozen_names(model) if ctx.options.ignore_frozen_params else set()
     masters: list[tuple[DedicatedParam, torch.Tensor]] = []
@@ -170,6 +173,96 @@ def set_model_state_dict(
             found.extra_state_modules[key].set_extra_state(value)
     ctx.state.publish_masters()
     return IncompatibleKeys(missing_everywhere, unexpected)
+
+
+def _take_values(
+    ctx: CheckpointContext, model: nn.Module, model_state_dict: dict[str, object]
+) -> tuple[_Found, IncompatibleKeys]:
+    """Run ``model.load_state_dict`` with every module's hooks, taking each value it would load
+    instead of loading it (see ``_Found``)."""
+    found = _Found(dedicated=_dedicated_by_placeholder(ctx))
+    keyed = {state_dict_key(model, key): value for key, value in model_state_dict.items()}
+    handles = [
+        register_load_pre_hook(module, found.take_values)
+        for module in model.modules()
+        if module._parameters or module._buffers or _has_extra_state(module)
+    ]
+    try:
+        with loading_elsewhere(ctx.state):
+            incompatible = model.load_state_dict(keyed, strict=False)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return found, incompatible
+
+
+def _load_from_source(
+    ctx: CheckpointContext, model: nn.Module, found: _Found, incompatible: IncompatibleKeys
+) -> IncompatibleKeys:
+    """``broadcast_from_rank0=True``: the source checks its full dict and sends each value to
+    the ranks that keep it (see [Note: each owner receives only its matrices] in
+    ``_from_source``)."""
+    transfer = Transfer(ctx)
+    plan = transfer.share_plan(
+        _source_plan(ctx, model, found, incompatible) if ctx.rank == ctx.receiver else None
+    )
+    if plan.errors:
+        lines = [f"rank {ctx.receiver}: {error}" for error in plan.errors]
+        shown = "\n  ".join(lines[:20])
+        more = f"\n  ... {len(lines) - 20} more" if len(lines) > 20 else ""
+        raise ValueError(
+            f"dmuon.checkpoint: the model state dict does not fit the model:\n  {shown}{more}"
+        )
+    entries = [
+        Entry(key=key, target=target, dedicated=found.dedicated.get(id(target)), value=value)
+        for key, target, value in found.values
+    ]
+    transfer.load(entries, plan)
+    for (key, _), value in zip(found.extra_states, plan.extra_states, strict=True):
+        if value is not None:
+            found.extra_state_modules[key].set_extra_state(value)
+    ctx.state.publish_masters()
+    return IncompatibleKeys(plan.missing, plan.unexpected)
+
+
+def _source_plan(
+    ctx: CheckpointContext, model: nn.Module, found: _Found, incompatible: IncompatibleKeys
+) -> Plan:
+    """On the source: what every rank needs to receive the values, and what does not fit."""
+    frozen = _frozen_names(model) if ctx.options.ignore_frozen_params else set()
+    infos: list[ValueInfo | None] = []
+    missing, errors = [], []
+    for key, target, value in found.values:
+        if value is None:
+            if key not in frozen:
+                missing.append(key)
+            infos.append(None)
+            continue
+        p = found.dedicated.get(id(target))
+        expected = tuple(p.shape) if p is not None else _global_shape(target)
+        if not isinstance(value, torch.Tensor) or isinstance(value, DTensor):
+            errors.append(
+                f"{key}: broadcast_from_rank0 loads full plain tensors from the source rank, "
+                f"got a {type(value).__name__}; pass the dict of get_model_state_dict(model, "
+                "options=StateDictOptions(full_state_dict=True, cpu_offload=True)) or of "
+                "torch.load / safetensors"
+            )
+        elif _global_shape(value) != expected:
+            errors.append(_shape_error(key, value, expected))
+        is_tensor = isinstance(value, torch.Tensor)
+        infos.append(ValueInfo(tuple(value.shape), value.dtype) if is_tensor else None)
+    missing += [key for key, value in found.extra_states if value is None]
+    unexpected = list(dict.fromkeys(canonical_fqn(key) for key in incompatible.unexpected_keys))
+    if ctx.options.strict:
+        errors += [f"missing key {key}" for key in missing]
+        errors += [f"unexpected key {key}" for key in unexpected]
+    return Plan(
+        values=infos,
+        extra_states=[value for _, value in found.extra_states],
+        errors=errors,
+        missing=[key for key in found.order if key in set(missing)],
+        unexpected=unexpected,
+    )
 
 
 @dataclass(slots=True)
