@@ -2,7 +2,8 @@
 threshold low enough to clip, against a single-process reference that applies the clip from the
 formula (Kimi K2, arXiv 2507.20534: gamma = tau / S_max per head, W_q^h by gamma^alpha, W_k^h by
 gamma^(1 - alpha); a shared key head of grouped-query attention left alone and gamma on the
-query; QK-norm gains by one factor per layer), written here head by head with Python floats.
+query, or with ``gqa="per_key_group"`` one gamma per key group from its worst head, split by
+alpha; QK-norm gains by one factor per layer), written here head by head with Python floats.
 
 Each runs on every rank of a gloo pool: 1-D, HSDP (replicate x shard) or dp x tp with torch's
 ``parallelize_module`` (q/k/v colwise: each TP rank computes and records its own heads).
@@ -153,8 +154,11 @@ def loss_of(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def reference_qk_clip(model: AttentionDecoder, maxima: dict[int, torch.Tensor], tau, alpha) -> int:
-    """Kimi K2's QK-clip on the full model, one head at a time; returns the heads clipped."""
+def reference_qk_clip(
+    model: AttentionDecoder, maxima: dict[int, torch.Tensor], tau, alpha, gqa="per_query_head"
+) -> int:
+    """Kimi K2's QK-clip on the full model, one head at a time (``gqa="per_key_group"``: one
+    gamma per key group, from its worst head); returns the heads over the threshold."""
     clipped = 0
     for i, layer in enumerate(model.layers):
         attn = layer.attn
@@ -167,6 +171,22 @@ def reference_qk_clip(model: AttentionDecoder, maxima: dict[int, torch.Tensor], 
                 attn.q_norm.weight.mul_(gamma**alpha)
                 attn.k_norm.weight.mul_(gamma ** (1 - alpha))
                 clipped += sum(s > tau for s in s_max)
+            continue
+        if kv_heads < NUM_HEADS and gqa == "per_key_group":
+            group = NUM_HEADS // kv_heads
+            clipped += sum(s > tau for s in s_max)
+            for g in range(kv_heads):
+                worst = max(s_max[g * group : (g + 1) * group])
+                if worst <= tau:
+                    continue
+                gamma = tau / worst
+                q_rows = slice(g * group * HEAD_DIM, (g + 1) * group * HEAD_DIM)
+                k_rows = slice(g * HEAD_DIM, (g + 1) * HEAD_DIM)
+                for proj, rows, factor in ((attn.q_proj, q_rows, gamma**alpha),
+                                           (attn.k_proj, k_rows, gamma ** (1 - alpha))):  # fmt: skip
+                    proj.weight[rows] *= factor
+                    if proj.bias is not None:
+                        proj.bias[rows] *= factor
             continue
         for h, s in enumerate(s_max):
             if s <= tau:
@@ -245,6 +265,7 @@ def train_with_qk_clip(
     mesh_kind: str,
     threshold: float,
     alpha: float = 0.5,
+    gqa: str = "per_query_head",
     steps: int = STEPS,
     k_on_adamw: bool = False,
     **model_options,
@@ -258,7 +279,9 @@ def train_with_qk_clip(
         weight_decay=0.01,
         ns_backend=NewtonSchulz(backend="gram", dtype=torch.float32, kernel="cublas"),
     )
-    clip = dmuon.QKClip(model, optimizer, attention_heads(model), threshold=threshold, alpha=alpha)
+    clip = dmuon.QKClip(
+        model, optimizer, attention_heads(model), threshold=threshold, alpha=alpha, gqa=gqa
+    )
     for i, layer in enumerate(model.layers):
         layer.attn.record = functools.partial(clip.record, f"layers.{i}.attn")
     reference, reference_optimizer, maxima = build_reference(model_options, k_on_adamw)
@@ -269,7 +292,7 @@ def train_with_qk_clip(
         optimizer.zero_grad()
         loss_of(reference, batch).backward()
         reference_optimizer.step()
-        reference_clipped.append(reference_qk_clip(reference, maxima, threshold, alpha))
+        reference_clipped.append(reference_qk_clip(reference, maxima, threshold, alpha, gqa))
         reference_optimizer.zero_grad()
         clipped.append(clip.clipped_heads)
         max_logit_errors.append(

@@ -1,6 +1,7 @@
 """QK-clip (``dmuon.QKClip``, MuonClip's, Kimi K2 arXiv 2507.20534) on gloo: weights after a few
 clipping steps match the single-process reference that applies the clip from the formula, on a
-1-D mesh, HSDP 2x2 and dp x tp; a threshold no head reaches changes no bit."""
+1-D mesh, HSDP 2x2 and dp x tp, grouped-query attention in both conventions (per query head,
+per key group); a threshold no head reaches changes no bit."""
 
 from __future__ import annotations
 
@@ -49,12 +50,30 @@ def test_k_proj_on_the_adamw_route_is_clipped_on_fsdp2_shards(pool2):
     assert_clips_like_the_reference(results)
 
 
-@pytest.mark.parametrize("kv_heads", [4, 2], ids=["mha", "gqa"])
-def test_tensor_parallel_heads_are_clipped_on_each_tp_rank(pool4, kv_heads):
+@pytest.mark.parametrize("k_on_adamw", [False, True], ids=["k-dedicated", "k-on-fsdp2"])
+def test_per_key_group_gqa_clips_like_its_reference_one_gamma_per_key_group(pool2, k_on_adamw):
+    assert_clips_like_the_reference(
+        pool2.run(
+            train_with_qk_clip,
+            mesh_kind="1d",
+            threshold=1.5,
+            alpha=0.3,
+            kv_heads=2,
+            gqa="per_key_group",
+            k_on_adamw=k_on_adamw,
+        )
+    )
+
+
+@pytest.mark.parametrize(
+    "options", [dict(kv_heads=4), dict(kv_heads=2), dict(kv_heads=2, gqa="per_key_group")],
+    ids=["mha", "gqa", "gqa-per-key-group"],
+)  # fmt: skip
+def test_tensor_parallel_heads_are_clipped_on_each_tp_rank(pool4, options):
     # dp 2 x tp 2: q/k/v colwise, each TP rank records and clips its own heads; k_proj is left
     # to FSDP2 over TP (a 2-D DTensor), q_proj dedicated (the owner's TP chunk).
-    results = pool4.run(train_with_qk_clip, mesh_kind="tp", threshold=1.5, kv_heads=kv_heads,
-                        k_on_adamw=True)  # fmt: skip
+    results = pool4.run(train_with_qk_clip, mesh_kind="tp", threshold=1.5, k_on_adamw=True,
+                        **options)  # fmt: skip
     assert_clips_like_the_reference(results)
 
 
