@@ -33,6 +33,10 @@ owner ranks of a mesh built as ``init_device_mesh(device, (R, G), ("replicate", 
 The overlapped step's cut of an owner's boundaries into chunks (``speculation_chunks``,
 ``SPECULATION_CHUNKS``) is re-exported the same way.
 
+Of an optimizer: ``newton_schulz_counts(optimizer)``, the Newton-Schulz outputs each Muon matrix
+this rank owns has received (counted by ``dmuon.ns_counts`` where the update is applied), and
+``model_of(optimizer)``.
+
 [Note: the partition through inspect]
 The partition's pure functions are public through this module rather than ``dmuon/__init__``:
 the top-level names are the training API (``dedicate_params``, ``Muon``, ...), while a plan is
@@ -52,6 +56,7 @@ nothing and leave the model untouched.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -347,6 +352,47 @@ def model_of(optimizer: Muon) -> nn.Module:
     return optimizer._dedicated.model
 
 
+def newton_schulz_counts(optimizer: Muon) -> dict[str, int | tuple[int, ...]]:
+    """Per parameter on the Muon route (``optimizer.routing()``'s FQNs, in its order): how many
+    Newton-Schulz outputs this rank has applied to it since ``optimizer`` was built.
+
+    An int per matrix; a tuple per expert for an (E, m, n) expert stack, and per row block for a
+    matrix dedicated with ``row_blocks=`` (each its own Newton-Schulz). Counted where an update
+    reaches the owner's master (the TP ranks of a tensor-parallel matrix's owner each count their
+    chunk), so after k steps every matrix this rank owns shows k, whatever the gradient
+    accumulation, ``no_sync``, ``overlap_step`` or pipeline stage, and every other matrix 0. A
+    step skipped for non-finite gradients counts nothing, as does a step in which the matrix had
+    no gradient. See [Note: one Newton-Schulz per matrix per step] in ``dmuon.ns_counts``.
+    Rank-local: no collective (gather it yourself to see every owner's).
+    """
+    state = get_dedicated_state(model_of(optimizer))
+    counts = optimizer._ns_counts
+    result: dict[str, int | tuple[int, ...]] = {}
+    for row in optimizer.routing():
+        if row.route != MUON_ROUTE:
+            continue
+        stack = state.stacks.get(row.fqn)
+        if stack is not None:
+            per_expert = [0] * stack.shape[0]
+            for piece in stack.pieces:
+                if piece.master is not None:
+                    start, stop = piece.experts
+                    for expert in range(start, stop):
+                        per_expert[expert] = counts.of(piece.master, expert - start)
+            result[row.fqn] = tuple(per_expert)
+            continue
+        p = state.params[row.fqn]
+        if p.row_blocks is None:
+            result[row.fqn] = 0 if p.master is None else counts.of(p.master)
+            continue
+        starts = itertools.accumulate(p.row_blocks, initial=0)
+        result[row.fqn] = tuple(
+            0 if p.master is None else counts.of(p.master, slice(start, start + rows))
+            for start, rows in zip(starts, p.row_blocks)
+        )
+    return result
+
+
 def forward_waits(model: nn.Module) -> tuple[ForwardWaitsView, ...] | None:
     """Per boundary, the forward-unshard waits recorded so far; None when they are not recorded
     (``DMUON_RECORD_FORWARD_PROFILE=1`` was not set before ``dedicate_params``).
@@ -492,6 +538,7 @@ __all__ = [
     "layer_id_of",
     "make_param_specs",
     "model_of",
+    "newton_schulz_counts",
     "ns_cost",
     "param_cost",
     "plan_ownership",
