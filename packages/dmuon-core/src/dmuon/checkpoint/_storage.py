@@ -2,14 +2,16 @@
 checked against what is loaded.
 
 Owns the folder protocol and the load-time checks; the state dicts come from ``_model`` and
-``_optim`` (or anywhere: any DCP state dict works).
+``_optim`` (or anywhere: any DCP state dict works), the checksums and the reading of the files
+from ``_integrity`` ([Note: checkpoint checksums]).
 
 [Note: atomic commit]
 ``save`` writes into ``.<name>.incomplete`` beside the target and, once every rank's data and
 the metadata are written, the first rank renames it into place (an earlier checkpoint of that
 name is moved aside first and removed after). A rank killed during a save leaves only the
 ``.incomplete`` folder, which ``load`` never reads; the target is either the previous complete
-checkpoint or absent. ``load`` refuses a folder without DCP's ``.metadata`` (written last).
+checkpoint or absent. ``load`` refuses a folder without DCP's ``.metadata`` (written last) and
+says "no such checkpoint" for a path that does not exist.
 """
 
 from __future__ import annotations
@@ -24,13 +26,24 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from dmuon._torch_internals import flatten_state_dict
+from dmuon.checkpoint._integrity import (
+    METADATA_FILE,
+    CheckpointIntegrityError,
+    ChecksummingWriter,
+    VerifyingReader,
+    missing_checkpoint,
+    raise_on_every_rank,
+    read_checksums,
+    read_metadata,
+    warn_unverifiable,
+)
 
 INCOMPLETE_PREFIX = "."
 INCOMPLETE_SUFFIX = ".incomplete"
-_METADATA_FILE = ".metadata"
 
 
 def save(
@@ -39,9 +52,11 @@ def save(
     *,
     process_group: dist.ProcessGroup | None = None,
 ) -> None:
-    """``torch.distributed.checkpoint.save`` into ``checkpoint_id``, committed atomically.
+    """``torch.distributed.checkpoint.save`` into ``checkpoint_id``, committed atomically, with
+    a checksum of every item written.
 
-    Collective over ``process_group`` (default: every rank). See [Note: atomic commit].
+    Collective over ``process_group`` (default: every rank). See [Note: atomic commit] and
+    [Note: checkpoint checksums].
     """
     target = Path(checkpoint_id)
     staging = target.with_name(f"{INCOMPLETE_PREFIX}{target.name}{INCOMPLETE_SUFFIX}")
@@ -51,7 +66,9 @@ def save(
         staging.parent.mkdir(parents=True, exist_ok=True)
     _barrier(process_group)
     with _single_process_is_intended():
-        dcp.save(state_dict, checkpoint_id=staging, process_group=process_group)
+        dcp.save(
+            state_dict, storage_writer=ChecksummingWriter(staging), process_group=process_group
+        )
     _barrier(process_group)
     if first:
         previous = target.with_name(f"{INCOMPLETE_PREFIX}{target.name}.previous")
@@ -80,16 +97,23 @@ def load(
     (``dmuon.checkpoint.set_optimizer_state_dict`` warns naming it); the checkpoint's extra
     entries are not read. Param groups are read as the checkpoint has them (its number of
     groups, its keys), and ``set_optimizer_state_dict`` matches them to the current groups.
+
+    Every file read is checked against the checksums ``save`` wrote, on every rank, before any
+    value is written into ``state_dict``: a changed, truncated or missing file, or a junk
+    ``.metadata``, raises ``CheckpointIntegrityError`` on every rank naming the file, and a path
+    that does not exist raises ``FileNotFoundError`` ("no such checkpoint"). A checkpoint
+    without checksums (``torch.distributed.checkpoint.save``, an older dmuon) loads with a
+    warning that it cannot be verified.
     """
     path = Path(checkpoint_id)
-    if not (path / _METADATA_FILE).is_file():
-        staging = path.with_name(f"{INCOMPLETE_PREFIX}{path.name}{INCOMPLETE_SUFFIX}")
-        hint = f" ({staging} exists: a save into it did not finish)" if staging.exists() else ""
-        raise FileNotFoundError(
-            f"{path} is not a complete checkpoint: it has no {_METADATA_FILE}{hint}. Load the "
-            "folder dmuon.checkpoint.save (or torch.distributed.checkpoint.save) completed."
-        )
-    metadata = dcp.FileSystemReader(path).read_metadata()
+    metadata, checksums, problem = None, None, None
+    try:
+        checksums, metadata = _read_checkpoint(path)
+    except (FileNotFoundError, CheckpointIntegrityError) as error:
+        problem = error
+    raise_on_every_rank(problem, process_group)
+    if checksums is None:
+        warn_unverifiable(path)
     saved = metadata.state_dict_metadata
     optimizer_prefixes = _optimizer_state_prefixes(state_dict)
     _take_saved_group_layout(state_dict, optimizer_prefixes, saved)
@@ -126,8 +150,41 @@ def load(
     _raise_if_any_rank_failed(errors, path, process_group)
     for key_path in dropped:
         _drop(state_dict, key_path)
-    with _single_process_is_intended():
-        dcp.load(state_dict, checkpoint_id=path, process_group=process_group)
+    reader = VerifyingReader(path, metadata=metadata, checksums=checksums, group=process_group)
+    try:
+        with _single_process_is_intended():
+            dcp.load(state_dict, storage_reader=reader, process_group=process_group)
+    except CheckpointException as failure:
+        error = _readable(failure, path)
+        raise error from (None if isinstance(error, CheckpointIntegrityError) else failure)
+
+
+def _read_checkpoint(path: Path):
+    """``(checksums or None, DCP metadata)`` of the checkpoint at ``path``, checked."""
+    if not (path / METADATA_FILE).is_file():
+        staging = path.with_name(f"{INCOMPLETE_PREFIX}{path.name}{INCOMPLETE_SUFFIX}")
+        if not path.exists() and not staging.exists():
+            raise missing_checkpoint(path)
+        hint = f" ({staging} exists: a save into it did not finish)" if staging.exists() else ""
+        raise FileNotFoundError(
+            f"{path} is not a complete checkpoint: it has no {METADATA_FILE}{hint}. Load the "
+            "folder dmuon.checkpoint.save (or torch.distributed.checkpoint.save) completed."
+        )
+    checksums = read_checksums(path)
+    return checksums, read_metadata(path, checksums)
+
+
+def _readable(failure: CheckpointException, path: Path) -> BaseException:
+    """DCP's ``CheckpointException`` (a ``BaseException`` listing each rank's error) as the
+    error it carries: dmuon's own where a rank raised one, else one naming every rank's."""
+    for _, (error, _trace) in sorted(failure.failures.items()):
+        if isinstance(error, CheckpointIntegrityError):
+            return error
+    lines = "\n  ".join(
+        f"rank {rank}: {type(error).__name__}: {error}"
+        for rank, (error, _trace) in sorted(failure.failures.items())
+    )
+    return RuntimeError(f"dmuon.checkpoint.load: reading {path} failed:\n  {lines}")
 
 
 # ---- optimizer entries --------------------------------------------------------------------
