@@ -17,6 +17,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 import dmuon
+from dmuon.hooks import get_dedicated_state
 from tests.distributed.models import batches, rank_rows
 from tests.distributed.reference_errors import relative_errors_to
 from tests.distributed.scenarios_protocol import (
@@ -116,3 +117,31 @@ def torch_clipping_of_a_plain_fsdp2_model(steps: int = 2) -> dict:
         for name, param in model.named_parameters()
     ]
     return {"norms": norms, "max_error": max(errors), "finite": all(map(math.isfinite, errors))}
+
+
+def torch_clip_grad_value_over_the_optimizers_parameters(clip_value: float = 1e-3) -> dict:
+    """The fix the refusal gives for clipping by value: torch's ``clip_grad_value_`` over the
+    optimizer's parameters (owned masters, FSDP2's shards). Returns, before and after, the
+    largest absolute gradient this rank holds, and how many owned masters had a gradient."""
+    config = TrainConfig()
+    model, optimizer, _ = build(config)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    forward_backward(model, rank_rows(batches(1, world)[0], rank, world), config)
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+
+    def largest_abs() -> float:
+        values = []
+        for p in params:
+            if p.grad is not None:
+                grad = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+                if grad.numel():
+                    values.append(grad.abs().max().item())
+        return max(values)
+
+    before = largest_abs()
+    torch.nn.utils.clip_grad_value_(params, clip_value, foreach=False)  # plain and DTensors
+    return {
+        "before": before,
+        "after": largest_abs(),
+        "masters": sum(1 for p in get_dedicated_state(model).iter_owned_masters()),
+    }

@@ -53,3 +53,12 @@ def test_torchs_clip_grad_norm_of_a_model_without_dmuon_is_torchs(pool2):
     assert all(norm > 0.05 for result in results for norm, _ in result["norms"])
     for rank, result in enumerate(results):
         assert result["max_error"] < FP32_TOLERANCE, (rank, result["max_error"])
+
+
+def test_torchs_clip_grad_value_over_the_optimizers_parameters_clips_every_gradient(pool2):
+    # The fix the refusal names for clipping by value: owned masters and FSDP2's shards alike.
+    results = pool2.run(scenarios.torch_clip_grad_value_over_the_optimizers_parameters)
+    assert sum(result["masters"] for result in results) > 0
+    for rank, result in enumerate(results):
+        assert result["before"] > 1e-3, (rank, result)  # the clip had something to clip
+        assert result["after"] == pytest.approx(1e-3, rel=1e-6), (rank, result)

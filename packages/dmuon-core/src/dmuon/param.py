@@ -75,8 +75,8 @@ PLACEHOLDER_GRAD_CLIP_ERROR = (
     "error_if_nonfinite and foreach as in torch), which counts every gradient the optimizer "
     "updates (max_norm=float('inf') only returns the norm); clip by value over the optimizer's "
     "parameters: torch.nn.utils.clip_grad_value_([p for group in optimizer.param_groups for p "
-    "in group['params']], clip_value). See [Note: torch's clipping on a dmuon model] in "
-    "dmuon.clip."
+    "in group['params']], clip_value, foreach=False). See [Note: torch's clipping on a dmuon "
+    "model] in dmuon.clip."
 )
 
 _DATA_GETTER = torch.Tensor.data.__get__  # type: ignore[attr-defined]
