@@ -1,12 +1,16 @@
-"""QK-clip for HuggingFace Llama, Qwen2 and Qwen3: ``qk_clip_hf(model, optimizer)``.
+"""QK-clip for HuggingFace Llama, Qwen2, Qwen3 and DeepSeek-V3: ``qk_clip_hf(model, optimizer)``.
 
 Owns finding an HF decoder's attention layers (q/k projections, Qwen2's biases, Qwen3's QK-norm
-gains, head counts) and observing their logits through transformers' ``AttentionInterface``:
+gains, head counts; DeepSeek-V3's multi-head latent attention as ``dmuon.MLAHeads``: its query
+up-projection ``q_b_proj``, or ``q_proj`` without a query LoRA, and its key-value up-projection
+``kv_b_proj``) and observing their logits through transformers' ``AttentionInterface``:
 the model's attention implementation (``"sdpa"`` or ``"eager"``) is replaced by a registered one,
 ``"dmuon_qk_clip_<impl>"``, that computes each head's largest logit
 (``dmuon.attention_max_logits``, with the mask the implementation gets) and then calls the
-original unchanged, so the outputs are bitwise those of the original. The clip itself is
-``dmuon.QKClip``'s.
+original unchanged, so the outputs are bitwise those of the original. DeepSeek-V3 hands that
+function its query and key with the content and rotary parts concatenated (the shared rotary key
+repeated per head) and its softmax scale, YaRN's mscale included, as ``scaling``: the logits
+observed are the ones its softmax sees. The clip itself is ``dmuon.QKClip``'s.
 
 Cost: one extra ``q k^T`` per attention call in training forwards (half the attention's two
 matmuls; eager attention computes it too, but returns the softmax, not the logits), in blocks of
@@ -20,6 +24,7 @@ from __future__ import annotations
 import functools
 import sys
 from collections.abc import Callable
+from typing import Literal
 
 import torch
 from torch import nn
@@ -27,7 +32,7 @@ from torch import nn
 import dmuon
 from dmuon.inspect import canonical_fqn
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "deepseek_v3")
 OBSERVED_IMPLEMENTATIONS = ("sdpa", "eager")
 IMPLEMENTATION_PREFIX = "dmuon_qk_clip_"
 # Set on each observed attention module: records the maxima of one forward under its name.
@@ -35,12 +40,19 @@ _RECORD_ATTR = "_dmuon_qk_clip_record"
 
 
 def qk_clip_hf(
-    model: nn.Module, optimizer: dmuon.Muon, *, threshold: float = 100.0, alpha: float = 0.5
+    model: nn.Module,
+    optimizer: dmuon.Muon,
+    *,
+    threshold: float = 100.0,
+    alpha: float = 0.5,
+    gqa: Literal["per_query_head", "per_key_group"] = "per_query_head",
 ) -> dmuon.QKClip:
-    """``dmuon.QKClip`` on every attention layer of an HF Llama / Qwen2 / Qwen3 model prepared
-    with ``dmuon.dedicate_params``, observed through its attention implementation (switched to
-    ``"dmuon_qk_clip_sdpa"`` or ``"dmuon_qk_clip_eager"``). Call it after building the
-    ``dmuon.Muon``; ``clip.remove()`` stops the clip (the observing implementation stays)."""
+    """``dmuon.QKClip`` on every attention layer of an HF Llama / Qwen2 / Qwen3 / DeepSeek-V3
+    model prepared with ``dmuon.dedicate_params``, observed through its attention implementation
+    (switched to ``"dmuon_qk_clip_sdpa"`` or ``"dmuon_qk_clip_eager"``). DeepSeek-V3's attention
+    is clipped as Kimi K2 clips MLA (``dmuon.MLAHeads``); ``gqa`` picks grouped-query attention's
+    convention (``dmuon.QKClip``). Call it after building the ``dmuon.Muon``; ``clip.remove()``
+    stops the clip (the observing implementation stays)."""
     config = getattr(model, "config", None)
     model_type = getattr(config, "model_type", None)
     if model_type not in SUPPORTED_MODEL_TYPES:
@@ -67,11 +79,11 @@ def qk_clip_hf(
     attention = _attention_modules(model)
     if not attention:
         raise ValueError(
-            f"dmuon_hf.qk_clip_hf found no attention module with q_proj and k_proj in this "
-            f"{type(model).__name__}."
+            f"dmuon_hf.qk_clip_hf found no attention module with q_proj and k_proj (or, for "
+            f"MLA, q_b_proj or q_proj and kv_b_proj) in this {type(model).__name__}."
         )
     heads = [_heads_of(name, module, config) for name, module in attention.items()]
-    clip = dmuon.QKClip(model, optimizer, heads, threshold=threshold, alpha=alpha)
+    clip = dmuon.QKClip(model, optimizer, heads, threshold=threshold, alpha=alpha, gqa=gqa)
     for name, module in attention.items():
         module.__dict__[_RECORD_ATTR] = functools.partial(clip.record, name)
     model.set_attn_implementation(_register(implementation))
@@ -79,16 +91,39 @@ def qk_clip_hf(
 
 
 def _attention_modules(model: nn.Module) -> dict[str, nn.Module]:
-    """Canonical name -> attention module (one with q_proj and k_proj projections)."""
+    """Canonical name -> attention module (one with q_proj and k_proj projections, or MLA's)."""
     return {
         canonical_fqn(name): module
         for name, module in model.named_modules()
-        if isinstance(getattr(module, "q_proj", None), nn.Linear)
-        and isinstance(getattr(module, "k_proj", None), nn.Linear)
+        if (
+            isinstance(getattr(module, "q_proj", None), nn.Linear)
+            and isinstance(getattr(module, "k_proj", None), nn.Linear)
+        )
+        or _is_mla(module)
     }
 
 
-def _heads_of(name: str, module: nn.Module, config) -> dmuon.AttentionHeads:
+def _is_mla(module: nn.Module) -> bool:
+    """DeepSeek-V3's multi-head latent attention: a query up-projection (``q_b_proj``, or
+    ``q_proj`` without a query LoRA) and a key-value up-projection ``kv_b_proj``."""
+    query = getattr(module, "q_b_proj", None) or getattr(module, "q_proj", None)
+    return isinstance(query, nn.Linear) and isinstance(
+        getattr(module, "kv_b_proj", None), nn.Linear
+    )
+
+
+def _heads_of(name: str, module: nn.Module, config) -> dmuon.AttentionHeads | dmuon.MLAHeads:
+    if _is_mla(module):
+        query = "q_b_proj" if isinstance(getattr(module, "q_b_proj", None), nn.Linear) else "q_proj"
+        return dmuon.MLAHeads(
+            name=name,
+            q_weight=f"{name}.{query}.weight",
+            kv_weight=f"{name}.kv_b_proj.weight",
+            num_heads=config.num_attention_heads,
+            qk_nope_head_dim=config.qk_nope_head_dim,
+            qk_rope_head_dim=config.qk_rope_head_dim,
+            v_head_dim=config.v_head_dim,
+        )
     has_norm = getattr(module, "q_norm", None) is not None
     return dmuon.AttentionHeads(
         name=name,
