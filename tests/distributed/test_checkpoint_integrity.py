@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from dmuon.checkpoint._integrity import CHECKSUMS_FILE, CheckpointIntegrityError
+from dmuon.checkpoint import CheckpointIntegrityError
+from dmuon.checkpoint._integrity import CHECKSUMS_FILE
 from tests.distributed import scenarios_checkpoint
 from tests.distributed import scenarios_checkpoint_integrity as scenarios
 

@@ -21,7 +21,9 @@ full state dict needs each dedicated weight from its owner; they raise, naming t
     )
 
 Sharded dicts go straight into ``torch.distributed.checkpoint.save/load`` too; ``save`` and
-``load`` here add an atomic commit and a check of every key before reading (see ``_storage``).
+``load`` here add an atomic commit, a check of every key before reading (see ``_storage``), and
+a checksum of every item written, checked on every rank before any value loads: a damaged file
+raises ``CheckpointIntegrityError`` naming it (see ``_integrity``).
 Every function is collective over the ranks of the model's ownership grid and drains pending
 post-step publishes first. ``StateDictOptions``: ``full_state_dict``, ``cpu_offload``,
 ``ignore_frozen_params``, ``strict`` and ``flatten_optimizer_state_dict`` are honoured;
@@ -44,6 +46,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions
 
 from dmuon._torch_internals import IncompatibleKeys
+from dmuon.checkpoint._integrity import CheckpointIntegrityError
 from dmuon.checkpoint._model import get_model_state_dict, set_model_state_dict
 from dmuon.checkpoint._optim import get_optimizer_state_dict, set_optimizer_state_dict
 from dmuon.checkpoint._storage import load, save
@@ -85,6 +88,7 @@ def set_state_dict(
 
 
 __all__ = [
+    "CheckpointIntegrityError",
     "StateDictOptions",
     "get_model_state_dict",
     "get_optimizer_state_dict",

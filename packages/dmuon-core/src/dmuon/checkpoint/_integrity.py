@@ -30,11 +30,14 @@ needs and reads each item it needs into host memory, checking its crc32 (up to
 checked again); then one ``all_gather_object`` of the problems found, so that a damaged file
 seen by one rank raises on every rank; only then does any value reach a destination tensor.
 
-Cost: crc32 (zlib) runs at about 2.3 GB/s on one core of the 2-core development machine and
-releases the GIL, so on save it adds about 0.4 s per GB a rank writes and nothing to the I/O;
-on load the same per GB read, the small collective, and host memory for the items held (a
-rank's share of the checkpoint, up to ``HELD_BYTES_LIMIT``), where DCP's own reader holds one
-item at a time.
+Cost: one crc32 (zlib) pass over the bytes each rank writes or reads; it releases the GIL. No
+byte is read twice below ``HELD_BYTES_LIMIT``; the price is host memory for the items held (a
+rank's share of the checkpoint, up to the limit), where DCP's own reader holds one item at a
+time. Measured in one process on the 2-core development machine, busy with other jobs (512 MiB
+of fp32 in 128 tensors): save 4.65 and 5.86 s against 3.84 and 4.16 s with torch's writer
+(crc32 0.79 s of it); load 2.6 to 3.3 s against 1.4 to 1.6 s with torch's reader (crc32 of the
+512 MiB alone took 1.3 s there; idle, zlib's crc32 runs at 2.3 GB/s, 0.23 s). Not measured
+on a GPU job's file system.
 """
 
 from __future__ import annotations

@@ -109,7 +109,7 @@ def load(
     metadata, checksums, problem = None, None, None
     try:
         checksums, metadata = _read_checkpoint(path)
-    except (FileNotFoundError, CheckpointIntegrityError) as error:
+    except (OSError, CheckpointIntegrityError) as error:  # raised on every rank below
         problem = error
     raise_on_every_rank(problem, process_group)
     if checksums is None:
