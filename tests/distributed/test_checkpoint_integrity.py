@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dmuon.checkpoint import CheckpointIntegrityError
+from dmuon.checkpoint import CheckpointIntegrityError, _integrity
 from dmuon.checkpoint._integrity import CHECKSUMS_FILE
 from tests.distributed import scenarios_checkpoint
 from tests.distributed import scenarios_checkpoint_integrity as scenarios
@@ -120,6 +120,28 @@ def test_a_mistyped_path_says_no_such_checkpoint_with_the_path_and_what_is_besid
         assert f"no such checkpoint: {mistyped} does not exist" in result["error"]
         assert f"{copy.parent} holds the checkpoints: checkpoint" in result["error"]
         assert result["changed"] == []
+
+
+def test_a_flipped_byte_raises_on_another_layout_too(copy):
+    # One process reads every item of both ranks' files, resharding them.
+    fqn, offset, length = largest_tensor_item(copy, "__0_0.distcp")
+    shard = copy / "__0_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[offset + length // 2] ^= 0x01
+    shard.write_bytes(bytes(data))
+    with pytest.raises(CheckpointIntegrityError, match=f"changed after it was written: {fqn} "):
+        scenarios_checkpoint.load_in_one_process(str(copy))
+
+
+def test_items_past_the_held_bytes_limit_are_read_again_and_load_the_same_values(
+    pristine, monkeypatch
+):
+    path, _ = pristine
+    held = scenarios_checkpoint.load_in_one_process(str(path))
+    monkeypatch.setattr(_integrity, "HELD_BYTES_LIMIT", 0)  # every item checked, then read again
+    read_twice = scenarios_checkpoint.load_in_one_process(str(path))
+    for key, value in held.items():
+        assert torch.equal(read_twice[key], value), key
 
 
 def test_a_junk_checksum_file_raises_naming_it(copy):
