@@ -9,6 +9,7 @@ loads, with a warning that it cannot be verified.
 
 from __future__ import annotations
 
+import json
 import pickle
 import shutil
 from pathlib import Path
@@ -144,11 +145,29 @@ def test_items_past_the_held_bytes_limit_are_read_again_and_load_the_same_values
         assert torch.equal(read_twice[key], value), key
 
 
-def test_a_junk_checksum_file_raises_naming_it(copy):
+def edit_one_checksum(text: str) -> str:
+    document = json.loads(text)
+    items = next(iter(document["files"].values()))["items"]
+    items[0][2] ^= 1
+    return json.dumps(document)
+
+
+@pytest.mark.parametrize(
+    ("damage", "says"),
+    [
+        (lambda text: "[]", "is not a dmuon checksum file (AttributeError"),
+        (edit_one_checksum, "its own crc32 does not match: it changed after it was written"),
+    ],
+    ids=["junk", "one-checksum-edited"],
+)
+def test_a_damaged_checksum_file_raises_naming_it_and_blames_no_data_file(copy, damage, says):
     # One process is enough: the file is read before any other.
-    (copy / CHECKSUMS_FILE).write_text("[]")
-    with pytest.raises(CheckpointIntegrityError, match="is not a dmuon checksum file"):
+    checksums = copy / CHECKSUMS_FILE
+    checksums.write_text(damage(checksums.read_text()))
+    with pytest.raises(CheckpointIntegrityError) as raised:
         scenarios_checkpoint.load_in_one_process(str(copy))
+    assert f"{checksums} is not a dmuon checksum file" in str(raised.value)
+    assert says in str(raised.value) and ".distcp" not in str(raised.value)
 
 
 def test_a_checkpoint_without_checksums_loads_like_the_uninterrupted_run_and_warns_once(

@@ -12,7 +12,8 @@ here with a warning that it cannot be verified. It must not know what a state di
 [Note: checkpoint checksums]
 What: one crc32 per DCP item (a tensor chunk or a pickled value at ``(file, offset, length)``),
 the size of every data file and the crc32 and size of ``.metadata``, in the JSON file
-``CHECKSUMS_FILE`` beside ``.metadata``, written by the coordinator after ``.metadata``. Per item
+``CHECKSUMS_FILE`` beside ``.metadata`` (with a crc32 of its own content), written by the
+coordinator after ``.metadata``. Per item
 rather than per file: a rank loading on another layout reads only the items it needs, and each
 item is read whole, so it can check exactly what it reads and nothing more.
 
@@ -104,6 +105,8 @@ def read_checksums(path: Path) -> Checksums | None:
         raw = json.loads(file.read_bytes())
         if raw.get("format") != CHECKSUMS_FORMAT or raw.get("version") != CHECKSUMS_VERSION:
             raise ValueError(f"format {raw.get('format')!r}, version {raw.get('version')!r}")
+        if raw.pop("crc32") != _crc_of_document(raw):
+            raise ValueError("its own crc32 does not match: it changed after it was written")
         return Checksums(
             metadata_size=int(raw["metadata"]["size"]),
             metadata_crc32=int(raw["metadata"]["crc32"]),
@@ -136,6 +139,7 @@ def _write_checksums(path: Path, checksums: Checksums, fsync: bool) -> None:
             for name, entry in sorted(checksums.files.items())
         },
     }
+    document["crc32"] = _crc_of_document(document)  # a changed checksum blames no data file
     temporary = path / f"{CHECKSUMS_FILE}.tmp"
     with temporary.open("w") as stream:
         json.dump(document, stream)
@@ -143,6 +147,10 @@ def _write_checksums(path: Path, checksums: Checksums, fsync: bool) -> None:
         if fsync:
             os.fsync(stream.fileno())
     temporary.rename(path / CHECKSUMS_FILE)
+
+
+def _crc_of_document(document: dict) -> int:
+    return zlib.crc32(json.dumps(document, sort_keys=True).encode())
 
 
 def read_metadata(path: Path, checksums: Checksums | None) -> Metadata:
@@ -179,7 +187,7 @@ def read_metadata(path: Path, checksums: Checksums | None) -> Metadata:
 def warn_unverifiable(path: Path) -> None:
     warnings.warn(
         f"dmuon.checkpoint.load: {path} has no {CHECKSUMS_FILE} (it was written by "
-        "torch.distributed.checkpoint.save or a dmuon before 0.1.0), so its files cannot be "
+        "torch.distributed.checkpoint.save or an earlier dmuon), so its files cannot be "
         "verified: bytes changed on disk would load unnoticed. Save it again with "
         "dmuon.checkpoint.save to add checksums.",
         stacklevel=3,
