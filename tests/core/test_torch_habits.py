@@ -1,8 +1,9 @@
 """Torch's habits on a dmuon model, in one process: torch's gradient clipping refuses a dmuon
-model naming ``dmuon.clip_grad_norm_`` and leaves a plain model alone, ``dmuon.clip_grad_norm_``
-called with torch's arguments says what it takes, and the ``dmuon`` logger is the
-application's: a level it set stays, and the partition line shows without any set-up. (Across
-ranks: tests/distributed/test_torch_habits.py.)"""
+model naming ``dmuon.clip_grad_norm_`` and a torch optimizer over its parameters naming
+``dmuon.Muon``, both leave a plain model alone; ``dmuon.clip_grad_norm_`` called with torch's
+arguments says what it takes; and the ``dmuon`` logger is the application's: a level it set
+stays, and the partition line shows without any set-up. (Across ranks:
+tests/distributed/test_torch_habits.py.)"""
 
 from __future__ import annotations
 
@@ -132,6 +133,40 @@ def test_reading_a_placeholders_gradient_outside_torchs_clipping_gives_none():
     assert placeholder.grad is None
     model.zero_grad(set_to_none=False)
     model.zero_grad()
+
+
+# ---- torch's optimizers ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["AdamW", "SGD"])
+def test_a_torch_optimizer_over_a_dmuon_models_parameters_raises_naming_dmuon_muon(name):
+    # It would step every parameter but the dedicated matrices, without a word.
+    model, _ = dedicated_model()
+    optimizer = getattr(torch.optim, name)(model.parameters(), lr=1e-3)
+    loss_fn(model, batches(1, 1)[0]).backward()
+    with pytest.raises(
+        RuntimeError,
+        match=(
+            rf"torch\.optim\.{name} read the gradient of a dedicated parameter, which dmuon keeps "
+            r"on its owner rank's fp32 master: .* would never update the dedicated matrices\. "
+            r"Train a model dmuon\.dedicate_params prepared with dmuon\.Muon\(model, \.\.\.\)"
+        ),
+    ):
+        optimizer.step()
+
+
+def test_a_torch_optimizer_of_a_plain_model_is_unchanged_with_dmuon_imported():
+    torch.manual_seed(0)
+    model = TinyDecoder()
+    before = {name: param.detach().clone() for name, param in model.named_parameters()}
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    loss_fn(model, batches(1, 1)[0]).backward()
+    grads = {name: param.grad.clone() for name, param in model.named_parameters()}
+    optimizer.step()
+    optimizer.zero_grad()
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(param.detach(), before[name] - 0.1 * grads[name], msg=name)
+        assert param.grad is None
 
 
 # ---- dmuon.clip_grad_norm_'s arguments ------------------------------------------------------------

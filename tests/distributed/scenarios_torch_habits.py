@@ -37,6 +37,11 @@ TORCH_CLIPPING = {
     ),
     "clip_grad_value_": lambda params, max_norm: torch.nn.utils.clip_grad_value_(params, max_norm),
 }
+# ... and a torch optimizer built over them, stepped.
+TORCH_HABITS = {
+    **TORCH_CLIPPING,
+    "AdamW": lambda params, _: torch.optim.AdamW(params, lr=1e-3).step(),
+}
 
 
 def _reference_step(reference, optimizer, batch: torch.Tensor, config: TrainConfig) -> float:
@@ -48,7 +53,8 @@ def _reference_step(reference, optimizer, batch: torch.Tensor, config: TrainConf
 
 
 def torch_clipping_then_dmuons(function: str, replicas: int = 1, steps: int = 3) -> dict:
-    """Per step: torch's ``function`` over ``model.parameters()`` (its error message, or None
+    """Per step: torch's ``function`` (a ``TORCH_HABITS`` key) over ``model.parameters()`` (its
+    error message, or None
     when it returned), then ``dmuon.clip_grad_norm_`` at a max_norm that scales, and the step.
     Returns the messages, (dmuon's norm, the reference's) per step and the max relative error
     of the weights after each step."""
@@ -60,7 +66,7 @@ def torch_clipping_then_dmuons(function: str, replicas: int = 1, steps: int = 3)
     for batch in batches(steps, world):
         forward_backward(model, rank_rows(batch, rank, world), config)
         try:
-            TORCH_CLIPPING[function](model.parameters(), config.clip_max_norm)
+            TORCH_HABITS[function](model.parameters(), config.clip_max_norm)
             messages.append(None)
         except RuntimeError as error:
             messages.append(str(error))

@@ -1,8 +1,9 @@
-"""Torch's clipping habit on a dmuon model, on gloo: ``torch.nn.utils.clip_grad_norm_`` (and the
-other functions of torch that read ``p.grad``) over ``model.parameters()`` raises on every rank
-naming ``dmuon.clip_grad_norm_``, before any collective and before scaling anything, so training
-goes on in step with ``dmuon.clip_grad_norm_`` and matches the single-process reference; a model
-without dmuon keeps torch's clipping. (In one process: tests/core/test_torch_habits.py.)"""
+"""Torch's habits on a dmuon model, on gloo: ``torch.nn.utils.clip_grad_norm_`` (and torch's
+other clipping functions) over ``model.parameters()`` raises on every rank naming
+``dmuon.clip_grad_norm_``, a torch optimizer over them naming ``dmuon.Muon``, before any
+collective and before changing anything, so training goes on in step with
+``dmuon.clip_grad_norm_`` and matches the single-process reference; a model without dmuon keeps
+torch's clipping. (In one process: tests/core/test_torch_habits.py.)"""
 
 import pytest
 
@@ -10,17 +11,18 @@ from tests.distributed import scenarios_torch_habits as scenarios
 from tests.distributed.test_gradient_scale import assert_norms_match_reference
 from tests.distributed.test_protocol import FP32_TOLERANCE, assert_matches_reference
 
-REFUSAL_START = "torch.nn.utils.{name} read the gradient of a dedicated parameter, which dmuon "
-FIX = "Clip with dmuon.clip_grad_norm_(model, optimizer, max_norm)"
+REFUSAL_START = "{name} read the gradient of a dedicated parameter, which dmuon keeps "
+CLIP_FIX = "Clip with dmuon.clip_grad_norm_(model, optimizer, max_norm)"
+OPTIMIZER_FIX = "Train a model dmuon.dedicate_params prepared with dmuon.Muon(model, ...)"
 
 
-def assert_refused_on_every_rank_at_every_step(results, name: str) -> None:
+def assert_refused_on_every_rank_at_every_step(results, name: str, fix: str = CLIP_FIX) -> None:
     for rank, result in enumerate(results):
         assert result["messages"], "no step was run"
         for step, message in enumerate(result["messages"]):
-            assert message is not None, f"rank {rank} step {step}: torch's {name} did not raise"
+            assert message is not None, f"rank {rank} step {step}: {name} did not raise"
             assert message.startswith(REFUSAL_START.format(name=name)), (rank, step, message)
-            assert FIX in message, (rank, step, message)
+            assert fix in message, (rank, step, message)
 
 
 @pytest.mark.parametrize("name", sorted(scenarios.TORCH_CLIPPING))
@@ -28,7 +30,7 @@ def test_torchs_clipping_raises_on_every_rank_and_dmuons_clip_then_trains_like_t
     pool2, name
 ):
     results = pool2.run(scenarios.torch_clipping_then_dmuons, function=name)
-    assert_refused_on_every_rank_at_every_step(results, name)
+    assert_refused_on_every_rank_at_every_step(results, f"torch.nn.utils.{name}")
     assert_norms_match_reference(results)
     assert_matches_reference(results, FP32_TOLERANCE)
     # The norm is above max_norm at every step, so clipping was exercised.
@@ -42,7 +44,14 @@ def test_torchs_clip_grad_norm_raises_on_every_rank_of_four_and_of_hsdp(
     results = gloo_pool(world_size).run(
         scenarios.torch_clipping_then_dmuons, function="clip_grad_norm_", replicas=replicas
     )
-    assert_refused_on_every_rank_at_every_step(results, "clip_grad_norm_")
+    assert_refused_on_every_rank_at_every_step(results, "torch.nn.utils.clip_grad_norm_")
+    assert_norms_match_reference(results)
+    assert_matches_reference(results, FP32_TOLERANCE)
+
+
+def test_a_torch_optimizer_over_a_dmuon_models_parameters_raises_on_every_rank(pool2):
+    results = pool2.run(scenarios.torch_clipping_then_dmuons, function="AdamW")
+    assert_refused_on_every_rank_at_every_step(results, "torch.optim.AdamW", OPTIMIZER_FIX)
     assert_norms_match_reference(results)
     assert_matches_reference(results, FP32_TOLERANCE)
 

@@ -134,6 +134,21 @@ def torch_clipping_function_at(frame: FrameType | None) -> str | None:
     return None
 
 
+def torch_optimizer_at(frame: FrameType | None) -> str | None:
+    """The class of the optimizer whose ``torch.optim`` code ``frame`` runs (its ``step``'s
+    ``_init_group``, ``zero_grad``, ...), e.g. ``"torch.optim.AdamW"``; None for any other code.
+    torch's optimizers read ``p.grad`` of their parameters in methods of the optimizer, so the
+    frame's ``self`` (or a caller's within ``torch.optim``) names it."""
+    while frame is not None and frame.f_globals.get("__name__", "").startswith("torch.optim."):
+        owner = frame.f_locals.get("self")
+        if isinstance(owner, torch.optim.Optimizer):
+            cls = type(owner)
+            module = "torch.optim" if cls.__module__.startswith("torch.optim.") else cls.__module__
+            return f"{module}.{cls.__qualname__}"
+        frame = frame.f_back
+    return None
+
+
 # ---- meshes and process groups ------------------------------------------------------------------
 
 

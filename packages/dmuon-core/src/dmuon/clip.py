@@ -36,7 +36,10 @@ collective, so every rank raises at the same point and none waits on another. Th
 anywhere, so torch's norm is the right one) and a model without dedicated parameters are left to
 torch. ``torch.nn.utils.get_total_norm`` takes gradients, not parameters: it cannot tell that a
 caller's ``[p.grad for p in model.parameters() if p.grad is not None]`` left the dedicated ones
-out (``clip_grads_with_norm_``, its partner, then raises).
+out (``clip_grads_with_norm_``, its partner, then raises). The same getter refuses a torch
+optimizer built over ``model.parameters()`` (``torch.optim.AdamW``, ...; read from
+``torch.optim``, ``_torch_internals.torch_optimizer_at``), naming ``dmuon.Muon``: it would step
+every parameter but the dedicated matrices, also without a word.
 
 Elsewhere the placeholder's ``grad`` stays None, on purpose. It is the truth about the
 placeholder (the gradient lives reduced on one rank, as a master's), and it is what torch means

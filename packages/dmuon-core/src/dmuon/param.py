@@ -25,7 +25,11 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from dmuon._torch_internals import disabled_torch_function_impl, torch_clipping_function_at
+from dmuon._torch_internals import (
+    disabled_torch_function_impl,
+    torch_clipping_function_at,
+    torch_optimizer_at,
+)
 from dmuon.partition import OwnerCoord
 from dmuon.routing import ADAMW_ROUTE, MUON_ROUTE
 from dmuon.storage import tensor_over
@@ -79,6 +83,15 @@ PLACEHOLDER_GRAD_CLIP_ERROR = (
     "model] in dmuon.clip."
 )
 
+PLACEHOLDER_GRAD_OPTIMIZER_ERROR = (
+    "{name} read the gradient of a dedicated parameter, which dmuon keeps on its owner rank's "
+    "fp32 master: the module holds a 0-element placeholder with no gradient, so this optimizer "
+    "would never update the dedicated matrices. Train a model dmuon.dedicate_params prepared "
+    "with dmuon.Muon(model, ...): Muon on the dedicated matrices, AdamW on the rest "
+    "(adamw_lr=...), and routes={{fqn: 'adamw'}} in dedicate_params for AdamW on a dedicated "
+    "one; or leave the parameter out of dedicate_params' predicate."
+)
+
 _DATA_GETTER = torch.Tensor.data.__get__  # type: ignore[attr-defined]
 _GRAD_GETTER = torch.Tensor.grad.__get__  # type: ignore[attr-defined]
 # In-place methods that change metadata, not the (empty) value.
@@ -122,9 +135,7 @@ class DedicatedPlaceholder(nn.Parameter):
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         # torch's clipping reads this gradient: [Note: torch's clipping on a dmuon model]
         if func == _GRAD_GETTER:
-            reader = torch_clipping_function_at(sys._getframe(1))
-            if reader is not None and args[0].requires_grad:
-                raise RuntimeError(PLACEHOLDER_GRAD_CLIP_ERROR.format(name=reader))
+            _refuse_torch_gradient_reader(sys._getframe(1), args[0])
         if func in cls._VALUE_READS:
             what = "reading .data" if func is _DATA_GETTER else f"{func.__name__}()"
             raise RuntimeError(PLACEHOLDER_VALUE_ERROR.format(what=what))
@@ -141,6 +152,20 @@ class DedicatedPlaceholder(nn.Parameter):
 
     def __deepcopy__(self, memo):
         raise RuntimeError(PLACEHOLDER_VALUE_ERROR.format(what="copy.deepcopy"))
+
+
+def _refuse_torch_gradient_reader(frame, placeholder: nn.Parameter) -> None:
+    """Raise where torch's clipping or a torch optimizer reads a trainable placeholder's
+    gradient, which would silently leave the dedicated matrix out ([Note: torch's clipping on a
+    dmuon model] in ``dmuon.clip``); any other reader gets None."""
+    if (reader := torch_clipping_function_at(frame)) is not None:
+        error = PLACEHOLDER_GRAD_CLIP_ERROR
+    elif (reader := torch_optimizer_at(frame)) is not None:
+        error = PLACEHOLDER_GRAD_OPTIMIZER_ERROR
+    else:
+        return
+    if placeholder.requires_grad:  # a frozen one has no gradient anywhere: None is the truth
+        raise RuntimeError(error.format(name=reader))
 
 
 def _writes_into_placeholder(func, args: tuple, kwargs: dict) -> bool:
