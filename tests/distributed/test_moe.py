@@ -198,9 +198,11 @@ def test_a_dtensor_stack_and_a_sharded_value_of_another_layout_raise_with_the_fi
     messages = pool2.run(scenarios.error_messages)[0]
     assert messages["dtensor"] == (
         "dedicate_params: moe.w of shape (4, 6, 5) is an expert stack and a DTensor on mesh dims "
-        "('tp',): dmuon does not dedicate tensor- or expert-parallel expert stacks yet. Leave it "
-        "out of the predicate (FSDP2 and AdamW keep it), or make expert_stacks= return False for "
-        "it (one matrix, trailing dims flattened into columns)."
+        "('tp',) with placements (Shard(dim=1),). dmuon dedicates a DTensor stack only when it is "
+        "expert-parallel: Shard(0) over the ep_mesh given to dedicate_params (none was given); "
+        "tensor-parallel expert stacks are not dedicated yet. Otherwise leave it out of the "
+        "predicate (FSDP2 and AdamW keep it), or make expert_stacks= return False for it (one "
+        "matrix, trailing dims flattened into columns)."
     )
     assert messages["other_layout"] == (
         "dmuon.checkpoint: the sharded value given for layers.0.w_in holds no shard of experts "

@@ -27,9 +27,21 @@ from dmuon._torch_internals import prepare_tensor_parallel_model_for_ddp
 from dmuon.boundaries import group_by_boundary
 from dmuon.consistency import check_ranks_agree, ranks_fail_together
 from dmuon.ddp import ddp_wrappers, ignore_dedicated_in_ddp
-from dmuon.experts import ExpertStackPredicate, expert_stack_names, make_expert_pieces
+from dmuon.experts import (
+    ExpertStackPredicate,
+    agreed_name,
+    expert_stack_names,
+    global_stack_shape,
+    is_expert_parallel,
+    make_expert_pieces,
+)
 from dmuon.hooks import DedicatedState, attach_state, find_dedicated_state, get_dedicated_state
-from dmuon.mesh import build_ownership_mesh, resolve_ownership_layout
+from dmuon.mesh import (
+    build_expert_mesh,
+    build_ownership_mesh,
+    resolve_expert_layout,
+    resolve_ownership_layout,
+)
 from dmuon.module_state import register_state_dict_hooks
 from dmuon.param import DedicatedParam, is_dedicated, make_placeholder, mark_dedicated
 from dmuon.partition import OwnerCoord, ParamSpec, layer_id_of, plan_ownership
@@ -69,6 +81,8 @@ def dedicate_params(
     routes: Routes | None = None,
     expert_stacks: ExpertStackPredicate | None = None,
     row_blocks: RowBlocks | None = None,
+    ep_mesh=None,
+    expert_mesh=None,
 ) -> dict[str, OwnerCoord]:
     """Give every parameter selected by ``predicate`` one owner rank; returns FQN -> owner.
 
@@ -127,6 +141,17 @@ def dedicate_params(
             "layers.*.qkv_proj.weight": [q_rows, kv_rows, kv_rows]}``. The partition counts
             the cheaper work. Not for expert stacks or tensor-parallel matrices; see
             ``docs/update-rules.md``.
+        ep_mesh, expert_mesh: expert parallelism (both or neither): the ``ep`` dim the expert
+            stacks' experts are split over and the expert-FSDP dim (torchtitan's ``efsdp``)
+            whose ranks hold the same experts; together they split ``mesh``'s ranks
+            (``ep_mesh.size() * expert_mesh.size() == mesh.size()``), and ``replicate_mesh``
+            replicates both. Each rank's stack holds its EP slot's experts, as a DTensor
+            sharded ``Shard(0)`` over ``ep_mesh`` (torchtitan's ``ExpertParallel``) or as a
+            local (E / ep, m, n) tensor; each expert piece is owned by a rank that holds its
+            experts, so its broadcast and reduce stay among them, while the other parameters
+            keep owners over the whole grid. The returned map lists every EP slot's pieces
+            by their global experts. See [Note: expert-parallel stacks] in ``dmuon.experts``.
+            The token dispatch over ``ep`` stays the model's.
     """
     # A setup error on one rank (its predicate raised, a bad argument) is raised on every rank
     # before any process group is created: none is left waiting for the failed rank.
@@ -135,8 +160,13 @@ def dedicate_params(
         _check_call_order(model, mesh)
         policy = resolve_param_policy(param_policy, compute_dtype)
         selected, overrides = select_dedicated(model, predicate, routes)
-        stacked = expert_stack_names(selected, expert_stacks)
-        tp_layouts, parallel_dims = _tensor_parallel_layouts(model, selected, mesh, replicate_mesh)
+        stacked = expert_stack_names(selected, expert_stacks, ep_mesh)
+        tp_layouts, parallel_dims = _tensor_parallel_layouts(
+            model,
+            [item for item in selected if not is_expert_parallel(item[3], ep_mesh)],
+            mesh,
+            replicate_mesh,
+        )
         tp_mesh = exchange_mesh(tp_layouts)
         blocks = resolve_row_blocks(
             row_blocks,
@@ -148,6 +178,7 @@ def dedicate_params(
         layout = resolve_ownership_layout(
             mesh, replicate_mesh, process_group_policy, tp_mesh, parallel_dims
         )
+        expert_layout = resolve_expert_layout(layout, ep_mesh, expert_mesh)
     if not selected:
         warnings.warn(NO_MATCH_WARNING, UserWarning, stacklevel=2)
     ownership_mesh = build_ownership_mesh(layout, timeout)
@@ -162,13 +193,24 @@ def dedicate_params(
             "routes": ("route overrides (routes=)", sorted(overrides.items())),
             "expert_stacks": ("expert stacks (expert_stacks=)", stacked),
             "row_blocks": ("row blocks (row_blocks=)", sorted(blocks.items())),
+            "expert_parallel": (
+                "expert parallelism (ep_mesh=, expert_mesh=)",
+                None
+                if expert_layout is None
+                else (expert_layout.num_ep, expert_layout.expert_mesh.size()),
+            ),
         },
+    )
+    experts = (
+        build_expert_mesh(expert_layout, layout, ownership_mesh, timeout)
+        if expert_layout is not None
+        else None
     )
 
     specs = [
         ParamSpec(
             name=name,
-            shape=tuple(param.shape),
+            shape=tuple(global_stack_shape(param, experts) if name in stacked else param.shape),
             layer_id=layer_id_of(name, layer_id_fn),
             expert_stack=name in stacked,
             row_blocks=blocks.get(name),
@@ -180,6 +222,7 @@ def dedicate_params(
         ownership_mesh.num_shards,
         ownership_mesh.num_replicas,
         num_tp=ownership_mesh.tp_size,
+        expert_groups=experts.expert_groups if experts is not None else None,
     )
     if plan.unlayered and len(plan.unlayered) > 1:
         warnings.warn(
@@ -206,6 +249,7 @@ def dedicate_params(
                     mesh=ownership_mesh,
                     policy=policy,
                     route_override=overrides.get(name),
+                    experts=experts,
                 )
             )
             continue
@@ -242,12 +286,17 @@ def dedicate_params(
             ),
             "boundaries": (
                 "hook boundaries (hook_boundary_predicate=)",
-                [(group.name, [p.fqn for p in group.params]) for group in boundaries],
+                [(group.name, [agreed_name(p) for p in group.params]) for group in boundaries],
             ),
             "options": (
                 "dedicate_params options (reshard_after_forward, param_dtype, reduce_dtype)",
                 [
-                    (p.fqn, reshard_after_forward, str(p.param_dtype), str(p.reduce_dtype))
+                    (
+                        agreed_name(p),
+                        reshard_after_forward,
+                        str(p.param_dtype),
+                        str(p.reduce_dtype),
+                    )
                     for p in params.values()
                 ],
             ),

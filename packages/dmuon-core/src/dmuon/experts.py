@@ -18,6 +18,20 @@ landed, and freed (storage resized to 0) when the boundary reshards. Before the 
 reduced, the stack's gradient is split into the pieces' gradients. The price is one extra
 (E, m, n) buffer in the compute dtype while the boundary is unsharded.
 
+[Note: expert-parallel stacks]
+Under expert parallelism (``dedicate_params(..., ep_mesh=, expert_mesh=)``) a rank's stack holds
+only its EP slot's experts ``[first, first + E / ep)``: either a DTensor of the global shape
+(E, m, n) sharded ``Shard(0)`` over the ep mesh (what torchtitan's ``ExpertParallel`` makes) or
+a plain local tensor (E / ep, m, n). The partition cuts every EP slot's experts inside that
+slot ([Note: expert parallelism] in ``partition``); this rank's stack has the pieces of its own
+slot only, named by their global experts (``w1[4:6]`` on EP slot 1 of 2, E = 8), and its buffer
+holds the local experts: a piece's experts sit at ``start - first`` in it. The module sees what
+it was given: the same DTensor layout over the buffer (``DTensor.from_local``, whose gradient is
+read back as its local tensor) or the local tensor. The stack's ``shape`` stays the global
+(E, m, n), the shape its checkpoint entries keep. The pieces' segments travel on the stack's
+expert ``OwnershipMesh`` (``mesh``, [Note: expert meshes] in ``dmuon.mesh``), not on the
+boundary's.
+
 [Note: which 3-D parameters are expert stacks]
 By default every selected 3-D parameter is an expert stack, except the weight of a torch
 convolution module (``nn.Conv1d`` / ``nn.ConvTranspose1d``: (out, in, k)), which is one matrix
@@ -33,10 +47,11 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
 
 from dmuon._torch_internals import ConvNd
-from dmuon.mesh import OwnershipMesh
+from dmuon.mesh import ExpertMeshes, OwnershipMesh
 from dmuon.param import DedicatedParam, make_placeholder, mark_dedicated
 from dmuon.partition import OwnershipPlan, expert_piece_name
 from dmuon.policy import ParamPolicy
@@ -57,19 +72,35 @@ class ExpertStack:
     fqn: str
     module: nn.Module
     attr: str  # name of the parameter on ``module``
-    shape: torch.Size  # (E, m, n)
+    shape: torch.Size  # (E, m, n): every expert, also under expert parallelism
     param_dtype: torch.dtype  # forward compute dtype
     requires_grad: bool
     placeholder: nn.Parameter  # shared by the pieces
     pieces: list[DedicatedParam] = field(default_factory=list)  # in expert order
-    # (E * m * n,) in the compute dtype; its storage exists only while the boundary is unsharded.
+    # (E_local * m * n,) in the compute dtype; its storage exists only while the boundary is
+    # unsharded.
     buffer: torch.Tensor | None = None
-    # What the module holds during forward/backward: (E, m, n) over ``buffer``'s storage.
+    # What the module holds during forward/backward: (E_local, m, n) over ``buffer``'s storage
+    # (a DTensor sharded over ``ep_mesh`` when the stack was one).
     unsharded: nn.Parameter | None = None
+    # Expert parallelism (see [Note: expert-parallel stacks]): the experts this rank holds
+    # start at ``first_expert``; ``mesh`` is the expert ownership mesh its pieces travel on;
+    # ``ep_mesh`` is set when the module's stack is a DTensor sharded Shard(0) over it.
+    first_expert: int = 0
+    local_experts: int | None = None  # None: every expert
+    mesh: OwnershipMesh | None = None
+    ep_mesh: DeviceMesh | None = None
 
     @property
     def num_experts(self) -> int:
         return self.shape[0]
+
+    @property
+    def local_shape(self) -> torch.Size:
+        """The experts this rank's module holds: (E, m, n), or (E / ep, m, n) under EP."""
+        if self.local_experts is None:
+            return self.shape
+        return torch.Size((self.local_experts, *self.shape[1:]))
 
     @property
     def route(self) -> str:
@@ -81,8 +112,18 @@ class ExpertStack:
 
     def bind(self, device: torch.device) -> None:
         """Create the buffer (freed) and the unsharded parameter over it."""
-        self.buffer = torch.empty(self.shape.numel(), dtype=self.param_dtype, device=device)
-        data = tensor_over(self.buffer, 0, self.shape)
+        shape = self.local_shape
+        self.buffer = torch.empty(shape.numel(), dtype=self.param_dtype, device=device)
+        data = tensor_over(self.buffer, 0, shape)
+        if self.ep_mesh is not None:
+            data = DTensor.from_local(
+                data,
+                self.ep_mesh,
+                [Shard(0)],
+                run_check=False,
+                shape=self.shape,
+                stride=_contiguous_stride(self.shape),
+            )
         self.unsharded = nn.Parameter(data, requires_grad=self.requires_grad)
         free_storage(self.buffer)
 
@@ -90,9 +131,9 @@ class ExpertStack:
         """Copy every piece's weights (their segments, broadcast) into the stack buffer."""
         allocate_storage(self.buffer)
         with torch.no_grad():
-            experts = self.buffer.view(self.shape)
+            experts = self.buffer.view(self.local_shape)
             for piece in self.pieces:
-                start, stop = piece_experts(piece)
+                start, stop = self.local_range(piece)
                 experts[start:stop].copy_(piece.unsharded)
 
     def free(self) -> None:
@@ -104,10 +145,17 @@ class ExpertStack:
         grad = self.unsharded.grad if self.unsharded is not None else None
         if grad is None:
             return
+        if isinstance(grad, DTensor):
+            grad = grad.to_local()
         for piece in self.pieces:
-            start, stop = piece_experts(piece)
+            start, stop = self.local_range(piece)
             piece.unsharded.grad = grad[start:stop]
         self.unsharded.grad = None
+
+    def local_range(self, piece: DedicatedParam) -> tuple[int, int]:
+        """Where a piece's experts sit among this rank's experts."""
+        start, stop = piece_experts(piece)
+        return start - self.first_expert, stop - self.first_expert
 
     def owned_pieces(self) -> list[DedicatedParam]:
         """The pieces whose fp32 master this rank holds."""
@@ -117,9 +165,11 @@ class ExpertStack:
 def expert_stack_names(
     selected: Iterable[tuple[str, nn.Module, str, nn.Parameter]],
     expert_stacks: ExpertStackPredicate | None,
+    ep_mesh: DeviceMesh | None = None,
 ) -> list[str]:
     """The selected ``(name, module, attr, param)`` that are expert stacks, in order (see
-    [Note: which 3-D parameters are expert stacks])."""
+    [Note: which 3-D parameters are expert stacks]). A DTensor stack must be expert-parallel:
+    sharded Shard(0) over ``ep_mesh``."""
     names = []
     for name, module, _, param in selected:
         if param.ndim != 3:
@@ -134,13 +184,31 @@ def expert_stack_names(
                 )
         else:
             decided = not isinstance(module, _CONVOLUTIONS)
-        if decided and isinstance(param, DTensor):
+        if decided and isinstance(param, DTensor) and not is_expert_parallel(param, ep_mesh):
+            placements = tuple(param.placements)
+            if ep_mesh is None and placements == (Shard(0),):
+                fix = (
+                    "If it is expert-parallel (its experts split over this mesh), pass that dim "
+                    "and the expert-FSDP dim: dedicate_params(..., ep_mesh=mesh['ep'], "
+                    "expert_mesh=mesh['efsdp'])."
+                )
+            else:
+                given = (
+                    "none was given"
+                    if ep_mesh is None
+                    else f"dims {ep_mesh.mesh_dim_names}, ranks {ep_mesh.mesh.tolist()}"
+                )
+                fix = (
+                    "dmuon dedicates a DTensor stack only when it is expert-parallel: Shard(0) "
+                    f"over the ep_mesh given to dedicate_params ({given}); tensor-parallel expert "
+                    "stacks are not dedicated yet."
+                )
             raise ValueError(
                 f"dedicate_params: {name} of shape {tuple(param.shape)} is an expert stack and a "
-                f"DTensor on mesh dims {param.device_mesh.mesh_dim_names}: dmuon does not dedicate "
-                "tensor- or expert-parallel expert stacks yet. Leave it out of the predicate "
-                "(FSDP2 and AdamW keep it), or make expert_stacks= return False for it (one "
-                "matrix, trailing dims flattened into columns)."
+                f"DTensor on mesh dims {param.device_mesh.mesh_dim_names} with placements "
+                f"{placements}. {fix} Otherwise leave it out of the predicate (FSDP2 and AdamW "
+                "keep it), or make expert_stacks= return False for it (one matrix, trailing dims "
+                "flattened into columns)."
             )
         if decided:
             names.append(name)
@@ -157,22 +225,32 @@ def make_expert_pieces(
     mesh: OwnershipMesh,
     policy: ParamPolicy,
     route_override: str | None,
+    experts: ExpertMeshes | None = None,
 ) -> dict[str, DedicatedParam]:
     """The expert pieces of the stack ``name`` as the partition cut it, by piece name (see
-    [Note: expert stacks are pieces])."""
+    [Note: expert stacks are pieces]); under expert parallelism (``experts``) those of this
+    rank's EP slot (see [Note: expert-parallel stacks])."""
     mark_dedicated(param)
     param_dtype, reduce_dtype = policy.defaults.dtypes_of(param)
+    local = param.to_local() if isinstance(param, DTensor) else param
     stack = ExpertStack(
         fqn=name,
         module=module,
         attr=attr,
-        shape=param.shape,
+        shape=global_stack_shape(param, experts),
         param_dtype=param_dtype,
         requires_grad=param.requires_grad,
         placeholder=make_placeholder(param),
     )
+    slices = plan.expert_slices[name]
+    if experts is not None:
+        first, last = plan.ep_experts(name, experts.ep_index)
+        stack.first_expert, stack.local_experts = first, last - first
+        stack.mesh = experts.mesh
+        stack.ep_mesh = param.device_mesh if isinstance(param, DTensor) else None
+        slices = tuple((start, stop) for start, stop in slices if first <= start < last)
     pieces = {}
-    for start, stop in plan.expert_slices[name]:
+    for start, stop in slices:
         piece_name = expert_piece_name(name, start, stop)
         owner = plan.owners[piece_name]
         piece = DedicatedParam(
@@ -186,7 +264,7 @@ def make_expert_pieces(
             owner=owner,
             is_owner=mesh.is_me(owner),
             placeholder=stack.placeholder,
-            original=expert_original(param, start, stop),
+            original=expert_original(local, start - stack.first_expert, stop - stack.first_expert),
             route_override=route_override,
             stack=stack,
             experts=(start, stop),
@@ -196,10 +274,55 @@ def make_expert_pieces(
     return pieces
 
 
+def is_expert_parallel(param: torch.Tensor, ep_mesh: DeviceMesh | None) -> bool:
+    """A DTensor stack sharded Shard(0) over ``ep_mesh`` (its experts split over ep)."""
+    return (
+        ep_mesh is not None
+        and isinstance(param, DTensor)
+        and tuple(param.placements) == (Shard(0),)
+        and param.device_mesh.mesh.tolist() == ep_mesh.mesh.tolist()
+    )
+
+
+def global_stack_shape(param: torch.Tensor, experts: ExpertMeshes | None) -> torch.Size:
+    """Every expert's (E, m, n): a DTensor's own shape, or a local stack's times the EP degree."""
+    if experts is None or isinstance(param, DTensor):
+        return param.shape
+    return torch.Size((param.shape[0] * experts.num_ep, *param.shape[1:]))
+
+
+def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
+    stride, running = [], 1
+    for size in reversed(shape):
+        stride.append(running)
+        running *= size
+    return tuple(reversed(stride))
+
+
 def expert_original(stack_value: torch.Tensor, start: int, stop: int) -> torch.Tensor:
     """Experts ``[start, stop)`` of the stack's original weight, as a piece's original: a view
     that keeps ``requires_grad`` (the master inherits it) without recording autograd history."""
     return stack_value.detach()[start:stop].requires_grad_(stack_value.requires_grad)
+
+
+def agreed_name(p: DedicatedParam) -> str:
+    """``p``'s name as every rank's cross-rank checks must see it: its FQN, except for the
+    piece of an expert-parallel stack, whose name holds its EP slot's experts (ranks of other
+    slots have other pieces): its stack and its place among this rank's pieces of it (every EP
+    slot has as many, of the same sizes)."""
+    stack = p.stack
+    if not isinstance(stack, ExpertStack) or stack.mesh is None:
+        return p.fqn
+    return f"{stack.fqn} piece {stack.pieces.index(p)}"
+
+
+def piece_original(piece: DedicatedParam, stack_value: torch.Tensor) -> torch.Tensor:
+    """The piece's experts of the module's current stack value (the whole stack, this rank's EP
+    slot of it, or a DTensor sharded over ep), as ``expert_original`` makes them."""
+    local = stack_value.to_local() if isinstance(stack_value, DTensor) else stack_value
+    first = piece.stack.first_expert if piece.stack is not None else 0
+    start, stop = piece_experts(piece)
+    return expert_original(local, start - first, stop - first)
 
 
 def piece_experts(piece: DedicatedParam) -> tuple[int, int]:

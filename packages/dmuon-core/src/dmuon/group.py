@@ -30,6 +30,13 @@ slice. Gradients take the reverse path: reduce over the shard group to ``(s, r)`
 owner's slice over the replicate group to ``(s, r0)``. Each gradient travels with one extra
 element, 1 where the rank produced a gradient and 0 where it did not, so the owner knows whether
 any rank produced one (a parameter unused everywhere keeps ``grad=None``, like in one process).
+
+[Note: expert segments]
+Under expert parallelism the expert pieces of a boundary travel on their stack's expert mesh
+([Note: expert meshes] in ``dmuon.mesh``): they form segments of their own, after the
+boundary's other segments, whose shard index and replicas are the expert grid's coordinates of
+their owners, and whose broadcasts, reduces and publishes run on the expert mesh's groups. Each
+segment carries the mesh it travels on; nothing else differs.
 """
 
 from __future__ import annotations
@@ -75,7 +82,8 @@ def message_entry_numel(numel: int) -> int:
 
 @dataclass(eq=False, slots=True, kw_only=True)
 class Segment:
-    shard: int  # shard index of the root
+    mesh: OwnershipMesh  # the grid its collectives run on: the boundary's, or an expert mesh
+    shard: int  # shard index of the root on ``mesh``
     dtype: torch.dtype  # compute dtype: the broadcast buffer's
     # The gradient message's: the widest of its parameters' reduce dtypes, fixed at layout.
     reduce_dtype: torch.dtype
@@ -142,22 +150,43 @@ class BoundaryGroup:
     def build_segments(self, device: torch.device) -> None:
         """Lay out the segments and bind every unsharded parameter to its slice."""
 
-        def segment_key(p: DedicatedParam) -> tuple[int, str]:
-            return p.owner.shard, str(p.param_dtype)
+        coords = {id(p): self._coord_on_mesh(p) for p in self.params}
 
-        ordered = sorted(self.params, key=lambda p: (*segment_key(p), p.owner.replicate))
-        for (shard, _), members in itertools.groupby(ordered, key=segment_key):
+        def segment_key(p: DedicatedParam) -> tuple[bool, int, str]:
+            return self._mesh_of(p) is not self.mesh, coords[id(p)].shard, str(p.param_dtype)
+
+        ordered = sorted(self.params, key=lambda p: (*segment_key(p), coords[id(p)].replicate))
+        for (_, shard, _), members in itertools.groupby(ordered, key=segment_key):
             members = list(members)
-            segment = self._make_segment(shard, members, device)
+            mesh = self._mesh_of(members[0])
+            segment = self._make_segment(mesh, shard, members, device, coords)
             self.segments.append(segment)
 
+    def _mesh_of(self, p: DedicatedParam) -> OwnershipMesh:
+        """The grid ``p`` travels on: its expert mesh (see [Note: expert segments]) or the
+        boundary's."""
+        mesh = getattr(p.stack, "mesh", None)
+        return self.mesh if mesh is None else mesh
+
+    def _coord_on_mesh(self, p: DedicatedParam) -> OwnerCoord:
+        mesh = self._mesh_of(p)
+        if mesh is self.mesh:
+            return p.owner
+        return mesh.coord_of_rank(self.mesh.global_rank(p.owner))
+
     def _make_segment(
-        self, shard: int, members: list[DedicatedParam], device: torch.device
+        self,
+        mesh: OwnershipMesh,
+        shard: int,
+        members: list[DedicatedParam],
+        device: torch.device,
+        coords: dict[int, OwnerCoord],
     ) -> Segment:
         dtype = members[0].param_dtype
         numel = sum(p.numel for p in members)
-        is_local = shard == self.mesh.coord.shard
+        is_local = shard == mesh.coord.shard
         segment = Segment(
+            mesh=mesh,
             shard=shard,
             dtype=dtype,
             reduce_dtype=max((p.reduce_dtype for p in members), key=lambda d: d.itemsize),
@@ -166,7 +195,7 @@ class BoundaryGroup:
             buffer=torch.empty(numel, dtype=dtype, device=device),
         )
         value_offset = message_offset = 0
-        for replicate, owned in itertools.groupby(members, key=lambda p: p.owner.replicate):
+        for replicate, owned in itertools.groupby(members, key=lambda p: coords[id(p)].replicate):
             owned = list(owned)
             value_start, message_start = value_offset, message_offset
             for p in owned:
@@ -182,7 +211,8 @@ class BoundaryGroup:
         return segment
 
     def _root_rank(self, segment: Segment) -> int:
-        return self.mesh.global_rank(OwnerCoord(segment.shard, self.mesh.coord.replicate))
+        mesh = segment.mesh
+        return mesh.global_rank(OwnerCoord(segment.shard, mesh.coord.replicate))
 
     # ---- adoption: the weights become the owners' ------------------------------------------
 
@@ -258,7 +288,7 @@ class BoundaryGroup:
                 collectives.broadcast(
                     segment.buffer,
                     self._root_rank(segment),
-                    self.mesh.shard_group,
+                    segment.mesh.shard_group,
                     f"the weights of boundary {self.label}",
                 )
             )
@@ -381,13 +411,13 @@ class BoundaryGroup:
         """Pack this rank's gradients per segment and start reducing them to the segment roots."""
         for stack in self.stacks:  # an expert stack's gradient goes to its pieces' owners
             stack.split_gradient()
-        alone = self.mesh.num_slots == 1
         for segment in self.segments:
+            alone = segment.mesh.num_slots == 1
             message, produced = _pack_gradients(segment)
             handle = collectives.reduce_sum(
                 message,
                 self._root_rank(segment),
-                self.mesh.shard_group,
+                segment.mesh.shard_group,
                 f"the gradients of boundary {self.label}",
             )
             self._pending_reduce.append(
@@ -435,12 +465,13 @@ class BoundaryGroup:
                 continue
             item.handle.wait()
             for replicate, (start, end) in item.segment.message_ranges.items():
-                owner = self.mesh.global_rank(OwnerCoord(item.segment.shard, replicate))
+                mesh = item.segment.mesh
+                owner = mesh.global_rank(OwnerCoord(item.segment.shard, replicate))
                 second_stage.append(
                     collectives.reduce_sum(
                         item.message[start:end],
                         owner,
-                        self.mesh.replicate_group,
+                        mesh.replicate_group,
                         f"the gradients of boundary {self.label}, across replicas",
                     )
                 )
@@ -451,19 +482,18 @@ class BoundaryGroup:
 
     def publish(self) -> None:
         """Start broadcasting each owner's slice of the local segments over the replicate axis."""
-        if self.mesh.replicate_group is None:
-            return
         self.wait_for_publish()
         for segment in self.segments:
-            if not segment.is_local:
+            mesh = segment.mesh
+            if not segment.is_local or mesh.replicate_group is None:
                 continue
             for replicate, (start, end) in segment.value_ranges.items():
-                src = self.mesh.global_rank(OwnerCoord(segment.shard, replicate))
+                src = mesh.global_rank(OwnerCoord(segment.shard, replicate))
                 self._pending_publish.append(
                     collectives.broadcast(
                         segment.buffer[start:end],
                         src,
-                        self.mesh.replicate_group,
+                        mesh.replicate_group,
                         f"the new weights of boundary {self.label}, across replicas",
                     )
                 )

@@ -64,7 +64,7 @@ from dmuon._torch_internals import (
     tree_flatten,
     tree_unflatten,
 )
-from dmuon.experts import expert_original, mark_expert_piece, stacks_of
+from dmuon.experts import mark_expert_piece, piece_original, stacks_of
 from dmuon.group import (
     AveragedGradients,
     BoundaryGroup,
@@ -232,7 +232,7 @@ class DedicatedState:
         for p in self.params.values():
             current = p.module._parameters[p.attr]
             if current is not p.placeholder:
-                p.original = current if p.experts is None else expert_original(current, *p.experts)
+                p.original = current if p.experts is None else piece_original(p, current)
             if p.original is None or p.original.is_meta:
                 raise RuntimeError(
                     f"dedicated parameter {p.fqn!r} is still on the meta device. Materialise the "

@@ -32,6 +32,21 @@ optimizer is built, by comparing the ranks of the other parameters' meshes with 
 (``model_parallel_dims``: the dims of the meshes the model's parameters were already distributed
 over when ``dedicate_params`` ran, tensor parallelism's).
 
+[Note: expert meshes]
+Under expert parallelism ``dedicate_params`` also takes ``ep_mesh`` (the ``ep`` dim: each of its
+ranks holds other experts) and ``expert_mesh`` (the expert-FSDP dim, torchtitan's ``efsdp``:
+the ranks that hold the same experts within a replica). They are two 1-D dims that split this
+rank's row of the (shard, replicate) grid: ``ep_size * expert_size == num_shards``, both inside
+the row, crossing at this rank alone (``resolve_expert_layout``, local). Their names and roots
+do not matter (torchtitan's sparse mesh is another unflattening of the world than its dense
+one). ``build_expert_mesh`` gathers every rank's (ep index, expert index) with its place on the
+ownership grid, checks that every row of the grid is the full ep x expert product, and builds,
+per EP slot, the *expert grid* [replicate][expert index] of the ranks that hold that slot's
+experts, and an ``OwnershipMesh`` over it: its shard group is the expert-FSDP ranks, its
+replicate group the HSDP replicas, so the expert pieces' broadcasts, reduces and publishes stay
+inside the ranks that hold the experts. The partition sees each EP slot's ranks as owner slots
+of the full grid (``ExpertLayout.expert_groups``).
+
 [Note: isolated process groups]
 With ``process_group_policy="isolated"`` (the default) dmuon clones the mesh's groups. dmuon issues
 asynchronous collectives (a prefetched broadcast, a post-step publish) that may still be in flight
@@ -178,6 +193,18 @@ class OwnershipMesh:
             given = f"mesh {shard} and replicate_mesh {_dims_label(self.replicate_dim_names)}"
         return f"{given}: its ownership grid spans ranks {list(self.ranks)}"
 
+    def coord_of_rank(self, rank: int) -> OwnerCoord:
+        """The (shard, replicate) coordinate of a global rank of the grid."""
+        for replicate, row in enumerate(self.rank_grid):
+            if rank in row:
+                return OwnerCoord(row.index(rank), replicate)
+        raise ValueError(f"rank {rank} is not in the ownership grid {self.rank_grid}")
+
+    def slot_of_rank(self, rank: int) -> int:
+        """The owner slot of a global rank (see [Note: slot order] in ``dmuon.partition``)."""
+        coord = self.coord_of_rank(rank)
+        return coord.replicate * self.num_shards + coord.shard
+
     def is_me(self, coord: OwnerCoord) -> bool:
         """This rank holds the owner's master (of its own TP chunk under TP), any ``coord.tp``."""
         return (coord.shard, coord.replicate) == (self.coord.shard, self.coord.replicate)
@@ -260,6 +287,173 @@ def resolve_ownership_layout(
         replicate_mesh=replicate_mesh,
         tp_mesh=_multi_rank(tp_mesh),
         model_parallel_dims=model_parallel_dims,
+    )
+
+
+EXPERT_MESH_FIX = (
+    "Pass the ep dim and the expert-FSDP dim of the mesh your experts are sharded on, which "
+    "split the shard dim given as mesh (torchtitan: mesh=parallel_dims.get_mesh('fsdp'), "
+    "ep_mesh=parallel_dims.get_mesh('ep'), expert_mesh=parallel_dims.get_mesh('efsdp')), e.g.\n"
+    '    sparse = init_device_mesh(device_type, (world // ep, ep), mesh_dim_names=("efsdp", "ep"))\n'
+    '    dmuon.dedicate_params(model, dense["fsdp"], predicate, ep_mesh=sparse["ep"], '
+    'expert_mesh=sparse["efsdp"])'
+)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ExpertLayout:
+    """This rank's validated expert-parallel meshes (see [Note: expert meshes]); no group yet."""
+
+    ep_mesh: DeviceMesh
+    expert_mesh: DeviceMesh
+
+    @property
+    def num_ep(self) -> int:
+        return self.ep_mesh.size()
+
+    @property
+    def ep_index(self) -> int:
+        return self.ep_mesh.get_local_rank()
+
+    @property
+    def expert_index(self) -> int:
+        return self.expert_mesh.get_local_rank()
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ExpertMeshes:
+    """Every EP slot's owner slots on the full grid, and this rank's expert ownership mesh."""
+
+    ep_index: int
+    num_ep: int
+    # expert_groups[e]: the full grid's owner slots of EP slot e, by its expert grid's slots.
+    expert_groups: tuple[tuple[int, ...], ...]
+    mesh: OwnershipMesh  # this rank's EP slot: its expert grid and its groups
+
+
+def resolve_expert_layout(
+    layout: OwnershipLayout, ep_mesh: DeviceMesh | None, expert_mesh: DeviceMesh | None
+) -> ExpertLayout | None:
+    """Validate the expert-parallel dims against this rank's ownership grid; no collective."""
+    if ep_mesh is None and expert_mesh is None:
+        return None
+    problem = None
+    if ep_mesh is None or expert_mesh is None:
+        given, missing = (
+            ("ep_mesh", "expert_mesh") if expert_mesh is None else ("expert_mesh", "ep_mesh")
+        )
+        problem = f"{given} was given without {missing}; expert parallelism needs both"
+    elif not isinstance(ep_mesh, DeviceMesh) or not isinstance(expert_mesh, DeviceMesh):
+        problem = (
+            f"ep_mesh and expert_mesh must be DeviceMeshes, got {type(ep_mesh).__name__} and "
+            f"{type(expert_mesh).__name__}"
+        )
+    elif layout.mesh is None:
+        problem = "mesh is None (no data-parallel mesh to split)"
+    elif ep_mesh.ndim != 1 or expert_mesh.ndim != 1:
+        problem = (
+            f"ep_mesh (dims {ep_mesh.mesh_dim_names}) and expert_mesh (dims "
+            f"{expert_mesh.mesh_dim_names}) must be 1-D"
+        )
+    elif ep_mesh.get_coordinate() is None or expert_mesh.get_coordinate() is None:
+        problem = f"this rank ({dist.get_rank()}) is not in ep_mesh or expert_mesh"
+    elif layout.tp_mesh is not None:
+        problem = "tensor parallelism with expert parallelism is not supported yet"
+    else:
+        row = next(row for row in layout.rank_grid if dist.get_rank() in row)
+        ep_ranks, expert_ranks = ep_mesh.mesh.tolist(), expert_mesh.mesh.tolist()
+        if len(ep_ranks) * len(expert_ranks) != len(row):
+            problem = (
+                f"ep_mesh has {len(ep_ranks)} ranks and expert_mesh {len(expert_ranks)}, whose "
+                f"product is not the {len(row)} ranks of the shard dim {list(row)}"
+            )
+        elif not set(ep_ranks) | set(expert_ranks) <= set(row):
+            problem = (
+                f"ep_mesh (ranks {ep_ranks}) and expert_mesh (ranks {expert_ranks}) are not "
+                f"inside this rank's shard dim (ranks {list(row)})"
+            )
+        elif set(ep_ranks) & set(expert_ranks) != {dist.get_rank()}:
+            problem = (
+                f"ep_mesh (ranks {ep_ranks}) and expert_mesh (ranks {expert_ranks}) are the same "
+                "dim or overlapping dims"
+            )
+    if problem is not None:
+        raise ValueError(f"dedicate_params: expert parallelism: {problem}.\n{EXPERT_MESH_FIX}")
+    return ExpertLayout(ep_mesh=ep_mesh, expert_mesh=expert_mesh)
+
+
+def build_expert_mesh(
+    expert_layout: ExpertLayout,
+    layout: OwnershipLayout,
+    mesh: OwnershipMesh,
+    timeout: timedelta | None = None,
+) -> ExpertMeshes:
+    """Every EP slot's expert grid and this rank's expert ``OwnershipMesh``; collective over the
+    default group (see [Note: expert meshes])."""
+    rank = dist.get_rank()
+    world_size = dist.get_world_size()
+    mine = (expert_layout.ep_index, expert_layout.expert_index, mesh.rank_grid)
+    everyone: list = [None] * world_size
+    dist.all_gather_object(everyone, mine)
+    width = mesh.num_shards // expert_layout.num_ep
+    cells: dict[tuple[int, int, int], int] = {}  # (ep, replicate, expert index) -> rank
+    for member in mesh.ranks:
+        ep, index, _ = everyone[member]
+        if 0 <= ep < expert_layout.num_ep and 0 <= index < width:
+            cells.setdefault((ep, mesh.coord_of_rank(member).replicate, index), member)
+    if len(cells) != len(mesh.ranks):
+        seen = {member: tuple(everyone[member][:2]) for member in mesh.ranks}
+        raise ValueError(
+            "dedicate_params: expert parallelism: the (ep, expert) indices of the ranks of the "
+            f"ownership grid {_as_lists(mesh.rank_grid)} are not, in every replica, each pair of "
+            f"the {expert_layout.num_ep} x {width} ep x expert product once: rank -> (ep index, "
+            f"expert index) {seen}.\n" + EXPERT_MESH_FIX
+        )
+    # Per EP slot, its expert grid [replicate][expert index].
+    groups_of_grid = [
+        tuple(
+            tuple(cells[(ep, replicate, index)] for index in range(width))
+            for replicate in range(mesh.num_replicas)
+        )
+        for ep in range(expert_layout.num_ep)
+    ]
+    expert_groups = tuple(
+        tuple(mesh.slot_of_rank(member) for row in grid for member in row)
+        for grid in groups_of_grid
+    )
+    own_grid = groups_of_grid[expert_layout.ep_index]
+    # Every rank creates every grid's groups, in one order: gather them all.
+    all_grids: list = [None] * world_size
+    dist.all_gather_object(all_grids, own_grid)
+    if timeout is None:
+        timeout = process_group_timeout(default_group())
+    if layout.process_group_policy == "isolated":
+        shard_group, replicate_group, world_group = _create_isolated_groups(
+            all_grids, own_grid, timeout
+        )
+    else:
+        shard_group = expert_layout.expert_mesh.get_group()
+        replicate_group = mesh.replicate_group
+        world_group = _create_grid_groups(all_grids, own_grid, timeout)
+    num_replicas, num_shards = len(own_grid), len(own_grid[0])
+    replicate, shard = next((r, row.index(rank)) for r, row in enumerate(own_grid) if rank in row)
+    expert_mesh = OwnershipMesh(
+        num_shards=num_shards,
+        num_replicas=num_replicas,
+        coord=OwnerCoord(shard, replicate),
+        rank_grid=own_grid,
+        shard_group=shard_group if num_shards > 1 else None,
+        replicate_group=replicate_group if num_replicas > 1 else None,
+        world_group=world_group if num_shards * num_replicas > 1 else None,
+        shard_dim_names=expert_layout.expert_mesh.mesh_dim_names,
+        replicate_dim_names=mesh.replicate_dim_names,
+        model_parallel_dims=mesh.model_parallel_dims,
+    )
+    return ExpertMeshes(
+        ep_index=expert_layout.ep_index,
+        num_ep=expert_layout.num_ep,
+        expert_groups=expert_groups,
+        mesh=expert_mesh,
     )
 
 
