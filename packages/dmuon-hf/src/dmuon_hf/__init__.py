@@ -6,8 +6,8 @@
   ``TrainingArguments(fsdp=..., fsdp_config={"fsdp_version": 2, ...})`` with dmuon, or trains a
   dedicated + ``fully_shard``-ed model as it is (no DDP/FSDP re-wrap).
 - ``qk_clip_hf(model, optimizer, threshold=100.0)``: MuonClip's QK-clip (``dmuon.QKClip``) on
-  every attention layer of a Llama / Qwen2 / Qwen3 model, observed through its attention
-  implementation.
+  every attention layer of a Llama / Qwen2 / Qwen3 / DeepSeek-V3 (MLA) model, observed through
+  its attention implementation.
 - ``DMuonAccelerator``: Accelerate's ``Accelerator`` for the same without the Trainer
   (``prepare``, ``clip_grad_norm_``, ``save_state``/``load_state``).
 
