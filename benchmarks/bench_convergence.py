@@ -559,7 +559,13 @@ def print_table(runs: list[dict], summary: dict) -> None:
 
 # ---- the plot -----------------------------------------------------------------------------------
 
-COLORS = {"adamw": "tab:blue", "dmuon": "tab:red", "normuon": "tab:orange", "bf16m": "tab:purple"}
+COLORS = {
+    "adamw": "tab:blue",
+    "dmuon": "tab:red",
+    "normuon": "tab:orange",
+    "bf16m": "tab:purple",
+    "dmuon-adamw-lr": "tab:green",
+}
 
 
 def plot(results: Path, png: Path | None) -> Path:
@@ -602,7 +608,7 @@ def plot(results: Path, png: Path | None) -> Path:
     top = max(r["curve"]["val_loss"][min(2, len(r["curve"]["val_loss"]) - 1)] for r in bests)
     axes[0].set_ylim(min(finals) - 0.05, top if bests else None)
     axes[0].set_ylabel("validation loss (nats per byte, held-out plays)")
-    axes[0].legend(fontsize=7, loc="upper right")
+    axes[1].legend(fontsize=7, loc="upper right")
     model = record["inputs"]["model"]
     figure.suptitle(
         f"Shakespeare bytes: dmuon (Muon) against FSDP2 + AdamW, {record['inputs']['num_params'] / 1e6:.1f} M "
