@@ -24,6 +24,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 import dmuon
+from dmuon.hooks import get_dedicated_state
 from dmuon.testing import batches, dedicate_and_shard_on, rank_rows
 from dmuon_kernels.newton_schulz import NewtonSchulz, newton_schulz
 from tests.distributed.scenarios_qk_clip import VOCAB, relative_errors, rope
@@ -270,11 +271,22 @@ def reference_mla_clip(model: MLADecoder, maxima: dict[int, list[float]], tau, a
 # ---- the scenarios ---------------------------------------------------------------------------
 
 
-def build_distributed(mesh_kind: str, q_lora: bool):
+def predicate_of(kv_on_adamw: bool):
+    """The projections, kv_b_proj left to FSDP2 (the AdamW route) if ``kv_on_adamw``."""
+
+    def predicate(name: str, param: nn.Parameter) -> bool:
+        if kv_on_adamw and "kv_b_proj" in name:
+            return False
+        return "proj" in name and param.ndim == 2
+
+    return predicate
+
+
+def build_distributed(mesh_kind: str, q_lora: bool, kv_on_adamw: bool = False):
     """The model on a 1-D or dp x tp mesh over every rank; (model, data rank, data ranks)."""
     world = dist.get_world_size()
     model = make_mla_model(q_lora)
-    predicate = lambda name, p: "proj" in name and p.ndim == 2  # noqa: E731
+    predicate = predicate_of(kv_on_adamw)
     if mesh_kind == "1d":
         mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("shard",))
         shard, fsdp, dp_rank, dp = mesh, mesh, mesh.get_local_rank(), world
@@ -295,12 +307,17 @@ def build_distributed(mesh_kind: str, q_lora: bool):
 
 
 def train_mla_with_qk_clip(
-    *, mesh_kind: str, threshold: float, alpha: float = 0.5, q_lora: bool = True
+    *,
+    mesh_kind: str,
+    threshold: float,
+    alpha: float = 0.5,
+    q_lora: bool = True,
+    kv_on_adamw: bool = False,
 ) -> dict:
     """``STEPS`` steps of dmuon.Muon + QKClip on MLA beside the reference; the worst relative
     weight error after each step, the heads clipped per step on both sides, and the largest
     difference between the reduced maxima and the reference's brute force."""
-    model, dp_rank, dp = build_distributed(mesh_kind, q_lora)
+    model, dp_rank, dp = build_distributed(mesh_kind, q_lora, kv_on_adamw)
     optimizer = dmuon.Muon(
         model,
         lr=0.02,
@@ -313,7 +330,7 @@ def train_mla_with_qk_clip(
     reference = make_mla_model(q_lora)
     reference_optimizer = ReferenceMuonAdamW(
         reference.named_parameters(),
-        lambda name, p: "proj" in name and p.ndim == 2,
+        predicate_of(kv_on_adamw),
         lr=0.02,
         weight_decay=0.01,
         orthogonalize=functools.partial(newton_schulz, backend="gram", dtype=torch.float32),
@@ -342,7 +359,9 @@ def train_mla_with_qk_clip(
         )
         errors = relative_errors(full_weights(model), reference)
         max_errors.append(max(errors.values()))
+    state = get_dedicated_state(model)
     return {
+        "dedicated": sorted(state.params),
         "max_errors": max_errors,
         "clipped": clipped,
         "reference_clipped": reference_clipped,

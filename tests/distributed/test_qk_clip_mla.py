@@ -30,6 +30,13 @@ def test_mla_on_a_1d_mesh_clips_like_the_report(pool2, q_lora):
     )
 
 
+def test_mla_with_kv_b_proj_on_the_adamw_route_is_clipped_on_fsdp2_shards(pool2):
+    results = pool2.run(train_mla_with_qk_clip, mesh_kind="1d", threshold=2.0, kv_on_adamw=True)
+    assert "layers.0.attn.kv_b_proj.weight" not in results[0]["dedicated"]
+    assert "layers.0.attn.q_b_proj.weight" in results[0]["dedicated"]
+    assert_clips_like_the_reference(results)
+
+
 def test_mla_alpha_splits_only_the_content_parts(pool2):
     assert_clips_like_the_reference(
         pool2.run(train_mla_with_qk_clip, mesh_kind="1d", threshold=2.0, alpha=0.3)
