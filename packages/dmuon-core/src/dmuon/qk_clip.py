@@ -346,12 +346,13 @@ class QKClip:
             maximum, on the group's query heads and the key head); see [Note: the clip].
 
     Each layer's attention calls ``record(name, max_logits)`` in every training forward (the
-    (num_heads,) maxima of ``dmuon.attention_max_logits``, or this TP rank's heads), dmuon_hf's
-    ``qk_clip_hf`` does it for HF Llama / Qwen2 / Qwen3. Forwards without grad (evaluation) are
-    not recorded. Every ``optimizer.step()`` then all-reduces the maxima (one MAX of
-    sum(num_heads) floats over the data-parallel ranks, and one over the TP ranks under tensor
-    parallelism), syncs one flag to the host, and rescales the heads over the threshold before
-    the weights are published. ``last_max_logits`` holds the reduced maxima of the last step.
+    (num_heads,) maxima of ``dmuon.attention_max_logits`` or ``dmuon.mla_max_logits``, or this
+    TP rank's heads); dmuon_hf's ``qk_clip_hf`` does it for HF Llama / Qwen2 / Qwen3 /
+    DeepSeek-V3, dmuon_titan's ``qk_clip_titan`` for torchtitan's MLA. Forwards without grad
+    (evaluation) are not recorded. Every ``optimizer.step()`` then all-reduces the maxima (one
+    MAX of sum(num_heads) floats over the data-parallel ranks, and one over the TP ranks under
+    tensor parallelism), syncs one flag to the host, and rescales the heads over the threshold
+    before the weights are published. ``last_max_logits`` holds the reduced maxima of the last step.
 
     There is no state to checkpoint: the clip only changes weights, which the checkpoints hold.
     """
