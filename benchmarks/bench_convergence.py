@@ -33,7 +33,8 @@ never used), concatenated as bytes; ``HELD_OUT`` plays (both their versions) are
 set. Windows of seq + 1 bytes at stride seq; one epoch at most, so no window is seen twice.
 Steps: the most that fit ``--time-budget`` (the script's own wall time, data and calibration
 included) for every planned run, at most one epoch (``--steps`` fixes them); a run that would
-still pass the budget is skipped and recorded as such.
+still pass the budget is skipped and recorded as such; time left at the end goes to up to
+``--spare-seeds`` more seeds of both best runs.
 
 Reported: per run the validation curve (tokens, training seconds, loss in nats per byte) and
 final loss; per arm the best lr (lowest final loss), and for a target loss both best runs reach
@@ -655,6 +656,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--seeds", type=int, default=2, help="runs of each arm's best lr")
     parser.add_argument(
+        "--spare-seeds",
+        type=int,
+        default=2,
+        help="more seeds of both best runs where the time budget has room left (default 2)",
+    )
+    parser.add_argument(
         "--extras",
         default="normuon,bf16m,dmuon-adamw-lr",
         help="dmuon variants at its best lr ('' for none; dmuon-adamw-lr: the AdamW route at "
@@ -880,6 +887,15 @@ def main(argv: list[str] | None = None) -> int:
         if "dmuon" in best_lr:
             adamw_lr = best_lr["adamw"] if arm == "dmuon-adamw-lr" else None
             run(RunSpec(arm=arm, lr=best_lr["dmuon"], seed=0, role="extra", adamw_lr=adamw_lr))
+    # Time left over (a faster device than planned for): more seeds of both best runs, in pairs.
+    seed = args.seeds
+    while len(best_lr) == len(SWEPT_ARMS) and seed < args.seeds + args.spare_seeds:
+        pair = sum(run_seconds(arm, steps, evals, calibration) for arm in SWEPT_ARMS)
+        if time.perf_counter() + pair > deadline:
+            break
+        for arm in SWEPT_ARMS:
+            run(RunSpec(arm=arm, lr=best_lr[arm], seed=seed, role="seed"))
+        seed += 1
 
     summary = summarize(runs, args.target_margin, args.target)
     print()
@@ -903,6 +919,7 @@ def main(argv: list[str] | None = None) -> int:
             "adamw_lrs": list(args.adamw_lrs),
             "muon_lrs": list(args.muon_lrs),
             "seeds": args.seeds,
+            "spare_seeds": args.spare_seeds,
             "extras": extras,
             "schedule": {
                 "warmup_fraction": args.warmup_fraction,
