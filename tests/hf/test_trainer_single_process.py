@@ -262,10 +262,9 @@ def fsdp_arguments(tmp_path, **fsdp_config) -> TrainingArguments:
     [
         ({"fsdp_version": 1}, "dmuon_hf: fsdp_version=1 asks for FSDP1; dmuon works with FSDP2 only."),
         ({"cpu_offload": True}, "dmuon_hf: cpu_offload is not supported with dmuon"),
-        ({"cpu_ram_efficient_loading": True}, "dmuon_hf: cpu_ram_efficient_loading is not supported yet"),
         ({"fp16": True}, "dmuon_hf: fp16 is not supported yet"),
     ],
-    ids=["fsdp1", "cpu_offload", "cpu_ram_efficient_loading", "fp16"],
+    ids=["fsdp1", "cpu_offload", "fp16"],
 )  # fmt: skip
 def test_fsdp_settings_dmuon_does_not_support_are_refused_with_the_fix(
     tmp_path, fsdp_config, message

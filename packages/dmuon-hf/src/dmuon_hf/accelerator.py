@@ -125,7 +125,8 @@ class DMuonAccelerator(Accelerator):
                     "sharded here: pass fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2, "
                     "...) to DMuonAccelerator, or call dmuon.dedicate_params and fully_shard first."
                 )
-            model.to(self.device)
+            if not self._sharding.loads_on_first_rank:  # else the other ranks' are on meta
+                model.to(self.device)
             dedicate_and_shard(model, self._sharding, self.device)
         # Autocast only: Accelerate marks it prepared and never wraps or moves it.
         return self.prepare_model(model, device_placement=False, evaluation_mode=True)

@@ -23,11 +23,22 @@ What each plugin field becomes:
   ``dedicate_params``, so parameter names stay canonical).
 - ``ParallelismConfig(dp_replicate_size=R, dp_shard_size=S)``: HSDP, a (R, S) mesh named
   ("replicate", "shard"); dmuon owns over the shard dim and publishes across the replicate dim.
+- ``cpu_ram_efficient_loading``: only the first rank holds the weights (transformers'
+  ``from_pretrained`` under ``accelerate launch --fsdp_cpu_ram_efficient_loading true`` loads
+  them there and leaves the other ranks' on the meta device). The first rank keeps its full
+  state dict (after the fp32 upcast), every rank moves the model to the meta device, dedicates
+  and shards it there, materialises it with ``to_empty`` and loads that dict with
+  ``dmuon.checkpoint.set_model_state_dict(..., broadcast_from_rank0=True)``: each owner
+  receives only its matrices, FSDP2's parameters their shards, as Accelerate's
+  ``fsdp2_load_full_state_dict`` does. Non-persistent buffers (rotary frequencies), which no
+  state dict holds, are the first rank's too (sent once, as objects); tied weights are tied
+  again.
 
 Refused with the fix (nothing silently ignored): FSDP1, ``cpu_offload``, ``ignored_modules``,
-``cpu_ram_efficient_loading``, ``fp16`` (its loss scaler's per-rank inf check) and
-tensor/context/sequence parallel sizes above 1. It must not
-build the optimizer, touch Accelerate's state, or move data between ranks itself.
+``fp16`` (its loss scaler's per-rank inf check) and tensor/context/sequence parallel sizes above
+1. It must not build the optimizer, touch Accelerate's state, or move data between ranks itself
+(the first rank's weights travel through ``dmuon.checkpoint``; only its non-persistent buffers
+are sent here).
 """
 
 from __future__ import annotations
@@ -40,10 +51,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 import dmuon
+import dmuon.checkpoint
 from dmuon_hf.predicates import Predicate, default_predicate
 
 _MIXED_PRECISION = {"no": None, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -59,6 +72,11 @@ class ShardingRequest:
     mixed_precision: str = "no"
     predicate: Predicate | None = None
 
+    @property
+    def loads_on_first_rank(self) -> bool:
+        """``cpu_ram_efficient_loading``: only the first rank holds the model's weights."""
+        return bool(getattr(self.plugin, "cpu_ram_efficient_loading", False))
+
     def check(self) -> None:
         """Raise for what dmuon_hf does not do, before any model is touched."""
         plugin = self.plugin
@@ -73,11 +91,6 @@ class ShardingRequest:
             raise ValueError(
                 "dmuon_hf: ignored_modules is not supported; leave the parameters out of the "
                 "predicate instead (dmuon's AdamW route on FSDP2 shards), or freeze them."
-            )
-        if getattr(plugin, "cpu_ram_efficient_loading", False):
-            raise ValueError(
-                "dmuon_hf: cpu_ram_efficient_loading is not supported yet: load the model on "
-                "every rank (the default, cpu_ram_efficient_loading=False)."
             )
         if self.mixed_precision == "fp16":
             raise ValueError(
@@ -119,6 +132,9 @@ def dedicate_and_shard(model: nn.Module, request: ShardingRequest, device: torch
     replicate_mesh, shard_mesh, fsdp_mesh = _meshes(request.parallelism_config, device)
     units = _units(model, plugin)  # decided on the plain model, as Accelerate sees it
     _upcast_trainable_to_fp32(model, request.mixed_precision)
+    first_ranks_weights = None
+    if request.loads_on_first_rank:
+        first_ranks_weights = _WeightsOnFirstRank.take(model)
     mp_policy = _mixed_precision_policy(plugin, request.mixed_precision)
     predicate = request.predicate or default_predicate(model)
     dmuon.dedicate_params(
@@ -141,6 +157,72 @@ def dedicate_and_shard(model: nn.Module, request: ShardingRequest, device: torch
         shard(unit, reshard_after_forward=bool(plugin.reshard_after_forward))
     if not isinstance(model, FSDPModule):
         shard(model)
+    if first_ranks_weights is not None:
+        first_ranks_weights.load_into(model, device)
+
+
+@dataclass(slots=True)
+class _WeightsOnFirstRank:
+    """``cpu_ram_efficient_loading``: the first rank's full state dict ({} elsewhere) and each
+    rank's non-persistent buffers, taken before the model goes to the meta device."""
+
+    state_dict: dict[str, torch.Tensor]
+    non_persistent_buffers: dict[str, torch.Tensor]
+
+    @classmethod
+    def take(cls, model: nn.Module) -> _WeightsOnFirstRank:
+        first = dist.get_rank() == 0
+        state_dict = {key: value.detach() for key, value in model.state_dict().items()}
+        if first and any(value.is_meta for value in state_dict.values()):
+            meta = [key for key, value in state_dict.items() if value.is_meta][:5]
+            raise ValueError(
+                f"dmuon_hf: cpu_ram_efficient_loading loads the weights the first rank holds, "
+                f"but there {len(meta)}+ are on the meta device ({meta}); load the model with "
+                "from_pretrained on the first rank (accelerate launch --fsdp_cpu_ram_efficient_"
+                "loading true does so), or leave cpu_ram_efficient_loading off."
+            )
+        # No state dict holds them, and the other ranks' may be on the meta device too: every
+        # rank takes the first rank's (small: rotary frequencies, masks), in one message.
+        buffers = [
+            {
+                name: buffer.detach().cpu().clone()
+                for name, buffer in model.named_buffers()
+                if name.rsplit(".", 1)[-1] in _non_persistent_names(model, name)
+            }
+            if first
+            else None
+        ]
+        dist.broadcast_object_list(buffers, src=0)
+        model.to(torch.device("meta"))
+        _tie_weights(model)
+        return cls(state_dict if first else {}, buffers[0])
+
+    def load_into(self, model: nn.Module, device: torch.device) -> None:
+        model.to_empty(device=device)
+        dmuon.checkpoint.set_model_state_dict(
+            model,
+            self.state_dict,
+            options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True),
+        )
+        self.state_dict = {}
+        for name, buffer in self.non_persistent_buffers.items():
+            module_name, _, attr = name.rpartition(".")
+            model.get_submodule(module_name).register_buffer(
+                attr, buffer.to(device), persistent=False
+            )
+        _tie_weights(model)
+
+
+def _non_persistent_names(model: nn.Module, buffer_name: str) -> set[str]:
+    module_name = buffer_name.rpartition(".")[0]
+    return model.get_submodule(module_name)._non_persistent_buffers_set
+
+
+def _tie_weights(model: nn.Module) -> None:
+    # Moving to the meta device (and to_empty) makes new parameters: an output head tied to the
+    # input embeddings must point at the same one again, as Accelerate re-ties.
+    if hasattr(model, "tie_weights"):
+        model.tie_weights()
 
 
 def _meshes(parallelism_config, device: torch.device):

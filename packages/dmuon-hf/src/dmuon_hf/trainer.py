@@ -223,6 +223,8 @@ class DMuonTrainer(Trainer):
 
     def _move_model_to_device(self, model: nn.Module, device: torch.device) -> None:
         if not dmuon.inspect.is_prepared(model):  # a plain model DMuonTrainer will shard
+            if self._sharding is not None and self._sharding.loads_on_first_rank:
+                return None  # the first rank's weights are loaded onto the device when sharded
             return super()._move_model_to_device(model, device)
         # The dedicated weights live in owner segments and the rest in FSDP2 shards: .to() must
         # not touch them. The user places the model before dedicate_params.
