@@ -16,6 +16,8 @@ import torch.distributed as dist
 
 import dmuon.checkpoint as dckpt
 from dmuon.optim_layout import LAYOUT_KEY
+from tests.distributed import scenarios_pipeline
+from tests.distributed.models import rank_rows
 from tests.distributed.scenarios_checkpoint import SAVE_AT, STEPS, build, full_weights, train
 
 
@@ -72,6 +74,28 @@ def load_another_file(path: str, file_rank: int | None = None, drop_record: bool
     after = torch.optim.Optimizer.state_dict(optimizer)
     unchanged = _same(before, after)
     train(model, optimizer, range(1, 2))
+    return {"error": error, "unchanged": unchanged, "stepped": True}
+
+
+def pipeline_stage_loads_the_first_ranks_file(path: str) -> dict:
+    """A pipeline of one stage a rank (dp 1: each rank its own ownership grid): each rank saves
+    its stage's optimizer state dict, then loads the first rank's, then its own, and steps on."""
+    config = scenarios_pipeline.PipelineConfig(schedule="gpipe", dp=1, steps=2)
+    pipeline = scenarios_pipeline.build_pipeline(config)
+    first, second = (rank_rows(b, 0, 1) for b in scenarios_pipeline.data(config))
+    pipeline.train_step(first)
+    optimizer = pipeline.optimizers[0]
+    torch.save(optimizer.state_dict(), _file_of(path, dist.get_rank()))
+    dist.barrier()
+    before = copy.deepcopy(torch.optim.Optimizer.state_dict(optimizer))
+    error = None
+    try:
+        optimizer.load_state_dict(torch.load(_file_of(path, 0)))
+    except ValueError as caught:
+        error = str(caught)
+    unchanged = _same(before, torch.optim.Optimizer.state_dict(optimizer))
+    optimizer.load_state_dict(torch.load(_file_of(path, dist.get_rank())))
+    pipeline.train_step(second)
     return {"error": error, "unchanged": unchanged, "stepped": True}
 
 

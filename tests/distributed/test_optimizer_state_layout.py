@@ -103,6 +103,17 @@ def test_hsdp_files_loaded_on_a_1d_layout_of_the_same_size_raise_naming_the_grid
     )
 
 
+def test_a_pipeline_stage_given_the_first_ranks_file_raises_on_every_stage(pool2, tmp_path):
+    # One stage a rank: each rank is its own ownership grid, so the ranks agree over the
+    # default group; the first rank, whose own file it is, raises too.
+    results = pool2.run(scenarios.pipeline_stage_loads_the_first_ranks_file, path=str(tmp_path))
+    assert_refused_on_every_rank(
+        results,
+        "on rank 1 of 2:",
+        "rank 1: it was written by rank 0 of 2, and is loaded on rank 1 of 2.",
+    )
+
+
 def test_a_file_without_the_layout_record_is_refused_on_every_rank_with_how_to_add_it(
     pool2, per_rank_files
 ):

@@ -526,15 +526,11 @@ class Muon(torch.optim.Optimizer):
         (``normuon``, ``momentum_dtype``: a checkpoint of another rule loads into this one), and
         a key the saved groups lack (an option newer than the checkpoint) keeps its value.
 
-        Collective over the ownership grid: a dict written on another rank or layout (or, with
+        Collective over every rank: a dict written on another rank or layout (or, with
         several ranks, without a layout record) raises ValueError on every rank before anything
         changes (see [Note: per-rank state dicts] in ``dmuon.optim_layout``)."""
         _refuse_torch_checkpoint_state_dict(sys._getframe(1), "set_optimizer_state_dict")
-        check_layout(
-            state_dict,
-            layout_record(self._dedicated.mesh, self._facts),
-            self._dedicated.mesh.world_group,
-        )
+        check_layout(state_dict, layout_record(self._dedicated.mesh, self._facts))
         before = [{k: v for k, v in group.items() if k != "params"} for group in self.param_groups]
         super().load_state_dict(without_layout(state_dict))
         for group, kept in zip(self.param_groups, before):

@@ -3,7 +3,7 @@ on another rank or layout.
 
 Owns the record a per-rank state dict carries (``LAYOUT_KEY``: world size, rank, the ownership
 grid's shape, the owner of every trainable parameter) and the check ``Muon.load_state_dict``
-runs before anything changes, agreed across the ranks of the ownership grid. It must not load,
+runs before anything changes, agreed across every rank. It must not load,
 read or change optimizer state, nor decide owners (it records ``dmuon.routing``'s facts).
 
 [Note: per-rank state dicts]
@@ -15,10 +15,13 @@ momenta and AdamW shards (0.56 relative from the uninterrupted run after 2 steps
 of 2 ranks loaded on 4 failed torch's group-size check (a bare ``ValueError``) on two ranks while
 the other two loaded mismatched shapes and went on. So the dict records its layout, and
 ``check_layout`` compares it with the loading rank's: each rank finds its own difference, the
-verdicts are gathered over the ownership grid (one ``all_gather_object`` of a short string or
+verdicts are gathered over the default group (one ``all_gather_object`` of a short string or
 None), and every rank raises the same ``ValueError`` naming ``dmuon.checkpoint`` (which
 reshards) if any rank differs, so none loads and none waits in a later collective for the
-others. The normal resume (each rank its own file, same layout) loads exactly as torch's.
+others. The default group, not the ownership grid: a TP peer or another pipeline stage sits in
+another grid, and a rank that loaded while its grid's neighbour raised would wait for it in the
+next step. So every rank loads its optimizers' dicts in the same order (as torch's habit and
+the trainers do: each rank loads its own files), as for any collective. The normal resume (each rank its own file, same layout) loads exactly as torch's.
 
 A dict without the record (written by a dmuon before it, or built by hand) is loaded as torch
 would only where there is one layout: one process, every matrix owned here (torch's own
@@ -65,19 +68,17 @@ def layout_record(mesh: OwnershipMesh, facts: Sequence[ParamFacts]) -> dict[str,
     }
 
 
-def check_layout(
-    state_dict: Mapping[str, Any], here: dict[str, Any], group: dist.ProcessGroup | None
-) -> None:
-    """Raise ValueError on every rank of ``group`` (the ownership grid; None: this process
-    alone) if the per-rank ``state_dict`` any of them loads was written on another rank or
-    layout than ``here`` (``layout_record``'s); see [Note: per-rank state dicts]. Collective
-    when ``group`` is given; reads nothing but the record."""
+def check_layout(state_dict: Mapping[str, Any], here: dict[str, Any]) -> None:
+    """Raise ValueError on every rank if the per-rank ``state_dict`` any rank loads was written
+    on another rank or layout than its ``here`` (``layout_record``'s); see [Note: per-rank state
+    dicts]. Collective over the default group when there are several ranks; reads nothing but
+    the record."""
     problem = _difference(state_dict.get(LAYOUT_KEY), here)
-    if group is None:
+    if here["world_size"] == 1:
         verdicts = [(here["rank"], problem)]
     else:
-        verdicts = [None] * dist.get_world_size(group)
-        dist.all_gather_object(verdicts, (here["rank"], problem), group=group)
+        verdicts = [None] * here["world_size"]
+        dist.all_gather_object(verdicts, (here["rank"], problem))
     failed = [(rank, text) for rank, text in verdicts if text is not None]
     if not failed:
         return
