@@ -158,3 +158,25 @@ def errors() -> dict[str, str]:
         except ValueError as error:
             messages[name] = str(error)
     return messages
+
+
+def partial_dict_and_other_ranks_dicts() -> dict:
+    """Rank 0's dict lacks two keys (``strict=False``); the other ranks pass a dict of zeros,
+    which must be ignored. The keys missing on every rank, and the weights after."""
+    full = checkpoint_values("decoder")
+    lacking = ("layers.0.q_proj.weight", "embed.weight")
+    if dist.get_rank() == 0:
+        given = {key: value for key, value in full.items() if key not in lacking}
+    else:
+        given = {key: torch.zeros_like(value) for key, value in full.items()}
+    model = build("decoder", 1, 1, meta=False)
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False)
+    result = dckpt.set_model_state_dict(model, given, options=options)
+    torch.manual_seed(0)
+    built = TinyDecoder().state_dict()
+    return {
+        "missing": result.missing_keys,
+        "unexpected": result.unexpected_keys,
+        "weights": weights(model),
+        "expected": {key: built[key] if key in lacking else full[key] for key in full},
+    }

@@ -92,3 +92,13 @@ def test_a_mis_shaped_value_on_rank0_raises_on_every_rank_and_misplaced_options_
         assert messages["set_state_dict"].startswith(
             "dmuon.checkpoint.set_state_dict does not take StateDictOptions(broadcast_from_rank0"
         )
+
+
+def test_keys_missing_on_rank0_are_reported_on_every_rank_and_other_ranks_dicts_are_ignored(
+    pool2,
+):
+    first, second = pool2.run(scenarios.partial_dict_and_other_ranks_dicts)
+    for report in (first, second):
+        assert report["missing"] == ["embed.weight", "layers.0.q_proj.weight"]
+        assert report["unexpected"] == []
+    assert_equal(first["weights"], first["expected"])  # the missing ones keep their values
