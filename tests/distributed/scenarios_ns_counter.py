@@ -15,7 +15,12 @@ import torch.distributed as dist
 
 import dmuon
 import dmuon.inspect
-from tests.distributed import scenarios_moe, scenarios_pipeline, scenarios_update_rules
+from tests.distributed import (
+    scenarios_checkpoint,
+    scenarios_moe,
+    scenarios_pipeline,
+    scenarios_update_rules,
+)
 from tests.distributed.models import batches, loss_fn, rank_rows
 
 MICRO_BATCHES = 4
@@ -78,4 +83,12 @@ def expert_stacks(steps: int, replicas: int = 1) -> dict:
     model, runner, optimizer, _ = scenarios_moe.build(config)
     for batch in batches(steps, dist.get_world_size(), per_rank=MICRO_BATCHES):
         scenarios_moe.train_step(model, runner, optimizer, batch, config)
+    return _counted(optimizer)
+
+
+def tensor_parallel(steps: int, tp: int = 2) -> dict:
+    """``steps`` steps of ``scenarios_checkpoint``'s dp x tp model (torch's colwise / rowwise
+    plan on "tp", dmuon and FSDP2 on "dp")."""
+    model, optimizer = scenarios_checkpoint.build(tp=tp)
+    scenarios_checkpoint.train(model, optimizer, range(steps))
     return _counted(optimizer)

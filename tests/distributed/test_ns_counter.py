@@ -101,6 +101,18 @@ def test_each_expert_of_a_stack_counts_one_newton_schulz_a_step_on_its_owner(poo
     assert any(isinstance(owner, tuple) for owner in results[0]["owners"].values())
 
 
+def test_a_tensor_parallel_matrix_counts_one_newton_schulz_a_step_on_each_tp_rank_of_its_owner(
+    pool4,
+):
+    # dp 2 x tp 2: the owner's TP ranks each hold a chunk of the master and apply their chunk of
+    # the one Newton-Schulz output, so each counts k; the other dp rank's pair counts 0.
+    results = pool4.run(scenarios.tensor_parallel, steps=STEPS)
+    for fqn, owner in results[0]["owners"].items():
+        counted = {r["rank"]: r["counts"][fqn] for r in results if r["counts"][fqn]}
+        assert set(counted.values()) == {STEPS}, (fqn, counted)
+        assert len(counted) == 2 and owner in counted, (fqn, owner, counted)
+
+
 def test_in_one_process_every_matrix_counts_every_step_and_a_fresh_optimizer_none():
     model, optimizer = scenarios_checkpoint.build(replicas=0)
     assert set(dmuon.inspect.newton_schulz_counts(optimizer).values()) == {0}
