@@ -20,6 +20,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 import dmuon
@@ -295,7 +296,8 @@ def state_dict_layout(replicas: int = 1) -> dict:
         },
         "sharded_model": {
             name: (
-                type(sharded_model[name]).__name__,
+                # A DTensor (the entry's class is dmuon's subclass, whose full_tensor gathers).
+                "DTensor" if isinstance(sharded_model[name], DTensor) else "plain",
                 tuple(sharded_model[name].shape),
                 _local_expert_ranges(sharded_model[name]),
             )

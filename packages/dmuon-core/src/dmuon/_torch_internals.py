@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 from torch.nn.parallel import DistributedDataParallel
 
 TESTED_TORCH = "2.11 to 2.13"
@@ -271,8 +271,28 @@ def local_shards(value: torch.Tensor):
 
 
 class ExpertShards(LocalShardsWrapper):
-    """torch's ``LocalShardsWrapper``, plus the identity view of several (e, m, n) chunks: torch's
-    takes the view ``DTensor.from_local`` makes of it only for 1-D and 2-D chunks."""
+    """torch's ``LocalShardsWrapper`` for an expert stack's state-dict entry, plus what torch's
+    lacks and checkpoint code does with an entry (torchtitan's ``ModelWrapper`` compares each
+    entry's storage with its cached one and copies into the cached one when they differ):
+
+    - the identity view ``DTensor.from_local`` makes of it, for (e, m, n) chunks too (torch's
+      takes it only for 1-D and 2-D chunks when a rank holds several), keeping the class;
+    - ``untyped_storage()`` and ``data_ptr()``: those of its first chunk (torch's wrapper has no
+      storage and raises), so two entries over the same chunks share storage, as two state dicts
+      of one plain model do;
+    - ``copy_`` from another wrapper with the same chunks, chunk by chunk; ``_to_copy`` and
+      ``clone`` keep the class.
+    """
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.ops.aten.copy_.default:
+            return cls._copy_chunks(args[0], args[1])
+        result = LocalShardsWrapper.__torch_dispatch__.__func__(cls, func, types, args, kwargs)
+        if type(result) is LocalShardsWrapper:  # torch's handlers build the base class
+            return ExpertShards(result.local_shards(), result.local_offsets())
+        return result
 
     @staticmethod
     def handle_view(args, kwargs):
@@ -284,6 +304,75 @@ class ExpertShards(LocalShardsWrapper):
             ]
             return ExpertShards(views, wrapper.local_offsets())
         return LocalShardsWrapper.handle_view(args, kwargs)
+
+    @staticmethod
+    def _copy_chunks(target: ExpertShards, source: torch.Tensor) -> ExpertShards:
+        if not isinstance(source, LocalShardsWrapper) or list(source.local_offsets()) != list(
+            target.local_offsets()
+        ):
+            raise NotImplementedError(
+                "copy_ into an expert stack's state-dict entry takes the entry of the same "
+                f"stack on the same layout (chunks at {list(target.local_offsets())}), got "
+                f"{type(source).__name__}"
+                + (
+                    f" with chunks at {list(source.local_offsets())}"
+                    if isinstance(source, LocalShardsWrapper)
+                    else ""
+                )
+                + "; load other layouts with dmuon.checkpoint.set_model_state_dict."
+            )
+        for mine, theirs in zip(target.local_shards(), source.local_shards(), strict=True):
+            mine.copy_(theirs)
+        return target
+
+    def untyped_storage(self) -> torch.UntypedStorage:
+        shards = self.local_shards()
+        return shards[0].untyped_storage() if shards else torch.UntypedStorage(0)
+
+    def data_ptr(self) -> int:
+        shards = self.local_shards()
+        return shards[0].data_ptr() if shards else 0
+
+
+class ExpertStackEntry(DTensor):
+    """The DTensor of an expert stack's state-dict entry (its local tensor an ``ExpertShards``),
+    whose ``full_tensor()`` gathers the stack: each rank's chunks sit at their offsets, which a
+    ``Shard(0)`` redistribute (even chunks in rank order) cannot describe. Collective over the
+    entry's mesh, as ``DTensor.full_tensor``. ``detach()`` keeps the class (``state_dict()``
+    detaches every entry)."""
+
+    def detach(self) -> ExpertStackEntry:
+        return ExpertStackEntry(self._local_tensor, self._spec, requires_grad=False)
+
+    def full_tensor(self, *, grad_placements=None) -> torch.Tensor:
+        chunks = self._local_tensor
+        full = torch.zeros(self.shape, dtype=self.dtype, device=chunks.device)
+        for chunk, offsets in zip(chunks.local_shards(), chunks.local_offsets(), strict=True):
+            full[offsets[0] : offsets[0] + chunk.shape[0]] = chunk
+        # Each element is held by one rank and zero elsewhere: the sum is exact.
+        dist.all_reduce(full, group=self.device_mesh.get_group())
+        return full
+
+
+def expert_stack_entry(
+    chunks: list[torch.Tensor], offsets: list[tuple[int, ...]], mesh: DeviceMesh, shape
+) -> ExpertStackEntry:
+    """The ``ExpertStackEntry`` of global ``shape`` whose local ``chunks`` (e, m, n) start at
+    ``offsets``, over ``mesh``. ``DTensor.from_local`` builds it; the class is then the entry's
+    (torch's constructor, which ``from_local`` calls, is private)."""
+    local = ExpertShards(chunks, offsets)
+    value = DTensor.from_local(
+        local, mesh, [Shard(0)], run_check=False, shape=shape, stride=_contiguous_strides(shape)
+    )
+    return ExpertStackEntry(value._local_tensor, value._spec, requires_grad=False)
+
+
+def _contiguous_strides(shape) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= size
+    return tuple(reversed(strides))
 
 
 def flatten_state_dict(state_dict: dict) -> tuple[dict, dict]:

@@ -67,6 +67,16 @@ included, from the wrapper, writes and reads them in place, and sees the DTensor
 Nothing but DCP and ``piece_value`` should compute with it. torch's wrapper takes the identity
 view that ``DTensor.from_local`` makes only for 1-D and 2-D chunks when a rank holds several, so
 stacks use ``_torch_internals.ExpertShards``, which takes it for (e, m, n) chunks too.
+
+What trainers do with a state dict besides DCP works on the entry as on any tensor entry
+(``_torch_internals.ExpertShards`` and ``ExpertStackEntry`` say how): its storage's
+``data_ptr`` (torchtitan's ``ModelWrapper`` caches the state dict and compares storages each
+save; two entries over the same masters share it), ``copy_`` from an entry of the same layout
+(the cache's refresh), ``.to(dtype)`` (the final export) and ``full_tensor()``, which gathers
+the stack over the entry's mesh (every rank of the ownership grid: the partition gives each
+rank a slice of a stack it splits, ``min(E, S)`` slices, when the balance allows; a rank
+without one has no entry to call it on, and ``dmuon.checkpoint``'s full state dict is the
+collective that needs none).
 """
 
 from __future__ import annotations
@@ -83,9 +93,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate
 
-from dmuon._torch_internals import ExpertShards, local_shards
+from dmuon._torch_internals import expert_stack_entry, local_shards
 from dmuon.experts import ExpertStack
 from dmuon.param import DedicatedParam
 
@@ -252,12 +262,10 @@ def stack_entry(
     pieces = sorted(owned, key=lambda piece: piece.experts[0])
     tensors = [owned[piece] for piece in pieces]
     trailing = (0,) * (tensors[0].ndim - 1)
-    local = ExpertShards(tensors, [(piece.experts[0], *trailing) for piece in pieces])
+    offsets = [(piece.experts[0], *trailing) for piece in pieces]
     mesh = DeviceMesh.from_group(group, tensors[0].device.type)
     shape = torch.Size([stack.num_experts, *tensors[0].shape[1:]])
-    return DTensor.from_local(
-        local, mesh, [Shard(0)], run_check=False, shape=shape, stride=_contiguous_strides(shape)
-    )
+    return expert_stack_entry(tensors, offsets, mesh, shape)
 
 
 def piece_value(piece: DedicatedParam, value: torch.Tensor) -> torch.Tensor:
@@ -277,14 +285,6 @@ def piece_value(piece: DedicatedParam, value: torch.Tensor) -> torch.Tensor:
         f"experts [{start}, {stop}) on this rank; load sharded checkpoints into the state dict "
         "dmuon.checkpoint.get_state_dict returns on this layout, or pass a full tensor."
     )
-
-
-def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
-    strides, step = [], 1
-    for size in reversed(shape):
-        strides.append(step)
-        step *= size
-    return tuple(reversed(strides))
 
 
 # ---- loading ----------------------------------------------------------------------------------
