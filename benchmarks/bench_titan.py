@@ -15,8 +15,13 @@ host-included (wall clock between synchronisations) and device-only (CUDA events
 the optimizer step alone (CUDA events), peak memory, and the last loss. Attention is causal
 SDPA in every variant (FlexAttention would compile).
 
-torchtitan 0.3 targets a torch nightly; where it does not import or run with the installed torch,
-the JSON records the error and the script exits 0.
+torchtitan 0.3.0 runs on torch 2.13 (the pair dmuon-titan is tested with) but for one call:
+after the first step ``Trainer.train()`` shortens every group's timeout with
+``torch.distributed.set_timeout``, a function of a later torch (2.13 has the method on each
+``ProcessGroup``). Each worker gives torch that function when it lacks it, before training, and
+the JSON lists it under ``shims`` (the same line the README's troubleshooting gives users). Where
+torchtitan does not import or run with the installed torch, the JSON records the error and the
+script exits 0.
 
 Usage (repository root; on the GPU machine with the package sources and torchtitan's wheels on
 the path)::
@@ -172,6 +177,7 @@ def _train(args) -> dict:
         import dmuon_titan
 
         config = dmuon_titan.enable(config)
+    shims = _torch_functions_torchtitan_calls()
     trainer = config.build()
     device = trainer.device
     step_times, device_times, optimizer_times, losses = [], [], [], []
@@ -217,9 +223,25 @@ def _train(args) -> dict:
         "first_step_s": step_times[0],
         "losses": losses,
         "gpu": torch.cuda.get_device_name(device),
+        "shims": shims,
     }
     trainer.close()
     return result
+
+
+def _torch_functions_torchtitan_calls() -> list[str]:
+    """Give torch the functions torchtitan 0.3.0 calls that this torch lacks; their names."""
+    import torch.distributed as dist
+
+    shims = []
+    if not hasattr(dist, "set_timeout"):  # torch 2.13: the method of each process group
+
+        def set_timeout(timeout, group=None):
+            (group if group is not None else dist.group.WORLD).set_timeout(timeout)
+
+        dist.set_timeout = set_timeout
+        shims.append("torch.distributed.set_timeout (ProcessGroup.set_timeout)")
+    return shims
 
 
 def _write(path: Path, record: dict) -> None:

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import StateDictOptions
 from torch.distributed.tensor import DTensor
 from torchtitan.models.llama3 import config_registry as llama3_registry
+from torchtitan.models.qwen3 import config_registry as qwen3_registry
 
 import dmuon.checkpoint
 import dmuon_titan
@@ -46,10 +47,15 @@ LAYERS = 2
 class Job:
     """One torchtitan run: its layout, precision and options."""
 
+    model: str = "llama3"  # a key of MODELS
     steps: int = 3
     dp_shard: int = -1  # -1: every rank no other dim uses
     dp_replicate: int = 1
     pp: int = 1
+    # torchtitan's own split into (virtual) stages of this many blocks each; None: one stage a
+    # rank. With 1, the embeddings and the norm + head are stages of their own, with no block.
+    pp_layers_per_stage: int | None = None
+    pp_schedule: str = "1F1B"
     tp: int = 1
     local_batch: int = 2
     seq_len: int = 16
@@ -65,12 +71,24 @@ class Job:
     checkpoint_interval: int = 10_000
     load_step: int = -1
     load_model_only: bool = False
+    exclude_from_loading: list[str] = field(default_factory=list)
+    # The last step's checkpoint: the model alone in this dtype (torchtitan's final export), or
+    # None for a full checkpoint.
+    export_dtype: str | None = None
     dmuon_options: dict = field(default_factory=dict)
 
 
+# The registry job each ``Job.model`` runs: llama3's dense debug model, or qwen3's MoE one (its
+# experts cut to a few small ones, ``titan_on_cpu.few_experts``).
+MODELS = {"llama3": llama3_registry.llama3_debugmodel, "qwen3_moe": qwen3_registry.qwen3_moe_debug}
+
+
 def make_config(job: Job, dump_folder: str):
+    registry_config = MODELS[job.model]()
+    if job.model == "qwen3_moe":
+        titan_on_cpu.few_experts(registry_config.model_spec)
     config = titan_on_cpu.on_cpu(
-        llama3_registry.llama3_debugmodel(),
+        registry_config,
         dump_folder=dump_folder,
         steps=job.steps,
         layers=LAYERS,
@@ -84,7 +102,8 @@ def make_config(job: Job, dump_folder: str):
     parallelism.pipeline_parallel_degree = job.pp
     parallelism.tensor_parallel_degree = job.tp
     if job.pp > 1:
-        parallelism.pipeline_parallel_schedule = "1F1B"
+        parallelism.pipeline_parallel_schedule = job.pp_schedule
+        parallelism.pipeline_parallel_layers_per_stage = job.pp_layers_per_stage
         parallelism.pipeline_parallel_microbatch_size = 1
     config.training.max_norm = job.max_norm
     if job.compile:
@@ -110,9 +129,11 @@ def _checkpointing(checkpoint, job: Job) -> None:
         return
     checkpoint.folder = job.checkpoint_folder
     checkpoint.interval = job.checkpoint_interval
-    checkpoint.last_save_model_only = False
+    checkpoint.last_save_model_only = job.export_dtype is not None
+    checkpoint.export_dtype = job.export_dtype or "float32"
     checkpoint.keep_latest_k = 0
     checkpoint.load_step = job.load_step
+    checkpoint.exclude_from_loading = list(job.exclude_from_loading)
     if job.load_model_only:
         checkpoint.exclude_from_loading = ["optimizer", "lr_scheduler", "dataloader", "train_state"]
 
@@ -328,3 +349,69 @@ def _set_lr(optimizer, lr: float) -> None:
         return
     for group in optimizer.param_groups:
         group["lr"] = lr
+
+
+# ---- what torchtitan's checkpointing does with the model's state dict -----------------------
+
+
+def model_wrapper_entries(job_options: dict) -> dict:
+    """On every rank, what torchtitan's ``ModelWrapper`` (the model's part of every checkpoint)
+    and a user do with the expert stacks' entries of the model's state dict: the wrapper's
+    ``state_dict()`` twice (a cached dict, its storages compared each save), each entry's
+    ``full_tensor()`` against dmuon's full state dict, and the chunks' storage. Collective."""
+    from torchtitan.components.checkpoint import ModelWrapper
+
+    job = Job(**job_options)
+    with tempfile.TemporaryDirectory() as scratch:
+        trainer = make_config(job, _shared_folder(scratch)).build()
+        try:
+            (part,) = trainer.model_parts
+            wrapper = ModelWrapper(trainer.model_parts)
+            first = wrapper.state_dict()
+            second = wrapper.state_dict()
+            full = dmuon.checkpoint.get_model_state_dict(part, options=FULL)
+            stacks = sorted(key for key in first if key.endswith(("w1_EFD", "w2_EDF", "w3_EFD")))
+            entries = {}
+            for key in stacks:
+                entry = second[key]
+                gathered = entry.full_tensor() if isinstance(entry, DTensor) else entry
+                expected = full.get(key)
+                entries[key] = {
+                    "same_cached_entry": second[key] is first[key],
+                    "storage": entry._local_tensor.untyped_storage().data_ptr()
+                    if isinstance(entry, DTensor)
+                    else entry.untyped_storage().data_ptr(),
+                    "chunk_storages": [
+                        chunk.untyped_storage().data_ptr()
+                        for chunk in entry._local_tensor.local_shards()
+                    ]
+                    if isinstance(entry, DTensor)
+                    else [entry.untyped_storage().data_ptr()],
+                    "full_tensor_equal": None
+                    if expected is None
+                    else torch.equal(gathered, expected),
+                }
+        finally:
+            trainer.close()
+    return entries
+
+
+def build_error(job_options: dict) -> str | None:
+    """The error building the job's trainer raises on this rank (None if it builds)."""
+    job = Job(**job_options)
+    with tempfile.TemporaryDirectory() as scratch:
+        try:
+            trainer = make_config(job, _shared_folder(scratch)).build()
+        except ValueError as error:
+            return str(error)
+        trainer.close()
+    return None
+
+
+def train_error(job_options: dict, checkpoint_root: str) -> str | None:
+    """The error training the job raises on this rank (None if it trains)."""
+    try:
+        train(job_options, checkpoint_root)
+    except ValueError as error:
+        return str(error)
+    return None

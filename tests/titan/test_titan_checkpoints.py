@@ -4,8 +4,9 @@ move both ways between a stock torchtitan run (FSDP2 + AdamW) and a dmuon one.""
 
 import pytest
 import torch
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from tests.titan.scenarios_titan import train
+from tests.titan.scenarios_titan import model_wrapper_entries, train, train_error
 
 # fp32 Newton-Schulz; the runs differ by the order of float additions after the load (2 ranks
 # against HSDP 2 x 2): within 1e-5 relative, the bound a resume on another layout must meet.
@@ -67,3 +68,58 @@ def test_weights_move_both_ways_between_stock_torchtitan_and_dmuon(pool2, tmp_pa
         train, job_options={**back, "load_model_only": True}, checkpoint_root=str(tmp_path)
     )[0]
     assert_equal_weights(back_run["initial"], dmuon_run["final"])
+
+
+def test_resuming_a_stock_checkpoint_with_dmuon_names_the_flag_that_loads_it(pool2, tmp_path):
+    stock = {"steps": 2, "dmuon": False, "checkpoint_folder": "stock", "ns": "fp32"}
+    stock_run = pool2.run(train, job_options=stock, checkpoint_root=str(tmp_path))[0]
+    resume = {"steps": 3, "checkpoint_folder": "stock", "load_step": 2, "ns": "fp32"}
+    messages = pool2.run(train_error, job_options=resume, checkpoint_root=str(tmp_path))
+    for message in messages:
+        assert "has no dmuon optimizer state: DCP finds no momentum_buffer for layers." in message
+        assert "--checkpoint.exclude_from_loading optimizer" in message
+    # The flag the message names resumes it: the weights, the schedule and the data position.
+    flagged = {**resume, "exclude_from_loading": ["optimizer"]}
+    run = pool2.run(train, job_options=flagged, checkpoint_root=str(tmp_path))[0]
+    assert run["first_step"] == 3
+    assert_equal_weights(run["initial"], stock_run["final"])
+
+
+# ---- a MoE model (qwen3's debug MoE, a few small experts), its expert stacks as dmuon pieces ----
+
+MOE = {"model": "qwen3_moe", "ns": "fp32"}
+
+
+def test_torchtitans_model_wrapper_takes_the_expert_stacks_entries_of_a_moe_model(pool2):
+    # The wrapper caches the state dict and compares each entry's storage with the cached
+    # one's at every save; the entries are dmuon's sharded stacks (each rank's expert pieces).
+    per_rank = pool2.run(model_wrapper_entries, job_options=MOE)
+    for rank, entries in enumerate(per_rank):
+        assert len(entries) == 2 * 3, (rank, sorted(entries))  # w1, w2, w3 of both blocks
+        for key, entry in entries.items():
+            assert entry["same_cached_entry"], (rank, key)
+            assert entry["storage"] == entry["chunk_storages"][0], (rank, key)
+            assert entry["full_tensor_equal"] is not False, (rank, key)
+    assert all(entry["full_tensor_equal"] for entry in per_rank[0].values())
+
+
+def test_a_moe_run_saves_at_its_interval_exports_and_resumes_bit_for_bit(pool2, tmp_path):
+    saving = {**MOE, "steps": 4, "checkpoint_folder": "ckpt", "checkpoint_interval": 2}
+    run = pool2.run(
+        train, job_options={**saving, "export_dtype": "float16"}, checkpoint_root=str(tmp_path)
+    )[0]
+    # torchtitan's final export (the model alone, in float16) holds the full expert stacks.
+    exported = tmp_path / "exported.pt"
+    dcp_to_torch_save(str(tmp_path / "ckpt" / "step-4"), str(exported))
+    export = torch.load(exported, weights_only=True)
+    stack = "layers.1.moe.routed_experts.inner_experts.w2_EDF"
+    assert export[stack].dtype == torch.float16
+    assert torch.equal(export[stack], run["final"][stack].half())
+    # The interval checkpoint of step 2 resumes the run.
+    resumed = pool2.run(
+        train, job_options={**saving, "load_step": 2}, checkpoint_root=str(tmp_path)
+    )
+    resumed = resumed[0]
+    assert resumed["first_step"] == 3
+    assert resumed["logged"] == run["logged"][2:]
+    assert_equal_weights(resumed["final"], run["final"])

@@ -13,7 +13,7 @@ weights still agree tightly.
 
 import pytest
 
-from tests.titan.scenarios_titan import train, train_reference
+from tests.titan.scenarios_titan import build_error, train, train_reference
 
 NORM_TOLERANCE = 1e-3  # see [Note: norms in float32 on the CPU]
 # fp32 Newton-Schulz: the runs differ by the order of float additions in the gradients (sums
@@ -101,6 +101,22 @@ def test_pipeline_stages_with_one_clip_train_like_the_unpipelined_reference(pool
     run = pool4.run(train, job_options={"pp": 2, "dp_shard": 2, "ns": "fp32"})[0]
     reference = train_reference(run)
     assert_like_reference(run, reference, weights=FP32_TOLERANCE, losses=1e-6)
+
+
+def test_pipeline_stages_without_block_matrices_train_on_adamw_like_the_reference(pool2):
+    # torchtitan's own split of one block a stage: the embeddings and the norm + head are
+    # stages without a block matrix (two stages a rank, interleaved), trained on AdamW alone.
+    job = {"pp": 2, "dp_shard": 1, "pp_layers_per_stage": 1, "pp_schedule": "Interleaved1F1B"}
+    run = pool2.run(train, job_options={**job, "ns": "fp32"})[0]
+    assert len(run["dedicated"]) == 2 * 5
+    reference = train_reference(run)
+    assert_like_reference(run, reference, weights=FP32_TOLERANCE, losses=1e-6)
+
+
+def test_a_pipeline_job_without_any_muon_matrix_is_refused_on_every_rank(pool2):
+    job = {"pp": 2, "dp_shard": 1, "dmuon_options": {"muon_params": "^no_such_parameter$"}}
+    messages = pool2.run(build_error, job_options=job)
+    assert all("no parameter is on the Muon route" in (message or "") for message in messages)
 
 
 def test_tensor_parallel_blocks_train_like_the_reference(pool4):

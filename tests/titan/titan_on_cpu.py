@@ -84,7 +84,12 @@ from torchtitan.models.common.attention import (  # noqa: E402
     FlexAttention,
     ScaledDotProductAttention,
 )
-from torchtitan.models.common.config_utils import make_ffn_config, make_gqa_config  # noqa: E402
+from torchtitan.models.common.config_utils import (  # noqa: E402
+    make_ffn_config,
+    make_gqa_config,
+    make_moe_config,
+    make_routed_experts_config,
+)
 
 # Reduction op: with the gradient divide factor torchtitan sets (1.0) and bf16 parameters,
 # FSDP2 reduces with ReduceOp.PREMUL_SUM, which gloo lacks; forcing plain sums makes it scale
@@ -330,3 +335,35 @@ def sdpa_attention(model_spec) -> None:
             parent[attr] = ScaledDotProductAttention.Config()
         else:
             setattr(parent, attr, ScaledDotProductAttention.Config())
+
+
+def few_experts(model_spec, num_experts: int = 4, hidden: int = 64, top_k: int = 2) -> None:
+    """The MoE blocks of ``model_spec`` with ``num_experts`` experts of hidden size ``hidden``,
+    ``top_k`` of them per token (the debug models' 64 experts of 768 would make every step some
+    400 Newton-Schulz runs, minutes on two shared CPU cores). Initialisations, routing and
+    dispatch stay as the model defines them."""
+    for block in model_spec.model.layers:
+        moe = getattr(block, "moe", None)
+        if moe is None:
+            continue
+        router, routed = moe.router, moe.routed_experts
+        dim = router.gate.in_features
+        block.moe = make_moe_config(
+            num_experts=num_experts,
+            router=dataclasses.replace(
+                router,
+                num_experts=num_experts,
+                top_k=top_k,
+                gate=dataclasses.replace(router.gate, out_features=num_experts),
+            ),
+            routed_experts=make_routed_experts_config(
+                dim=dim,
+                hidden_dim=hidden,
+                num_experts=num_experts,
+                top_k=top_k,
+                param_init=routed.inner_experts.param_init,
+                comm_backend="standard",
+            ),
+            shared_experts=moe.shared_experts,
+            load_balance_coeff=moe.load_balance_coeff,
+        )

@@ -7,6 +7,18 @@ together; the AdamW route's hyperparameters read from the job's own AdamW config
 container's state dict in torchtitan's flat, FQN-keyed checkpoint format
 (``state.<fqn>.<name>``, ``param_groups.<fqn>.<key>``), written through ``dmuon.checkpoint`` so
 that it loads on any layout. It must not touch the model's weights or the training loop.
+
+[Note: stages without Muon matrices]
+``dmuon.Muon`` refuses a model with no parameter on the Muon route unless ``allow_no_muon=True``
+(almost always a predicate that matched nothing). Its check reads the model part it is given,
+which every rank of that part's data-parallel group sees alike, so those ranks agree; under
+pipeline parallelism, though, torchtitan's own splits make stages that hold no block matrix (with
+``pipeline_parallel_layers_per_stage 1``: the embeddings alone, or the norm and the head), and a
+per-stage refusal would stop those ranks while their pipeline peers wait in a collective. So the
+decision here is the job's: the Muon matrices of every model part are counted and summed over
+the pipeline dim (one all-reduce at construction), and a part with none trains on AdamW alone
+(``allow_no_muon=True``), as it does without dmuon, whenever some stage has Muon matrices. When
+no stage has any, every rank passes ``allow_no_muon=False`` and every rank raises the same error.
 """
 
 from __future__ import annotations
@@ -15,6 +27,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions
 from torch.distributed.device_mesh import DeviceMesh
@@ -23,6 +37,7 @@ from torchtitan.components.optimizer import OptimizersContainer, ParamGroupConfi
 
 import dmuon
 import dmuon.checkpoint
+import dmuon.inspect
 from dmuon_titan.config import DMuonConfig
 
 _FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
@@ -52,6 +67,8 @@ class DMuonOptimizers(OptimizersContainer):
         adamw, param_groups = adamw_route(config.param_groups, config.dmuon)
         step_group = dmuon.StepGroup(pp_mesh=config._pp_mesh)
         settings = config.dmuon
+        # See [Note: stages without Muon matrices].
+        job_has_muon = muon_matrices_in_job(model_parts, config._pp_mesh) > 0
         self.optimizers = [
             dmuon.Muon(
                 part,
@@ -68,6 +85,7 @@ class DMuonOptimizers(OptimizersContainer):
                 # The job's param groups say what decays; dmuon's HF rule would exempt norms.
                 no_decay=None,
                 step_group=step_group,
+                allow_no_muon=job_has_muon,
                 **({"nonfinite": settings.nonfinite} if settings.nonfinite is not None else {}),
                 **adamw,
             )
@@ -87,6 +105,21 @@ class DMuonOptimizers(OptimizersContainer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         for part, optimizer in zip(self.model_parts, self.optimizers, strict=True):
             dmuon.checkpoint.set_optimizer_state_dict(part, optimizer, state_dict, options=_FLAT)
+
+
+def muon_matrices_in_job(model_parts: list[nn.Module], pp_mesh: DeviceMesh | None) -> int:
+    """The dedicated parameters on the Muon route in every pipeline stage (this rank's parts,
+    summed over ``pp_mesh``; collective there). See [Note: stages without Muon matrices]."""
+    count = sum(
+        sum(param.route == "muon" for param in dmuon.inspect.view(part).params.values())
+        for part in model_parts
+        if dmuon.inspect.is_prepared(part)
+    )
+    if pp_mesh is None:
+        return count
+    total = torch.tensor([count], dtype=torch.int64)
+    dist.all_reduce(total, group=pp_mesh.get_group())
+    return int(total.item())
 
 
 def adamw_route(

@@ -11,6 +11,9 @@ Owns the three places where a dmuon job differs from a stock one, and nothing el
 Settings dmuon cannot work with are set or refused here, with the reason: CUDA graphs of the
 forward/backward are turned off (dmuon's hooks issue collectives and host-side waits that a
 captured graph cannot replay); the default ``spmd_types`` backend becomes ``partial_dtensor``.
+A checkpoint without dmuon's optimizer state (a stock run's) fails to load with an error naming
+the flag that loads it (``--checkpoint.exclude_from_loading optimizer``), not DCP's bare
+missing key.
 
 [Note: the train step's clip]
 torchtitan's ``train_step`` clips with ``torchtitan.distributed.utils.clip_grad_norm_`` over
@@ -27,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -56,6 +60,7 @@ class DMuonTrainer(Trainer):
     def __init__(self, config: Config) -> None:
         _switch_on(config)
         super().__init__(config)
+        self.checkpointer.load = _naming_the_fix_for_stock_checkpoints(self.checkpointer.load)
 
     def init_distributed(self) -> ParallelDims:
         parallel_dims = super().init_distributed()
@@ -96,6 +101,44 @@ class DMuonTrainer(Trainer):
             error_if_nonfinite=error_if_nonfinite,
             foreach=foreach,
         )
+
+
+# DCP's planner, for a key the loading state dict has and the checkpoint lacks; Muon's momentum.
+_MISSING_KEY = "Missing key in checkpoint state_dict: "
+_MUON_STATE = "momentum_buffer"
+
+
+def _naming_the_fix_for_stock_checkpoints(load):
+    """``CheckpointManager.load``, raising with the fix when the checkpoint has no Muon state:
+    a stock torchtitan run's (AdamW) lacks every ``momentum_buffer`` of the Muon matrices."""
+
+    @functools.wraps(load)
+    def load_naming_the_fix(*args, **kwargs):
+        try:
+            return load(*args, **kwargs)
+        except BaseException as error:  # DCP's CheckpointException is a BaseException
+            missing = sorted(
+                {
+                    line.split(_MISSING_KEY, 1)[1].strip().rstrip(".")
+                    for line in str(error).splitlines()
+                    if _MISSING_KEY in line and line.rstrip(".").endswith(_MUON_STATE)
+                }
+            )
+            if not missing:
+                raise
+            step = kwargs.get("step", args[0] if args else -1)
+            matrix = missing[0].removeprefix("optimizer.state.").removesuffix("." + _MUON_STATE)
+            raise ValueError(
+                f"dmuon_titan: the checkpoint (checkpoint.load_step={step}) has no dmuon "
+                f"optimizer state: DCP finds no {_MUON_STATE} for {matrix} ({len(missing)} "
+                "Muon matrices without one), so a run without dmuon (torchtitan's stock AdamW) "
+                "wrote it, and Muon cannot take its optimizer state. Resume it with "
+                "--checkpoint.exclude_from_loading optimizer: the weights, the learning-rate "
+                "schedule, the data position and the step load; Muon's momentum and the AdamW "
+                "route's moments start from zero."
+            ) from error
+
+    return load_naming_the_fix
 
 
 def enable(config: Trainer.Config, dmuon_config: DMuonConfig | None = None) -> DMuonTrainer.Config:
