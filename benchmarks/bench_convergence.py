@@ -23,10 +23,10 @@ Every run: linear warmup over ``--warmup-fraction`` of the steps, then cosine de
 ``--final-lr-fraction`` of the peak (``LambdaLR``, the same shape for every arm); ``--evals``
 validation points on a fixed subset of the held-out windows (``--eval-windows``), the final
 loss on all of them. Training seconds are measured between synchronisations around the training
-steps only (evaluation excluded); the first step of a run (FSDP2's lazy init, dmuon's first
-forward and CUDA graph captures) counts, and is also shown apart; the process-wide warm-up
+steps only (evaluation excluded). A run's own start-up counts (its first step, shown apart
+too; dmuon's Newton-Schulz CUDA graphs, captured at the second step); the process-wide warm-up
 (kernel compiles and autotune, cuBLAS handles) does not: a calibration of each arm runs first,
-and its step times plan the run.
+and its step times plan the runs.
 
 The corpus: every ``*_gut.txt`` (one version of each work; the folio ``*_gut_f.txt`` copies are
 never used), concatenated as bytes; ``HELD_OUT`` plays (both their versions) are the validation
