@@ -4,6 +4,7 @@ status 2 for every bad input."""
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -84,6 +85,31 @@ def test_simulate_plots_one_timeline_per_layout(capsys, tmp_path):
         written = tmp_path / f"step-{index}.png"
         assert f"wrote {written}" in err
         assert written.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def hide_matplotlib(monkeypatch) -> None:
+    """Make ``import matplotlib`` fail as it does where it is not installed (a None entry in
+    ``sys.modules`` raises ModuleNotFoundError), whether or not it is installed here."""
+    for name in ("matplotlib", "matplotlib.figure"):
+        monkeypatch.setitem(sys.modules, name, None)
+
+
+def test_simulate_plot_without_matplotlib_prints_the_json_then_exits_2_with_the_install_hint(
+    capsys, monkeypatch, tmp_path
+):
+    hide_matplotlib(monkeypatch)
+    path = tmp_path / "step.png"
+    args = ("simulate", "--config", "llama3.2-1b", "--gpus", "8", "--json", "--plot", str(path))
+    code, out, err = run_cli(capsys, *args)
+    assert code == 2
+    (run,) = json.loads(out)  # the whole --json output, before the plot fails
+    assert run["layout"]["world_size"] == 8
+    assert set(run["predictions"]) == {"fsdp2-adamw", "dmuon-z3", "dmuon-z2", "naive-muon"}
+    assert len(err.strip().splitlines()) == 1
+    assert err.startswith(f"dmuon-tools simulate: error: --plot {path}: the predictions are ")
+    assert "pip install dmuon-tools[plots]" in err
+    assert "pip install ./packages/dmuon-tools[plots]" in err
+    assert not path.exists()
 
 
 @pytest.mark.parametrize(

@@ -1,13 +1,16 @@
 """``dmuon_tools.plots``: figures when matplotlib is installed, an install hint when it is not."""
 
 import importlib.util
+import sys
 
 import pytest
 
 import dmuon
 from dmuon.inspect import make_param_specs, plan_ownership
 from dmuon_tools import plots
+from dmuon_tools.machine import H200
 from dmuon_tools.model_shapes import PRESETS
+from dmuon_tools.simulator import Layout, Workload, simulate
 from tests.distributed.models import TinyDecoder, proj_predicate
 
 HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
@@ -22,15 +25,18 @@ def dedicated_model():
     return model
 
 
-@pytest.mark.skipif(
-    HAS_MATPLOTLIB,
-    reason="tests the install hint given without matplotlib, which is installed here",
-)
-def test_plots_without_matplotlib_raise_an_import_error_naming_the_extra(tmp_path):
-    with pytest.raises(ImportError, match=r"pip install dmuon-tools\[plots\]"):
+def test_plots_without_matplotlib_raise_an_import_error_naming_the_extra(tmp_path, monkeypatch):
+    # A None entry in sys.modules makes the import fail as an uninstalled matplotlib does.
+    for name in ("matplotlib", "matplotlib.figure"):
+        monkeypatch.setitem(sys.modules, name, None)
+    hint = r"pip install dmuon-tools\[plots\] .*pip install \./packages/dmuon-tools\[plots\]"
+    with pytest.raises(ImportError, match=hint):
         plots.plot_owner_load(dedicated_model(), tmp_path / "load.png")
-    with pytest.raises(ImportError, match=r"pip install dmuon-tools\[plots\]"):
+    with pytest.raises(ImportError, match=hint):
         plots.plot_comm_bytes(dedicated_model(), tmp_path / "bytes.png")
+    simulation = simulate(PRESETS["llama3.2-1b"], Layout(num_shards=2), Workload(), H200)
+    with pytest.raises(ImportError, match=hint):  # not matplotlib's own bare error
+        plots.plot_timeline(simulation, tmp_path / "step.png")
 
 
 @needs_matplotlib

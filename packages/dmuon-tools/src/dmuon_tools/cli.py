@@ -288,20 +288,32 @@ def _simulate(args: argparse.Namespace) -> int:
                 if layout.num_replicas > 1:
                     systems.insert(2, "dmuon-z3-sync")
             runs.append(simulate(shape, layout, workload, machine, systems))
-    if args.plot:
-        from dmuon_tools.plots import plot_timeline
-
-        for index, simulation in enumerate(runs):
-            path = args.plot if len(runs) == 1 else _numbered(args.plot, index)
-            plot_timeline(simulation, path)
-            print(f"wrote {path}", file=sys.stderr)
+    # The predictions are printed before any plot is drawn: a missing matplotlib (or a path
+    # that cannot be written) must not lose them.
     if args.json:
         print(json.dumps([run.to_json(spans=args.timeline) for run in runs], indent=2))
     elif args.markdown:
         print(format_markdown_table(runs))
     else:
         print("\n\n".join(format_simulation(run) for run in runs))
+    if args.plot:
+        sys.stdout.flush()
+        _plot(runs, args.plot)
     return 0
+
+
+def _plot(runs, path: str) -> None:
+    from dmuon_tools.plots import plot_timeline
+
+    for index, simulation in enumerate(runs):
+        target = path if len(runs) == 1 else _numbered(path, index)
+        try:
+            plot_timeline(simulation, target)
+        except ImportError as error:
+            raise ValueError(
+                f"--plot {path}: the predictions are printed above, but no plot: {error}"
+            ) from error
+        print(f"wrote {target}", file=sys.stderr)
 
 
 def _numbered(path: str, index: int) -> str:

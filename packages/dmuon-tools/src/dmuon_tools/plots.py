@@ -21,7 +21,10 @@ from dmuon_tools.comm_plan import COLLECTIVE_KINDS, summarize_comm_plan
 from dmuon_tools.owner_load import FLOP_PER_GFLOP
 from dmuon_tools.simulator import Simulation
 
-PLOTS_INSTALL_HINT = "pip install dmuon-tools[plots]"
+PLOTS_INSTALL_HINT = (
+    "pip install dmuon-tools[plots] (dmuon-tools is not on PyPI yet: from the repository's "
+    "checkout, pip install ./packages/dmuon-tools[plots])"
+)
 # Above this many owners a bar per owner is unreadable (and slow to draw): draw a step line.
 _MAX_BARS = 512
 _BYTES_PER_MIB = 2**20
@@ -167,9 +170,9 @@ def plot_timeline(simulation: Simulation, path: str | Path, *, title: str | None
     predictions = list(simulation.predictions.values())
     if not predictions or not any(p.spans for p in predictions):
         raise ValueError("plot_timeline needs a simulation with timelines (simulate(...)).")
-    from matplotlib.figure import Figure  # _figure() checked that it is installed
+    _figure()  # raises the ImportError naming the extra before matplotlib is imported here
+    from matplotlib.figure import Figure
 
-    _figure()
     figure = Figure(figsize=(12, 1.2 + 1.1 * len(predictions)), layout="constrained")
     axes_list = figure.subplots(len(predictions), 1, sharex=True, squeeze=False)[:, 0]
     seen: dict[str, object] = {}
