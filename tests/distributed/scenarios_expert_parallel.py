@@ -279,6 +279,30 @@ def _owned_state(model, optimizer) -> dict:
     }
 
 
+def full_model_state(cpu_offload: bool, **kwargs) -> dict:
+    """The full model state dict of a freshly dedicated EP model (the first rank's with
+    ``cpu_offload``, every rank's without), and the plain model's weights it must equal."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    model, _, _ = build(EPConfig(**kwargs), optimizer=False)
+    options = StateDictOptions(full_state_dict=True, cpu_offload=cpu_offload)
+    full = dckpt.get_model_state_dict(model, options=options)
+    plain = {name: param.detach() for name, param in make_model().named_parameters()}
+    return {"full": full, "plain": plain}
+
+
+def train_and_gather_full_state(**kwargs) -> dict:
+    """Train on the EP layout for the checkpoint tests' steps; the full model and optimizer
+    state on the first rank ({} elsewhere)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    model, optimizer, _ = build(EPConfig(**kwargs))
+    _train(model, optimizer, range(CHECKPOINT_STEPS))
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    model_sd, optim_sd = dckpt.get_state_dict(model, optimizer, options=options)
+    return {"model": model_sd, "optim": optim_sd.get("state", {})}
+
+
 def save_midway_and_finish(path: str, **kwargs) -> dict:
     """Train on the EP layout, save a sharded checkpoint midway, train on; the owned state."""
     model, optimizer, _ = build(EPConfig(**kwargs))

@@ -12,6 +12,7 @@ token.
 from __future__ import annotations
 
 import pytest
+import torch
 
 from tests.distributed import scenarios_expert_parallel as scenarios
 from tests.distributed.models_moe import DIM, HIDDEN, NUM_EXPERTS
@@ -112,6 +113,27 @@ def test_expert_broadcasts_and_reduces_stay_inside_the_ep_slots_ranks(pool4):
     # Z3: two broadcasts (forward, backward), each piece received by the other rank of its slot.
     assert received == {"expert": 2 * expert_bytes, "dense": 2 * 3 * projection_bytes}
     assert sent == {"expert": piece_messages, "dense": 3 * projection_messages}
+
+
+@pytest.mark.parametrize(
+    ("cpu_offload", "replicas"),
+    [(True, 1), (False, 1), (True, 2)],
+    ids=["first-rank-ep2-x-efsdp2", "every-rank-ep2-x-efsdp2", "first-rank-ep2-hsdp"],
+)
+def test_a_full_state_dict_of_an_ep_model_holds_every_expert_of_every_ep_slot(
+    pool4, cpu_offload, replicas
+):
+    """Each stack's entry has the plain model's (E, m, n) shape and value: the pieces of both EP
+    slots, each gathered from its owner."""
+    results = pool4.run(scenarios.full_model_state, cpu_offload=cpu_offload, replicas=replicas)
+    holders = [0] if cpu_offload else range(4)
+    for rank in holders:
+        full, plain = results[rank]["full"], results[rank]["plain"]
+        assert full.keys() == plain.keys()
+        for name, value in plain.items():
+            assert torch.equal(full[name], value), (rank, name)
+    if cpu_offload:
+        assert all(result["full"] == {} for result in results[1:])
 
 
 def test_expert_parallel_setup_errors_say_what_was_wrong_and_the_fix(pool4):

@@ -65,6 +65,17 @@ EXPERT_PIECE_TAG = "_dmuon_expert_piece"
 _CONVOLUTIONS = (ConvNd,)
 
 
+@dataclass(frozen=True, slots=True)
+class ExpertRange:
+    """One piece of a stack as every rank knows it, under expert parallelism also the pieces of
+    other EP slots: its name, its experts ``[start, stop)`` and its owner's global rank."""
+
+    fqn: str
+    start: int
+    stop: int
+    owner_rank: int
+
+
 @dataclass(eq=False, slots=True, kw_only=True)
 class ExpertStack:
     """One (E, m, n) module parameter and the expert pieces it is dedicated as."""
@@ -90,6 +101,9 @@ class ExpertStack:
     local_experts: int | None = None  # None: every expert
     mesh: OwnershipMesh | None = None
     ep_mesh: DeviceMesh | None = None
+    # Every piece of the stack, of every EP slot, in expert order (a full state dict gathers
+    # them all); the same ranges as ``pieces`` without expert parallelism.
+    every_piece: tuple[ExpertRange, ...] = ()
 
     @property
     def num_experts(self) -> int:
@@ -243,6 +257,11 @@ def make_expert_pieces(
         placeholder=make_placeholder(param),
     )
     slices = plan.expert_slices[name]
+    names = [expert_piece_name(name, start, stop) for start, stop in slices]
+    stack.every_piece = tuple(
+        ExpertRange(piece, start, stop, mesh.global_rank(plan.owners[piece]))
+        for piece, (start, stop) in zip(names, slices)
+    )
     if experts is not None:
         first, last = plan.ep_experts(name, experts.ep_index)
         stack.first_expert, stack.local_experts = first, last - first

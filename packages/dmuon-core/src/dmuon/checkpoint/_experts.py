@@ -12,7 +12,8 @@ dict and for each tensor of its optimizer state (Muon's momentum, AdamW's moment
   process) straight into them. A rank that owns every piece holds the plain tensor. A 0-dim
   entry (AdamW's ``step``, the same for every piece) is the first owned piece's.
 - full: each piece gathered from its owner (one piece in flight at a time), concatenated on the
-  ranks that keep full tensors.
+  ranks that keep full tensors; under expert parallelism every EP slot's pieces, each from its
+  owner (``ExpertStack.every_piece``).
 
 It must not know the layout of the state dicts around the entries (``_model`` and ``_optim``).
 """
@@ -37,7 +38,7 @@ def stack_model_entry(ctx: CheckpointContext, stack: ExpertStack) -> object | No
             ctx,
             stack,
             {piece: piece.master.detach().to(dtype) for piece in stack.owned_pieces()},
-            shape_of=lambda piece: tuple(piece.shape),
+            shape_of=lambda entry: (entry.stop - entry.start, *stack.shape[1:]),
             dtype=dtype,
         )
     return _sharded(ctx, stack, {piece: piece.master.detach() for piece in stack.owned_pieces()})
@@ -82,17 +83,17 @@ def stack_optimizer_entries(
     }
     entries: dict[str, object] = {}
     if ctx.full:
-        first = schema.get(stack.pieces[0].fqn, [])
+        first = schema.get(stack.every_piece[0].fqn, [])
         for name, _, dtype, on_cpu in first:
             shapes = {
-                piece.fqn: dict((n, s) for n, s, _, _ in schema.get(piece.fqn, []))[name]
-                for piece in stack.pieces
+                entry.fqn: dict((n, s) for n, s, _, _ in schema.get(entry.fqn, []))[name]
+                for entry in stack.every_piece
             }
             full = _gathered(
                 ctx,
                 stack,
                 {piece: state[name] for piece, state in owned.items()},
-                shape_of=lambda piece, shapes=shapes: shapes[piece.fqn],
+                shape_of=lambda entry, shapes=shapes: shapes[entry.fqn],
                 dtype=dtype,
             )
             if full is not None:
@@ -128,10 +129,15 @@ def _gathered(
     shape_of,
     dtype: torch.dtype,
 ) -> torch.Tensor | None:
-    """The full (E, ...) tensor from each piece's owner, on the ranks that keep full tensors."""
+    """The full (E, ...) tensor from each piece's owner, on the ranks that keep full tensors:
+    every piece of the stack, under expert parallelism those of every EP slot (``every_piece``,
+    the same order on every rank)."""
     parts = []
-    for piece in stack.pieces:
-        part = ctx.full_from_owner(ctx.owner_rank(piece), owned.get(piece), shape_of(piece), dtype)
+    owned_by_name = {piece.fqn: tensor for piece, tensor in owned.items()}
+    for entry in stack.every_piece:
+        part = ctx.full_from_owner(
+            entry.owner_rank, owned_by_name.get(entry.fqn), shape_of(entry), dtype
+        )
         if part is not None:
             parts.append(part)
     if not parts:
