@@ -41,8 +41,9 @@ def checkpoint_values(kind: str) -> dict[str, torch.Tensor]:
     return MODELS[kind][0]().state_dict()
 
 
-def build(kind: str, replicas: int, tp: int, meta: bool):
-    """The model on the layout, dedicated and sharded; on the meta device then ``to_empty``."""
+def build(kind: str, replicas: int, tp: int, meta: bool, for_load: bool = False):
+    """The model on the layout, dedicated and sharded; on the meta device then ``to_empty`` (or
+    ``dmuon.checkpoint.to_empty_for_load``)."""
     model_class, predicate = MODELS[kind]
     torch.manual_seed(0)
     with torch.device("meta") if meta else contextlib.nullcontext():
@@ -51,9 +52,21 @@ def build(kind: str, replicas: int, tp: int, meta: bool):
         _tensor_parallel(model, tp, predicate)
     else:
         dedicate_and_shard(model, "cpu", replicas, reshard_after_forward=True, predicate=predicate)
-    if meta:
+    if meta and for_load:
+        dckpt.to_empty_for_load(model, device="cpu")
+    elif meta:
         model.to_empty(device="cpu")
     return model
+
+
+def dedicated_storage(model) -> int:
+    """Bytes of storage behind the dedicated weights the modules hold before adoption."""
+    storages = {}
+    for p in get_dedicated_state(model).params.values():
+        param = p.module._parameters[p.attr]
+        local = param.to_local() if isinstance(param, DTensor) else param
+        storages[local.untyped_storage().data_ptr()] = local.untyped_storage().nbytes()
+    return sum(storages.values())
 
 
 def weights(model) -> dict[str, torch.Tensor]:
@@ -72,7 +85,11 @@ def optimizer_of(model):
 
 
 def loaded_like_every_rank(
-    kind: str = "decoder", replicas: int = 1, tp: int = 1, meta: bool = False
+    kind: str = "decoder",
+    replicas: int = 1,
+    tp: int = 1,
+    meta: bool = False,
+    for_load: bool = False,
 ) -> dict:
     """The reference (full dict on every rank) and the broadcast-from-rank0 load, then STEPS
     steps of each; what rank 0 reports of both, and what each rank received."""
@@ -80,7 +97,8 @@ def loaded_like_every_rank(
     reference = build(kind, replicas, tp, meta=False)
     dckpt.set_model_state_dict(reference, full, options=ON_EVERY_RANK)
 
-    model = build(kind, replicas, tp, meta)
+    model = build(kind, replicas, tp, meta, for_load)
+    before_load = dedicated_storage(model)
     given = full if dist.get_rank() == 0 else {}
     with recording_received() as received:
         result = dckpt.set_model_state_dict(model, given, options=FROM_RANK0)
@@ -90,6 +108,7 @@ def loaded_like_every_rank(
         "loaded": weights(model),
         "reference_loaded": weights(reference),
         "received": {"received": received.received, "peak": received.peak},
+        "dedicated_storage": before_load,
         "largest_value": max(value.numel() * value.element_size() for value in full.values()),
         "whole_model": sum(value.numel() * value.element_size() for value in full.values()),
         **_what_this_rank_keeps(model, full),

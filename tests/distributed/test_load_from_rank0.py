@@ -32,20 +32,22 @@ def assert_equal(weights: dict, expected: dict) -> None:
 
 
 @pytest.mark.parametrize(
-    ("layout", "kind", "meta"),
+    ("layout", "kind", "meta", "for_load"),
     [
-        ("1d-2", "decoder", False),
-        ("1d-4", "decoder", True),
-        ("hsdp-2x2", "decoder", True),
-        ("dp2-tp2", "decoder", False),
-        ("1d-4", "moe", False),
-        ("hsdp-2x2", "moe", True),
+        ("1d-2", "decoder", False, False),
+        ("1d-4", "decoder", True, False),
+        ("1d-4", "decoder", True, True),
+        ("hsdp-2x2", "decoder", True, True),
+        ("dp2-tp2", "decoder", False, False),
+        ("dp2-tp2", "decoder", True, True),
+        ("1d-4", "moe", False, False),
+        ("hsdp-2x2", "moe", True, True),
     ],
 )
 def test_a_model_loaded_from_rank0_equals_one_loaded_on_every_rank_and_trains_the_same(
-    gloo_pool, layout, kind, meta
+    gloo_pool, layout, kind, meta, for_load
 ):
-    first, *others = run(gloo_pool, layout, kind=kind, meta=meta)
+    first, *others = run(gloo_pool, layout, kind=kind, meta=meta, for_load=for_load)
     assert first["incompatible"] == ([], [])
     assert first["loaded"].keys() == scenarios.checkpoint_values(kind).keys()
     assert_equal(first["loaded"], first["reference_loaded"])
@@ -60,7 +62,7 @@ def test_a_model_loaded_from_rank0_equals_one_loaded_on_every_rank_and_trains_th
 def test_each_owner_receives_only_its_matrices_and_holds_one_value_at_a_time(
     gloo_pool, layout, kind
 ):
-    first, *others = run(gloo_pool, layout, kind=kind, meta=True)
+    first, *others = run(gloo_pool, layout, kind=kind, meta=True, for_load=True)
     assert first["received"] == {"received": 0, "peak": 0}  # the source reads its own dict
     for rank, report in enumerate(others, start=1):
         received = report["received"]
@@ -72,8 +74,20 @@ def test_each_owner_receives_only_its_matrices_and_holds_one_value_at_a_time(
 
 
 def test_tensor_parallel_ranks_hold_one_value_at_a_time(gloo_pool):
-    for report in run(gloo_pool, "dp2-tp2", meta=True)[1:]:
+    for report in run(gloo_pool, "dp2-tp2", meta=True, for_load=True)[1:]:
         assert 0 < report["received"]["peak"] <= report["largest_value"]
+
+
+def test_to_empty_allocates_every_dedicated_weight_and_to_empty_for_load_none(pool4):
+    # The dedicated weights in full, on every rank, until adoption; or a stand-in of one element.
+    whole = pool4.run(scenarios.loaded_like_every_rank, meta=True)
+    stand_ins = pool4.run(scenarios.loaded_like_every_rank, meta=True, for_load=True)
+    values = scenarios.checkpoint_values("decoder")
+    dedicated = [value for key, value in values.items() if "proj" in key and value.ndim == 2]
+    whole_bytes = sum(value.numel() * value.element_size() for value in dedicated)
+    assert [report["dedicated_storage"] for report in whole] == [whole_bytes] * 4
+    for report in stand_ins:  # one fp32 element each
+        assert report["dedicated_storage"] == 4 * len(dedicated)
 
 
 def test_a_mis_shaped_value_on_rank0_raises_on_every_rank_and_misplaced_options_name_the_fix(

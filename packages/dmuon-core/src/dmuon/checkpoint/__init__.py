@@ -29,9 +29,10 @@ post-step publishes first. ``StateDictOptions``: ``full_state_dict``, ``cpu_offl
 ``ignore_frozen_params``, ``strict`` and ``flatten_optimizer_state_dict`` are honoured;
 ``broadcast_from_rank0`` in ``set_model_state_dict`` (a big model loaded from one full dict on
 the first rank, each owner receiving only its matrices; a meta-device model after ``to_empty``
-included); elsewhere it and ``dsd_fqn_modifiers`` raise::
+included: ``to_empty_for_load`` materialises it without allocating the dedicated weights, which
+the load fills); elsewhere it and ``dsd_fqn_modifiers`` raise::
 
-    model.to_empty(device=device)  # after dedicate_params and fully_shard on the meta device
+    dckpt.to_empty_for_load(model, device=device)  # after dedicate_params and fully_shard on meta
     full = torch.load("model.pt", mmap=True) if dist.get_rank() == 0 else {}
     dckpt.set_model_state_dict(
         model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
@@ -46,6 +47,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions
 
 from dmuon._torch_internals import IncompatibleKeys
+from dmuon.checkpoint._from_source import to_empty_for_load
 from dmuon.checkpoint._integrity import CheckpointIntegrityError
 from dmuon.checkpoint._model import get_model_state_dict, set_model_state_dict
 from dmuon.checkpoint._optim import get_optimizer_state_dict, set_optimizer_state_dict
@@ -98,4 +100,5 @@ __all__ = [
     "set_model_state_dict",
     "set_optimizer_state_dict",
     "set_state_dict",
+    "to_empty_for_load",
 ]

@@ -29,6 +29,16 @@ previous tensor a moment after its work completes). So a rank other than the sou
 beyond the model's own storage (its masters, segments and FSDP2 shards), one value of the dict:
 the largest it receives. ``recording_received`` counts that for tests: the bytes received and
 the receive buffers allocated, while they are alive.
+
+[Note: materialising for a load]
+``model.to_empty(device=...)`` on a meta-device model allocates every dedicated weight in full on
+every rank (dmuon adopts the weights, and frees them, only at the first load, forward or
+``dmuon.Muon``): the whole model on every rank for a moment. A load that writes every weight
+next does not need them: ``to_empty_for_load`` gives each plain dedicated weight a one-element
+stand-in expanded to its shape instead (adoption then builds the rank's own segments and masters
+from it, and the load overwrites them), and runs ``to_empty`` for everything else (FSDP2's local
+shards, buffers, a TP or EP DTensor's local chunk). A random initialisation in place after it
+fails on the stand-ins (torch refuses to write into an expanded tensor); use ``to_empty`` then.
 """
 
 from __future__ import annotations
@@ -41,11 +51,39 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from dmuon.checkpoint._context import CheckpointContext
 from dmuon.experts import ExpertStack
-from dmuon.param import DedicatedParam
+from dmuon.hooks import get_dedicated_state
+from dmuon.param import DedicatedParam, mark_dedicated
+
+
+def to_empty_for_load(model: nn.Module, *, device: torch.device | str) -> None:
+    """``model.to_empty(device=device)`` for a meta-device dmuon model that a full load fills
+    next, without allocating its dedicated weights (see [Note: materialising for a load])."""
+    state = get_dedicated_state(model)
+    slots: dict[tuple[nn.Module, str], nn.Parameter] = {}
+    if not state.is_adopted:
+        for p in state.params.values():
+            param = p.module._parameters.get(p.attr)
+            if param is not None and param.is_meta and not isinstance(param, DTensor):
+                slots[(p.module, p.attr)] = param
+    for module, attr in slots:
+        module._parameters[attr] = None  # to_empty leaves it alone
+    stand_ins: dict[int, nn.Parameter] = {}
+    try:
+        model.to_empty(device=device)
+    finally:
+        for (module, attr), param in slots.items():
+            if id(param) not in stand_ins:  # a weight tied to two modules stays one
+                one = torch.empty((), dtype=param.dtype, device=device)
+                stand_ins[id(param)] = nn.Parameter(
+                    one.expand(param.shape), requires_grad=param.requires_grad
+                )
+                mark_dedicated(stand_ins[id(param)])
+            module._parameters[attr] = stand_ins[id(param)]
 
 
 @dataclass(frozen=True, slots=True)
