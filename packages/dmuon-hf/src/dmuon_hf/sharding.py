@@ -27,7 +27,8 @@ What each plugin field becomes:
   ``from_pretrained`` under ``accelerate launch --fsdp_cpu_ram_efficient_loading true`` loads
   them there and leaves the other ranks' on the meta device). The first rank keeps its full
   state dict (after the fp32 upcast), every rank moves the model to the meta device, dedicates
-  and shards it there, materialises it with ``to_empty`` and loads that dict with
+  and shards it there, materialises it with ``dmuon.checkpoint.to_empty_for_load`` (no storage
+  for the dedicated weights until the load) and loads that dict with
   ``dmuon.checkpoint.set_model_state_dict(..., broadcast_from_rank0=True)``: each owner
   receives only its matrices, FSDP2's parameters their shards, as Accelerate's
   ``fsdp2_load_full_state_dict`` does. Non-persistent buffers (rotary frequencies), which no
@@ -198,7 +199,9 @@ class _WeightsOnFirstRank:
         return cls(state_dict if first else {}, buffers[0])
 
     def load_into(self, model: nn.Module, device: torch.device) -> None:
-        model.to_empty(device=device)
+        # FSDP2's shards and the buffers get storage; the dedicated weights none until the load
+        # gives each owner its own (to_empty would allocate all of them on every rank).
+        dmuon.checkpoint.to_empty_for_load(model, device=device)
         dmuon.checkpoint.set_model_state_dict(
             model,
             self.state_dict,
