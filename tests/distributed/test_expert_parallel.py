@@ -75,6 +75,23 @@ def test_ep2_with_hsdp_replicas_owns_each_ep_slots_experts_across_its_replicas(p
         assert {owners[f"{stack}[{s}:{s + 2}]"] for s in (4, 6)} == {1, 3}
 
 
+@pytest.mark.parametrize(
+    "options",
+    [{"reshard_after_forward": False}, {"ep": 4}],
+    ids=["z2-ep2-x-efsdp2", "ep4-without-expert-fsdp"],
+)
+def test_expert_parallel_gradients_match_the_reference_under_z2_and_pure_ep(pool4, options):
+    """Z2 keeps the broadcast experts through backward; ep=4 on 4 ranks gives every rank its
+    own two experts of each stack, owned there with no expert collective at all."""
+    results = pool4.run(scenarios.gradients_against_reference, **options)
+    assert_gradients_match(results)
+    if options.get("ep") == 4:
+        for rank, result in enumerate(results):
+            assert [p for p in result["owned"] if "[" in p] == sorted(
+                f"{stack}[{2 * rank}:{2 * rank + 2}]" for stack in STACKS
+            )
+
+
 def test_experts_that_get_no_token_get_the_references_zero_gradient(pool4):
     """Experts 1, 2 and 5 are routed no token on any rank (the others get uneven shares): their
     owners still receive a gradient, zero, as one process has for an unused slice."""
