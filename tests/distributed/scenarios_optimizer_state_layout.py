@@ -25,10 +25,10 @@ def _file_of(path: str, rank: int) -> str:
     return os.path.join(path, f"optim-rank{rank}.pt")
 
 
-def save_per_rank_and_finish(path: str, replicas: int = 1) -> dict:
+def save_per_rank_and_finish(path: str, replicas: int = 1, tp: int = 1) -> dict:
     """Train ``SAVE_AT`` steps, write the model (``dmuon.checkpoint``) and this rank's
     ``optimizer.state_dict()`` (``torch.save``), train to ``STEPS``: the uninterrupted run."""
-    model, optimizer = build(replicas)
+    model, optimizer = build(replicas, tp=tp)
     train(model, optimizer, range(SAVE_AT))
     dckpt.save({"model": dckpt.get_model_state_dict(model)}, os.path.join(path, "model"))
     torch.save(optimizer.state_dict(), _file_of(path, dist.get_rank()))
@@ -36,28 +36,30 @@ def save_per_rank_and_finish(path: str, replicas: int = 1) -> dict:
     return {"weights": full_weights(model)}
 
 
-def _fresh_with_model(path: str, replicas: int):
-    model, optimizer = build(replicas)
+def _fresh_with_model(path: str, replicas: int, tp: int):
+    model, optimizer = build(replicas, tp=tp)
     model_sd = dckpt.get_model_state_dict(model)
     dckpt.load({"model": model_sd}, os.path.join(path, "model"))
     dckpt.set_model_state_dict(model, model_sd)
     return model, optimizer
 
 
-def resume_from_own_file(path: str, replicas: int = 1) -> dict:
+def resume_from_own_file(path: str, replicas: int = 1, tp: int = 1) -> dict:
     """Each rank loads its own file (the normal resume) and trains to ``STEPS``."""
-    model, optimizer = _fresh_with_model(path, replicas)
+    model, optimizer = _fresh_with_model(path, replicas, tp)
     optimizer.load_state_dict(torch.load(_file_of(path, dist.get_rank())))
     train(model, optimizer, range(SAVE_AT, STEPS))
     return {"weights": full_weights(model)}
 
 
-def load_another_file(path: str, file_rank: int | None = None, drop_record: bool = False) -> dict:
+def load_another_file(
+    path: str, file_rank: int | None = None, drop_record: bool = False, tp: int = 1
+) -> dict:
     """After one step of its own, each rank loads the file of rank ``file_rank`` (None: of its
     rank modulo the ranks that wrote files); ``drop_record``: that file less its layout record.
     Returns the error (None if it loaded), whether this optimizer's state and groups are what
     they were before, and whether a step after it still runs in step with the other ranks."""
-    model, optimizer = build()
+    model, optimizer = build(tp=tp)
     train(model, optimizer, range(1))
     before = copy.deepcopy(torch.optim.Optimizer.state_dict(optimizer))
     written = len([name for name in os.listdir(path) if name.startswith("optim-rank")])

@@ -14,8 +14,8 @@ from dmuon.optim_layout import LAYOUT_KEY
 from tests.distributed import scenarios_checkpoint
 from tests.distributed import scenarios_optimizer_state_layout as scenarios
 
-# (world size, replicas)
-LAYOUTS = {"1d-2": (2, 1), "1d-4": (4, 1), "hsdp-2x2": (4, 2)}
+# (world size, replicas, tensor-parallel size)
+LAYOUTS = {"1d-2": (2, 1, 1), "1d-4": (4, 1, 1), "hsdp-2x2": (4, 2, 1), "dp2-tp2": (4, 1, 2)}
 
 
 @pytest.fixture(scope="module")
@@ -26,10 +26,10 @@ def per_rank_files(gloo_pool, tmp_path_factory):
 
     def files_of(layout: str):
         if layout not in made:
-            world, replicas = LAYOUTS[layout]
+            world, replicas, tp = LAYOUTS[layout]
             path = str(tmp_path_factory.mktemp("per-rank") / layout)
             results = gloo_pool(world).run(
-                scenarios.save_per_rank_and_finish, path=path, replicas=replicas
+                scenarios.save_per_rank_and_finish, path=path, replicas=replicas, tp=tp
             )
             made[layout] = (path, results[0]["weights"])
         return made[layout]
@@ -42,8 +42,10 @@ def test_each_rank_resuming_from_its_own_file_is_bit_identical_to_the_uninterrup
     gloo_pool, per_rank_files, layout
 ):
     path, uninterrupted = per_rank_files(layout)
-    world, replicas = LAYOUTS[layout]
-    resumed = gloo_pool(world).run(scenarios.resume_from_own_file, path=path, replicas=replicas)
+    world, replicas, tp = LAYOUTS[layout]
+    resumed = gloo_pool(world).run(
+        scenarios.resume_from_own_file, path=path, replicas=replicas, tp=tp
+    )
     assert resumed[0]["weights"].keys() == uninterrupted.keys()
     for key, value in uninterrupted.items():
         assert torch.equal(resumed[0]["weights"][key], value), key
@@ -76,6 +78,17 @@ def test_the_first_ranks_file_loaded_on_every_rank_raises_on_every_rank_and_chan
         f"{world_size}.",
     )
     assert "rank 0:" not in results[0]["error"]
+
+
+def test_the_first_ranks_file_under_tensor_parallelism_raises_on_every_rank(pool4, per_rank_files):
+    # dp 2 x tp 2: rank 1 is rank 0's TP peer (another ownership grid), and raises too.
+    path, _ = per_rank_files("dp2-tp2")
+    results = pool4.run(scenarios.load_another_file, path=path, file_rank=0, tp=2)
+    assert_refused_on_every_rank(
+        results,
+        "on ranks [1, 2, 3] of 4:",
+        "rank 1: it was written by rank 0 of 4, and is loaded on rank 1 of 4.",
+    )
 
 
 def test_files_of_two_ranks_loaded_on_four_raise_on_every_rank_and_change_nothing(
