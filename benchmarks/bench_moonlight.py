@@ -22,7 +22,8 @@ and the same tokens:
   lm_head and norms stay with FSDP2) with ``param_policy`` bf16 compute / fp32 reduce, the same
   ``fully_shard``, ``dmuon.Muon(model)`` with its defaults, and ``dmuon.QKClip`` over
   ``dmuon.MLAHeads`` at tau 100: each attention records ``dmuon.mla_max_logits`` in every
-  training forward (its cost is in the step time), and the clip runs inside ``step()``.
+  training forward (its cost is in the step time), and the clip runs inside ``step()``
+  (``--tau`` sets another threshold: the quick run's logits stay far under 100).
 
 Per arm: the build (model, dedicate, shard, optimizer; seconds), the first step (cold: the first
 zero_grad + forward + backward + step with whatever dmuon compiles or autotunes, seconds), the
@@ -37,6 +38,7 @@ Usage (repository root; on the GPU machine put the package sources on PYTHONPATH
     python benchmarks/bench_moonlight.py --out $OUT/moonlight.json
     python benchmarks/bench_moonlight.py --device cpu --quick       # gloo, tiny, < 1 minute
     python benchmarks/bench_moonlight.py --layers 3 --vocab 32768   # a smaller cut
+    python benchmarks/bench_moonlight.py --device cpu --quick --nproc 2 --tau 0.08  # clips
 
 The driver prints a table last and writes JSON (``--out``; default
 ``benchmarks/results/moonlight-<gpu>-<date>.json``, none with ``--quick`` unless given).
@@ -311,9 +313,7 @@ def build(arm: str, args: argparse.Namespace, mesh, device: torch.device):
         optimizer = torch.optim.AdamW(model.parameters(), lr=ADAMW_LR, fused=True)
     else:
         optimizer = dmuon.Muon(model)
-        clip = dmuon.QKClip(
-            model, optimizer, mla_heads(model, args.model), threshold=QK_CLIP_THRESHOLD
-        )
+        clip = dmuon.QKClip(model, optimizer, mla_heads(model, args.model), threshold=args.tau)
         for i, layer in enumerate(model.layers):
             layer.attn.record = lambda maxima, name=f"layers.{i}.attn": clip.record(name, maxima)
         routes = [row.route for row in optimizer.routing()]
@@ -367,6 +367,7 @@ def measure(arm: str, args: argparse.Namespace, mesh, device: torch.device, toke
     if arm == "dmuon-muonclip":
         dmuon.wait_all_replicate_broadcasts(model)
         extra["clipped_heads_per_step"] = clipped_heads
+        extra["qk_clip_threshold"] = clip.threshold
         extra["max_logit_per_step"] = max_logits
     return {
         "build_s": build_s,
@@ -431,7 +432,7 @@ def arm_command(args: argparse.Namespace, arm: str, arm_out: Path) -> list[str]:
         sys.executable, *(launcher if args.nproc > 1 else []), __file__,
         "--arm", arm, "--arm-out", str(arm_out),
         "--device", args.device, "--seq", str(args.seq), "--micro-batch", str(args.micro_batch),
-        "--steps", str(args.steps), "--warmup", str(args.warmup), "--layers",
+        "--steps", str(args.steps), "--warmup", str(args.warmup), "--tau", str(args.tau), "--layers",
         str(args.model.layers), "--vocab", str(args.model.vocab),
         "--checkpoint" if args.checkpoint else "--no-checkpoint",
         *(["--quick"] if args.quick else []),
@@ -480,7 +481,7 @@ def print_report(header: str, results: dict) -> None:
     clip = results.get("dmuon-muonclip", {})
     if "max_logit_per_step" in clip:
         print(
-            f"dmuon-muonclip: QK-clip tau {QK_CLIP_THRESHOLD:g}: largest logit per step "
+            f"dmuon-muonclip: QK-clip tau {clip['qk_clip_threshold']:g}: largest logit per step "
             f"{[round(x, 2) for x in clip['max_logit_per_step']]}, heads clipped per step "
             f"{clip['clipped_heads_per_step']}; routes {clip['routing']}"
         )
@@ -538,7 +539,7 @@ def drive(args: argparse.Namespace) -> int:
             "quick": args.quick,
             "adamw_lr": ADAMW_LR,
             "muon": "dmuon.Muon(model) defaults",
-            "qk_clip_threshold": QK_CLIP_THRESHOLD,
+            "qk_clip_threshold": args.tau,
             "expert_compute": "tokens sorted by expert, one matmul per expert (unbind)",
         },
         "device": device_label,
@@ -572,6 +573,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=None, help="timed steps; default 8 (2)")
     parser.add_argument("--warmup", type=int, default=None, help="default 2 (1 with --quick)")
     parser.add_argument("--nproc", type=int, default=1, help="ranks per arm (default 1)")
+    parser.add_argument(
+        "--tau",
+        type=float,
+        default=QK_CLIP_THRESHOLD,
+        help=f"QK-clip threshold (default {QK_CLIP_THRESHOLD:g}; a small one makes the clip act)",
+    )
     parser.add_argument(
         "--checkpoint",
         action=argparse.BooleanOptionalAction,
