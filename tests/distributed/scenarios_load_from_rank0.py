@@ -199,3 +199,25 @@ def partial_dict_and_other_ranks_dicts() -> dict:
         "weights": weights(model),
         "expected": {key: built[key] if key in lacking else full[key] for key in full},
     }
+
+
+def expert_parallel_loaded_like_every_rank(ep: int = 2, as_dtensor: bool = True) -> dict:
+    """The same comparison on an expert-parallel MoE model (each EP slot owning its experts'
+    pieces), after the load: what rank 0 reports of both, and what each rank received."""
+    from tests.distributed.scenarios_expert_parallel import EPConfig
+    from tests.distributed.scenarios_expert_parallel import build as build_expert_parallel
+
+    full = checkpoint_values("moe")
+    config = EPConfig(ep=ep, as_dtensor=as_dtensor)
+    reference, _, _ = build_expert_parallel(config, optimizer=False)
+    dckpt.set_model_state_dict(reference, full, options=ON_EVERY_RANK)
+    model, _, _ = build_expert_parallel(config, optimizer=False)
+    given = full if dist.get_rank() == 0 else {}
+    with recording_received() as received:
+        dckpt.set_model_state_dict(model, given, options=FROM_RANK0)
+    return {
+        "loaded": weights(model),
+        "reference_loaded": weights(reference),
+        "received": received.received,
+        "whole_model": sum(value.numel() * value.element_size() for value in full.values()),
+    }

@@ -116,3 +116,13 @@ def test_keys_missing_on_rank0_are_reported_on_every_rank_and_other_ranks_dicts_
         assert report["missing"] == ["embed.weight", "layers.0.q_proj.weight"]
         assert report["unexpected"] == []
     assert_equal(first["weights"], first["expected"])  # the missing ones keep their values
+
+
+@pytest.mark.parametrize("as_dtensor", [True, False])
+def test_expert_parallel_pieces_go_to_the_owner_each_piece_names(pool4, as_dtensor):
+    first, *others = pool4.run(
+        scenarios.expert_parallel_loaded_like_every_rank, ep=2, as_dtensor=as_dtensor
+    )
+    assert_equal(first["loaded"], scenarios.checkpoint_values("moe"))
+    assert_equal(first["loaded"], first["reference_loaded"])
+    assert all(0 < other["received"] < other["whole_model"] for other in others)

@@ -13,7 +13,8 @@ gives the full dict to: the lowest rank of the ownership grid (of its TP peers' 
 
 - A dedicated matrix goes from the source to its owner, point to point, and into the owner's
   fp32 master; no other rank holds it, even for a moment. An expert piece goes to the owner the
-  piece names (``piece.owner``), its experts ``[start, stop)`` only. Under HSDP the owner is one
+  piece names (``ExpertStack.every_piece``: every EP slot's pieces, each with its owner's
+  rank), its experts ``[start, stop)`` only. Under HSDP the owner is one
   slot of the grid; the replicas get the weight when the masters are published at the end (the
   copy they serve forward, which they hold anyway). Under tensor parallelism the owner in the
   source's grid receives the full matrix, keeps its chunk, and sends chunk t to the owner's TP
@@ -179,24 +180,37 @@ class Transfer:
     def _load_entry(self, entry: Entry, info: ValueInfo) -> None:
         """One value, received and copied in; what was received dies with this call."""
         if isinstance(entry.dedicated, ExpertStack):
-            for piece in entry.dedicated.pieces:
-                start, stop = piece.experts
-                value = None if entry.value is None else entry.value[start:stop]
-                self._to_owners(piece, value, ValueInfo(tuple(piece.shape), info.dtype))
+            # Every piece, of every EP slot, to the owner the piece names (``every_piece``).
+            stack = entry.dedicated
+            local = {piece.fqn: piece for piece in stack.pieces}
+            for piece in stack.every_piece:
+                value = None if entry.value is None else entry.value[piece.start : piece.stop]
+                shape = (piece.stop - piece.start, *info.shape[1:])
+                here = local.get(piece.fqn)
+                self._to_owners(piece.owner_rank, here, value, ValueInfo(shape, info.dtype))
         elif isinstance(entry.dedicated, DedicatedParam):
-            self._to_owners(entry.dedicated, entry.value, info)
+            p = entry.dedicated
+            self._to_owners(self.ctx.owner_rank(p), p, entry.value, info)
         else:
             full = self._to_every_rank(entry.value, info)
             entry.target.copy_(_shard_of(entry.target, full))
 
-    def _to_owners(self, p: DedicatedParam, value: torch.Tensor | None, info: ValueInfo) -> None:
-        """The source's ``value`` of ``p`` into its owner's master (on each TP rank, the owner of
-        the same slot, its chunk of a TP-sharded matrix)."""
+    def _to_owners(
+        self,
+        owner: int,
+        p: DedicatedParam | None,
+        value: torch.Tensor | None,
+        info: ValueInfo,
+    ) -> None:
+        """The source's ``value`` into the master of global rank ``owner`` (``p`` there: the
+        parameter or piece, None where this rank does not know it) and, under tensor
+        parallelism, of the owner of the same slot on each TP rank (its chunk of a TP-sharded
+        matrix)."""
         ctx = self.ctx
-        master = p.master_value()
+        master = p.master_value() if p is not None else None
         received = None
         if ctx.receiver_in_grid:
-            received = self._to_owner(ctx.owner_rank(p), value, info)
+            received = self._to_owner(owner, value, info)
         if self.tp_group is None:
             if master is not None:
                 master.copy_(received)
