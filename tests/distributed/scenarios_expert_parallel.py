@@ -46,6 +46,8 @@ class EPConfig:
     reshard_after_forward: bool = True
     # step -> experts the router may not choose on that step (they get no token anywhere)
     blocked: dict[int, tuple[int, ...]] | None = None
+    overlap_step: bool = False  # dmuon.Muon(overlap_step=True)
+    clip_max_norm: float | None = None  # dmuon.clip_grad_norm_ before each step
 
 
 def make_model() -> MoEDecoder:
@@ -95,6 +97,7 @@ def build(config: EPConfig, *, optimizer: bool = True):
         lr=LR,
         weight_decay=WEIGHT_DECAY,
         ns_backend=NewtonSchulz(dtype=torch.float32, kernel="cublas"),
+        overlap_step=config.overlap_step,
     )
     return model, optimizer, owners
 
@@ -204,11 +207,20 @@ def train_against_reference(**kwargs) -> dict:
         set_blocked(model, blocked)
         set_blocked(reference, blocked)
         loss_fn(model, rank_rows(batch, rank, world)).backward()
+        if config.clip_max_norm is not None:
+            dmuon.clip_grad_norm_(model, optimizer, config.clip_max_norm)
         optimizer.step()
         optimizer.zero_grad()
         if step == 0:
             first_step_calls = [list(call) for call in calls]
-        step_on_first_rank(reference, plain_reference_step, reference, reference_optimizer, batch)
+        step_on_first_rank(
+            reference,
+            plain_reference_step,
+            reference,
+            reference_optimizer,
+            batch,
+            config.clip_max_norm,
+        )
         max_errors.append(max(owned_errors(model, reference).values()))
     state = get_dedicated_state(model)
     return {
