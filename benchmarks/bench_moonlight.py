@@ -8,12 +8,13 @@ others mixture-of-experts: a sigmoid token-choice top-6 router over 64 routed ex
 (``gate``; top-k weights normalised and scaled by 2.446, as Moonlight's), the experts as (E, m, n)
 stacks ``w1`` / ``w3`` (1408, 2048) and ``w2`` (2048, 1408) computed expert by expert over the
 tokens sorted by expert, and 2 shared experts as one SwiGLU of 2816. The default, 4 layers
-(1 dense + 3 MoE) and the full 163840 vocabulary, has about 2.5 B parameters (0.67 B active per
-token); micro-batch 2 x sequence 2048 in bf16 compute, fp32 parameters, world size 1.
+(1 dense + 3 MoE) and the full 163840 vocabulary, has 2.51 B parameters (1.00 B active per
+token, embedding included); micro-batch 2 x sequence 2048 in bf16 compute, fp32 parameters,
+world size 1.
 
 Two arms, each in its own process (``--arm``; the driver, run without it, starts them one after
-the other through ``torch.distributed.run`` and merges their records), on the same seeded model
-and the same tokens:
+the other, through ``torch.distributed.run`` for ``--nproc`` above 1, and merges their records),
+on the same seeded model and the same tokens:
 
 - ``fsdp2-adamw``: ``fully_shard`` per layer and root with
   ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``, ``torch.optim.AdamW(fused=True)``;
@@ -432,8 +433,8 @@ def arm_command(args: argparse.Namespace, arm: str, arm_out: Path) -> list[str]:
         sys.executable, *(launcher if args.nproc > 1 else []), __file__,
         "--arm", arm, "--arm-out", str(arm_out),
         "--device", args.device, "--seq", str(args.seq), "--micro-batch", str(args.micro_batch),
-        "--steps", str(args.steps), "--warmup", str(args.warmup), "--tau", str(args.tau), "--layers",
-        str(args.model.layers), "--vocab", str(args.model.vocab),
+        "--steps", str(args.steps), "--warmup", str(args.warmup), "--tau", str(args.tau),
+        "--layers", str(args.model.layers), "--vocab", str(args.model.vocab),
         "--checkpoint" if args.checkpoint else "--no-checkpoint",
         *(["--quick"] if args.quick else []),
     ]  # fmt: skip
@@ -458,7 +459,8 @@ def print_report(header: str, results: dict) -> None:
     print(header)
     print(
         f"{'arm':<15} {'build s':>8} {'first s':>8} {'step ms':>9} {'vs adamw':>9} "
-        f"{'opt ms':>8} {'opt dev ms':>10} {'peak GiB':>9} {'state GiB':>9} {'loss first->last':>18}"
+        f"{'opt ms':>8} {'opt dev ms':>10} {'peak GiB':>9} {'state GiB':>9} "
+        f"{'loss first->last':>18}"
     )
     baseline = results.get("fsdp2-adamw", {}).get("step_ms_median")
     for arm, result in results.items():
@@ -494,8 +496,9 @@ def drive(args: argparse.Namespace) -> int:
     """Run each arm in its own process, then print the table and write the JSON."""
     counts = parameter_counts(args.model)
     header = (
-        f"bench_moonlight: {args.device} x {args.nproc}, torch {torch.__version__}; Moonlight-shaped "
-        f"{counts['total'] / 1e6:,.1f} M params ({counts['active_per_token'] / 1e6:,.1f} M active), "
+        f"bench_moonlight: {args.device} x {args.nproc}, torch {torch.__version__}; "
+        f"Moonlight-shaped {counts['total'] / 1e6:,.1f} M params "
+        f"({counts['active_per_token'] / 1e6:,.1f} M active), "
         f"{args.model.layers} layers ({args.model.dense_layers} dense), vocab {args.model.vocab}; "
         f"micro-batch {args.micro_batch} x seq {args.seq}, bf16 compute, fp32 params; activation "
         f"checkpointing {'ON' if args.checkpoint else 'off'}; median of {args.steps} steps after "
