@@ -14,9 +14,9 @@ gives the full dict to: the lowest rank of the ownership grid (of its TP peers' 
 - A dedicated matrix goes from the source to its owner, point to point, and into the owner's
   fp32 master; no other rank holds it, even for a moment. An expert piece goes to the owner the
   piece names (``ExpertStack.every_piece``: every EP slot's pieces, each with its owner's
-  rank), its experts ``[start, stop)`` only. Under HSDP the owner is one
-  slot of the grid; the replicas get the weight when the masters are published at the end (the
-  copy they serve forward, which they hold anyway). Under tensor parallelism the owner in the
+  rank), its experts ``[start, stop)`` only. Under HSDP the owner is one slot of the grid; the
+  replicas get the weight when the masters are published at the end (the copy they serve
+  forward, which they hold anyway). Under tensor parallelism the owner in the
   source's grid receives the full matrix, keeps its chunk, and sends chunk t to the owner's TP
   rank t (the owner of the same slot in TP rank t's grid).
 - Every other value (FSDP2's parameters, buffers, parameters nobody dedicated) goes the way
