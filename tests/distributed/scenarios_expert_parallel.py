@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 import dmuon
 import dmuon.checkpoint as dckpt
@@ -70,10 +71,15 @@ def meshes(config: EPConfig):
     return dense, sparse
 
 
-def build(config: EPConfig, *, optimizer: bool = True):
+def build(config: EPConfig, *, optimizer: bool = True, meta: bool = False):
     """The expert-parallel dmuon model as a user writes it; returns (model, optimizer, owners)
-    (no optimizer: None)."""
-    model = make_model()
+    (no optimizer: None). ``meta``: built on the meta device, then ``to_empty`` and the plain
+    model's weights written in after dedicate_params and fully_shard, as torchtitan does."""
+    if meta:
+        with torch.device("meta"):
+            model = MoEDecoder()
+    else:
+        model = make_model()
     dense, sparse = meshes(config)
     shard_experts(model, sparse["ep"], as_dtensor=config.as_dtensor)
     replicate = dense["replicate"] if config.replicas > 1 else None
@@ -90,6 +96,9 @@ def build(config: EPConfig, *, optimizer: bool = True):
     for layer in model.layers:
         fully_shard(layer, mesh=fsdp_mesh, reshard_after_forward=config.reshard_after_forward)
     fully_shard(model, mesh=fsdp_mesh, reshard_after_forward=config.reshard_after_forward)
+    if meta:
+        model.to_empty(device="cpu")
+        _write_plain_weights(model)
     if not optimizer:
         return model, None, owners
     optimizer = dmuon.Muon(
@@ -100,6 +109,28 @@ def build(config: EPConfig, *, optimizer: bool = True):
         overlap_step=config.overlap_step,
     )
     return model, optimizer, owners
+
+
+def _write_plain_weights(model: MoEDecoder) -> None:
+    """The plain model's weights into a materialised one: an EP stack takes its slot's experts,
+    FSDP2's DTensors their shards."""
+    plain = dict(make_model().named_parameters())
+    stacks = set(expert_stack_names(make_model()))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            value = plain[name].detach()
+            if name in stacks:
+                block = model.layers[int(name.split(".")[1])]
+                local = param.to_local() if isinstance(param, DTensor) else param
+                local.copy_(value[block.first_expert : block.first_expert + local.shape[0]])
+            elif isinstance(param, DTensor):
+                param.copy_(
+                    distribute_tensor(
+                        value, param.device_mesh, param.placements, src_data_rank=None
+                    )
+                )
+            else:
+                param.copy_(value)
 
 
 def build_reference():
@@ -125,8 +156,9 @@ def gradients_against_reference(**kwargs) -> dict:
     full batch: each owned master's gradient against the reference's gradient of the same
     experts (relative error; 0-norm references compared absolutely), and which expert pieces
     got a gradient at all."""
+    meta = kwargs.pop("meta", False)
     config = EPConfig(**kwargs)
-    model, _, owners = build(config, optimizer=False)
+    model, _, owners = build(config, optimizer=False, meta=meta)
     reference = make_model()
     rank, world = dist.get_rank(), dist.get_world_size()
     batch = batches(1, world)[0]

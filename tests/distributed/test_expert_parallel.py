@@ -77,12 +77,18 @@ def test_ep2_with_hsdp_replicas_owns_each_ep_slots_experts_across_its_replicas(p
 
 @pytest.mark.parametrize(
     "options",
-    [{"reshard_after_forward": False}, {"ep": 4}],
-    ids=["z2-ep2-x-efsdp2", "ep4-without-expert-fsdp"],
+    [
+        {"reshard_after_forward": False},
+        {"ep": 4},
+        {"meta": True},
+        {"meta": True, "as_dtensor": False},
+    ],
+    ids=["z2-ep2-x-efsdp2", "ep4-without-expert-fsdp", "meta-dtensor-stacks", "meta-local-stacks"],
 )
-def test_expert_parallel_gradients_match_the_reference_under_z2_and_pure_ep(pool4, options):
+def test_expert_parallel_gradients_match_the_reference_on_every_path(pool4, options):
     """Z2 keeps the broadcast experts through backward; ep=4 on 4 ranks gives every rank its
-    own two experts of each stack, owned there with no expert collective at all."""
+    own two experts of each stack, owned there with no expert collective at all; a model built
+    on the meta device is adopted from the weights written after ``to_empty``."""
     results = pool4.run(scenarios.gradients_against_reference, **options)
     assert_gradients_match(results)
     if options.get("ep") == 4:
