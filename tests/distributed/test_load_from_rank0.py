@@ -15,7 +15,13 @@ import torch
 from tests.distributed import scenarios_load_from_rank0 as scenarios
 
 # (world size, replicas, tensor-parallel size)
-LAYOUTS = {"1d-2": (2, 1, 1), "1d-4": (4, 1, 1), "hsdp-2x2": (4, 2, 1), "dp2-tp2": (4, 1, 2)}
+LAYOUTS = {
+    "1d-2": (2, 1, 1),
+    "1d-4": (4, 1, 1),
+    "hsdp-2x2": (4, 2, 1),
+    "dp2-tp2": (4, 1, 2),
+    "dp1-tp2": (2, 1, 2),  # one owner slot per TP rank: no grid group, TP forwarding only
+}
 
 
 def run(gloo_pool, layout: str, **kwargs) -> list[dict]:
@@ -40,6 +46,7 @@ def assert_equal(weights: dict, expected: dict) -> None:
         ("hsdp-2x2", "decoder", True, True),
         ("dp2-tp2", "decoder", False, False),
         ("dp2-tp2", "decoder", True, True),
+        ("dp1-tp2", "decoder", True, True),
         ("1d-4", "moe", False, False),
         ("hsdp-2x2", "moe", True, True),
     ],
