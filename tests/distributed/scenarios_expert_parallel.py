@@ -23,6 +23,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 import dmuon
 import dmuon.checkpoint as dckpt
+import dmuon.inspect
 from dmuon.hooks import get_dedicated_state
 from dmuon_kernels.newton_schulz import NewtonSchulz, newton_schulz
 from tests.distributed.models import batches, loss_fn, rank_rows
@@ -181,7 +182,13 @@ def gradients_against_reference(**kwargs) -> dict:
                 if p.master.grad[index].norm() == 0:
                     zero_experts.setdefault(p.stack.fqn, []).append(expert)
     state = get_dedicated_state(model)
+    segments = [
+        (segment.root_rank, [(part.owner_rank, part.params) for part in segment.slices])
+        for boundary in dmuon.inspect.view(model).boundaries
+        for segment in boundary.segments
+    ]
     return {
+        "segments": segments,
         "errors": errors,
         "zero_experts": zero_experts,
         "owners": {name: state.mesh.global_rank(c) for name, c in owners.items()},

@@ -59,6 +59,13 @@ def test_ep2_x_efsdp2_owners_receive_the_reference_gradients_of_their_experts(po
         for piece in result["owned"]:
             if "[" in piece:
                 assert first_expert_of(piece) // 4 == slot, f"rank {rank} owns {piece}"
+        # dmuon.inspect shows each expert segment rooted in this rank's EP slot, and every
+        # slice at the owner the owner map names.
+        for root, parts in result["segments"]:
+            for owner_rank, params in parts:
+                assert all(result["owners"][name] == owner_rank for name in params)
+                if any("[" in name for name in params):
+                    assert ep_slot_of(root) == slot
     owners = results[0]["owners"]
     for stack in STACKS:  # EP slot 0 is ranks 0 and 2, slot 1 ranks 1 and 3: one piece each
         assert {owners[f"{stack}[{s}:{s + 2}]"] for s in (0, 2)} == {0, 2}

@@ -150,7 +150,7 @@ class BoundaryGroup:
     def build_segments(self, device: torch.device) -> None:
         """Lay out the segments and bind every unsharded parameter to its slice."""
 
-        coords = {id(p): self._coord_on_mesh(p) for p in self.params}
+        coords = {id(p): self.coord_on_mesh(p) for p in self.params}
 
         def segment_key(p: DedicatedParam) -> tuple[bool, int, str]:
             return self._mesh_of(p) is not self.mesh, coords[id(p)].shard, str(p.param_dtype)
@@ -168,7 +168,8 @@ class BoundaryGroup:
         mesh = getattr(p.stack, "mesh", None)
         return self.mesh if mesh is None else mesh
 
-    def _coord_on_mesh(self, p: DedicatedParam) -> OwnerCoord:
+    def coord_on_mesh(self, p: DedicatedParam) -> OwnerCoord:
+        """``p``'s owner as a coordinate of the grid it travels on."""
         mesh = self._mesh_of(p)
         if mesh is self.mesh:
             return p.owner

@@ -473,12 +473,19 @@ def _segment_view(segment: Segment, group: BoundaryGroup, grid: OwnerGrid) -> Se
     slices = []
     for replicate, (start, end) in segment.value_ranges.items():
         message_start, message_end = segment.message_ranges[replicate]
-        owner = OwnerCoord(segment.shard, replicate)
+        if segment.mesh is group.mesh:
+            owner = OwnerCoord(segment.shard, replicate)
+            owner_rank = grid.owner_rank(owner)
+        else:  # expert pieces on their expert mesh ([Note: expert segments] in ``dmuon.group``)
+            owner_rank = segment.mesh.global_rank(OwnerCoord(segment.shard, replicate))
+            owner = group.mesh.coord_of_rank(owner_rank)
         slices.append(
             OwnerSliceView(
                 owner=owner,
-                owner_rank=grid.owner_rank(owner),
-                params=tuple(p.fqn for p in segment.params if p.owner.replicate == replicate),
+                owner_rank=owner_rank,
+                params=tuple(
+                    p.fqn for p in segment.params if group.coord_on_mesh(p).replicate == replicate
+                ),
                 numel=end - start,
                 value_bytes=(end - start) * segment.dtype.itemsize,
                 message_bytes=(message_end - message_start) * reduce_dtype.itemsize,
