@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import re
 import tempfile
 from dataclasses import asdict, dataclass, field
 
@@ -28,7 +29,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import StateDictOptions
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
+from torchtitan.models.deepseek_v3 import config_registry as deepseek_v3_registry
 from torchtitan.models.llama3 import config_registry as llama3_registry
 from torchtitan.models.qwen3 import config_registry as qwen3_registry
 
@@ -38,6 +40,8 @@ from dmuon.hooks import find_dedicated_state
 from dmuon.testing import ReferenceMuonAdamW
 from dmuon_kernels import KELLER_COEFFICIENTS
 from dmuon_kernels.newton_schulz import newton_schulz
+from dmuon_titan.optimizer import muon_arguments
+from dmuon_titan.recipe import read_recipe
 
 FULL = StateDictOptions(full_state_dict=True)
 LAYERS = 2
@@ -72,6 +76,10 @@ class Job:
     load_step: int = -1
     load_model_only: bool = False
     exclude_from_loading: list[str] = field(default_factory=list)
+    # The job's optimizer: a DistMuon recipe as torchtitan's kimi_k2_7 configs write one
+    # (``distmuon_recipe``), which dmuon-titan reads; MoE models only. Its jobs turn the router's
+    # load balancing off (``titan_on_cpu.few_experts``), for the reference.
+    distmuon_recipe: bool = False
     # The last step's checkpoint: the model alone in this dtype (torchtitan's final export), or
     # None for a full checkpoint.
     export_dtype: str | None = None
@@ -80,13 +88,20 @@ class Job:
 
 # The registry job each ``Job.model`` runs: llama3's dense debug model, or qwen3's MoE one (its
 # experts cut to a few small ones, ``titan_on_cpu.few_experts``).
-MODELS = {"llama3": llama3_registry.llama3_debugmodel, "qwen3_moe": qwen3_registry.qwen3_moe_debug}
+MODELS = {
+    "llama3": llama3_registry.llama3_debugmodel,
+    "qwen3_moe": qwen3_registry.qwen3_moe_debug,
+    "deepseek_v3": deepseek_v3_registry.deepseek_v3_debugmodel,
+}
+MOE_MODELS = ("qwen3_moe", "deepseek_v3")
 
 
 def make_config(job: Job, dump_folder: str):
     registry_config = MODELS[job.model]()
-    if job.model == "qwen3_moe":
-        titan_on_cpu.few_experts(registry_config.model_spec)
+    if job.model in MOE_MODELS:
+        titan_on_cpu.few_experts(registry_config.model_spec, load_balancing=not job.distmuon_recipe)
+    if job.distmuon_recipe:
+        registry_config.optimizer = distmuon_recipe(job.model)
     config = titan_on_cpu.on_cpu(
         registry_config,
         dump_folder=dump_folder,
@@ -121,6 +136,77 @@ def make_config(job: Job, dump_folder: str):
     options = {"ns_coefficients": "keller", "ns_backend": "direct", "ns_kernel": "cublas"}
     options["ns_dtype"] = "bfloat16" if job.ns == "torch" else "float32"
     return dmuon_titan.enable(config, dmuon_titan.DMuonConfig(**options, **job.dmuon_options))
+
+
+# qwen3's MoE debug model: every head (query, key and value) has 128 rows of the fused QKV.
+QWEN3_MOE_HEAD_DIM = 128
+# DeepSeek-V3's debug model (MLA): a query head's rows (qk_nope 128 + qk_rope 64) in wq, a key /
+# value head's (qk_nope 128 + v 128) in wkv_b; its block 0 is dense, the others MoE.
+DEEPSEEK_QUERY_HEAD_ROWS = 128 + 64
+DEEPSEEK_KEY_VALUE_HEAD_ROWS = 128 + 128
+EXPERT_PROJECTIONS = ("w1_EFD", "w2_EDF", "w3_EFD")
+
+
+def distmuon_recipe(model: str = "qwen3_moe"):
+    """A DistMuon optimizer config for the MoE blocks of ``model``, written as torchtitan's
+    kimi_k2_7 registry writes its own (``_dist_muon_optimizer``): attention projections per
+    head where a head owns rows (qwen3's fused QKV; MLA's wq and wkv_b), owned otherwise; the
+    router gate, dense and shared-expert MLPs owned; the routed experts per expert
+    (``Shard(0)``); AdamW for the rest. Torch's Muon hyperparameters, as Kimi's."""
+    from torchtitan.components.optimizer import OptimizersContainer, ParamGroupConfig
+    from torchtitan.distributed.flex_shard import BlockShard, ComputeLayout, Owned
+
+    def on_shard_axis(placement):
+        return ComputeLayout(shardings_by_mesh_axis={"dp_shard": placement})
+
+    owned, per_expert = (
+        on_shard_axis(Owned()),
+        ComputeLayout(
+            shardings_by_mesh_axis={"dp_shard": Shard(0), "efsdp": Shard(0), "ep": Shard(0)}
+        ),
+    )
+    if model == "qwen3_moe":
+        attention = {
+            "qkv_linear.wqkv": on_shard_axis(BlockShard(0, QWEN3_MOE_HEAD_DIM)),
+            "wo": owned,
+        }
+    else:
+        attention = {
+            "wq": on_shard_axis(BlockShard(0, DEEPSEEK_QUERY_HEAD_ROWS)),
+            "wkv_a": owned,
+            "wkv_b": on_shard_axis(BlockShard(0, DEEPSEEK_KEY_VALUE_HEAD_ROWS)),
+            "wo": owned,
+        }
+    layouts = {}
+    for layer in range(LAYERS):
+        prefix = f"layers.{layer}"
+        for name, layout in attention.items():
+            layouts[f"{prefix}.attention.{name}.weight"] = layout
+        if model == "deepseek_v3" and layer == 0:  # the dense block
+            for projection in ("w1", "w2", "w3"):
+                layouts[f"{prefix}.feed_forward.{projection}.weight"] = owned
+            continue
+        layouts[f"{prefix}.moe.router.gate.weight"] = owned
+        for projection in EXPERT_PROJECTIONS:
+            layouts[f"{prefix}.moe.routed_experts.inner_experts.{projection}"] = per_expert
+        if model == "deepseek_v3":
+            for projection in ("w1", "w2", "w3"):
+                layouts[f"{prefix}.moe.shared_experts.{projection}.weight"] = owned
+    muon_pattern = "|".join(re.escape(name) for name in layouts)
+    muon_pattern = rf"^(?:{muon_pattern})$"
+    muon_kwargs = {"lr": 0.01, "weight_decay": 0.1, "adjust_lr_fn": "match_rms_adamw"}
+    adamw_kwargs = {"lr": 3e-4, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
+    return OptimizersContainer.Config(
+        param_groups=[
+            ParamGroupConfig(
+                pattern=muon_pattern, optimizer_name="DistMuon", optimizer_kwargs=muon_kwargs
+            ),
+            ParamGroupConfig(pattern=r".*", optimizer_name="AdamW", optimizer_kwargs=adamw_kwargs),
+        ],
+        optimizer_factory_kwargs_by_name={
+            "DistMuon": {"bucket_configs": (), "compute_sharding_by_fqn": layouts}
+        },
+    )
 
 
 def _checkpointing(checkpoint, job: Job) -> None:
@@ -238,7 +324,8 @@ def _dedicated_names(trainer) -> list[str]:
     names: list[str] = []
     for part in trainer.model_parts:
         state = find_dedicated_state(part)
-        names += [] if state is None else list(state.params)
+        # An expert stack's pieces (``<fqn>[start:stop]``) by the stack's own name.
+        names += [] if state is None else [name.split("[")[0] for name in state.params]
     everyone: list[list | None] = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, names)
     return sorted({name for part in everyone for name in part})
@@ -246,18 +333,20 @@ def _dedicated_names(trainer) -> list[str]:
 
 def _optimizer_settings(trainer) -> dict:
     config = trainer.config
-    (group,) = config.optimizer.param_groups
-    adamw = {key: group.optimizer_kwargs[key] for key in ("lr", "betas", "eps", "weight_decay")}
+    catch_all = config.optimizer.param_groups[-1]
+    adamw = {key: catch_all.optimizer_kwargs[key] for key in ("lr", "betas", "eps", "weight_decay")}
     if not isinstance(trainer, dmuon_titan.DMuonTrainer):
         return {"adamw": adamw, "muon": None}
-    settings = config.dmuon
-    muon = {
-        "lr": settings.lr,
-        "momentum": settings.momentum,
-        "nesterov": settings.nesterov,
-        "weight_decay": settings.weight_decay,
-    }
-    return {"adamw": adamw, "muon": muon}
+    recipe = read_recipe(config.optimizer)
+    muon = muon_arguments(config.dmuon, recipe)
+    assert muon.pop("adjust_lr") == "match_rms_adamw"  # the references' rule
+    layouts = {"row_blocks": {}, "expert_stacks": []}
+    if recipe is not None:
+        layouts = {
+            "row_blocks": dict(recipe.row_blocks),
+            "expert_stacks": list(recipe.expert_layouts),
+        }
+    return {"adamw": adamw, "muon": muon, **layouts}
 
 
 # ---- the single-process reference -----------------------------------------------------------
@@ -269,7 +358,9 @@ def train_reference(run: dict, *, steps: int | None = None) -> dict:
     gradient norm before clipping."""
     job = Job(**run["job"])
     torch.manual_seed(0)
-    spec = llama3_registry.llama3_debugmodel().model_spec
+    spec = MODELS[job.model]().model_spec
+    if job.model in MOE_MODELS:
+        titan_on_cpu.few_experts(spec, load_balancing=not job.distmuon_recipe)
     titan_on_cpu.small_model(spec, LAYERS, job.width)
     with torch.device("meta"):
         model = spec.model.build()
@@ -329,10 +420,16 @@ def _reference_optimizers(params: dict, run: dict, ns: str):
             [param for _, param in matrices], adjust_lr_fn="match_rms_adamw", **muon_kwargs
         )
     else:
+        row_blocks = {
+            name: [rows] * (params[name].shape[0] // rows)
+            for name, rows in settings.get("row_blocks", {}).items()
+        }
         muon = ReferenceMuonAdamW(
             matrices,
             lambda name, param: True,
             **muon_kwargs,
+            expert_stacks=settings.get("expert_stacks", ()),
+            row_blocks=row_blocks,
             orthogonalize=functools.partial(
                 newton_schulz,
                 backend="direct",

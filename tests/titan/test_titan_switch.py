@@ -16,6 +16,7 @@ import dmuon_titan
 from dmuon.inspect import canonical_fqn
 from dmuon_titan.optimizer import adamw_route
 from dmuon_titan.parallelize import check_supported
+from dmuon_titan.recipe import read_recipe
 
 
 def test_the_default_muon_parameters_are_the_blocks_matrices_not_norms_embeddings_or_head():
@@ -123,3 +124,46 @@ def test_layouts_dmuon_does_not_dedicate_are_refused_with_the_fix(dims, message)
 def test_bad_dmuon_options_are_refused_naming_the_option(options, message):
     with pytest.raises(ValueError, match=message):
         dmuon_titan.DMuonConfig(**options)
+
+
+def test_a_distmuon_recipe_is_read_as_row_blocks_expert_stacks_and_owned_matrices():
+    from tests.titan.scenarios_titan import distmuon_recipe
+
+    recipe = read_recipe(distmuon_recipe())
+    assert recipe.row_blocks == {
+        f"layers.{i}.attention.qkv_linear.wqkv.weight": 128 for i in range(2)
+    }
+    assert recipe.owned == {
+        f"layers.{i}.{name}"
+        for i in range(2)
+        for name in ("attention.wo.weight", "moe.router.gate.weight")
+    }
+    assert sorted(recipe.expert_layouts) == sorted(
+        f"layers.{i}.moe.routed_experts.inner_experts.{w}"
+        for i in range(2)
+        for w in ("w1_EFD", "w2_EDF", "w3_EFD")
+    )
+    # torch.optim.Muon's hyperparameter names, as dmuon.Muon's.
+    assert dict(recipe.hyperparameters) == {
+        "lr": 0.01, "weight_decay": 0.1, "adjust_lr": "match_rms_adamw"
+    }  # fmt: skip
+    # The recipe's group is the Muon route, not an AdamW group the switch would refuse.
+    adamw, groups = adamw_route(distmuon_recipe().param_groups, dmuon_titan.DMuonConfig(), recipe)
+    assert adamw["adamw_lr"] == 3e-4 and groups == []
+    assert read_recipe(llama3_registry.llama3_debugmodel().optimizer) is None
+
+
+def test_a_compute_layout_dmuon_does_not_read_is_refused_naming_the_matrix():
+    from torch.distributed.tensor import Shard
+    from torchtitan.distributed.flex_shard import ComputeLayout
+
+    from tests.titan.scenarios_titan import distmuon_recipe
+
+    config = distmuon_recipe()
+    layouts = config.optimizer_factory_kwargs_by_name["DistMuon"]["compute_sharding_by_fqn"]
+    layouts["layers.0.attention.wo.weight"] = ComputeLayout(
+        shardings_by_mesh_axis={"dp_shard": Shard(1)}
+    )
+    with pytest.raises(ValueError, match=r"layout of layers.0.attention.wo.weight on 'dp_shard' is"
+                       r" Shard\(dim=1\); dmuon reads Owned\(\)"):  # fmt: skip
+        read_recipe(config)

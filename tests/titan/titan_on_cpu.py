@@ -337,11 +337,19 @@ def sdpa_attention(model_spec) -> None:
             setattr(parent, attr, ScaledDotProductAttention.Config())
 
 
-def few_experts(model_spec, num_experts: int = 4, hidden: int = 64, top_k: int = 2) -> None:
+def few_experts(
+    model_spec,
+    num_experts: int = 4,
+    hidden: int = 64,
+    top_k: int = 2,
+    load_balancing: bool = True,
+) -> None:
     """The MoE blocks of ``model_spec`` with ``num_experts`` experts of hidden size ``hidden``,
     ``top_k`` of them per token (the debug models' 64 experts of 768 would make every step some
     400 Newton-Schulz runs, minutes on two shared CPU cores). Initialisations, routing and
-    dispatch stay as the model defines them."""
+    dispatch stay as the model defines them; without ``load_balancing``, the router's expert
+    bias (moved by an optimizer pre-hook torchtitan registers) is off, so that a single-process
+    reference with its own optimizer routes alike."""
     for block in model_spec.model.layers:
         moe = getattr(block, "moe", None)
         if moe is None:
@@ -365,5 +373,5 @@ def few_experts(model_spec, num_experts: int = 4, hidden: int = 64, top_k: int =
                 comm_backend="standard",
             ),
             shared_experts=moe.shared_experts,
-            load_balance_coeff=moe.load_balance_coeff,
+            load_balance_coeff=moe.load_balance_coeff if load_balancing else None,
         )

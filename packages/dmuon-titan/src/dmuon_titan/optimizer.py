@@ -39,6 +39,7 @@ import dmuon
 import dmuon.checkpoint
 import dmuon.inspect
 from dmuon_titan.config import DMuonConfig
+from dmuon_titan.recipe import DIST_MUON, MuonRecipe, read_recipe
 
 _FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 # torchtitan's AdamW kwargs -> dmuon.Muon's AdamW route arguments.
@@ -64,19 +65,17 @@ class DMuonOptimizers(OptimizersContainer):
 
     def __init__(self, config: Config, *, model_parts: list[nn.Module]) -> None:
         self.model_parts = model_parts
-        adamw, param_groups = adamw_route(config.param_groups, config.dmuon)
+        recipe = read_recipe(config)  # the job's DistMuon group: the Muon route's settings
+        adamw, param_groups = adamw_route(config.param_groups, config.dmuon, recipe)
         step_group = dmuon.StepGroup(pp_mesh=config._pp_mesh)
         settings = config.dmuon
+        muon = muon_arguments(settings, recipe)
         # See [Note: stages without Muon matrices].
         job_has_muon = muon_matrices_in_job(model_parts, config._pp_mesh) > 0
         self.optimizers = [
             dmuon.Muon(
                 part,
-                lr=settings.lr,
-                momentum=settings.momentum,
-                nesterov=settings.nesterov,
-                weight_decay=settings.weight_decay,
-                adjust_lr=settings.adjust_lr,
+                **muon,
                 normuon=settings.normuon,
                 momentum_dtype=settings.momentum_dtype,
                 ns_backend=settings.newton_schulz(),
@@ -122,13 +121,32 @@ def muon_matrices_in_job(model_parts: list[nn.Module], pp_mesh: DeviceMesh | Non
     return int(total.item())
 
 
+def muon_arguments(settings: DMuonConfig, recipe: MuonRecipe | None) -> dict[str, Any]:
+    """dmuon.Muon's Muon-route hyperparameters: ``dmuon.*``'s, where the job's DistMuon recipe
+    sets one, the recipe's (``lr``, ``weight_decay``, ``momentum``, ``nesterov``,
+    ``adjust_lr``)."""
+    arguments = {
+        "lr": settings.lr,
+        "momentum": settings.momentum,
+        "nesterov": settings.nesterov,
+        "weight_decay": settings.weight_decay,
+        "adjust_lr": settings.adjust_lr,
+    }
+    if recipe is not None:
+        arguments.update(recipe.hyperparameters)
+    return arguments
+
+
 def adamw_route(
-    param_groups: list[ParamGroupConfig], config: DMuonConfig
+    param_groups: list[ParamGroupConfig], config: DMuonConfig, recipe: MuonRecipe | None = None
 ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """The AdamW route's arguments for ``dmuon.Muon`` and its ``param_groups``, from the job's
     optimizer config: the last group (torchtitan's catch-all) gives the defaults, the groups
     before it become param groups of the parameters they match off the Muon route; a value set in
-    ``config`` (``dmuon.adamw_*``) wins."""
+    ``config`` (``dmuon.adamw_*``) wins. A DistMuon group is the Muon route (``recipe``), not an
+    AdamW group."""
+    if recipe is not None:
+        param_groups = [g for g in param_groups if g.optimizer_name != DIST_MUON]
     if param_groups:
         refused = [g for g in param_groups if g.optimizer_name not in _ADAMW_NAMES]
         if refused:
@@ -148,7 +166,7 @@ def adamw_route(
             pattern = re.compile(group.pattern)
             groups.append(
                 {
-                    "params": _off_muon_matching(pattern, config),
+                    "params": _off_muon_matching(pattern, recipe or config),
                     **{
                         key: value
                         for key, value in group.optimizer_kwargs.items()
@@ -171,7 +189,7 @@ def _adamw_arguments(kwargs: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _off_muon_matching(pattern: re.Pattern, config: DMuonConfig):
+def _off_muon_matching(pattern: re.Pattern, config: DMuonConfig | MuonRecipe):
     def matches(name: str, param) -> bool:
         return pattern.search(name) is not None and not config.is_muon(name, param)
 

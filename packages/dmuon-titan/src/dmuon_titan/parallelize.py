@@ -33,12 +33,18 @@ from torchtitan.distributed.fsdp import get_fsdp_reshard_after_forward_policy
 
 import dmuon
 from dmuon_titan.config import DMuonConfig
+from dmuon_titan.recipe import MuonRecipe
 
 
-def dedicating(parallelize_fn: Callable[..., nn.Module], config: DMuonConfig):
+def dedicating(
+    parallelize_fn: Callable[..., nn.Module],
+    config: DMuonConfig,
+    recipe: MuonRecipe | None = None,
+):
     """``parallelize_fn`` (a ``ModelSpec.parallelize_fn``) that dedicates the model it
-    parallelizes: the Muon matrices ``config`` selects get one owner rank each, and FSDP2 then
-    shards only the rest."""
+    parallelizes: the Muon matrices ``config`` selects (or, for a job with a DistMuon recipe,
+    ``recipe``: its matrices, row blocks and expert stacks) get one owner rank each, and FSDP2
+    then shards only the rest."""
 
     @functools.wraps(parallelize_fn)
     def parallelize(model: nn.Module, *, parallel_dims: ParallelDims, **kwargs: Any) -> nn.Module:
@@ -54,7 +60,8 @@ def dedicating(parallelize_fn: Callable[..., nn.Module], config: DMuonConfig):
         with dmuon.dedicate_before_fully_shard(
             model,
             mesh,
-            config.is_muon,
+            config.is_muon if recipe is None else recipe.is_muon,
+            **recipe_layouts(recipe),
             replicate_mesh=replicate_mesh,
             reshard_after_forward=get_fsdp_reshard_after_forward_policy(
                 parallelism.fsdp_reshard_after_forward, parallel_dims.pp_enabled
@@ -72,6 +79,18 @@ def dedicating(parallelize_fn: Callable[..., nn.Module], config: DMuonConfig):
         return model
 
     return parallelize
+
+
+def recipe_layouts(recipe: MuonRecipe | None) -> dict[str, Any]:
+    """``dedicate_params``' arguments for the recipe's per-matrix cuts ([Note: compute layouts as
+    dmuon's settings] in ``dmuon_titan.recipe``): row blocks, and which 3-D matrices are expert
+    stacks. Names are canonical, as ``dedicate_params`` gives them."""
+    if recipe is None:
+        return {}
+    return {
+        "row_blocks": lambda name, param: recipe.rows_per_block(name),
+        "expert_stacks": recipe.is_expert_stack,
+    }
 
 
 def compile_block_forwards(model: nn.Module, backend: str) -> None:

@@ -11,6 +11,9 @@ Owns the three places where a dmuon job differs from a stock one, and nothing el
 Settings dmuon cannot work with are set or refused here, with the reason: CUDA graphs of the
 forward/backward are turned off (dmuon's hooks issue collectives and host-side waits that a
 captured graph cannot replay); the default ``spmd_types`` backend becomes ``partial_dtensor``.
+A job whose optimizer is one of torchtitan's Muon recipes (a ``DistMuon`` param group and its
+compute layouts) keeps its Muon matrices, hyperparameters and per-matrix cuts
+(``dmuon_titan.recipe``), read once here for the parallelize function and in the optimizers.
 A checkpoint without dmuon's optimizer state (a stock run's) fails to load with an error naming
 the flag that loads it (``--checkpoint.exclude_from_loading optimizer``), not DCP's bare
 missing key.
@@ -46,6 +49,7 @@ import dmuon
 from dmuon_titan.config import DMuonConfig
 from dmuon_titan.optimizer import DMuonOptimizers
 from dmuon_titan.parallelize import dedicating
+from dmuon_titan.recipe import read_recipe
 
 
 class DMuonTrainer(Trainer):
@@ -156,13 +160,16 @@ def _switch_on(config: DMuonTrainer.Config) -> None:
     """Runs on the trainer's own copy of the config (``Config.build`` copies it)."""
     _settings_for_dmuon(config)
     spec = config.model_spec
+    recipe = read_recipe(config.optimizer)  # the job's own Muon recipe, if it has one
     config.model_spec = dataclasses.replace(
-        spec, parallelize_fn=dedicating(spec.parallelize_fn, config.dmuon)
+        spec, parallelize_fn=dedicating(spec.parallelize_fn, config.dmuon, recipe)
     )
     if not isinstance(config.optimizer, DMuonOptimizers.Config):
         stock: OptimizersContainer.Config = config.optimizer
         config.optimizer = DMuonOptimizers.Config(
-            param_groups=stock.param_groups, implementation=stock.implementation
+            param_groups=stock.param_groups,
+            implementation=stock.implementation,
+            optimizer_factory_kwargs_by_name=stock.optimizer_factory_kwargs_by_name,
         )
     config.optimizer.dmuon = config.dmuon
 
