@@ -3,6 +3,7 @@ status 2 for every bad input."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -87,6 +88,95 @@ def test_simulate_plots_one_timeline_per_layout(capsys, tmp_path):
         assert written.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_tokens_per_step_adds_a_run_of_each_layout_at_that_many_tokens_by_accumulation(capsys):
+    args = ("--config", "llama3.2-1b", "--gpus", "8", "--seq", "1024", "--json")
+    code, out, _ = run_cli(capsys, "simulate", *args, "--tokens-per-step", "64K")
+    assert code == 0
+    main_run, accumulated = json.loads(out)
+    # One micro-batch of 1024 tokens on each of 8 ranks is 8K tokens a step; 64K is 8 of them.
+    assert main_run["workload"]["accumulation"] == 1
+    assert main_run["workload"]["tokens_per_step"] == 8 * 1024
+    assert accumulated["workload"]["accumulation"] == 8
+    assert accumulated["workload"]["tokens_per_step"] == 65_536
+    assert accumulated["workload"]["no_sync"] is False
+    expected = simulate(
+        PRESETS["llama3.2-1b"], Layout(num_shards=8), Workload(seq_len=1024, accumulation=8), H200
+    )
+    assert accumulated["predictions"]["dmuon-z3"]["step_ms"] == pytest.approx(
+        expected.predictions["dmuon-z3"].step_ms
+    )
+
+
+def test_accumulation_and_no_sync_describe_the_workload_they_simulate(capsys):
+    args = ("--config", "llama3.2-1b", "--mesh", "8", "--seq", "1024", "--accumulation", "4")
+    code, out, _ = run_cli(capsys, "simulate", *args, "--no-sync")
+    assert code == 0
+    assert (
+        "seq 1024 x micro-batch 1 per data-parallel rank x 4 micro-batches a step, gradients "
+        "reduced on the last only (no_sync)" in out
+    )
+    assert "32,768 tokens a step; forward+backward at 416.7 TFLOP/s" in out
+
+
+def test_tokens_per_step_below_one_micro_batch_a_rank_is_skipped_with_a_note(capsys):
+    args = ("--config", "llama3.2-1b", "--gpus", "8", "--json", "--tokens-per-step", "32K")
+    code, out, err = run_cli(capsys, "simulate", *args)
+    assert code == 0
+    assert len(json.loads(out)) == 1  # the main run alone
+    assert (
+        "skipped at 32K tokens a step: 32K tokens a step is less than one micro-batch on each of "
+        "the 8 data-parallel ranks (64K)" in err
+    )
+
+
+def test_training_tflops_adds_a_run_at_that_compute_rate(capsys):
+    args = ("--config", "llama3.2-1b", "--mesh", "8", "--seq", "1024", "--json")
+    code, out, _ = run_cli(capsys, "simulate", *args, "--training-tflops", "208.35")
+    assert code == 0
+    full, half = json.loads(out)
+    assert (
+        half["predictions"]["fsdp2-adamw"]["step_ms"]
+        > full["predictions"]["fsdp2-adamw"]["step_ms"]
+    )
+    expected = simulate(
+        PRESETS["llama3.2-1b"],
+        Layout(num_shards=8),
+        Workload(seq_len=1024),
+        dataclasses.replace(H200, training_tflops=208.35),
+    )
+    assert half["predictions"]["dmuon-z3"]["step_ms"] == pytest.approx(
+        expected.predictions["dmuon-z3"].step_ms
+    )
+
+
+def test_markdown_gives_a_column_per_variant_with_dmuon_against_fsdp2_there(capsys):
+    args = ("--config", "llama3.2-1b", "--gpus", "8", "--gpus", "16", "--seq", "1024")
+    variants = ("--tokens-per-step", "128K", "--training-tflops", "300")
+    code, out, _ = run_cli(capsys, "simulate", *args, *variants, "--markdown")
+    assert code == 0
+    header, _, eight, sixteen = out.splitlines()[:4]
+    assert header.endswith(
+        "| dmuon vs FSDP2 at 128K tokens a step | dmuon vs FSDP2 at 300 TFLOP/s (-28% compute "
+        "rate) |"
+    )
+    systems = ["fsdp2-adamw", "dmuon-z3", "naive-muon"]
+    for line, replicas, accumulation in ((eight, 1, 16), (sixteen, 2, 8)):
+        layout = Layout(num_shards=8, num_replicas=replicas)
+        accumulated = simulate(
+            PRESETS["llama3.2-1b"], layout, Workload(seq_len=1024, accumulation=accumulation),
+            H200, systems,
+        ).predictions  # fmt: skip
+        slower = simulate(
+            PRESETS["llama3.2-1b"], layout, Workload(seq_len=1024),
+            dataclasses.replace(H200, training_tflops=300.0), systems,
+        ).predictions  # fmt: skip
+        ratio = accumulated["dmuon-z3"].step_ms / accumulated["fsdp2-adamw"].step_ms - 1
+        other = slower["dmuon-z3"].step_ms / slower["fsdp2-adamw"].step_ms - 1
+        assert line.endswith(f"| {ratio:+.1%} ({accumulation} micro-batches) | {other:+.1%} |")
+        assert f"| {8 * replicas}K |" in line  # one micro-batch of 1024 tokens a rank
+    assert "forward+backward at 416.7 TFLOP/s of model FLOPs" in out
+
+
 def hide_matplotlib(monkeypatch) -> None:
     """Make ``import matplotlib`` fail as it does where it is not installed (a None entry in
     ``sys.modules`` raises ModuleNotFoundError), whether or not it is installed here."""
@@ -135,6 +225,22 @@ def test_simulate_plot_without_matplotlib_prints_the_json_then_exits_2_with_the_
             "--machine 'b200' is neither a file nor a preset",
         ),
         (["--config", "llama3-8b", "--mesh", "8", "--seq", "0"], "seq_len must be a positive"),
+        (
+            ["--config", "llama3-8b", "--mesh", "8", "--accumulation", "0"],
+            "workload: accumulation must be a positive integer, got 0",
+        ),
+        (
+            ["--config", "llama3-8b", "--mesh", "8", "--tokens-per-step", "1.5M"],
+            "--tokens-per-step '1.5M' is not a positive number of tokens",
+        ),
+        (
+            ["--config", "llama3-8b", "--mesh", "8", "--tokens-per-step", "100000"],
+            "--tokens-per-step 100,000 is not a whole number of micro-batches",
+        ),
+        (
+            ["--config", "llama3-8b", "--mesh", "8", "--training-tflops", "0"],
+            "--training-tflops must be positive (TFLOP/s), got 0.0",
+        ),
     ],
 )
 def test_bad_simulate_arguments_exit_2_with_the_fix(capsys, args, message):

@@ -11,6 +11,7 @@ command quietly with status 141, as a shell reports SIGPIPE.
     dmuon-tools plan --config llama3-70b --mesh 8x16
     dmuon-tools plan --config path/to/config.json --mesh 10000 --ns-table ns.json
     dmuon-tools simulate --config llama3-8b --gpus 64 [--mesh 8x8] [--plot timeline.png]
+    dmuon-tools simulate --config llama3-8b --gpus 64 --tokens-per-step 1M --training-tflops 300
     dmuon-tools calibrate --results benchmarks/results [--markdown]
 
 ``ns.json``: a ``benchmarks/bench_ns.py`` result or a plain ``{"MxN": ms}`` object (the wheel ships
@@ -24,19 +25,27 @@ import json
 import os
 import sys
 from collections.abc import Sequence
+from dataclasses import replace
 
 from dmuon.inspect import DEFAULT_SMALL_PARAM_NUMEL
 from dmuon_tools.calibration import calibrate, format_markdown, format_text
-from dmuon_tools.machine import load_machine
+from dmuon_tools.machine import load_machine, with_training_tflops
 from dmuon_tools.model_shapes import PRESETS, load_decoder_shape
 from dmuon_tools.ns_table import DEFAULT_CANDIDATE, NSTimeTable
 from dmuon_tools.planner import format_report, parse_mesh, plan_report
-from dmuon_tools.simulate_report import format_markdown_table, format_simulation
+from dmuon_tools.simulate_report import (
+    ReportRow,
+    Variant,
+    format_markdown_table,
+    format_simulation,
+    format_tokens,
+)
 from dmuon_tools.simulator import (
     DEFAULT_SYSTEMS,
     SYSTEMS,
     Layout,
     Workload,
+    accumulation_for,
     choose_layout,
     simulate,
 )
@@ -152,6 +161,37 @@ def _add_simulate(commands) -> None:
         "--micro-batch", type=int, default=1, help="sequences per data-parallel rank (default 1)"
     )
     parser.add_argument(
+        "--accumulation",
+        type=int,
+        default=1,
+        help="micro-batches per optimizer step (gradient accumulation, default 1)",
+    )
+    parser.add_argument(
+        "--no-sync",
+        action="store_true",
+        help="accumulate under dmuon.no_sync: only the last micro-batch reduces its gradients "
+        "(default: each micro-batch does)",
+    )
+    parser.add_argument(
+        "--tokens-per-step",
+        action="append",
+        default=[],
+        metavar="TOKENS",
+        help="also simulate each layout at this many tokens per optimizer step over all ranks, "
+        "by gradient accumulation (e.g. 1M = 2**20, 512K, 4194304); repeat for more; an "
+        "extra column of --markdown",
+    )
+    parser.add_argument(
+        "--training-tflops",
+        action="append",
+        type=float,
+        default=[],
+        metavar="TFLOPS",
+        help="also simulate each layout with this model FLOP rate of forward+backward instead "
+        "of the machine's (the sensitivity to the compute rate); repeat for more; an extra "
+        "column of --markdown",
+    )
+    parser.add_argument(
         "--activation-checkpointing",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -260,9 +300,13 @@ def _simulate(args: argparse.Namespace) -> int:
     workload = Workload(
         seq_len=args.seq,
         micro_batch=args.micro_batch,
+        accumulation=args.accumulation,
+        no_sync=args.no_sync,
         activation_checkpointing=args.activation_checkpointing,
     )
-    runs = []
+    tokens_per_step = [parse_tokens(text) for text in args.tokens_per_step]
+    rates = [_positive_tflops(value) for value in args.training_tflops]
+    rows: list[ReportRow] = []
     for config in args.config:
         shape = load_decoder_shape(config)
         if args.mesh is not None:
@@ -287,13 +331,52 @@ def _simulate(args: argparse.Namespace) -> int:
                 systems = list(DEFAULT_SYSTEMS)
                 if layout.num_replicas > 1:
                     systems.insert(2, "dmuon-z3-sync")
-            runs.append(simulate(shape, layout, workload, machine, systems))
+            main_run = simulate(shape, layout, workload, machine, systems)
+            variants: list[Variant] = []
+            data_parallel = layout.num_shards * layout.num_replicas
+            for tokens in tokens_per_step:
+                label = f"at {format_tokens(tokens)} tokens a step"
+                if tokens < workload.tokens * data_parallel:
+                    note = (
+                        f"{format_tokens(tokens)} tokens a step is less than one micro-batch on "
+                        f"each of the {data_parallel:,} data-parallel ranks "
+                        f"({format_tokens(workload.tokens * data_parallel)})"
+                    )
+                    variants.append(Variant(label=label, note=note))
+                    continue
+                accumulated = replace(
+                    workload, accumulation=accumulation_for(tokens, workload, data_parallel)
+                )
+                variants.append(
+                    Variant(
+                        label=label,
+                        simulation=simulate(shape, layout, accumulated, machine, systems),
+                    )
+                )
+            for rate in rates:
+                label = (
+                    f"at {rate:g} TFLOP/s ({rate / machine.training_tflops - 1:+.0%} compute rate)"
+                )
+                scaled = with_training_tflops(machine, rate)
+                variants.append(
+                    Variant(
+                        label=label, simulation=simulate(shape, layout, workload, scaled, systems)
+                    )
+                )
+            rows.append(ReportRow(main=main_run, variants=tuple(variants)))
+    runs = [run for row in rows for run in row.simulations]
+    for row in rows:
+        for variant in row.variants:
+            if variant.simulation is None and not args.markdown:
+                print(f"dmuon-tools simulate: {row.main.model.name} on "
+                      f"{row.main.layout.describe()}: skipped {variant.label}: {variant.note}.",
+                      file=sys.stderr)  # fmt: skip
     # The predictions are printed before any plot is drawn: a missing matplotlib (or a path
     # that cannot be written) must not lose them.
     if args.json:
         print(json.dumps([run.to_json(spans=args.timeline) for run in runs], indent=2))
     elif args.markdown:
-        print(format_markdown_table(runs))
+        print(format_markdown_table(rows))
     else:
         print("\n\n".join(format_simulation(run) for run in runs))
     if args.plot:
@@ -314,6 +397,25 @@ def _plot(runs, path: str) -> None:
                 f"--plot {path}: the predictions are printed above, but no plot: {error}"
             ) from error
         print(f"wrote {target}", file=sys.stderr)
+
+
+def parse_tokens(text: str) -> int:
+    """``--tokens-per-step``: an integer, or one with a K (2**10) or M (2**20) suffix."""
+    value = text.strip().replace("_", "").replace(",", "")
+    scale = {"K": 2**10, "M": 2**20}.get(value[-1:].upper(), 1)
+    digits = value[:-1] if scale > 1 else value
+    if not digits.isdigit() or int(digits) == 0:
+        raise ValueError(
+            f"--tokens-per-step {text!r} is not a positive number of tokens; give an integer or "
+            "one with K (2**10) or M (2**20), e.g. 1M or 4194304."
+        )
+    return int(digits) * scale
+
+
+def _positive_tflops(value: float) -> float:
+    if not value > 0:
+        raise ValueError(f"--training-tflops must be positive (TFLOP/s), got {value!r}.")
+    return value
 
 
 def _numbered(path: str, index: int) -> str:

@@ -27,7 +27,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -269,6 +269,16 @@ H200 = Machine(
 on the project's H200 (``sources``), links assumed."""
 
 MACHINES: dict[str, Machine] = {H200.name: H200}
+
+
+def with_training_tflops(machine: Machine, tflops: float) -> Machine:
+    """``machine`` with another model FLOP rate for forward and backward (a what-if of the
+    compute rate: the sensitivity of a prediction to it); its source says so."""
+    sources = dict(machine.sources)
+    sources["training_tflops"] = (
+        f"what-if: {tflops:g} TFLOP/s instead of the machine's {machine.training_tflops:g}"
+    )
+    return replace(machine, training_tflops=tflops, sources=sources)
 
 
 def load_machine(text: str) -> Machine:

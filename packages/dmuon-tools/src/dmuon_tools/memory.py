@@ -59,6 +59,10 @@ class MemoryInputs:
     reduce_bytes: int
     activation_checkpointing: bool
     overlap_step: bool = False  # dmuon.Muon(overlap_step=True), not under TP
+    # Gradients accumulated unsharded on every rank under no_sync (FSDP2's in the reduce dtype,
+    # dmuon's on its unsharded parameters, priced the same), from the first micro-batch's
+    # backward to the last one's reduce.
+    accumulated_grad_numel: float = 0.0
 
 
 def memory_gib(inputs: MemoryInputs) -> dict[str, float]:
@@ -107,8 +111,11 @@ def memory_gib(inputs: MemoryInputs) -> dict[str, float]:
     reduce_buffer = m.reduce_bytes * (m.layer_numel + m.root_numel)
 
     speculation = OVERLAP_BYTES_PER_OWNED_ELEMENT * m.owned_numel if m.overlap_step else 0.0
-    end_of_forward = persistent_without_grads + gathered + saved + logits
-    end_of_backward = persistent + gathered + layer_activations + reduce_buffer + speculation
+    accumulated = m.reduce_bytes * m.accumulated_grad_numel
+    end_of_forward = persistent_without_grads + gathered + saved + logits + accumulated
+    end_of_backward = (
+        persistent + gathered + layer_activations + reduce_buffer + speculation + accumulated
+    )
     if m.family == "dmuon":
         step_workspace = DMUON_STEP_WORKSPACE_BYTES
     elif m.family == "naive":
@@ -121,6 +128,8 @@ def memory_gib(inputs: MemoryInputs) -> dict[str, float]:
     result = {name: value / GIB for name, value in parts.items()}
     if m.overlap_step:
         result["dmuon speculation (backward to step)"] = speculation / GIB
+    if accumulated:
+        result["accumulated unsharded grads (no_sync)"] = accumulated / GIB
     result["gathered weights (peak)"] = gathered / GIB
     result["activations saved (end of forward)"] = saved / GIB
     result["logits and loss"] = logits / GIB

@@ -48,6 +48,7 @@ from dmuon_tools.workload import (
     Layout,
     ModelSizes,
     Workload,
+    accumulation_for,
     forward_backward_flops,
     head_flops,
     layer_flops,
@@ -61,6 +62,7 @@ __all__ = [
     "Prediction",
     "Simulation",
     "Workload",
+    "accumulation_for",
     "choose_layout",
     "forward_backward_flops",
     "head_flops",
@@ -201,6 +203,11 @@ def _memory_inputs(
         reduce_bytes=workload.reduce_bytes,
         activation_checkpointing=workload.activation_checkpointing,
         overlap_step=system.overlap_step and tp == 1,
+        accumulated_grad_numel=(
+            (model.dedicated_numel + model.other_numel) / tp
+            if workload.no_sync and workload.accumulation > 1
+            else 0.0
+        ),
     )
 
 
@@ -212,6 +219,11 @@ class Simulation:
     machine: Machine
     owners: Owners
     predictions: Mapping[str, Prediction]
+
+    @property
+    def tokens_per_step(self) -> int:
+        """Tokens one optimizer step consumes over every data-parallel rank (G x R)."""
+        return self.workload.tokens_per_step(self.layout.num_shards * self.layout.num_replicas)
 
     def to_json(self, *, spans: bool = True) -> dict[str, Any]:
         plan = self.owners.plan
@@ -237,6 +249,9 @@ class Simulation:
             "workload": {
                 "seq_len": self.workload.seq_len,
                 "micro_batch": self.workload.micro_batch,
+                "accumulation": self.workload.accumulation,
+                "no_sync": self.workload.no_sync,
+                "tokens_per_step": self.tokens_per_step,
                 "activation_checkpointing": self.workload.activation_checkpointing,
                 "param_bytes": self.workload.param_bytes,
                 "reduce_bytes": self.workload.reduce_bytes,

@@ -5,6 +5,19 @@ what (see [Note: the three systems, as the simulator runs them] in ``simulator``
 all-gathers and reduce-scatters, dmuon's broadcasts, reduces, owner step and HSDP publish, naive
 Muon's all-gathers and redundant Newton-Schulz, and the TP all-reduces. The costs come from
 ``costs``; it must not read the result (``simulator`` does).
+
+[Note: gradient accumulation]
+A step of ``Workload.accumulation`` micro-batches lays out each micro-batch's forward and
+backward in turn, then one optimizer step. By default every micro-batch's backward reduces its
+gradients (FSDP2's reduce-scatters, dmuon's reduces to the owners, the HSDP stage): what a loop
+without ``dmuon.no_sync`` does, and what torchtitan's gradient accumulation and pipeline
+schedules do. With ``Workload.no_sync`` the micro-batches before the last reduce nothing and
+every rank holds their gradients unsharded (``memory``'s ``accumulated_grad_numel``). A
+micro-batch starts when the one before has ended its backward and its reduces (FSDP2 and dmuon
+end backward by waiting for them), so the reduces of a micro-batch never overlap the next
+forward. The overlapped step (``overlap_step``) speculates on the last backward under
+``no_sync``; without it, the first backward's speculation is discarded by the second and the
+step computes everything (``dmuon.Muon``'s behaviour), so the step is the plain one.
 """
 
 from __future__ import annotations
@@ -294,9 +307,35 @@ class StepBuilder:
         return After(op) if op is not None else None
 
     def run_step(self, start: list[After]) -> tuple[list[After], int]:
-        """Lay out one step after ``start``; returns what the next step waits for and the index
-        of the first operation of this step."""
+        """Lay out one step after ``start``: the workload's micro-batches, then the optimizer
+        step; returns what the next step waits for and the index of the first operation of this
+        step ([Note: gradient accumulation])."""
         first = len(self.timeline.ops)
+        accumulation = self.workload.accumulation
+        after_backward = list(start)
+        for micro_batch in range(accumulation):
+            last = micro_batch == accumulation - 1
+            reduce = last or not self.workload.no_sync
+            if micro_batch > 0:
+                # What ends last stands for all of them (each of the next micro-batch's
+                # operations would otherwise wait on every reduce of this one: the same
+                # placement, in quadratic time).
+                after_backward = [max(after_backward, key=self._ends_at)]
+            after_backward = self._micro_batch(after_backward, reduce=reduce)
+        self.phase = "step"
+        ends = self._optimizer_step(after_backward)
+        self.step += 1
+        return ends, first
+
+    def _ends_at(self, dep: After) -> float:
+        placed = self.timeline.ops[dep.op]
+        return placed.start_ms if dep.at_start else placed.end_ms
+
+    def _micro_batch(self, start: list[After], *, reduce: bool) -> list[After]:
+        """One micro-batch's forward and backward after ``start``, its gradients reduced (or,
+        under ``no_sync`` before the last micro-batch, kept on every rank); returns what comes
+        after its backward waits for (its last compute and every reduce: FSDP2's and dmuon's
+        end of backward wait for them)."""
         model, layout = self.model, self.layout
         self.phase = "forward"
         root = self._comm(
@@ -342,17 +381,15 @@ class StepBuilder:
             count = 4 if self.workload.activation_checkpointing else 2
             exchange = self._tp_exchange(f"tp backward {layer}", [After(previous)], count, layer)
             waits = [exchange] if exchange is not None else []
-            reduces += self._reduce_layer(layer, previous)
-        reduces += [
-            op
-            for op in self._fsdp2_reduce("root", model.root_numel, [After(previous), *waits])
-            if op is not None
-        ]
-        after_backward = [After(op) for op in reduces] + waits + [After(previous)]
-        self.phase = "step"
-        ends = self._optimizer_step(after_backward)
-        self.step += 1
-        return ends, first
+            if reduce:
+                reduces += self._reduce_layer(layer, previous)
+        if reduce:
+            reduces += [
+                op
+                for op in self._fsdp2_reduce("root", model.root_numel, [After(previous), *waits])
+                if op is not None
+            ]
+        return [After(op) for op in reduces] + waits + [After(previous)]
 
     def _optimizer_step(self, deps: list[After]) -> list[After]:
         family = self.system.family
@@ -375,7 +412,11 @@ class StepBuilder:
             machine.copy_gbps,
         )
         owner_ms = self._owner_step_ms()
-        if self.system.overlap_step and layout.tp == 1:
+        # Accumulating without no_sync, the speculation of the first backward is discarded when
+        # the second adds into the gradients and the later ones do not speculate: the step
+        # computes everything, as the plain step does.
+        speculates = self.workload.accumulation == 1 or self.workload.no_sync
+        if self.system.overlap_step and layout.tp == 1 and speculates:
             deps = deps + self._overlapped_owner_work()
             owner_ms = owners.overlap_commit_ms
         # Under TP the Muon inputs of the heaviest owner's matrices meet on their TP runner and

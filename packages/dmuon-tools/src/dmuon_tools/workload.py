@@ -93,31 +93,65 @@ class Layout:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Workload:
-    """What one step processes, per data-parallel rank."""
+    """What one step processes, per data-parallel rank: ``accumulation`` micro-batches of
+    ``micro_batch`` sequences each, then one optimizer step. Each micro-batch's gradients are
+    reduced when its backward ends (a loop without ``dmuon.no_sync``, dmuon's and FSDP2's
+    default); with ``no_sync`` only the last micro-batch's are, the others kept unsharded on every
+    rank ([Note: gradient accumulation] in ``steps``)."""
 
     seq_len: int = 8192
     micro_batch: int = 1  # sequences per data-parallel rank (a TP group shares them)
+    accumulation: int = 1  # micro-batches per optimizer step
+    no_sync: bool = False  # micro-batches before the last run under dmuon.no_sync
     activation_checkpointing: bool = True
     param_bytes: int = 2  # forward compute dtype (bf16)
     reduce_bytes: int = 4  # gradient reduce dtype (fp32)
 
     def __post_init__(self) -> None:
-        for name in ("seq_len", "micro_batch", "param_bytes", "reduce_bytes"):
+        for name in ("seq_len", "micro_batch", "accumulation", "param_bytes", "reduce_bytes"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"workload: {name} must be a positive integer, got {value!r}.")
 
     @property
     def tokens(self) -> int:
+        """Tokens of one micro-batch on one data-parallel rank."""
         return self.seq_len * self.micro_batch
+
+    def tokens_per_step(self, data_parallel_ranks: int) -> int:
+        """Tokens one optimizer step consumes over ``data_parallel_ranks`` (G x R)."""
+        return self.tokens * self.accumulation * data_parallel_ranks
 
     def describe(self) -> str:
         checkpointing = "on" if self.activation_checkpointing else "off"
+        text = f"seq {self.seq_len} x micro-batch {self.micro_batch} per data-parallel rank"
+        if self.accumulation > 1:
+            reduced = (
+                "gradients reduced on the last only (no_sync)"
+                if self.no_sync
+                else "gradients reduced on each"
+            )
+            text += f" x {self.accumulation} micro-batches a step, {reduced}"
         return (
-            f"seq {self.seq_len} x micro-batch {self.micro_batch} per data-parallel rank, "
-            f"{self.param_bytes}-byte compute, {self.reduce_bytes}-byte gradient reduce, "
+            f"{text}, {self.param_bytes}-byte compute, {self.reduce_bytes}-byte gradient reduce, "
             f"activation checkpointing {checkpointing}"
         )
+
+
+def accumulation_for(tokens_per_step: int, workload: Workload, data_parallel_ranks: int) -> int:
+    """The micro-batches per optimizer step that make ``tokens_per_step`` tokens over
+    ``data_parallel_ranks`` ranks of ``workload.tokens`` tokens a micro-batch each."""
+    one_round = workload.tokens * data_parallel_ranks
+    if tokens_per_step < one_round or tokens_per_step % one_round:
+        lower = max(one_round, tokens_per_step // one_round * one_round)
+        raise ValueError(
+            f"--tokens-per-step {tokens_per_step:,} is not a whole number of micro-batches: one "
+            f"micro-batch on each of the {data_parallel_ranks:,} data-parallel ranks is "
+            f"{one_round:,} tokens (seq {workload.seq_len} x micro-batch {workload.micro_batch}"
+            f" x {data_parallel_ranks:,}); use a multiple of it, e.g. {lower:,} or "
+            f"{lower + one_round:,}, or fewer GPUs."
+        )
+    return tokens_per_step // one_round
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
