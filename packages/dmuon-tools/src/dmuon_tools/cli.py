@@ -5,7 +5,8 @@ Owns argument parsing and printing; the work is done by ``planner`` (``plan``), 
 with status 2. ``backend`` still prints its report when ``DMUON_NS_KERNEL`` asks for a kernel
 that cannot run here: ``ns_backend`` is null, ``ns_backend_error`` says why, and the same reason
 goes to stderr as that one line (status 2). A reader that stops early (``| head``) ends the
-command quietly with status 141, as a shell reports SIGPIPE.
+command quietly with status 141, as a shell reports SIGPIPE. ``simulate --plot`` prints the
+predictions first; without matplotlib it then exits 2 with that line naming the install.
 
     dmuon-tools backend
     dmuon-tools plan --config llama3-70b --mesh 8x16
