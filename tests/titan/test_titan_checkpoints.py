@@ -125,8 +125,9 @@ def test_a_moe_run_saves_at_its_interval_exports_and_resumes_bit_for_bit(pool2, 
     assert_equal_weights(resumed["final"], run["final"])
 
 
-def test_a_distmuon_recipe_job_resumed_at_step_3_repeats_steps_4_to_6(pool2, tmp_path):
-    recipe = {"model": "qwen3_moe", "distmuon_recipe": True, "ns": "fp32", "steps": 6}
+@pytest.mark.parametrize("model", ["qwen3_moe", "deepseek_v3"])
+def test_a_distmuon_recipe_job_resumed_at_step_3_repeats_steps_4_to_6(pool2, tmp_path, model):
+    recipe = {"model": model, "distmuon_recipe": True, "ns": "fp32", "steps": 6}
     saving = {**recipe, "checkpoint_folder": "ckpt", "checkpoint_interval": 3}
     run = pool2.run(train, job_options=saving, checkpoint_root=str(tmp_path))[0]
     resumed = pool2.run(

@@ -160,3 +160,16 @@ def test_a_moe_jobs_distmuon_recipe_trains_like_a_reference_written_from_the_rec
     assert_like_reference(
         run, reference, weights=1e-2, losses=1e-3, matrix_updates=BF16_UPDATE_TOLERANCE
     )
+
+
+def test_deepseek_v3s_mla_moe_with_a_distmuon_recipe_trains_like_the_reference(pool2):
+    # MLA as the Kimi recipes cut it: wq per query head, wkv_b per key/value head, wkv_a and wo
+    # owned; block 0 dense (owned MLP), block 1 MoE (router and shared experts owned, the
+    # routed experts per expert).
+    job = {"model": "deepseek_v3", "distmuon_recipe": True, "ns": "fp32", "seq_len": 64}
+    run = pool2.run(train, job_options=job)[0]
+    assert len(run["dedicated"]) == (4 + 3) + (4 + 1 + 3 + 3)
+    reference = train_reference(run)
+    assert_like_reference(
+        run, reference, weights=1e-2, losses=1e-3, matrix_updates=BF16_UPDATE_TOLERANCE
+    )
