@@ -140,6 +140,10 @@ class Muon(torch.optim.Optimizer):
             (None). ``Muon.torch_compatible(model, ...)`` reproduces torch.optim.Muon.
         allow_no_muon: construct even when no dedicated parameter is a matrix (AdamW alone);
             otherwise that raises, since it is almost always a predicate that matched nothing.
+            The check reads ``model``, which every rank of its mesh dedicated alike, so those
+            ranks all raise or none does; across pipeline stages (different models) the caller
+            decides: a stage without matrices passes True when another stage has some
+            (``dmuon_titan`` sums the stages' counts over the ``pp`` dim and does so).
         param_groups: ``[{"params": fqns | (name, param) -> bool, "lr": ..., ...}, ...]``,
             applied in order on top of the routes (a parameter takes the first group that
             matches). A group may set ``lr`` and ``weight_decay`` (any route), ``momentum``,
@@ -230,7 +234,8 @@ class Muon(torch.optim.Optimizer):
                 f"{len(self._dedicated.params)} parameters, none a matrix), so this optimizer "
                 "would run AdamW alone. Fix the predicate of dmuon.dedicate_params (print the 2-D "
                 "parameters' names: [(n, p.shape) for n, p in model.named_parameters() if "
-                "p.ndim == 2]), or pass allow_no_muon=True if AdamW alone is intended."
+                "p.ndim == 2]), or pass allow_no_muon=True if AdamW alone is intended (a "
+                "pipeline stage without block matrices, when other stages have some)."
             )
         check_data_parallel_layout(self._dedicated)
         self._dedicated.ensure_adopted()
