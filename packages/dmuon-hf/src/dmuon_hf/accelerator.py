@@ -41,6 +41,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions
 
 import dmuon
 import dmuon.checkpoint as dckpt
+from dmuon_hf.launch import check_world_is_seen
 from dmuon_hf.predicates import Predicate
 from dmuon_hf.sharding import ShardingRequest, dedicate_and_shard
 
@@ -89,6 +90,11 @@ class DMuonAccelerator(Accelerator):
         finally:
             if saved is not None:
                 os.environ["ACCELERATE_USE_FSDP"] = saved
+        # [Note: an unseen world] (dmuon_hf.launch)
+        check_world_is_seen(
+            "DMuonAccelerator", "the Accelerator", self.num_processes,
+            cpu_fix="DMuonAccelerator(cpu=True, ...)",
+        )  # fmt: skip
         self._sharding: ShardingRequest | None = None
         if fsdp_plugin is not None:
             self._sharding = ShardingRequest(

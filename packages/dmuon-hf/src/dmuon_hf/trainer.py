@@ -81,6 +81,7 @@ from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME
 
 import dmuon
 import dmuon.checkpoint as dckpt
+from dmuon_hf.launch import check_world_is_seen
 from dmuon_hf.predicates import Predicate
 from dmuon_hf.sharding import ShardingRequest, dedicate_and_shard, require_fsdp2
 
@@ -144,6 +145,11 @@ class DMuonTrainer(Trainer):
                 "dmuon.dedicate_params and fully_shard."
             )
         args = args if args is not None else TrainingArguments(output_dir="tmp_trainer")
+        # [Note: an unseen world] (dmuon_hf.launch): before transformers' own fsdp check.
+        check_world_is_seen(
+            "DMuonTrainer", "TrainingArguments", args.world_size,
+            cpu_fix="TrainingArguments(use_cpu=True, ...)",
+        )  # fmt: skip
         build_optimizer = _optimizer_builder(optimizers[0], optimizer_cls_and_kwargs, args)
         self._sharding: ShardingRequest | None = None
         if not dmuon.inspect.is_prepared(model) and _fsdp_requested(args):
