@@ -47,7 +47,10 @@ def fresh_probe(monkeypatch):
 def test_missing_cutlass_is_the_reason_with_the_install_hint(fresh_probe, monkeypatch):
     monkeypatch.setattr("importlib.util.find_spec", lambda name, *args: None)
     reason = cute_backend._cute_api()
-    assert reason == "nvidia-cutlass-dsl is not installed (pip install dmuon-kernels[cute])"
+    assert reason == (
+        "nvidia-cutlass-dsl is not installed (pip install dmuon-kernels[cute] (not on PyPI yet: "
+        'from a checkout of the repository, pip install "./packages/dmuon-kernels[cute]"))'
+    )
     assert cute_backend.versions() == {}
 
 

@@ -66,13 +66,16 @@ def __getattr__(name: str):
             tools = importlib.import_module("dmuon_tools")
         except ImportError as error:
             raise ImportError(
-                f"dmuon.{name} is provided by the dmuon-tools package: pip install dmuon-tools"
+                f"dmuon.{name} is provided by the dmuon-tools package: pip install dmuon-tools "
+                "(not on PyPI yet: from a checkout of the repository, pip install "
+                "./packages/dmuon-tools)"
             ) from error
         if not hasattr(tools, name):
             raise ImportError(
                 f"dmuon.{name} needs a dmuon-tools release that provides it "
                 f"(installed: {getattr(tools, '__version__', 'unknown')}): "
-                "pip install -U dmuon-tools"
+                "pip install -U dmuon-tools (from a checkout of the repository: pip install -U "
+                "./packages/dmuon-tools)"
             )
         return getattr(tools, name)
     raise AttributeError(f"module 'dmuon' has no attribute {name!r}")

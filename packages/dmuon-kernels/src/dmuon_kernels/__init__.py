@@ -1,7 +1,8 @@
 """dmuon-kernels: Newton-Schulz orthogonalisation and symmetric (SYRK) kernels.
 
 Numbers in, numbers out: nothing here knows about torch.distributed or models, so any optimizer
-can use it alone (``pip install dmuon-kernels``).
+can use it alone (``pip install ./packages/dmuon-kernels`` from a checkout; ``pip install
+dmuon-kernels`` once it is on PyPI).
 """
 
 from dmuon_kernels._torch_support import require_torch

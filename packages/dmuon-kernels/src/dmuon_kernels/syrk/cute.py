@@ -73,10 +73,11 @@ from dmuon_kernels.syrk._requirements import (
     gpu_problem,
 )
 from dmuon_kernels.syrk.kernel_cache import default_kernel_cache, share_compile_caches
+from dmuon_kernels.syrk.registry import extra_install_command
 
 NAME = "cute"
 CUTE_MIN_COMPUTE_CAPABILITY = (8, 0)
-CUTE_INSTALL_HINT = "pip install dmuon-kernels[cute]"
+CUTE_INSTALL_HINT = extra_install_command("cute")
 # Bumped whenever the device code changes, so cached autotune verdicts are re-measured.
 KERNEL_REVISION = "4"
 

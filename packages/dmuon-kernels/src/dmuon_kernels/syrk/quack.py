@@ -57,10 +57,10 @@ from dmuon_kernels.syrk._requirements import (
     gpu_problem,
 )
 from dmuon_kernels.syrk.kernel_cache import share_compile_caches
-from dmuon_kernels.syrk.registry import MATMUL, SYMMETRIC_PRODUCT, SYRK
+from dmuon_kernels.syrk.registry import MATMUL, SYMMETRIC_PRODUCT, SYRK, extra_install_command
 
 QUACK_MIN_COMPUTE_CAPABILITY = (9, 0)
-QUACK_INSTALL_HINT = "pip install dmuon-kernels[quack]"
+QUACK_INSTALL_HINT = extra_install_command("quack")
 
 # quack's TMA loads need 16-byte aligned rows: 8 elements of fp16/bf16.
 _ALIGNMENT_BYTES = 16

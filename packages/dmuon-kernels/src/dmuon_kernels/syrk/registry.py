@@ -35,9 +35,20 @@ BACKEND_MODULES: dict[str, str] = {
     CUTE: "dmuon_kernels.syrk.cute",
 }
 
+
+def extra_install_command(extra: str, note: str = "") -> str:
+    """How to install dmuon-kernels with ``extra``: the published form, and today's (dmuon is
+    not on PyPI yet, so ``pip install dmuon-kernels[...]`` fails until it is)."""
+    note = f"{note}; " if note else ""
+    return (
+        f"pip install dmuon-kernels[{extra}] ({note}not on PyPI yet: from a checkout of the "
+        f'repository, pip install "./packages/dmuon-kernels[{extra}]")'
+    )
+
+
 INSTALL_HINTS: dict[str, str] = {
-    QUACK: "pip install dmuon-kernels[quack] (needs an SM90+ GPU)",
-    CUTE: "pip install dmuon-kernels[cute] (nvidia-cutlass-dsl; [syrk] is an alias)",
+    QUACK: extra_install_command("quack", "needs an SM90+ GPU"),
+    CUTE: extra_install_command("cute", "nvidia-cutlass-dsl; [syrk] is an alias"),
 }
 
 # The operations a backend may implement (autotune verdicts are per operation).
