@@ -18,7 +18,8 @@ snapshot: it does not follow later changes). Every fact in a view is read from t
 on it — the owner's global rank from ``OwnershipMesh.global_rank``, the segment layout from
 ``BoundaryGroup.build_segments`` — and is never derived a second time here.
 
-Must not: change what it reads, issue collectives, or hand out tensors other than
+Must not: change what it reads, issue collectives (``owners_newton_schulz_counts`` and
+``newton_schulz_table`` excepted: they gather the counts, and say so), or hand out tensors other than
 ``ParamView.master`` (the identity of what the optimizer updates) and the CUDA events of
 ``ForwardWaitsView``.
 
@@ -35,7 +36,10 @@ The overlapped step's cut of an owner's boundaries into chunks (``speculation_ch
 
 Of an optimizer: ``newton_schulz_counts(optimizer)``, the Newton-Schulz outputs each Muon matrix
 this rank owns has received (counted by ``dmuon.ns_counts`` where the update is applied), and
-``model_of(optimizer)``.
+``model_of(optimizer)``. The counts differ by rank, so ``optimizer.routing()`` (the same rows on
+every rank, no collective) does not show them; ``owners_newton_schulz_counts(optimizer)`` gathers
+each matrix's count from its owner, and ``newton_schulz_table(optimizer)`` is the routing
+table's Muon rows with that count, to print beside it.
 
 [Note: the partition through inspect]
 The partition's pure functions are public through this module rather than ``dmuon/__init__``:
@@ -63,6 +67,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from dmuon.fqn import canonical_fqn
@@ -363,7 +368,7 @@ def newton_schulz_counts(optimizer: Muon) -> dict[str, int | tuple[int, ...]]:
     accumulation, ``no_sync``, ``overlap_step`` or pipeline stage, and every other matrix 0. A
     step skipped for non-finite gradients counts nothing, as does a step in which the matrix had
     no gradient. See [Note: one Newton-Schulz per matrix per step] in ``dmuon.ns_counts``.
-    Rank-local: no collective (gather it yourself to see every owner's).
+    Rank-local: no collective (``owners_newton_schulz_counts`` gathers every owner's).
     """
     state = get_dedicated_state(model_of(optimizer))
     counts = optimizer._ns_counts
@@ -391,6 +396,70 @@ def newton_schulz_counts(optimizer: Muon) -> dict[str, int | tuple[int, ...]]:
             for start, rows in zip(starts, p.row_blocks)
         )
     return result
+
+
+def owners_newton_schulz_counts(optimizer: Muon) -> dict[str, int | tuple[int, ...]]:
+    """``newton_schulz_counts`` as each matrix's owner counted it (each expert's, each row
+    block's owner), the same dict on every rank: the counts of every rank of the ownership grid
+    summed, where every rank but the owner counts 0 (a count from any other rank would show in
+    the sum). Under tensor parallelism each grid gathers its own TP rank's chunks, which count
+    alike. Collective over the ownership grid (one ``all_gather_object``): every rank of it
+    calls it, in the same order; in one process, ``newton_schulz_counts``.
+    """
+    local = newton_schulz_counts(optimizer)
+    group = get_dedicated_state(model_of(optimizer)).mesh.world_group
+    if group is None:
+        return local
+    everyone: list[dict] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, local, group=group)
+    summed = {}
+    for fqn, count in local.items():
+        counts = [counts_of_rank[fqn] for counts_of_rank in everyone]
+        if isinstance(count, tuple):
+            summed[fqn] = tuple(sum(values) for values in zip(*counts, strict=True))
+        else:
+            summed[fqn] = sum(counts)
+    return summed
+
+
+def newton_schulz_table(optimizer: Muon) -> str:
+    """The Muon rows of ``optimizer.routing()`` (its order) with each matrix's owner count from
+    ``owners_newton_schulz_counts``, as an aligned text table: parameter, shape, owner, Newton-
+    Schulz outputs (for an expert stack or row blocks, ``k each of n`` when all its experts or
+    blocks received k, else every count). Collective, as ``owners_newton_schulz_counts``; print
+    it on one rank beside the routing table (``dmuon_tools.print_routing``)::
+
+        table = dmuon.inspect.newton_schulz_table(optimizer)  # on every rank
+        if dist.get_rank() == 0:
+            print(table)
+    """
+    counts = owners_newton_schulz_counts(optimizer)
+    cells = [("parameter", "shape", "owner", "newton-schulz outputs")]
+    for row in optimizer.routing():
+        if row.fqn not in counts:
+            continue
+        owner = row.owner_rank
+        owner_cell = " ".join(map(str, owner)) if isinstance(owner, tuple) else str(owner)
+        cells.append(
+            (
+                row.fqn,
+                "x".join(map(str, row.shape)),
+                owner_cell,
+                _count_cell(counts[row.fqn]),
+            )
+        )
+    widths = [max(len(line[i]) for line in cells) for i in range(len(cells[0]))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip() for line in cells]
+    lines.insert(1, "  ".join("-" * width for width in widths))
+    return "\n".join(lines)
+
+
+def _count_cell(count: int | tuple[int, ...]) -> str:
+    if not isinstance(count, tuple):
+        return str(count)
+    if len(set(count)) == 1:
+        return f"{count[0]} each of {len(count)}"
+    return " ".join(map(str, count))
 
 
 def forward_waits(model: nn.Module) -> tuple[ForwardWaitsView, ...] | None:
@@ -546,7 +615,9 @@ __all__ = [
     "make_param_specs",
     "model_of",
     "newton_schulz_counts",
+    "newton_schulz_table",
     "ns_cost",
+    "owners_newton_schulz_counts",
     "param_cost",
     "plan_ownership",
     "speculation_chunks",
