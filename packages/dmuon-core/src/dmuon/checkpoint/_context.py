@@ -11,6 +11,20 @@ A full state dict is assembled key by key, in the same order on every rank (the 
 the receiving rank (``cpu_offload=True``: point to point; otherwise broadcast to every rank), a
 DTensor is gathered with ``full_tensor()``. Only one full tensor is in flight on any rank at a
 time, so the extra device memory is at most the largest single tensor.
+
+[Note: a full state dict is a snapshot]
+A full state dict is what a user keeps (``torch.save``, a comparison after more steps), so none
+of its tensors is live state: not an owner's fp32 master, not a momentum buffer, not a plain
+parameter or buffer that the next step or forward changes in place. torch's FSDP2 path gives
+the same (``full_tensor()`` gathers into new storage). The owner that is also the receiving rank
+(and every rank in one process) would otherwise hand out its own tensors, as ``.cpu()`` and
+``.to()`` return the tensor itself where nothing moves; so a value that still shares its storage
+with the state it came from is copied once, and only then (a value moved to the CPU or
+converted to another dtype is a copy already). A sharded state dict is the other way round: it
+is the live state, as FSDP2's local shards are, so that ``torch.distributed.checkpoint`` writes
+it without a copy and loads into it in place (see [Note: a dedicated parameter's state-dict
+entry] in ``dmuon.module_state``); under ``cpu_offload`` it is moved to the CPU, which is the
+tensor itself on a CPU run, as torch's is.
 """
 
 from __future__ import annotations
@@ -61,24 +75,28 @@ class CheckpointContext:
         shape: tuple[int, ...],
         dtype: torch.dtype,
     ) -> torch.Tensor | None:
-        """The full value of a tensor only global rank ``owner`` holds (``owned`` there, None
-        elsewhere), on the ranks that keep full tensors; None on the others."""
+        """The full value, in ``dtype``, of a tensor only global rank ``owner`` holds (``owned``
+        there, None elsewhere), on the ranks that keep full tensors; None on the others.
+        ``owned`` may be live state (a master, a momentum buffer): what this returns never
+        shares its storage (see [Note: a full state dict is a snapshot])."""
         if self.group is None:
-            return self._placed(owned) if self.keeps_full else None
+            return self._snapshot(owned.to(dtype), owned) if self.keeps_full else None
         if self.options.cpu_offload:
             if not self.receiver_in_grid:
                 return None
             if self.rank == owner == self.receiver:
-                return self._placed(owned)
+                return self._snapshot(owned.to(dtype), owned)
             if self.rank == owner:
-                dist.send(owned.to(self.device).contiguous(), dst=self.receiver, group=self.group)
+                sent = owned.to(self.device, dtype).contiguous()
+                dist.send(sent, dst=self.receiver, group=self.group)
             elif self.rank == self.receiver:
                 received = torch.empty(shape, dtype=dtype, device=self.device)
                 dist.recv(received, src=owner, group=self.group)
                 return self._placed(received)
             return None
         if self.rank == owner:
-            buffer = owned.to(self.device).contiguous()
+            buffer = owned.to(self.device, dtype).contiguous()
+            buffer = buffer.clone() if _shares_storage(buffer, owned) else buffer
         else:
             buffer = torch.empty(shape, dtype=dtype, device=self.device)
         dist.broadcast(buffer, src=owner, group=self.group)
@@ -86,10 +104,19 @@ class CheckpointContext:
 
     def full_from_shards(self, value: DTensor) -> torch.Tensor | None:
         full = value.full_tensor()  # collective over the DTensor's mesh
-        return self._placed(full) if self.keeps_full else None
+        # A replicated DTensor's full tensor is its local tensor.
+        return self._snapshot(full, value.to_local()) if self.keeps_full else None
+
+    def full_value(self, value: object) -> object:
+        """A plain (not sharded, not dedicated) value of a full state dict on a rank that keeps
+        it: a tensor of its own, on the CPU under ``cpu_offload``; other objects as they are."""
+        if not isinstance(value, torch.Tensor):
+            return value
+        return self._snapshot(value, value)
 
     def offloaded(self, value):
-        """A sharded state dict's value, on the CPU under ``cpu_offload``."""
+        """A sharded state dict's value, on the CPU under ``cpu_offload``: the live tensor where
+        it is there already (see [Note: a full state dict is a snapshot])."""
         if not self.options.cpu_offload or not isinstance(value, torch.Tensor):
             return value
         if isinstance(value, DTensor):
@@ -104,6 +131,11 @@ class CheckpointContext:
 
     def _placed(self, value: torch.Tensor) -> torch.Tensor:
         return value.cpu() if self.options.cpu_offload else value
+
+    def _snapshot(self, value: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
+        """``value`` placed, copied if it still shares ``live``'s storage."""
+        placed = self._placed(value).detach()
+        return placed.clone() if _shares_storage(placed, live) else placed
 
     def raise_if_any_rank_failed(self, errors: list[str], what: str) -> None:
         """Raise ``ValueError`` on every rank if any rank found ``errors`` (one collective)."""
@@ -156,6 +188,13 @@ def checkpoint_context(
         receiver=receiver,
         receiver_in_grid=receiver == grid_lowest,
         device=device,
+    )
+
+
+def _shares_storage(value: torch.Tensor, live: torch.Tensor) -> bool:
+    return (
+        value.device == live.device
+        and value.untyped_storage().data_ptr() == live.untyped_storage().data_ptr()
     )
 
 

@@ -15,6 +15,8 @@ they do on a stock model. Values by mode:
 - ``full_state_dict=True``: every value is the full tensor in the parameter's own dtype, on
   every rank, or with ``cpu_offload=True`` on the CPU of the receiving rank only (the lowest
   rank of the ownership grid; rank 0 for a mesh over all ranks), the others getting ``{}``.
+  Each is a tensor of its own, never a master or parameter that later steps change (see [Note:
+  a full state dict is a snapshot] in ``_context``).
 
 Loading takes either, and with ``broadcast_from_rank0=True`` a full dict that only that first
 rank holds (``_from_source`` moves its values; the checks stay here).
@@ -69,10 +71,9 @@ def _dedicated_entry(ctx: CheckpointContext, p: DedicatedParam | ExpertStack) ->
         return stack_model_entry(ctx, p)  # one (E, m, n) entry, see ``_experts``
     owned = _owned_value(p)
     if not ctx.full:
-        return owned
-    if owned is not None:
-        owned = owned.to(p.placeholder.dtype)
-        owned = owned.full_tensor() if isinstance(owned, DTensor) else owned
+        return owned  # the master itself, for DCP to load into
+    if isinstance(owned, DTensor):  # converted before the TP ranks gather it
+        owned = owned.to(p.placeholder.dtype).full_tensor()
     return ctx.full_from_owner(ctx.owner_rank(p), owned, tuple(p.shape), p.placeholder.dtype)
 
 
@@ -84,8 +85,8 @@ def _entry(ctx: CheckpointContext, value: object) -> object | None:
         # In a full state dict every DTensor left is FSDP2's (or a value hooks made of one), on
         # every rank: the gathers pair up. Dedicated values were gathered by the entry maker.
         return ctx.full_from_shards(value) if ctx.full else ctx.offloaded(value)
-    if ctx.full and not ctx.keeps_full:
-        return None
+    if ctx.full:
+        return ctx.full_value(value) if ctx.keeps_full else None
     return ctx.offloaded(value)
 
 

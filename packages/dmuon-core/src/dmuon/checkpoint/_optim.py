@@ -220,10 +220,12 @@ class _ParamIndex:
         for name, tensor in self.optimizer.state[param].items():
             value = self.public(param, tensor)
             if ctx.full:
-                value = ctx.full_from_shards(value) if isinstance(value, DTensor) else value
+                if isinstance(value, DTensor):
+                    value = ctx.full_from_shards(value)  # collective: on every rank
+                elif ctx.keeps_full:
+                    value = ctx.full_value(value)  # AdamW's step and moments, never themselves
                 if value is None or not ctx.keeps_full:
                     continue
-                value = value.cpu() if ctx.options.cpu_offload else value
             else:
                 value = ctx.offloaded(value)
             entries[name] = value
