@@ -256,7 +256,7 @@ def stack_entry(
     [Note: sharded stacks]. None where this rank owns no piece."""
     if not owned:
         return None
-    if len(owned) == len(stack.pieces):  # every piece is here: the plain value
+    if len(owned) == len(stack.every_piece):  # every piece is here: the plain value
         tensors = [owned[piece] for piece in stack.pieces]
         return tensors[0] if len(tensors) == 1 else torch.cat(tensors)
     pieces = sorted(owned, key=lambda piece: piece.experts[0])

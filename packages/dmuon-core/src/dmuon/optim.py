@@ -38,7 +38,7 @@ from dmuon._text import preview_names
 from dmuon.consistency import check_ranks_agree
 from dmuon.data_parallel import check_data_parallel_layout
 from dmuon.ddp import check_gradients_are_averaged
-from dmuon.experts import ExpertStack, is_expert_piece
+from dmuon.experts import ExpertStack, agreed_name, is_expert_piece
 from dmuon.fqn import canonical_fqn
 from dmuon.hooks import get_dedicated_state
 from dmuon.muon_update import (
@@ -804,7 +804,7 @@ class Muon(torch.optim.Optimizer):
                 ),
                 "dedicated": (
                     "dedicated parameters (names and shapes)",
-                    [(p.fqn, tuple(p.shape)) for p in self._dedicated.params.values()],
+                    [(agreed_name(p), tuple(p.shape)) for p in self._dedicated.params.values()],
                 ),
                 "routing": (
                     "parameter groups (param_groups=, no_decay=, routes=)",
