@@ -5,6 +5,8 @@ changes, and every setting it refuses, with the fix in the message."""
 import tests.titan.titan_on_cpu as titan_on_cpu
 
 # isort: split
+import importlib.util
+
 import pytest
 import torch
 from torchtitan.components.optimizer import ParamGroupConfig, default_adamw
@@ -167,3 +169,13 @@ def test_a_compute_layout_dmuon_does_not_read_is_refused_naming_the_matrix():
     with pytest.raises(ValueError, match=r"layout of layers.0.attention.wo.weight on 'dp_shard' is"
                        r" Shard\(dim=1\); dmuon reads Owned\(\)"):  # fmt: skip
         read_recipe(config)
+
+
+def test_a_config_whose_registry_does_not_import_names_the_missing_module():
+    # kimi_k2_7's registry (the Muon recipes) imports torchvision for its image data; torchtitan's
+    # lookup would call the config unknown and list the others.
+    if importlib.util.find_spec("torchvision") is not None:
+        pytest.skip("torchvision is installed: kimi_k2_7's registry imports here")
+    with pytest.raises(ImportError, match=r"'kimi_k2_5_debugmodel' is in torchtitan.models."
+                       r"kimi_k2_7.config_registry, which does not import here .*torchvision"):  # fmt: skip
+        ConfigManager().parse_args(["--module", "dmuon_titan", "--config", "kimi_k2_5_debugmodel"])

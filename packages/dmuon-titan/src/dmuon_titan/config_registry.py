@@ -11,8 +11,12 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import re
 from collections.abc import Callable
+from pathlib import Path
 from types import ModuleType
+
+import torchtitan.models
 
 from dmuon_titan import trainer as _trainer
 
@@ -22,6 +26,8 @@ _MODEL_PACKAGES = ("llama3", "qwen3", "deepseek_v3", "gpt_oss", "qwen3_5", "kimi
 
 def __getattr__(name: str) -> Callable[[], _trainer.DMuonTrainer.Config]:
     job = _jobs().get(name) if not name.startswith("_") else None
+    if job is None and not name.startswith("_"):
+        _raise_if_defined_where_it_does_not_import(name)
     if job is None:
         raise AttributeError(
             f"dmuon_titan has no config {name!r}: it runs torchtitan's own job configs with "
@@ -54,3 +60,26 @@ def _registry(package: str) -> ModuleType | None:
         return importlib.import_module(f"torchtitan.models.{package}.config_registry")
     except ImportError:
         return None
+
+
+def _raise_if_defined_where_it_does_not_import(name: str) -> None:
+    """An ImportError naming what is missing, when a model registry that does not import here
+    defines ``name`` (its source has ``def name(``): torchtitan's own lookup reads a missing
+    attribute as an unknown config and would list the others instead. ``kimi_k2_7``'s imports
+    torchvision, for its image data."""
+    for package in _MODEL_PACKAGES:
+        module = f"torchtitan.models.{package}.config_registry"
+        try:
+            importlib.import_module(module)
+            continue
+        except ImportError as error:
+            failure = error
+        # The file itself: finding its spec would import the package, which may fail too.
+        path = Path(torchtitan.models.__file__).parent / package / "config_registry.py"
+        source = path.read_text() if path.exists() else ""
+        if re.search(rf"^def {re.escape(name)}\(", source, flags=re.MULTILINE):
+            raise ImportError(
+                f"dmuon_titan: torchtitan's config {name!r} is in {module}, which does not import "
+                f"here ({type(failure).__name__}: {failure}). Install the package that provides "
+                f"{failure.name or 'the missing module'}, then run it again."
+            ) from failure
