@@ -367,8 +367,10 @@ def test_one_info_line_per_route_is_logged_on_the_dmuon_logger(caplog):
         dmuon.Muon(dedicated(), no_decay=None)
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("[DMuon] route")]
     assert lines == [
-        "[DMuon] route muon: 15 parameters, 14,850 elements, lr 0.02, weight_decay 0",
-        "[DMuon] route sharded_adamw: 19 parameters, 2,730 elements, lr 0.001, weight_decay 0.01",
+        "[DMuon] route muon (Muon on the owner's fp32 master; update rule muon): 15 parameters, "
+        "14,850 elements, lr 0.02, weight_decay 0",
+        "[DMuon] route sharded_adamw (AdamW on FSDP2's shards, not dedicated; update rule adamw): "
+        "19 parameters, 2,730 elements, lr 0.001, weight_decay 0.01",
     ]
 
 
@@ -407,6 +409,8 @@ def test_dmuon_tools_prints_the_routing_table_one_line_per_parameter():
         "weight",
         "decay",
         "why",
+        "update",
+        "rule",
     ]
     assert len(lines) == 2 + 34
     assert lines[2].split() == [
@@ -418,5 +422,26 @@ def test_dmuon_tools_prints_the_routing_table_one_line_per_parameter():
         "0.01",
         "not",
         "dedicated",
+        "adamw",
     ]
-    assert "layers.0.q_proj.weight 30x30 muon 0 0.02 0 predicate" in " ".join(text.split())
+    assert "layers.0.q_proj.weight 30x30 muon 0 0.02 0 predicate muon" in " ".join(text.split())
+
+
+def test_the_routing_table_names_each_groups_update_rule_normuon_and_momentum_dtype_included():
+    from dmuon_tools import format_routing_table
+
+    optimizer = dmuon.Muon(
+        dedicated(),
+        normuon=True,
+        momentum_dtype=torch.bfloat16,
+        param_groups=[
+            {"params": lambda name, p: name.startswith("layers.0.") and p.ndim == 2,
+             "normuon": False, "momentum_dtype": torch.float32},
+        ],
+    )  # fmt: skip
+    rows = rows_by_name(optimizer)
+    assert rows["layers.0.q_proj.weight"].update_rule == "muon"
+    assert rows["layers.1.q_proj.weight"].update_rule == "normuon, momentum bfloat16"
+    assert rows["embed.weight"].update_rule == "adamw"
+    text = " ".join(format_routing_table(optimizer.routing()).split())
+    assert "layers.1.q_proj.weight 30x30 muon 0 0.02 0 predicate normuon, momentum bfloat16" in text

@@ -228,7 +228,7 @@ def run_program(setup: str) -> subprocess.CompletedProcess:
 def test_the_partition_line_and_the_route_summary_show_without_any_logging_set_up():
     result = run_program("")
     assert result.stderr.count("[DMuon] dmuon partition: ") == 1
-    assert result.stderr.count("[DMuon] route muon: ") == 1
+    assert result.stderr.count("[DMuon] route muon (") == 1
 
 
 def test_a_level_the_application_set_on_the_dmuon_logger_stays():

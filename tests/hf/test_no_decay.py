@@ -42,14 +42,14 @@ def test_the_routing_table_of_a_tiny_llama():
     model = tiny_llama()
     rows = {row.fqn: row for row in routed(model)}
     assert rows["model.layers.0.self_attn.q_proj.weight"][2:] == (
-        "muon", 0, 0.02, 0.1, "predicate",
+        "muon", 0, 0.02, 0.1, "predicate", "muon",
     )  # fmt: skip
     assert rows["model.layers.1.mlp.down_proj.weight"].shape == (32, 64)
     assert rows["model.embed_tokens.weight"][2:] == (
-        "sharded_adamw", None, 1e-3, 0.01, "not dedicated",
+        "sharded_adamw", None, 1e-3, 0.01, "not dedicated", "adamw",
     )  # fmt: skip
     assert rows["model.norm.weight"][2:] == (
-        "sharded_adamw", None, 1e-3, 0.0, "not dedicated, no_decay rule",
+        "sharded_adamw", None, 1e-3, 0.0, "not dedicated, no_decay rule", "adamw",
     )  # fmt: skip
     assert rows["model.layers.0.input_layernorm.weight"].weight_decay == 0.0
     assert sum(row.route == "muon" for row in rows.values()) == 14

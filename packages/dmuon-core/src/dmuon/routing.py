@@ -53,6 +53,13 @@ ROUTES = (MUON_ROUTE, ADAMW_ROUTE, SHARDED_ADAMW_ROUTE)
 """Per parameter: Muon on the owner's fp32 master, AdamW on the owner's fp32 master, or left to
 FSDP2 (not dedicated) and AdamW on its shards."""
 
+ROUTE_MEANINGS: Mapping[str, str] = {
+    MUON_ROUTE: "Muon on the owner's fp32 master",
+    ADAMW_ROUTE: "AdamW on the owner's fp32 master",
+    SHARDED_ADAMW_ROUTE: "AdamW on FSDP2's shards, not dedicated",
+}
+"""What each route means, in the words the route summaries log beside its name."""
+
 ADJUST_LR = ("match_rms_adamw", "spectral", None)
 
 # Why a parameter is where it is (the last column of the routing table).
@@ -133,6 +140,22 @@ class RoutingRow(NamedTuple):
     lr: float
     weight_decay: float
     why: str
+    # The group's update rule: "muon" or "normuon" (", momentum bfloat16" / ", momentum int8"
+    # when stored so), or "adamw" on both AdamW routes; see update_rule.
+    update_rule: str
+
+
+def update_rule(group: Mapping[str, Any]) -> str:
+    """The update rule a torch group of ``dmuon.Muon`` applies, as the routing table shows it:
+    ``"adamw"``, or ``"muon"`` / ``"normuon"`` with the momentum's storage dtype when it is not
+    float32 (``"normuon, momentum bfloat16"``)."""
+    if group["route"] != MUON_ROUTE:
+        return ADAMW_ROUTE
+    rule = "normuon" if group.get("normuon") else MUON_ROUTE
+    momentum_dtype = group.get("momentum_dtype", "float32")
+    if isinstance(momentum_dtype, torch.dtype):
+        momentum_dtype = str(momentum_dtype).removeprefix("torch.")
+    return rule if momentum_dtype == "float32" else f"{rule}, momentum {momentum_dtype}"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -244,13 +267,14 @@ def routing_rows(
         group = torch_groups[plan.group_of[f.fqn]]
         rows.append(
             RoutingRow(f.fqn, f.shape, f.route, f.owner_rank, group["lr"], group["weight_decay"],
-                       plan.why[f.fqn])
+                       plan.why[f.fqn], update_rule(group))
         )  # fmt: skip
     return rows
 
 
 def route_summaries(rows: Sequence[RoutingRow]) -> list[str]:
-    """One line per route present: count, elements, learning rates and weight decays."""
+    """One line per route present: what it means, its update rules, count, elements, learning
+    rates and weight decays."""
     lines = []
     for route in ROUTES:
         mine = [row for row in rows if row.route == route]
@@ -259,9 +283,10 @@ def route_summaries(rows: Sequence[RoutingRow]) -> list[str]:
         numel = sum(math.prod(row.shape) for row in mine)
         lrs = "/".join(f"{v:g}" for v in sorted({row.lr for row in mine}))
         wds = "/".join(f"{v:g}" for v in sorted({row.weight_decay for row in mine}))
+        rules = "; ".join(sorted({row.update_rule for row in mine}))
         lines.append(
-            f"route {route}: {len(mine)} parameters, {numel:,} elements, lr {lrs}, "
-            f"weight_decay {wds}"
+            f"route {route} ({ROUTE_MEANINGS[route]}; update rule {rules}): {len(mine)} "
+            f"parameters, {numel:,} elements, lr {lrs}, weight_decay {wds}"
         )
     return lines
 
