@@ -1,6 +1,6 @@
 """The Newton-Schulz counter (``dmuon.inspect.newton_schulz_counts``) after a few optimizer
 steps on every rank of a gloo pool: gradient accumulation with and without ``dmuon.no_sync``, the
-overlapped step, pipeline stages and expert stacks.
+overlapped step, pipeline stages and expert stacks, also split over an ``ep`` dim.
 
 Each scenario returns this rank's counts with what the routing table says of each matrix's owner,
 so the test compares what was counted with who owns what.
@@ -17,6 +17,7 @@ import dmuon
 import dmuon.inspect
 from tests.distributed import (
     scenarios_checkpoint,
+    scenarios_expert_parallel,
     scenarios_moe,
     scenarios_pipeline,
     scenarios_update_rules,
@@ -91,4 +92,21 @@ def tensor_parallel(steps: int, tp: int = 2) -> dict:
     plan on "tp", dmuon and FSDP2 on "dp")."""
     model, optimizer = scenarios_checkpoint.build(tp=tp)
     scenarios_checkpoint.train(model, optimizer, range(steps))
+    return _counted(optimizer)
+
+
+def expert_parallel(steps: int, no_sync: bool = True) -> dict:
+    """``steps`` steps of ``scenarios_expert_parallel``'s model (ep=2 x efsdp=2 on 4 ranks: each
+    rank holds its EP slot's experts), each of ``MICRO_BATCHES`` backwards (the earlier ones under
+    ``dmuon.no_sync`` if ``no_sync``)."""
+    model, optimizer, _ = scenarios_expert_parallel.build(scenarios_expert_parallel.EPConfig())
+    rank, world = dist.get_rank(), dist.get_world_size()
+    for batch in batches(steps, world, per_rank=MICRO_BATCHES):
+        micro = rank_rows(batch, rank, world).chunk(MICRO_BATCHES)
+        for index, chunk in enumerate(micro):
+            quiet = no_sync and index < len(micro) - 1
+            with dmuon.no_sync(model) if quiet else contextlib.nullcontext():
+                (loss_fn(model, chunk) / len(micro)).backward()
+        optimizer.step()
+        optimizer.zero_grad()
     return _counted(optimizer)

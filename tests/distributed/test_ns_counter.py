@@ -1,7 +1,7 @@
 """The Newton-Schulz counter on gloo: after k optimizer steps every Muon matrix (each expert of
 a stack, each row block) shows exactly k on the rank that owns it and 0 on every other, under
 gradient accumulation with and without ``no_sync``, the overlapped step, pipeline stages and
-expert stacks (issue 42, item 4; [Note: one Newton-Schulz per matrix per step] in
+expert stacks, also under expert parallelism (issue 42, item 4; [Note: one Newton-Schulz per matrix per step] in
 ``dmuon.ns_counts``)."""
 
 from __future__ import annotations
@@ -99,6 +99,23 @@ def test_each_expert_of_a_stack_counts_one_newton_schulz_a_step_on_its_owner(poo
     results = pool4.run(scenarios.expert_stacks, steps=STEPS, replicas=replicas)
     assert_each_matrix_counted_k_times_by_its_owner_alone(results)
     assert any(isinstance(owner, tuple) for owner in results[0]["owners"].values())
+
+
+@pytest.mark.parametrize("no_sync", [True, False], ids=["no_sync", "reducing-every-micro-batch"])
+def test_under_expert_parallelism_each_expert_counts_one_newton_schulz_a_step_on_its_owner_alone(
+    pool4, no_sync
+):
+    """ep=2 x efsdp=2: a rank holds only its EP slot's experts, yet every count and the routing
+    table's owners cover all 8 experts of each stack, and each expert is counted on its owner
+    (a rank of its EP slot) alone."""
+    results = pool4.run(scenarios.expert_parallel, steps=STEPS, no_sync=no_sync)
+    assert_each_matrix_counted_k_times_by_its_owner_alone(results)
+    for result in results:
+        stacks = {fqn: c for fqn, c in result["counts"].items() if len(as_tuple(c)) > 1}
+        assert len(stacks) == 4 and all(len(c) == 8 for c in stacks.values()), stacks
+        for fqn in stacks:  # EP slot e is ranks e and e + 2 and holds experts [4e, 4e + 4)
+            for piece in result["owners"][fqn]:
+                assert piece.rank % 2 == piece.start // 4, (fqn, result["owners"][fqn])
 
 
 def test_a_tensor_parallel_matrix_counts_one_newton_schulz_a_step_on_each_tp_rank_of_its_owner(

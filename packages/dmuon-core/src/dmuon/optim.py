@@ -841,7 +841,7 @@ def _param_facts(model: nn.Module, dedicated) -> tuple[list[ParamFacts], dict[st
         stack = dedicated.stacks.get(name)
         if stack is not None:  # one row for the stack; this rank's tensors: its owned pieces
             if stack.requires_grad:
-                facts.append(_expert_stack_facts(stack, dedicated.mesh))
+                facts.append(_expert_stack_facts(stack))
                 local[name] = tuple(piece.master for piece in stack.owned_pieces())
             continue
         p = dedicated.params.get(name)
@@ -876,8 +876,9 @@ def _param_facts(model: nn.Module, dedicated) -> tuple[list[ParamFacts], dict[st
     return facts, local
 
 
-def _expert_stack_facts(stack: ExpertStack, mesh) -> ParamFacts:
-    """An expert stack as one parameter of its full shape, owned slice by slice."""
+def _expert_stack_facts(stack: ExpertStack) -> ParamFacts:
+    """An expert stack as one parameter of its full shape, owned slice by slice: every slice,
+    those of the other EP slots too (``every_piece``), so the row is the same on every rank."""
     stand_in = torch.empty(stack.shape, dtype=stack.placeholder.dtype, device="meta")
     return ParamFacts(
         fqn=stack.fqn,
@@ -885,8 +886,8 @@ def _expert_stack_facts(stack: ExpertStack, mesh) -> ParamFacts:
         route=stack.route,
         why_route=WHY_ROUTES_OVERRIDE if stack.route_override else WHY_PREDICATE,
         owner_rank=tuple(
-            ExpertSliceOwner(*piece.experts, mesh.global_rank(piece.owner))
-            for piece in stack.pieces
+            ExpertSliceOwner(piece.start, piece.stop, piece.owner_rank)
+            for piece in stack.every_piece
         ),
         stand_in=stand_in.requires_grad_(True),
     )
