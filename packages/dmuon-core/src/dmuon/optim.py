@@ -452,7 +452,7 @@ class Muon(torch.optim.Optimizer):
         ``route`` is ``"muon"``, ``"adamw"`` (owner-side, on the fp32 master) or
         ``"sharded_adamw"`` (left to FSDP2); ``owner_rank`` is the owner's global rank (None
         when not dedicated; for an (E, m, n) expert stack, one ``ExpertSliceOwner(start, stop,
-        rank)`` per range of its experts); ``lr`` and ``weight_decay`` are its group's current
+        rank)`` per range of its experts, under expert parallelism of every EP slot); ``lr`` and ``weight_decay`` are its group's current
         values (a scheduler's changes included); ``why`` says what decided it: ``"predicate"``,
         ``"routes override"`` or ``"not dedicated"``, then ``"no_decay rule"`` and
         ``"param_groups[i]"`` where they apply. The same list on every rank; no collective.
