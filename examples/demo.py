@@ -193,12 +193,20 @@ def worker(args: argparse.Namespace) -> None:
     plan = get_dedicated_state(model).plan
     num_layers = len(model.layers)
     say(f"dmuon {dmuon.__version__} · torch {torch.__version__} · {world} ranks (gloo, CPU)")
-    say(f"Newton-Schulz: {dmuon.get_ns_backend()}, iteration dtype {optimizer.newton_schulz.dtype}")
+    ns_dtype = optimizer.newton_schulz.iteration_dtype(torch.device("cpu"))
+    requested = (
+        "auto: fp16 on CUDA, fp32 elsewhere" if optimizer.newton_schulz.dtype is None else "set"
+    )
+    say(f"Newton-Schulz: {dmuon.get_ns_backend()}, iteration dtype {ns_dtype} ({requested})")
     say(f"\nOwner rank of each projection matrix ({len(owners)} matrices):")
     say(owner_table(owners, num_layers))
     say(
         "(each of these matrices has < 5M elements, so a layer's matrices form one unit with one "
         "owner; large matrices get their own owner)"
+    )
+    say(
+        "(the embedding, the norms and lm_head are not dedicated: their route is sharded_adamw, "
+        "FSDP2 shards them and AdamW updates the shards; the dmuon log's route lines count both)"
     )
     say(f"\npartition imbalance (heaviest owner / mean): {plan.imbalance:.3f}")
     say(plan.describe())
@@ -231,8 +239,8 @@ def worker(args: argparse.Namespace) -> None:
         f"FSDP2+AdamW {baseline_seconds / args.steps * 1e3:.0f} ms"
     )
     say(
-        "(CPU numbers say nothing about GPU speed: most of dmuon's extra time here is "
-        "Newton-Schulz in fp16, which CPUs run without fp16 matrix units)"
+        f"(CPU numbers say nothing about GPU speed: here Newton-Schulz runs in {ns_dtype} on "
+        "cores every process shares, where a GPU runs it in fp16 on its matrix units)"
     )
     dist.destroy_process_group()
     exit_now(0)
