@@ -61,12 +61,14 @@ class Job:
     pp_layers_per_stage: int | None = None
     pp_schedule: str = "1F1B"
     tp: int = 1
+    ep: int = 1  # expert parallelism: borrows its ranks from dp_shard (torchtitan's efsdp x ep)
     local_batch: int = 2
     seq_len: int = 16
     width: int | None = None  # the model dimension: None keeps the debug model's 256
     dmuon: bool = True
     mixed_precision: bool = False  # torchtitan's default: bf16 parameters, fp32 reduce
     compile: bool = False  # torchtitan's per-block torch.compile (fullgraph), eager backend
+    full_ac: bool = False  # torchtitan's full activation checkpointing (else the job's own)
     ns: str = "torch"  # "torch": torch.optim.Muon's NS (Keller, direct, bf16); "fp32": exact
     max_norm: float = 1.0
     # Checkpoints: saved every ``checkpoint_interval`` steps under ``checkpoint_folder``;
@@ -116,11 +118,16 @@ def make_config(job: Job, dump_folder: str):
     parallelism.data_parallel_replicate_degree = job.dp_replicate
     parallelism.pipeline_parallel_degree = job.pp
     parallelism.tensor_parallel_degree = job.tp
+    parallelism.expert_parallel_degree = job.ep
     if job.pp > 1:
         parallelism.pipeline_parallel_schedule = job.pp_schedule
         parallelism.pipeline_parallel_layers_per_stage = job.pp_layers_per_stage
         parallelism.pipeline_parallel_microbatch_size = 1
     config.training.max_norm = job.max_norm
+    if job.full_ac:
+        from torchtitan.distributed.activation_checkpoint import FullAC
+
+        config.activation_checkpoint = FullAC.Config()
     if job.compile:
         config.compile.enable = True
         config.compile.components = ["model"]
@@ -241,6 +248,7 @@ def train(job_options: dict, checkpoint_root: str | None = None) -> dict:
             final = full_weights(trainer)
             lr_lambda = trainer.lr_schedulers.schedulers[0].lr_lambdas[0]
             dedicated = _dedicated_names(trainer)
+            owned_experts = _owned_experts(trainer)
             first_step = trainer.step - len(logged) + 1
         finally:
             trainer.close()
@@ -254,6 +262,7 @@ def train(job_options: dict, checkpoint_root: str | None = None) -> dict:
         "first_step": first_step,
         "lr_factors": {step: lr_lambda(step - 1) for step in range(first_step, trainer.step + 1)},
         "dedicated": dedicated,
+        "owned_experts": owned_experts,
         "global_batch": job.local_batch * _batch_degree(job),
         "optimizer": _optimizer_settings(trainer),
     }
@@ -329,6 +338,19 @@ def _dedicated_names(trainer) -> list[str]:
     everyone: list[list | None] = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, names)
     return sorted({name for part in everyone for name in part})
+
+
+def _owned_experts(trainer) -> list[list[tuple[str, int, int]]]:
+    """Per rank, the expert slices it owns: (stack name, first expert, end), experts numbered in
+    the whole stack. Collective."""
+    mine: list[tuple[str, int, int]] = []
+    for part in trainer.model_parts:
+        state = find_dedicated_state(part)
+        if state is not None:
+            mine += [(p.stack.fqn, *p.experts) for p in state.iter_owned_masters() if p.experts]
+    everyone: list[list | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, sorted(mine))
+    return everyone
 
 
 def _optimizer_settings(trainer) -> dict:

@@ -97,16 +97,16 @@ def test_an_optimizer_other_than_adamw_in_the_job_is_refused_with_the_fix():
     ("dims", "message"),
     [
         (
-            {"dp_shard": 2, "ep": 2, "spmd_backend": "partial_dtensor"},
-            r"expert parallelism.*--parallelism.expert_parallel_degree 1",
-        ),
-        (
             {"dp_shard": 2, "ep": 1, "spmd_backend": "full_dtensor"},
             r"needs parallelism.spmd_backend='partial_dtensor', got 'full_dtensor'.*"
             r"--parallelism.spmd_backend partial_dtensor",
         ),
+        (
+            {"dp_shard": 2, "ep": 2, "spmd_backend": "full_dtensor"},
+            r"needs parallelism.spmd_backend='partial_dtensor', got 'full_dtensor'",
+        ),
     ],
-    ids=["expert-parallel", "full-dtensor"],
+    ids=["full-dtensor", "full-dtensor-expert-parallel"],
 )
 def test_layouts_dmuon_does_not_dedicate_are_refused_with_the_fix(dims, message):
     parallel_dims = ParallelDims(dp_replicate=1, cp=1, tp=1, pp=1, world_size=2, **dims)

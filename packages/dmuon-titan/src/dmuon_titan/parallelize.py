@@ -3,8 +3,10 @@
 Owns where dmuon enters torchtitan's model set-up: after tensor parallelism and activation
 checkpointing have wrapped the blocks, before the first ``fully_shard``
 (``dmuon.dedicate_before_fully_shard``), on each pipeline stage's part, with the meshes and
-mixed precision the job configured for FSDP2; and where ``torch.compile`` goes when the job
-compiles its blocks (see [Note: compiled blocks]). It must not build optimizers.
+mixed precision the job configured for FSDP2 (and, under expert parallelism, torchtitan's sparse
+``ep`` / ``efsdp`` dims: by then the model's own ``parallelize`` has split each expert stack
+``Shard(0)`` over ``ep``); and where ``torch.compile`` goes when the job compiles its blocks (see
+[Note: compiled blocks]). It must not build optimizers.
 
 [Note: compiled blocks]
 torchtitan compiles each block in place with ``block.compile(fullgraph=True)``, which compiles
@@ -62,6 +64,7 @@ def dedicating(
             mesh,
             config.is_muon if recipe is None else recipe.is_muon,
             **recipe_layouts(recipe),
+            **expert_parallel_meshes(parallel_dims),
             replicate_mesh=replicate_mesh,
             reshard_after_forward=get_fsdp_reshard_after_forward_policy(
                 parallelism.fsdp_reshard_after_forward, parallel_dims.pp_enabled
@@ -114,15 +117,23 @@ def data_parallel_meshes(parallel_dims: ParallelDims) -> tuple[DeviceMesh, Devic
     return mesh, replicate
 
 
+def expert_parallel_meshes(parallel_dims: ParallelDims) -> dict[str, DeviceMesh]:
+    """``dedicate_params``' expert-parallel arguments: under EP (``expert_parallel_degree`` > 1)
+    torchtitan's sparse mesh dims ``ep`` (each of its ranks holds other experts: the model's
+    ``parallelize`` makes the stacks DTensors ``Shard(0)`` over it) and ``efsdp`` (the
+    ranks that hold the same experts, which torchtitan's ``fully_shard`` of the experts shards
+    over), so that each expert slice gets an owner inside its EP slot; none without EP. Under
+    HSDP the sparse mesh's ``dp_replicate`` is the dense one's ranks, the ``replicate_mesh``
+    both grids share."""
+    if not parallel_dims.ep_enabled:
+        return {}
+    return {
+        "ep_mesh": parallel_dims.get_mesh("ep"),
+        "expert_mesh": parallel_dims.get_mesh("efsdp"),
+    }
+
+
 def check_supported(parallel_dims: ParallelDims) -> None:
-    if parallel_dims.ep_enabled:
-        raise ValueError(
-            f"dmuon_titan does not support expert parallelism yet (parallelism."
-            f"expert_parallel_degree={parallel_dims.ep}): the expert stacks would be DTensors "
-            "sharded over the ep mesh, and dmuon owns whole expert slices. Set "
-            "--parallelism.expert_parallel_degree 1 (the experts then train with dmuon's expert "
-            "stacks, each slice of experts on one owner), or train this job without dmuon."
-        )
     if parallel_dims.spmd_backend != "partial_dtensor":
         raise ValueError(
             f"dmuon_titan needs parallelism.spmd_backend='partial_dtensor', got "

@@ -19,8 +19,9 @@ A layout says how DistMuon cuts a matrix for Newton-Schulz on the data-parallel 
   experts in slices, one owner each).
 
 Any other layout is refused, naming the matrix and the layout. The expert layouts are kept whole
-(``expert_layouts``, every mesh axis's placement), so that expert parallelism, when dmuon-titan
-takes it, reads its ``ep`` / ``efsdp`` axes from here instead of from a second table. The
+(``expert_layouts``, every mesh axis's placement); under expert parallelism the ``ep`` /
+``efsdp`` meshes themselves are torchtitan's (``dmuon_titan.parallelize.expert_parallel_meshes``)
+and the per-expert cut is the same, each slice of experts owned inside its EP slot. The
 hyperparameters are torch.optim.Muon's names: ``lr``, ``weight_decay``, ``momentum``,
 ``nesterov`` and ``adjust_lr_fn`` (None or ``"original"`` is dmuon's ``"spectral"``).
 """
