@@ -221,6 +221,12 @@ class SegmentView:
 
     shard: int  # shard index of the owners, and of the root in every replica
     root_rank: int  # the rank that broadcasts it in this rank's replica
+    # The global ranks its broadcasts and first gradient reduce run on (this rank's replica of
+    # the grid it travels on: the boundary's, or for expert pieces their EP slot's, see [Note:
+    # expert segments] in ``dmuon.group``), and those of its HSDP publish and second-stage
+    # reduce (shard ``shard`` of every replica of that grid), each in group order.
+    shard_ranks: tuple[int, ...]
+    replicate_ranks: tuple[int, ...]
     is_local: bool  # this rank is the root: the segment stays resident here
     dtype: torch.dtype  # compute dtype of the broadcast buffer
     reduce_dtype: torch.dtype  # dtype of the gradient message (the widest of its gradients')
@@ -560,9 +566,12 @@ def _segment_view(segment: Segment, group: BoundaryGroup, grid: OwnerGrid) -> Se
                 message_bytes=(message_end - message_start) * reduce_dtype.itemsize,
             )
         )
+    mesh = segment.mesh
     return SegmentView(
         shard=segment.shard,
         root_rank=group._root_rank(segment),
+        shard_ranks=tuple(mesh.rank_grid[mesh.coord.replicate]),
+        replicate_ranks=tuple(row[segment.shard] for row in mesh.rank_grid),
         is_local=segment.is_local,
         dtype=segment.dtype,
         reduce_dtype=reduce_dtype,

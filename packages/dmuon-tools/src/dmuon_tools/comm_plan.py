@@ -18,6 +18,16 @@ replicate_reduce       the R ranks of shard s    1 per owner slice of segment s,
 replicate_publish      the R ranks of shard s    1 per owner slice, from its owner, after step()
 =====================  ========================  ===============================================
 
+[Note: expert segments in the estimate]
+Under expert parallelism the expert pieces travel in segments of their own on their EP slot's
+grid ([Note: expert segments] in ``dmuon.group``): G is then the slot's expert-FSDP size, not the
+boundary's, ``s`` a shard index of that grid, and only the slot's ranks take part. So every
+segment is read on the groups ``dmuon.inspect`` gives it (``SegmentView.shard_ranks`` and
+``replicate_ranks``), never on the main grid. A rank sees its own EP slot's expert segments only;
+the all-ranks totals count each of them once per EP slot (every slot holds as many experts, cut
+alike: the bytes are exact, the count of collectives too unless some slot's owners differ in how
+many of them hold pieces of a boundary).
+
 A gradient message is, per parameter, its values, one flag element and zeros up to a multiple of
 8 elements, in the reduce dtype (``param_policy`` reduce dtype, else the compute dtype; the widest
 when a segment mixes them).
@@ -75,15 +85,15 @@ class _Traffic:
 
 
 def _traffic_of_rank(
-    boundaries: tuple[BoundaryView, ...], grid: OwnerGrid, coord: OwnerCoord
+    boundaries: tuple[BoundaryView, ...], coord: OwnerCoord
 ) -> dict[str, _Traffic]:
-    """What the rank at ``coord`` issues in one step, per collective kind."""
+    """What this rank (at ``coord``) issues in one step, per collective kind."""
     traffic = {kind: _Traffic() for kind in COLLECTIVE_KINDS}
-    shards, replicas = grid.num_shards, grid.num_replicas
     for boundary in boundaries:
         passes = boundary.broadcasts_per_step
         for segment in boundary.segments:
-            is_root = segment.shard == coord.shard
+            shards, replicas = len(segment.shard_ranks), len(segment.replicate_ranks)
+            is_root = segment.is_local
             if shards > 1:
                 value, message = segment.value_bytes, segment.message_bytes
                 traffic["shard_broadcast"].add(
@@ -119,40 +129,44 @@ def _traffic_of_rank(
 def _traffic_of_all_ranks(
     boundaries: tuple[BoundaryView, ...], grid: OwnerGrid
 ) -> dict[str, _Traffic]:
-    """The sum of :func:`_traffic_of_rank` over every rank of the grid, in closed form."""
+    """The sum of :func:`_traffic_of_rank` over every rank of the grid, in closed form (see
+    [Note: expert segments in the estimate])."""
     traffic = {kind: _Traffic() for kind in COLLECTIVE_KINDS}
-    shards, replicas = grid.num_shards, grid.num_replicas
     for boundary in boundaries:
         passes = boundary.broadcasts_per_step
         for segment in boundary.segments:
+            shards, replicas = len(segment.shard_ranks), len(segment.replicate_ranks)
+            # 1, or the number of EP slots for an expert segment: each runs its own copy
+            copies = grid.num_slots // (shards * replicas)
             if shards > 1:
                 value, message = segment.value_bytes, segment.message_bytes
-                # Every replica runs the same segment collectives on its own G ranks.
+                # Every replica (and EP slot) runs the same collectives on its own G ranks.
+                groups = copies * replicas
                 traffic["shard_broadcast"].add(
-                    collectives=replicas * shards * passes,
-                    payload=replicas * shards * passes * value,
-                    sent=replicas * passes * value,
-                    received=replicas * (shards - 1) * passes * value,
+                    collectives=groups * shards * passes,
+                    payload=groups * shards * passes * value,
+                    sent=groups * passes * value,
+                    received=groups * (shards - 1) * passes * value,
                 )
                 traffic["shard_reduce"].add(
-                    collectives=replicas * shards,
-                    payload=replicas * shards * message,
-                    sent=replicas * (shards - 1) * message,
-                    received=replicas * (shards - 1) * message,
+                    collectives=groups * shards,
+                    payload=groups * shards * message,
+                    sent=groups * (shards - 1) * message,
+                    received=groups * (shards - 1) * message,
                 )
             if replicas > 1:
                 for owned in segment.slices:
                     traffic["replicate_reduce"].add(
-                        collectives=replicas,
-                        payload=replicas * owned.message_bytes,
-                        sent=(replicas - 1) * owned.message_bytes,
-                        received=(replicas - 1) * owned.message_bytes,
+                        collectives=copies * replicas,
+                        payload=copies * replicas * owned.message_bytes,
+                        sent=copies * (replicas - 1) * owned.message_bytes,
+                        received=copies * (replicas - 1) * owned.message_bytes,
                     )
                     traffic["replicate_publish"].add(
-                        collectives=replicas,
-                        payload=replicas * owned.value_bytes,
-                        sent=owned.value_bytes,
-                        received=(replicas - 1) * owned.value_bytes,
+                        collectives=copies * replicas,
+                        payload=copies * replicas * owned.value_bytes,
+                        sent=copies * owned.value_bytes,
+                        received=copies * (replicas - 1) * owned.value_bytes,
                     )
     return traffic
 
@@ -187,7 +201,9 @@ def summarize_comm_plan(model: nn.Module) -> dict[str, Any]:
         ``boundaries``: per hook boundary, in order: ``name``, ``reshard_after_forward``,
         ``broadcasts_per_step``, ``num_params``, ``unshard_bytes`` (one broadcast pass, all
         segments), ``reduce_message_bytes`` and ``segments`` (per owner shard index: ``shard``,
-        ``root_rank`` in this rank's replica, ``is_local``, ``num_params``, ``numel``,
+        ``root_rank`` in this rank's replica, ``group_ranks`` (the ranks its broadcasts and
+        first reduce run on: this rank's replica, for expert pieces that of its EP slot, see
+        [Note: expert segments in the estimate]), ``replicate_ranks``, ``is_local``, ``num_params``, ``numel``,
         ``dtype``, ``bytes``, ``reduce_dtype``, ``message_bytes``, ``owners`` — per owner replica
         its ``rank``, ``value_bytes`` (publish) and ``message_bytes`` (second-stage reduce) —
         and ``params``);
@@ -207,7 +223,7 @@ def summarize_comm_plan(model: nn.Module) -> dict[str, Any]:
         "num_replicas": grid.num_replicas,
         "adopted": view.is_adopted,
         "boundaries": [_boundary_entry(boundary) for boundary in view.boundaries],
-        "this_rank": _traffic_dict(_traffic_of_rank(view.boundaries, grid, grid.coord)),
+        "this_rank": _traffic_dict(_traffic_of_rank(view.boundaries, grid.coord)),
         "all_ranks": _traffic_dict(_traffic_of_all_ranks(view.boundaries, grid)),
         "load": summarize_owner_loads(view.plan, grid=grid),
     }
@@ -229,6 +245,8 @@ def _segment_entry(segment: SegmentView) -> dict[str, Any]:
     return {
         "shard": segment.shard,
         "root_rank": segment.root_rank,
+        "group_ranks": list(segment.shard_ranks),
+        "replicate_ranks": list(segment.replicate_ranks),
         "is_local": segment.is_local,
         "num_params": len(segment.params),
         "numel": segment.numel,
