@@ -320,6 +320,8 @@ def test_on_hsdp_segments_are_rooted_in_each_rank_replica_and_sliced_by_owner(hs
             for segment in boundary.segments:
                 assert segment.root_rank == rank_grid[coord.replicate][segment.shard]
                 assert segment.is_local == (segment.shard == coord.shard)
+                assert segment.shard_ranks == tuple(rank_grid[coord.replicate])
+                assert segment.replicate_ranks == tuple(row[segment.shard] for row in rank_grid)
                 assert [p for s in segment.slices for p in s.params] == list(segment.params)
                 assert sum(s.numel for s in segment.slices) == segment.numel
                 for owned in segment.slices:
@@ -332,7 +334,10 @@ def test_on_hsdp_segments_are_rooted_in_each_rank_replica_and_sliced_by_owner(hs
 def test_on_hsdp_every_rank_sees_the_same_layout_but_for_its_own_roots(hsdp_ranks):
     def layout(result):
         return [
-            [dataclasses.replace(s, root_rank=-1, is_local=False) for s in b.segments]
+            [
+                dataclasses.replace(s, root_rank=-1, is_local=False, shard_ranks=())
+                for s in b.segments
+            ]
             for b in result["boundaries_after"]
         ]
 
