@@ -23,7 +23,9 @@ full state dict needs each dedicated weight from its owner; they raise, naming t
 Sharded dicts go straight into ``torch.distributed.checkpoint.save/load`` too; ``save`` and
 ``load`` here add an atomic commit, a check of every key before reading (see ``_storage``), and
 a checksum of every item written, checked on every rank before any value loads: a damaged file
-raises ``CheckpointIntegrityError`` naming it (see ``_integrity``).
+raises ``CheckpointIntegrityError`` naming it (see ``_integrity``). A framework that calls DCP
+itself (torchtitan's ``CheckpointManager``) gets the same checksums from
+``checksumming_writer(path)`` and ``verifying_reader(path)`` as its storage writer and reader.
 Every function is collective over the ranks of the model's ownership grid and drains pending
 post-step publishes first. ``StateDictOptions``: ``full_state_dict``, ``cpu_offload``,
 ``ignore_frozen_params``, ``strict`` and ``flatten_optimizer_state_dict`` are honoured;
@@ -51,7 +53,7 @@ from dmuon.checkpoint._from_source import to_empty_for_load
 from dmuon.checkpoint._integrity import CheckpointIntegrityError
 from dmuon.checkpoint._model import get_model_state_dict, set_model_state_dict
 from dmuon.checkpoint._optim import get_optimizer_state_dict, set_optimizer_state_dict
-from dmuon.checkpoint._storage import load, save
+from dmuon.checkpoint._storage import checksumming_writer, load, save, verifying_reader
 from dmuon.optim import Muon
 
 
@@ -92,6 +94,7 @@ def set_state_dict(
 __all__ = [
     "CheckpointIntegrityError",
     "StateDictOptions",
+    "checksumming_writer",
     "get_model_state_dict",
     "get_optimizer_state_dict",
     "get_state_dict",
@@ -101,4 +104,5 @@ __all__ = [
     "set_optimizer_state_dict",
     "set_state_dict",
     "to_empty_for_load",
+    "verifying_reader",
 ]

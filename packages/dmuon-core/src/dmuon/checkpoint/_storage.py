@@ -159,6 +159,40 @@ def load(
         raise error from (None if isinstance(error, CheckpointIntegrityError) else failure)
 
 
+def checksumming_writer(checkpoint_id: str | os.PathLike) -> ChecksummingWriter:
+    """The storage writer ``save`` uses, for a ``torch.distributed.checkpoint.save`` (or
+    ``async_save``) that is called elsewhere (a framework's own checkpointing): a
+    ``FileSystemWriter`` into ``checkpoint_id`` that also writes the checksum file beside
+    ``.metadata`` (see [Note: checkpoint checksums]). No atomic commit: the folder is written in
+    place, as DCP's own writer does."""
+    return ChecksummingWriter(checkpoint_id)
+
+
+def verifying_reader(
+    checkpoint_id: str | os.PathLike, *, process_group: dist.ProcessGroup | None = None
+) -> VerifyingReader:
+    """The storage reader ``load`` uses, for a ``torch.distributed.checkpoint.load`` called
+    elsewhere: every file read is checked against the checksums on every rank of
+    ``process_group`` (the group of that ``load``; default: every rank) before any value loads.
+
+    Collective: reads and checks ``.metadata`` here, so a missing checkpoint or a damaged
+    ``.metadata`` raises on every rank before ``load`` starts. A damaged data file raises
+    ``CheckpointIntegrityError`` inside DCP's ``load``, which wraps it in its
+    ``CheckpointException`` (its ``failures`` hold it per rank). Without checksums it warns that
+    the checkpoint cannot be verified, as ``load`` does. None of ``load``'s key checks run.
+    """
+    path = Path(checkpoint_id)
+    metadata, checksums, problem = None, None, None
+    try:
+        checksums, metadata = _read_checkpoint(path)
+    except (OSError, CheckpointIntegrityError) as error:  # raised on every rank below
+        problem = error
+    raise_on_every_rank(problem, process_group)
+    if checksums is None:
+        warn_unverifiable(path)
+    return VerifyingReader(path, metadata=metadata, checksums=checksums, group=process_group)
+
+
 def _read_checkpoint(path: Path):
     """``(checksums or None, DCP metadata)`` of the checkpoint at ``path``, checked."""
     if not (path / METADATA_FILE).is_file():
