@@ -1,12 +1,14 @@
 """``DMuonTrainer``: torchtitan's ``Trainer`` with dmuon switched on.
 
-Owns the three places where a dmuon job differs from a stock one, and nothing else:
+Owns the four places where a dmuon job differs from a stock one, and nothing else:
 
 - the model spec's parallelize function dedicates the Muon matrices before the first
   ``fully_shard`` (``parallelize``), on every pipeline stage;
 - the optimizers are ``DMuonOptimizers`` (``optimizer``);
 - the gradient clip of ``train_step`` is ``dmuon.clip_grad_norm_`` over every model part and
-  pipeline stage (see [Note: the train step's clip]).
+  pipeline stage (see [Note: the train step's clip]);
+- torchtitan's DCP ``CheckpointManager`` becomes ``ChecksummedCheckpointManager``
+  (``checkpoint``): its checkpoints carry dmuon's checksums and are verified at load.
 
 Settings dmuon cannot work with are set or refused here, with the reason: CUDA graphs of the
 forward/backward are turned off (dmuon's hooks issue collectives and host-side waits that a
@@ -40,12 +42,14 @@ from typing import Any
 
 import torch
 import torchtitan.distributed.utils as titan_dist_utils
+from torchtitan.components.checkpoint import CheckpointManager
 from torchtitan.components.optimizer import OptimizersContainer
 from torchtitan.distributed import ParallelDims
 from torchtitan.tools.logging import logger
 from torchtitan.trainer import Trainer
 
 import dmuon
+from dmuon_titan.checkpoint import ChecksummedCheckpointManager
 from dmuon_titan.config import DMuonConfig
 from dmuon_titan.optimizer import DMuonOptimizers
 from dmuon_titan.parallelize import dedicating
@@ -172,6 +176,11 @@ def _switch_on(config: DMuonTrainer.Config) -> None:
             optimizer_factory_kwargs_by_name=stock.optimizer_factory_kwargs_by_name,
         )
     config.optimizer.dmuon = config.dmuon
+    if type(config.checkpoint) is CheckpointManager.Config:  # another manager is the job's own
+        manager = config.checkpoint
+        config.checkpoint = ChecksummedCheckpointManager.Config(
+            **{f.name: getattr(manager, f.name) for f in dataclasses.fields(manager) if f.init}
+        )
 
 
 def _settings_for_dmuon(config: Trainer.Config) -> None:
