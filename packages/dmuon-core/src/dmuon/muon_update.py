@@ -37,7 +37,10 @@ Li, Liu, Liang, Chen, Zhao, "NorMuon: Making Muon more efficient and scalable" (
 then the usual ``W = W·(1 − lr·wd) − lr·scale·Ô`` with the learning-rate rule's ``scale``. The
 last line is the paper's rescale written so it composes with every ``adjust_lr``: Ô gets the
 Frobenius norm of an exactly orthogonal O, so the update has the norm (and RMS) the
-learning-rate rule gives plain Muon. With ``adjust_lr="match_rms_adamw"`` this is the paper's
+learning-rate rule gives an exactly orthogonal update. Plain Muon's Newton-Schulz output is only
+near-orthogonal (its singular values spread around 1), so its norm is not that in general: on
+the CPU tiny decoder it measured 0.90-1.03 of it, i.e. NorMuon's steps up to about 11% larger
+(``docs/update-rules.md``). With ``adjust_lr="match_rms_adamw"`` this is the paper's
 ``η̂ = 0.2·η·sqrt(m·n) / ‖Ô‖_F`` exactly (update RMS 0.2·lr); with ``"spectral"`` or None the
 update's RMS is ``lr·scale / sqrt(max(m, n))``, as for plain Muon. Since the rescale removes any
 common factor of the rows, a bias correction of v would change nothing but ε's weight. The
