@@ -105,11 +105,19 @@ def test_an_optimizer_other_than_adamw_in_the_job_is_refused_with_the_fix():
             {"dp_shard": 2, "ep": 2, "spmd_backend": "full_dtensor"},
             r"needs parallelism.spmd_backend='partial_dtensor', got 'full_dtensor'",
         ),
+        (
+            {"dp_shard": 2, "ep": 2, "tp": 2, "spmd_backend": "partial_dtensor"},
+            r"expert parallelism \(parallelism.expert_parallel_degree=2\) only without tensor "
+            r"parallelism, got parallelism.tensor_parallel_degree=2.*"
+            r"--parallelism.tensor_parallel_degree 1.*--parallelism.expert_parallel_degree 1",
+        ),
     ],
-    ids=["full-dtensor", "full-dtensor-expert-parallel"],
+    ids=["full-dtensor", "full-dtensor-expert-parallel", "expert-and-tensor-parallel"],
 )
 def test_layouts_dmuon_does_not_dedicate_are_refused_with_the_fix(dims, message):
-    parallel_dims = ParallelDims(dp_replicate=1, cp=1, tp=1, pp=1, world_size=2, **dims)
+    sizes = {"dp_replicate": 1, "cp": 1, "tp": 1, "pp": 1, **dims}
+    world = sizes["dp_replicate"] * sizes["cp"] * sizes["tp"] * sizes["pp"] * sizes["dp_shard"]
+    parallel_dims = ParallelDims(**sizes, world_size=world)
     with pytest.raises(ValueError, match=message):
         check_supported(parallel_dims)
 

@@ -134,6 +134,15 @@ def expert_parallel_meshes(parallel_dims: ParallelDims) -> dict[str, DeviceMesh]
 
 
 def check_supported(parallel_dims: ParallelDims) -> None:
+    if parallel_dims.ep_enabled and parallel_dims.tp_enabled:
+        raise ValueError(
+            f"dmuon_titan takes expert parallelism (parallelism.expert_parallel_degree="
+            f"{parallel_dims.ep}) only without tensor parallelism, got parallelism."
+            f"tensor_parallel_degree={parallel_dims.tp}: the expert stacks would then be "
+            "tensor-parallel too, which dmuon does not dedicate yet. Set "
+            "--parallelism.tensor_parallel_degree 1 (EP with FSDP), or "
+            "--parallelism.expert_parallel_degree 1 (TP, the experts as dmuon expert stacks)."
+        )
     if parallel_dims.spmd_backend != "partial_dtensor":
         raise ValueError(
             f"dmuon_titan needs parallelism.spmd_backend='partial_dtensor', got "
