@@ -35,6 +35,7 @@ from dmuon.experts import (
     is_expert_parallel,
     make_expert_pieces,
 )
+from dmuon.float8 import refuse_modules_swapped_later
 from dmuon.hooks import DedicatedState, attach_state, find_dedicated_state, get_dedicated_state
 from dmuon.mesh import (
     build_expert_mesh,
@@ -316,6 +317,7 @@ def dedicate_params(
     register_state_dict_hooks(state)
     ignore_dedicated_in_ddp(model, params)
     attach_state(model, state)
+    refuse_modules_swapped_later(model, params)
     if not any(p.original.is_meta for p in params.values()):
         state.ensure_adopted()
     return dict(plan.owners)
