@@ -20,6 +20,7 @@ GRAPH = import_graph(SOURCE)
 # Imported from everywhere, so they may import nothing of the package.
 LEAVES = (
     "dmuon._log",
+    "dmuon._profiler_labels",
     "dmuon._text",
     "dmuon._torch_internals",
     "dmuon.collectives",

@@ -73,7 +73,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.nn.utils import clip_grads_with_norm_, get_total_norm
+from torch.profiler import record_function
 
+from dmuon import _profiler_labels as labels
 from dmuon import collectives
 from dmuon._torch_internals import tensor_parallel_layout
 from dmuon.hooks import DedicatedState, get_dedicated_state
@@ -131,6 +133,19 @@ def clip_grad_norm_(
     ``torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)`` raises on a dmuon model,
     naming this function (see [Note: torch's clipping on a dmuon model]).
     """
+    with record_function(labels.CLIP_GRAD_NORM):
+        return _clip_grad_norm(models, optimizers, max_norm, norm_type, error_if_nonfinite, foreach)
+
+
+def _clip_grad_norm(
+    models: nn.Module | Sequence[nn.Module],
+    optimizers: Muon | Sequence[Muon],
+    max_norm: float,
+    norm_type: float | str,
+    error_if_nonfinite: bool,
+    foreach: bool | None,
+) -> torch.Tensor:
+    """``clip_grad_norm_``'s work, inside its profiler range."""
     _check_arguments(models, optimizers, max_norm)
     parts = _parts(models, optimizers)
     step_group = parts[0][1].step_group

@@ -47,7 +47,9 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+from torch.profiler import record_function
 
+from dmuon import _profiler_labels as labels
 from dmuon import collectives
 from dmuon._torch_internals import foreach_add_, foreach_div_
 from dmuon.collectives import Handle
@@ -282,17 +284,22 @@ class BoundaryGroup:
             return
         # A local segment is the broadcast source: its pending publish must land first.
         self.wait_for_publish()
-        for segment in self.segments:
-            if not segment.is_local:
-                allocate_storage(segment.buffer)
-            self._pending_unshard.append(
-                collectives.broadcast(
-                    segment.buffer,
-                    self._root_rank(segment),
-                    segment.mesh.shard_group,
-                    f"the weights of boundary {self.label}",
+        with self._phase(labels.BROADCAST):
+            for segment in self.segments:
+                if not segment.is_local:
+                    allocate_storage(segment.buffer)
+                self._pending_unshard.append(
+                    collectives.broadcast(
+                        segment.buffer,
+                        self._root_rank(segment),
+                        segment.mesh.shard_group,
+                        f"the weights of boundary {self.label}",
+                    )
                 )
-            )
+
+    def _phase(self, label: str) -> record_function:
+        """The profiler range of one of this boundary's phases: see [Note: profiler labels]."""
+        return record_function(labels.of_boundary(label, self.name))
 
     @property
     def label(self) -> str:
@@ -312,10 +319,11 @@ class BoundaryGroup:
         if self.is_unsharded:
             return
         self.unshard()
-        collectives.wait_all(self._pending_unshard)
-        self._pending_unshard.clear()
-        for stack in self.stacks:  # the pieces have landed: the module's stacks take them
-            stack.fill_from_pieces()
+        with self._phase(labels.BROADCAST_WAIT):
+            collectives.wait_all(self._pending_unshard)
+            self._pending_unshard.clear()
+            for stack in self.stacks:  # the pieces have landed: the module's stacks take them
+                stack.fill_from_pieces()
         self.is_unsharded = True
 
     def reshard(self) -> None:
@@ -345,9 +353,10 @@ class BoundaryGroup:
     def pre_forward(self, *, backward_follows: bool) -> None:
         """Its forward begins: the weights land and the module holds them. ``backward_follows``
         (grad enabled) counts one more use whose post-backward to expect."""
-        self.wait_for_unshard()
-        self.follow_requires_grad()
-        self.register_unsharded()
+        with self._phase(labels.PRE_FORWARD):
+            self.wait_for_unshard()
+            self.follow_requires_grad()
+            self.register_unsharded()
         if backward_follows:
             self._forward_count += 1
 
@@ -370,8 +379,9 @@ class BoundaryGroup:
         if self._in_backward:
             return False
         self._in_backward = True
-        self.wait_for_unshard()
-        self.register_unsharded()
+        with self._phase(labels.PRE_BACKWARD):
+            self.wait_for_unshard()
+            self.register_unsharded()
         return True
 
     def post_backward(self) -> bool:
@@ -388,10 +398,11 @@ class BoundaryGroup:
         """Placeholders back, weights freed, and (``reduce``) this rank's gradients on their way
         to the owners; without ``reduce`` (``no_sync``) they stay on the unsharded parameters."""
         self._in_backward = False
-        self.register_placeholders()
-        self.reshard()
-        if reduce:
-            self.reduce_gradients()
+        with self._phase(labels.POST_BACKWARD):
+            self.register_placeholders()
+            self.reshard()
+            if reduce:
+                self.reduce_gradients()
         self._finished_backward = True
 
     def finalize_backward(self, *, reduce: bool) -> list[GradientMessage]:
@@ -410,20 +421,21 @@ class BoundaryGroup:
 
     def reduce_gradients(self) -> None:
         """Pack this rank's gradients per segment and start reducing them to the segment roots."""
-        for stack in self.stacks:  # an expert stack's gradient goes to its pieces' owners
-            stack.split_gradient()
-        for segment in self.segments:
-            alone = segment.mesh.num_slots == 1
-            message, produced = _pack_gradients(segment)
-            handle = collectives.reduce_sum(
-                message,
-                self._root_rank(segment),
-                segment.mesh.shard_group,
-                f"the gradients of boundary {self.label}",
-            )
-            self._pending_reduce.append(
-                GradientMessage(segment, message, handle, produced if alone else None)
-            )
+        with self._phase(labels.REDUCE):
+            for stack in self.stacks:  # an expert stack's gradient goes to its pieces' owners
+                stack.split_gradient()
+            for segment in self.segments:
+                alone = segment.mesh.num_slots == 1
+                message, produced = _pack_gradients(segment)
+                handle = collectives.reduce_sum(
+                    message,
+                    self._root_rank(segment),
+                    segment.mesh.shard_group,
+                    f"the gradients of boundary {self.label}",
+                )
+                self._pending_reduce.append(
+                    GradientMessage(segment, message, handle, produced if alone else None)
+                )
 
     def retire_sent_reduces(self) -> None:
         """Wait for the reduces of the segments this rank does not own and drop their messages.
@@ -443,10 +455,11 @@ class BoundaryGroup:
         """Wait for this boundary's reduces and run the replicate stage; returns the reduced
         messages of the local segments for ``average_messages``."""
         pending, self._pending_reduce = self._pending_reduce, []
-        for item in pending:
-            if not item.segment.is_local:
-                item.handle.wait()
-        return self._complete_local(pending)
+        with self._phase(labels.REDUCE_WAIT):
+            for item in pending:
+                if not item.segment.is_local:
+                    item.handle.wait()
+            return self._complete_local(pending)
 
     def land_local_reduces(self) -> list[GradientMessage]:
         """The overlapped step (``dmuon.overlap``), during backward: wait for the reduces of
@@ -455,7 +468,8 @@ class BoundaryGroup:
         for on the compute stream: their memory returns to it) and ``finish_reduce``."""
         local = [item for item in self._pending_reduce if item.segment.is_local]
         self._pending_reduce = [item for item in self._pending_reduce if not item.segment.is_local]
-        return self._complete_local(local)
+        with self._phase(labels.REDUCE_WAIT):
+            return self._complete_local(local)
 
     def _complete_local(self, pending: list[GradientMessage]) -> list[GradientMessage]:
         """Wait for the reduces of the local segments among ``pending`` and run their replicate
@@ -500,8 +514,11 @@ class BoundaryGroup:
                 )
 
     def wait_for_publish(self) -> None:
-        collectives.wait_all(self._pending_publish)
-        self._pending_publish.clear()
+        if not self._pending_publish:
+            return
+        with self._phase(labels.WAIT_PUBLISH):
+            collectives.wait_all(self._pending_publish)
+            self._pending_publish.clear()
 
 
 def _pack_gradients(segment: Segment) -> tuple[torch.Tensor, list[bool]]:

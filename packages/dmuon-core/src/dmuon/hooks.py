@@ -56,7 +56,9 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.profiler import record_function
 
+from dmuon import _profiler_labels as labels
 from dmuon._torch_internals import (
     fsdp_input_cast_dtype,
     in_backward,
@@ -336,21 +338,23 @@ class DedicatedState:
         self._backward_since_forward = True
         self.gradient_generation += 1
         forwarded = list(dict.fromkeys(self._forwarded))  # unique, in forward order
-        # Boundaries whose inputs needed no grad never saw their post-backward: finish them in
-        # reverse forward order, the same on every rank.
-        for group in reversed(forwarded):
-            if not group.finished_backward:
-                self._finish_backward(group)
-        received = []
-        for group in reversed(forwarded):
-            received += group.finalize_backward(reduce=self.requires_gradient_sync)
-        self._reduced.clear()
-        landed, self._landed = self._landed, []
-        if landed:
-            self.gradient_listener.before_masters_take_gradients()
-        # One division for the whole backward, or one per landed boundary: the same numbers
-        # (element-wise), and one read of the produced flags either way.
-        assign_to_masters([*landed, average_messages(received, self._gradient_divisor(self))])
+        with record_function(labels.FINALIZE_BACKWARD):
+            # Boundaries whose inputs needed no grad never saw their post-backward: finish them
+            # in reverse forward order, the same on every rank.
+            for group in reversed(forwarded):
+                if not group.finished_backward:
+                    self._finish_backward(group)
+            received = []
+            for group in reversed(forwarded):
+                received += group.finalize_backward(reduce=self.requires_gradient_sync)
+            self._reduced.clear()
+            landed, self._landed = self._landed, []
+            if landed:
+                self.gradient_listener.before_masters_take_gradients()
+            # One division for the whole backward, or one per landed boundary: the same numbers
+            # (element-wise), and one read of the produced flags either way.
+            divisor = self._gradient_divisor(self)
+            assign_to_masters([*landed, average_messages(received, divisor)])
 
     # ---- the optimizer step ---------------------------------------------------------------------
 
@@ -390,11 +394,12 @@ class DedicatedState:
 
     def publish_masters(self, *, wait: bool = True) -> None:
         """After the masters changed: every copy of the weights follows (collective)."""
-        for group in self.boundaries:
-            group.refresh_from_masters()
-            group.publish()
-            if wait:
-                group.wait_for_publish()
+        with record_function(labels.PUBLISH):
+            for group in self.boundaries:
+                group.refresh_from_masters()
+                group.publish()
+                if wait:
+                    group.wait_for_publish()
 
     def publish_loaded_masters(self) -> None:
         """Publish the masters a plain ``load_state_dict`` changed, if it did (collective: every

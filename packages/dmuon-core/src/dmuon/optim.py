@@ -31,7 +31,9 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.optim.adamw import adamw
+from torch.profiler import record_function
 
+from dmuon import _profiler_labels as labels
 from dmuon import muon_update
 from dmuon._log import log_once
 from dmuon._text import preview_names
@@ -474,9 +476,11 @@ class Muon(torch.optim.Optimizer):
             self._dedicated.before_step()
             for index, group in enumerate(self.param_groups):
                 if group["route"] == MUON_ROUTE:
-                    self._muon_step(index, group)
+                    with record_function(labels.OWNER_STEP):
+                        self._muon_step(index, group)
                 else:
-                    self._adamw_step(group)
+                    with record_function(labels.ADAMW_STEP):
+                        self._adamw_step(group)
         finally:
             if self._overlap is not None:  # what was not committed is stale after any step
                 self._overlap.discard()
@@ -626,17 +630,18 @@ class Muon(torch.optim.Optimizer):
     ) -> torch.Tensor:
         """Momentum and Nesterov (into ``momenta``, or from them into ``new_momenta``) and one
         batched Newton-Schulz of one call's matrices; returns its output (B, short, long)."""
-        return muon_update.orthogonalized_matrices(
-            self._newton_schulz,
-            grads,
-            momenta,
-            first_steps,
-            momentum=group["momentum"],
-            nesterov=group["nesterov"],
-            scales=scales,
-            graph_max_numel=None if self._overlap is None else SPECULATION_GRAPH_MAX_NUMEL,
-            new_momenta=new_momenta,
-        )
+        with record_function(labels.NEWTON_SCHULZ):
+            return muon_update.orthogonalized_matrices(
+                self._newton_schulz,
+                grads,
+                momenta,
+                first_steps,
+                momentum=group["momentum"],
+                nesterov=group["nesterov"],
+                scales=scales,
+                graph_max_numel=None if self._overlap is None else SPECULATION_GRAPH_MAX_NUMEL,
+                new_momenta=new_momenta,
+            )
 
     def _apply_call(
         self, group: dict, masters: list[tuple[nn.Parameter, Piece]], orthogonal: torch.Tensor
