@@ -57,3 +57,15 @@ def test_every_label_is_named_in_dmuons_namespace_and_a_boundarys_carries_its_fq
     assert len(set(labels.ALL_LABELS)) == len(labels.ALL_LABELS)
     assert labels.of_boundary(labels.BROADCAST, "layers.0") == "dmuon::broadcast (layers.0)"
     assert labels.of_boundary(labels.BROADCAST, "") == "dmuon::broadcast"  # the root module
+
+
+def test_no_range_is_opened_while_no_profiler_runs():
+    from dmuon._torch_internals import profiler_range
+
+    named = []
+    assert profiler_range(lambda: named.append(1) or "x") is profiler_range("y")  # the no-op
+    assert named == []  # a boundary's label is not even formatted
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        with profiler_range(lambda: "dmuon::probe"):
+            pass
+    assert [e.key for e in prof.key_averages() if e.key == "dmuon::probe"] == ["dmuon::probe"]

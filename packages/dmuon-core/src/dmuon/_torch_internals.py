@@ -22,6 +22,7 @@ Must not: hold dmuon's logic. What is here is the private call and the least glu
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import inspect
 import math
@@ -85,6 +86,21 @@ def in_backward() -> bool:
 def queue_end_of_backward(callback: Callable[[], None]) -> None:
     """Run ``callback`` once the current backward has finished (as FSDP2's root does)."""
     _execution_engine.queue_callback(callback)
+
+
+# ---- the profiler ----------------------------------------------------------------------------------
+
+_NO_RANGE = contextlib.nullcontext()
+
+
+def profiler_range(name: str | Callable[[], str]) -> contextlib.AbstractContextManager:
+    """``torch.profiler.record_function(name)`` while a profiler (or NVTX emission) is on, else a
+    shared no-op: a ``record_function`` costs microseconds of host time even with no profiler
+    running ([Note: profiler labels] in ``dmuon._profiler_labels``), and dmuon opens about ten a
+    boundary a step. ``name`` may be a function, called only when a range is opened."""
+    if not torch._C._autograd._profiler_enabled():
+        return _NO_RANGE
+    return torch.profiler.record_function(name() if callable(name) else name)
 
 
 # ---- multi-tensor ops (one kernel launch for a list; no public API) ----------------------------

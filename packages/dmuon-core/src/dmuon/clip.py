@@ -73,11 +73,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.nn.utils import clip_grads_with_norm_, get_total_norm
-from torch.profiler import record_function
 
 from dmuon import _profiler_labels as labels
 from dmuon import collectives
-from dmuon._torch_internals import tensor_parallel_layout
+from dmuon._torch_internals import profiler_range, tensor_parallel_layout
 from dmuon.hooks import DedicatedState, get_dedicated_state
 from dmuon.optim import Muon
 
@@ -133,7 +132,7 @@ def clip_grad_norm_(
     ``torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)`` raises on a dmuon model,
     naming this function (see [Note: torch's clipping on a dmuon model]).
     """
-    with record_function(labels.CLIP_GRAD_NORM):
+    with profiler_range(labels.CLIP_GRAD_NORM):
         return _clip_grad_norm(models, optimizers, max_norm, norm_type, error_if_nonfinite, foreach)
 
 

@@ -41,17 +41,17 @@ segment carries the mesh it travels on; nothing else differs.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
-from torch.profiler import record_function
 
 from dmuon import _profiler_labels as labels
 from dmuon import collectives
-from dmuon._torch_internals import foreach_add_, foreach_div_
+from dmuon._torch_internals import foreach_add_, foreach_div_, profiler_range
 from dmuon.collectives import Handle
 from dmuon.experts import stacks_of
 from dmuon.mesh import OwnershipMesh
@@ -297,9 +297,9 @@ class BoundaryGroup:
                     )
                 )
 
-    def _phase(self, label: str) -> record_function:
+    def _phase(self, label: str) -> contextlib.AbstractContextManager:
         """The profiler range of one of this boundary's phases: see [Note: profiler labels]."""
-        return record_function(labels.of_boundary(label, self.name))
+        return profiler_range(lambda: labels.of_boundary(label, self.name))
 
     @property
     def label(self) -> str:

@@ -56,12 +56,12 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.profiler import record_function
 
 from dmuon import _profiler_labels as labels
 from dmuon._torch_internals import (
     fsdp_input_cast_dtype,
     in_backward,
+    profiler_range,
     queue_end_of_backward,
     tree_flatten,
     tree_unflatten,
@@ -338,7 +338,7 @@ class DedicatedState:
         self._backward_since_forward = True
         self.gradient_generation += 1
         forwarded = list(dict.fromkeys(self._forwarded))  # unique, in forward order
-        with record_function(labels.FINALIZE_BACKWARD):
+        with profiler_range(labels.FINALIZE_BACKWARD):
             # Boundaries whose inputs needed no grad never saw their post-backward: finish them
             # in reverse forward order, the same on every rank.
             for group in reversed(forwarded):
@@ -394,7 +394,7 @@ class DedicatedState:
 
     def publish_masters(self, *, wait: bool = True) -> None:
         """After the masters changed: every copy of the weights follows (collective)."""
-        with record_function(labels.PUBLISH):
+        with profiler_range(labels.PUBLISH):
             for group in self.boundaries:
                 group.refresh_from_masters()
                 group.publish()

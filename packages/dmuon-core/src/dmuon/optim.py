@@ -31,12 +31,12 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.optim.adamw import adamw
-from torch.profiler import record_function
 
 from dmuon import _profiler_labels as labels
 from dmuon import muon_update
 from dmuon._log import log_once
 from dmuon._text import preview_names
+from dmuon._torch_internals import profiler_range
 from dmuon.consistency import check_ranks_agree
 from dmuon.data_parallel import check_data_parallel_layout
 from dmuon.ddp import check_gradients_are_averaged
@@ -476,10 +476,10 @@ class Muon(torch.optim.Optimizer):
             self._dedicated.before_step()
             for index, group in enumerate(self.param_groups):
                 if group["route"] == MUON_ROUTE:
-                    with record_function(labels.OWNER_STEP):
+                    with profiler_range(labels.OWNER_STEP):
                         self._muon_step(index, group)
                 else:
-                    with record_function(labels.ADAMW_STEP):
+                    with profiler_range(labels.ADAMW_STEP):
                         self._adamw_step(group)
         finally:
             if self._overlap is not None:  # what was not committed is stale after any step
@@ -630,7 +630,7 @@ class Muon(torch.optim.Optimizer):
     ) -> torch.Tensor:
         """Momentum and Nesterov (into ``momenta``, or from them into ``new_momenta``) and one
         batched Newton-Schulz of one call's matrices; returns its output (B, short, long)."""
-        with record_function(labels.NEWTON_SCHULZ):
+        with profiler_range(labels.NEWTON_SCHULZ):
             return muon_update.orthogonalized_matrices(
                 self._newton_schulz,
                 grads,

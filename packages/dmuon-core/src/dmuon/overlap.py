@@ -109,10 +109,9 @@ from typing import TypeVar
 
 import torch
 from torch import nn
-from torch.profiler import record_function
 
 from dmuon import _profiler_labels as labels
-from dmuon._torch_internals import tensor_version, view_base
+from dmuon._torch_internals import profiler_range, tensor_version, view_base
 from dmuon.experts import is_expert_piece
 from dmuon.group import AveragedGradients, BoundaryGroup, GradientMessage
 
@@ -291,7 +290,7 @@ class OverlappedStep:
                 # A gradient already in a master (a backward without no_sync before this one)
                 # is summed into at the end of backward: the plain step computes that unit.
                 if masters and all(m.grad is None for m in masters):
-                    with record_function(labels.SPECULATE):
+                    with profiler_range(labels.SPECULATE):
                         self._units[key] = self._speculate_unit(
                             group_index, masters, landed.grads, landed.messages
                         )
@@ -382,7 +381,7 @@ class OverlappedStep:
         for chunk, unit_masters in by_chunk.items():
             unit = self._units.pop((group_index, chunk), None) if chunk is not None else None
             if unit is not None and self._valid(unit, unit_masters, group, ones):
-                with record_function(labels.COMMIT):
+                with profiler_range(labels.COMMIT):
                     for m in unit.masters:
                         self._state[m]["momentum_buffer"] = unit.scratch[id(m)]
                     for call, output in unit.calls:
