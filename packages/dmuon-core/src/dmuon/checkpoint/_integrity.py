@@ -406,6 +406,11 @@ class VerifyingReader(FileSystemReader):
             getattr(info, "transform_descriptors", None) for info in metadata.storage_data.values()
         )
 
+    @property
+    def saved_entries(self) -> dict:
+        """The checkpoint's entries (FQN -> DCP's storage metadata), checked already."""
+        return self._metadata.state_dict_metadata
+
     def read_metadata(self, *args, **kwargs) -> Metadata:
         self._metadata.storage_meta.load_id = self.load_id
         return self._metadata

@@ -106,15 +106,8 @@ def load(
     warning that it cannot be verified.
     """
     path = Path(checkpoint_id)
-    metadata, checksums, problem = None, None, None
-    try:
-        checksums, metadata = _read_checkpoint(path)
-    except (OSError, CheckpointIntegrityError) as error:  # raised on every rank below
-        problem = error
-    raise_on_every_rank(problem, process_group)
-    if checksums is None:
-        warn_unverifiable(path)
-    saved = metadata.state_dict_metadata
+    reader = verifying_reader(path, process_group=process_group)
+    saved = reader.saved_entries
     optimizer_prefixes = _optimizer_state_prefixes(state_dict)
     _take_saved_group_layout(state_dict, optimizer_prefixes, saved)
     flat, paths = flatten_state_dict(state_dict)
@@ -150,7 +143,6 @@ def load(
     _raise_if_any_rank_failed(errors, path, process_group)
     for key_path in dropped:
         _drop(state_dict, key_path)
-    reader = VerifyingReader(path, metadata=metadata, checksums=checksums, group=process_group)
     try:
         with _single_process_is_intended():
             dcp.load(state_dict, storage_reader=reader, process_group=process_group)
