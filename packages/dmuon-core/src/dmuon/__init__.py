@@ -36,6 +36,7 @@ from dmuon.partition import OwnerCoord  # noqa: E402
 from dmuon.policy import ParamDefaults, ParamPolicy  # noqa: E402
 from dmuon.qk_clip import (  # noqa: E402
     AttentionHeads,
+    GQAClip,
     MLAHeads,
     QKClip,
     attention_max_logits,
@@ -86,6 +87,7 @@ __all__ = [
     "POLAR_EXPRESS_COEFFICIENTS",
     "YOU_COEFFICIENTS",
     "AttentionHeads",
+    "GQAClip",
     "MLAHeads",
     "Muon",
     "NewtonSchulz",

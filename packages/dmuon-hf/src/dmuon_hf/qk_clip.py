@@ -24,7 +24,6 @@ from __future__ import annotations
 import functools
 import sys
 from collections.abc import Callable
-from typing import Literal
 
 import torch
 from torch import nn
@@ -45,7 +44,7 @@ def qk_clip_hf(
     *,
     threshold: float = 100.0,
     alpha: float = 0.5,
-    gqa: Literal["per_query_head", "per_key_group"] = "per_query_head",
+    gqa: dmuon.GQAClip = "per_query_head",
 ) -> dmuon.QKClip:
     """``dmuon.QKClip`` on every attention layer of an HF Llama / Qwen2 / Qwen3 / DeepSeek-V3
     model prepared with ``dmuon.dedicate_params``, observed through its attention implementation

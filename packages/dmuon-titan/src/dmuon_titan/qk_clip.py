@@ -17,7 +17,6 @@ inputs or outputs, and it does not wire the clip into dmuon-titan's trainer or o
 from __future__ import annotations
 
 import functools
-from typing import Literal
 
 import torch
 from torch import nn
@@ -41,7 +40,7 @@ def qk_clip_titan(
     *,
     threshold: float = 100.0,
     alpha: float = 0.5,
-    gqa: Literal["per_query_head", "per_key_group"] = "per_query_head",
+    gqa: dmuon.GQAClip = "per_query_head",
 ) -> dmuon.QKClip:
     """``dmuon.QKClip`` on every MLA layer of a torchtitan model part prepared with dmuon
     (``mla_attention_heads``), observed through a forward pre-hook on each layer's
