@@ -164,15 +164,25 @@ def train_float8_against_reference(recipe: str) -> dict:
     }
 
 
-def converted_after_dedicate_error() -> str:
-    """``convert_to_float8_training`` run after ``dedicate_params``: the first forward's error."""
-    from torchao.float8 import convert_to_float8_training
-
+def converted_after_dedicate_error(swap: str = "float8") -> str:
+    """A module swap after ``dedicate_params``: the first forward's error. ``swap``: "float8"
+    (``convert_to_float8_training``) or "linear" (``down_proj`` replaced by a new ``nn.Linear``
+    that takes over its weight, as a wrapping library might)."""
     torch.manual_seed(0)
     model = Float8Mlp()
     shard_mesh, _, fsdp_mesh = data_parallel_meshes(1)
     dmuon.dedicate_params(model, shard_mesh, projections)
-    convert_to_float8_training(model, module_filter_fn=lambda module, fqn: fqn.endswith("_proj"))
+    if swap == "float8":
+        from torchao.float8 import convert_to_float8_training
+
+        convert_to_float8_training(
+            model, module_filter_fn=lambda module, fqn: fqn.endswith("_proj")
+        )
+    else:
+        for layer in model.layers:
+            replacement = nn.Linear(HIDDEN, DIM, bias=False, device="meta")
+            replacement.weight = layer.down_proj.weight
+            layer.down_proj = replacement
     for layer in model.layers:
         fully_shard(layer, mesh=fsdp_mesh)
     fully_shard(model, mesh=fsdp_mesh)

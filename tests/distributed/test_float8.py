@@ -45,3 +45,14 @@ def test_converting_to_float8_after_dedicate_params_is_refused_at_the_first_forw
             "placeholder instead of the weight. Convert before dmuon.dedicate_params: "
             "torchao.float8.convert_to_float8_training(model, ...), then dmuon.dedicate_params"
         ), message
+
+
+def test_any_module_swapped_after_dedicate_params_is_refused_at_the_first_forward(pool2):
+    for message in pool2.run(converted_after_dedicate_error, swap="linear"):
+        assert message == (
+            "dmuon.dedicate_params selected 'layers.0.down_proj.weight' on a Linear that is no "
+            "longer part of the model: layers.0.down_proj is now a torch.nn.modules.linear."
+            "Linear. dmuon moves that weight on the module dedicate_params saw, so that Linear "
+            "would compute with the 0-element placeholder instead of the weight. Replace or "
+            "wrap modules before dmuon.dedicate_params, then dedicate and shard."
+        )
