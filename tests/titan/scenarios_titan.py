@@ -374,10 +374,11 @@ def _optimizer_settings(trainer) -> dict:
 # ---- the single-process reference -----------------------------------------------------------
 
 
-def train_reference(run: dict, *, steps: int | None = None) -> dict:
+def train_reference(run: dict, *, steps: int | None = None, after_step=None) -> dict:
     """Replay ``run`` (what ``train`` returned on rank 0) in one process, from its starting
     weights, for its steps (or the first ``steps``); the final weights and each step's loss and
-    gradient norm before clipping."""
+    gradient norm before clipping. ``after_step(model)``, if given, returns what runs after each
+    step's optimizers (a reference QK-clip: ``test_titan_qk_clip.py``)."""
     job = Job(**run["job"])
     torch.manual_seed(0)
     spec = MODELS[job.model]().model_spec
@@ -392,6 +393,7 @@ def train_reference(run: dict, *, steps: int | None = None) -> dict:
     model.load_state_dict(run["initial"])
     params = dict(model.named_parameters())
     optimizers = _reference_optimizers(params, run, job.ns)
+    each_step = after_step(model) if after_step is not None else lambda: None
     logged = []
     for step in range(run["first_step"], run["first_step"] + (steps or len(run["logged"]))):
         for optimizer, base_lr in optimizers:
@@ -411,6 +413,7 @@ def train_reference(run: dict, *, steps: int | None = None) -> dict:
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), job.max_norm)
         for optimizer, _ in optimizers:
             optimizer.step()
+        each_step()
         model.zero_grad(set_to_none=True)
         logged.append((loss.item(), norm.item()))
     final = {key: value.detach().float().clone() for key, value in model.state_dict().items()}

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import get_args
 
 import torch
 
@@ -19,6 +20,7 @@ from dmuon import (
     KELLER_COEFFICIENTS,
     POLAR_EXPRESS_COEFFICIENTS,
     YOU_COEFFICIENTS,
+    GQAClip,
     NewtonSchulz,
 )
 
@@ -29,6 +31,7 @@ COEFFICIENTS = {
 }
 NS_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 MOMENTUM_DTYPES = ("float32", "bfloat16", "int8")
+GQA_CLIPS = get_args(GQAClip)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -83,6 +86,17 @@ class DMuonConfig:
     nonfinite: str | None = None
     """dmuon.Muon's non-finite gradient policy; None keeps dmuon's default."""
 
+    qk_clip_threshold: float | None = None
+    """MuonClip's QK-clip (``dmuon_titan.qk_clip_titan``) on every multi-head latent attention
+    layer, with this threshold tau on each head's largest logit (Kimi K2: 100); None: off."""
+
+    qk_clip_alpha: float = 0.5
+    """The QK-clip's split of gamma between the query (gamma^alpha) and key rows."""
+
+    qk_clip_gqa: str = "per_query_head"
+    """The QK-clip's convention where query heads share a key head: 'per_query_head' or
+    'per_key_group' (dmuon.GQAClip)."""
+
     def __post_init__(self) -> None:
         if self.ns_coefficients not in COEFFICIENTS:
             raise ValueError(
@@ -95,6 +109,21 @@ class DMuonConfig:
             raise ValueError(
                 f"dmuon.momentum_dtype={self.momentum_dtype!r} is not one of "
                 f"{list(MOMENTUM_DTYPES)}."
+            )
+        if self.qk_clip_threshold is not None and not self.qk_clip_threshold > 0:
+            raise ValueError(
+                f"dmuon.qk_clip_threshold={self.qk_clip_threshold!r} is not a positive logit; "
+                "give the largest logit a head may reach (Kimi K2: 100), or leave it unset to "
+                "train without the QK-clip."
+            )
+        if not 0.0 <= self.qk_clip_alpha <= 1.0:
+            raise ValueError(
+                f"dmuon.qk_clip_alpha={self.qk_clip_alpha!r} is not in [0, 1] (the query's share "
+                "of the clip; 0.5 is Kimi K2's)."
+            )
+        if self.qk_clip_gqa not in GQA_CLIPS:
+            raise ValueError(
+                f"dmuon.qk_clip_gqa={self.qk_clip_gqa!r} is not one of {list(GQA_CLIPS)}."
             )
         for field_name in ("muon_params", "adamw_params"):
             try:

@@ -11,7 +11,8 @@ the rotary key repeated per head) and the ``scale`` (DeepSeek's softmax scale wi
 and records ``dmuon.attention_max_logits`` under the module's name. Causal attention
 (``ScaledDotProductAttention``, no mask) and flex attention's ``BlockMask`` (made dense with its
 own ``mask_mod``) are observed; varlen attention is refused. It must not change the attention's
-inputs or outputs, and it does not wire the clip into dmuon-titan's trainer or options.
+inputs or outputs, and it does not wire the clip into dmuon-titan's trainer or options (the
+trainer does, from ``--dmuon.qk_clip_threshold``).
 """
 
 from __future__ import annotations

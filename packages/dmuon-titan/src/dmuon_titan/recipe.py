@@ -23,7 +23,8 @@ Any other layout is refused, naming the matrix and the layout. The expert layout
 ``efsdp`` meshes themselves are torchtitan's (``dmuon_titan.parallelize.expert_parallel_meshes``)
 and the per-expert cut is the same, each slice of experts owned inside its EP slot. The
 hyperparameters are torch.optim.Muon's names: ``lr``, ``weight_decay``, ``momentum``,
-``nesterov`` and ``adjust_lr_fn`` (None or ``"original"`` is dmuon's ``"spectral"``).
+``nesterov`` and ``adjust_lr_fn`` (None or ``"original"`` is dmuon's ``"spectral"``). torchtitan
+0.3.0's DistMuon has no QK-clip setting; the clip is dmuon-titan's option (``DMuonConfig``).
 """
 
 from __future__ import annotations

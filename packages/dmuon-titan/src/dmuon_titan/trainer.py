@@ -1,6 +1,6 @@
 """``DMuonTrainer``: torchtitan's ``Trainer`` with dmuon switched on.
 
-Owns the four places where a dmuon job differs from a stock one, and nothing else:
+Owns the five places where a dmuon job differs from a stock one, and nothing else:
 
 - the model spec's parallelize function dedicates the Muon matrices before the first
   ``fully_shard`` (``parallelize``), on every pipeline stage;
@@ -8,7 +8,12 @@ Owns the four places where a dmuon job differs from a stock one, and nothing els
 - the gradient clip of ``train_step`` is ``dmuon.clip_grad_norm_`` over every model part and
   pipeline stage (see [Note: the train step's clip]);
 - torchtitan's DCP ``CheckpointManager`` becomes ``ChecksummedCheckpointManager``
-  (``checkpoint``): its checkpoints carry dmuon's checksums and are verified at load.
+  (``checkpoint``): its checkpoints carry dmuon's checksums and are verified at load;
+- with ``--dmuon.qk_clip_threshold`` set, each model part with multi-head latent attention gets
+  MuonClip's QK-clip (``qk_clip_titan``) on its own optimizer, built after it. The clip runs
+  inside that optimizer's ``step()`` (its step pre-hook reduces the maxima the forwards since the
+  previous step recorded, its master-update hook rescales): once per optimizer step, however
+  many microbatches (gradient accumulation, pipeline) the step's forwards ran.
 
 Settings dmuon cannot work with are set or refused here, with the reason: CUDA graphs of the
 forward/backward are turned off (dmuon's hooks issue collectives and host-side waits that a
@@ -53,6 +58,7 @@ from dmuon_titan.checkpoint import ChecksummedCheckpointManager
 from dmuon_titan.config import DMuonConfig
 from dmuon_titan.optimizer import DMuonOptimizers
 from dmuon_titan.parallelize import dedicating
+from dmuon_titan.qk_clip import mla_attention_heads, qk_clip_titan
 from dmuon_titan.recipe import read_recipe
 
 
@@ -69,6 +75,12 @@ class DMuonTrainer(Trainer):
         _switch_on(config)
         super().__init__(config)
         self.checkpointer.load = _naming_the_fix_for_stock_checkpoints(self.checkpointer.load)
+        self.qk_clips = _qk_clips(
+            self.model_parts,
+            self.optimizers.optimizers,
+            self.config.dmuon,
+            pipeline=self.parallel_dims.pp_enabled,
+        )
 
     def init_distributed(self) -> ParallelDims:
         parallel_dims = super().init_distributed()
@@ -109,6 +121,33 @@ class DMuonTrainer(Trainer):
             error_if_nonfinite=error_if_nonfinite,
             foreach=foreach,
         )
+
+
+def _qk_clips(
+    model_parts: list, optimizers: list, settings: DMuonConfig, *, pipeline: bool
+) -> list[dmuon.QKClip]:
+    """One ``qk_clip_titan`` per model part with MLA layers, on its own ``dmuon.Muon``; none
+    without ``dmuon.qk_clip_threshold``. A pipeline stage without attention (the embeddings, or
+    the norm and the head) has nothing to clip; a job without a pipeline and without MLA is
+    refused by ``qk_clip_titan``, naming the model."""
+    if settings.qk_clip_threshold is None:
+        return []
+    clips = [
+        qk_clip_titan(
+            part,
+            optimizer,
+            threshold=settings.qk_clip_threshold,
+            alpha=settings.qk_clip_alpha,
+            gqa=settings.qk_clip_gqa,
+        )
+        for part, optimizer in zip(model_parts, optimizers, strict=True)
+        if not pipeline or mla_attention_heads(part)
+    ]
+    logger.info(
+        f"dmuon_titan: QK-clip at threshold {settings.qk_clip_threshold} on "
+        f"{sum(len(clip.layers) for clip in clips)} attention layers of this rank's model parts."
+    )
+    return clips
 
 
 # DCP's planner, for a key the loading state dict has and the checkpoint lacks; Muon's momentum.
