@@ -63,6 +63,9 @@ class Job:
     tp: int = 1
     ep: int = 1  # expert parallelism: borrows its ranks from dp_shard (torchtitan's efsdp x ep)
     local_batch: int = 2
+    # Gradient accumulation: each rank's ``local_batch`` rows a step in forwards of this many
+    # (torchtitan's local_batch_size; the global batch stays ``local_batch`` x the DP degree).
+    microbatch: int | None = None
     seq_len: int = 16
     width: int | None = None  # the model dimension: None keeps the debug model's 256
     dmuon: bool = True
@@ -124,6 +127,9 @@ def make_config(job: Job, dump_folder: str):
         parallelism.pipeline_parallel_layers_per_stage = job.pp_layers_per_stage
         parallelism.pipeline_parallel_microbatch_size = 1
     config.training.max_norm = job.max_norm
+    if job.microbatch is not None:
+        config.training.global_batch_size = job.local_batch * _batch_degree(job)
+        config.training.local_batch_size = job.microbatch
     if job.full_ac:
         from torchtitan.distributed.activation_checkpoint import FullAC
 
@@ -250,6 +256,7 @@ def train(job_options: dict, checkpoint_root: str | None = None) -> dict:
             dedicated = _dedicated_names(trainer)
             owned_experts = _owned_experts(trainer)
             first_step = trainer.step - len(logged) + 1
+            accumulation_steps = trainer.gradient_accumulation_steps
         finally:
             trainer.close()
     if dist.get_rank() != 0:
@@ -260,6 +267,7 @@ def train(job_options: dict, checkpoint_root: str | None = None) -> dict:
         "final": final,
         "logged": logged,
         "first_step": first_step,
+        "accumulation_steps": accumulation_steps,
         "lr_factors": {step: lr_lambda(step - 1) for step in range(first_step, trainer.step + 1)},
         "dedicated": dedicated,
         "owned_experts": owned_experts,

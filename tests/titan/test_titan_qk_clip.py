@@ -103,9 +103,14 @@ def test_a_threshold_no_head_reaches_changes_no_bit_of_the_run(pool2, without_cl
         assert torch.equal(run["final"][name], value), name
 
 
+@pytest.mark.parametrize(
+    "accumulation", [{}, {"microbatch": 1}], ids=["one_forward", "gradient_accumulation"]
+)
 def test_a_clipping_threshold_trains_like_the_reference_that_clips_after_each_step(
-    pool2, without_clip
+    pool2, without_clip, accumulation
 ):
+    # With gradient accumulation each rank runs its 2 rows a step in 2 forwards of 1: the clip
+    # takes the maximum over both and runs once, in the step (the reference's single forward).
     # The threshold: the median of the heads' largest logits in the first step, so that about
     # half the heads are clipped then (and some in later steps).
     observed = ReferenceQKClip(math.inf)
@@ -114,7 +119,8 @@ def test_a_clipping_threshold_trains_like_the_reference_that_clips_after_each_st
     threshold = (first[len(first) // 2 - 1] + first[len(first) // 2]) / 2
 
     options = {**JOB, "dmuon_options": {"qk_clip_threshold": threshold, "qk_clip_alpha": ALPHA}}
-    run = pool2.run(train, job_options=options)[0]
+    run = pool2.run(train, job_options={**options, **accumulation})[0]
+    assert run["accumulation_steps"] == (2 if accumulation else 1)
     clip = ReferenceQKClip(threshold)
     reference = train_reference(run, after_step=clip)
     assert clip.clipped_heads >= len(first) // 2
