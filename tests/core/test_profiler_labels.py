@@ -65,7 +65,6 @@ def test_no_range_is_opened_while_no_profiler_runs():
     named = []
     assert profiler_range(lambda: named.append(1) or "x") is profiler_range("y")  # the no-op
     assert named == []  # a boundary's label is not even formatted
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        with profiler_range(lambda: "dmuon::probe"):
-            pass
+    with profile(activities=[ProfilerActivity.CPU]) as prof, profiler_range(lambda: "dmuon::probe"):
+        pass
     assert [e.key for e in prof.key_averages() if e.key == "dmuon::probe"] == ["dmuon::probe"]
