@@ -326,7 +326,7 @@ class ExpertShards(LocalShardsWrapper):
         if not isinstance(source, LocalShardsWrapper) or list(source.local_offsets()) != list(
             target.local_offsets()
         ):
-            raise NotImplementedError(
+            raise ValueError(
                 "copy_ into an expert stack's state-dict entry takes the entry of the same "
                 f"stack on the same layout (chunks at {list(target.local_offsets())}), got "
                 f"{type(source).__name__}"
