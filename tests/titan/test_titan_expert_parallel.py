@@ -115,3 +115,19 @@ def test_an_expert_parallel_checkpoint_resumes_at_ep_1_like_the_ep_2_run(pool4, 
     assert_like_reference(
         resumed, steps_4_to_6, weights=1e-2, losses=1e-3, matrix_updates=BF16_UPDATE_TOLERANCE
     )
+
+
+def test_an_expert_parallel_checkpoint_resumes_on_two_ranks_like_the_four_rank_run(
+    pool2, uninterrupted
+):
+    # Another world size: the step-3 checkpoint of EP 2 on 4 ranks loads on 2 ranks at EP 1
+    # (dp_shard 2, the same global batch): steps 4-6 differ from the 4-rank run's by the order
+    # of the float sums only, bounded as the EP 1 resume above.
+    run, root = uninterrupted
+    two_ranks = {"ep": 1, "dp_shard": 2, "local_batch": 2 * SAVING["local_batch"], "load_step": 3}
+    resumed = pool2.run(train, job_options={**SAVING, **two_ranks}, checkpoint_root=root)[0]
+    assert resumed["first_step"] == 4
+    steps_4_to_6 = {"logged": run["logged"][3:], "final": run["final"]}
+    assert_like_reference(
+        resumed, steps_4_to_6, weights=1e-2, losses=1e-3, matrix_updates=BF16_UPDATE_TOLERANCE
+    )
