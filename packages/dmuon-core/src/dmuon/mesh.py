@@ -85,8 +85,10 @@ from __future__ import annotations
 
 import atexit
 import gc
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
@@ -208,6 +210,33 @@ class OwnershipMesh:
     def is_me(self, coord: OwnerCoord) -> bool:
         """This rank holds the owner's master (of its own TP chunk under TP), any ``coord.tp``."""
         return (coord.shard, coord.replicate) == (self.coord.shard, self.coord.replicate)
+
+    @classmethod
+    def on_grid(
+        cls,
+        rank_grid: RankGrid,
+        groups: tuple[dist.ProcessGroup | None, ...],
+        **dims: Any,
+    ) -> OwnershipMesh:
+        """This rank's mesh on ``rank_grid`` (it must hold this rank) with its ``(shard,
+        replicate, world)`` groups, an axis of size 1 carrying none; ``dims``: the other
+        fields."""
+        rank = dist.get_rank()
+        replicate, shard = next(
+            (r, row.index(rank)) for r, row in enumerate(rank_grid) if rank in row
+        )
+        num_replicas, num_shards = len(rank_grid), len(rank_grid[0])
+        shard_group, replicate_group, world_group = groups
+        return cls(
+            num_shards=num_shards,
+            num_replicas=num_replicas,
+            coord=OwnerCoord(shard, replicate),
+            rank_grid=rank_grid,
+            shard_group=shard_group if num_shards > 1 else None,
+            replicate_group=replicate_group if num_replicas > 1 else None,
+            world_group=world_group if num_shards * num_replicas > 1 else None,
+            **dims,
+        )
 
     @classmethod
     def local(cls) -> OwnershipMesh:
@@ -390,7 +419,6 @@ def build_expert_mesh(
 ) -> ExpertMeshes:
     """Every EP slot's expert grid and this rank's expert ``OwnershipMesh``; collective over the
     default group (see [Note: expert meshes])."""
-    rank = dist.get_rank()
     world_size = dist.get_world_size()
     mine = (expert_layout.ep_index, expert_layout.expert_index, mesh.rank_grid)
     everyone: list = [None] * world_size
@@ -425,26 +453,20 @@ def build_expert_mesh(
     # Every rank creates every grid's groups, in one order: gather them all.
     all_grids: list = [None] * world_size
     dist.all_gather_object(all_grids, own_grid)
-    if timeout is None:
-        timeout = process_group_timeout(default_group())
-    if layout.process_group_policy == "isolated":
-        shard_group, replicate_group, world_group = _create_isolated_groups(
-            all_grids, own_grid, timeout
-        )
-    else:
-        shard_group = expert_layout.expert_mesh.get_group()
-        replicate_group = mesh.replicate_group
-        world_group = _create_grid_groups(all_grids, own_grid, timeout)
-    num_replicas, num_shards = len(own_grid), len(own_grid[0])
-    replicate, shard = next((r, row.index(rank)) for r, row in enumerate(own_grid) if rank in row)
-    expert_mesh = OwnershipMesh(
-        num_shards=num_shards,
-        num_replicas=num_replicas,
-        coord=OwnerCoord(shard, replicate),
-        rank_grid=own_grid,
-        shard_group=shard_group if num_shards > 1 else None,
-        replicate_group=replicate_group if num_replicas > 1 else None,
-        world_group=world_group if num_shards * num_replicas > 1 else None,
+    groups = _create_groups(
+        layout.process_group_policy,
+        all_grids,
+        own_grid,
+        timeout,
+        shared=lambda timeout: (
+            expert_layout.expert_mesh.get_group(),
+            mesh.replicate_group,
+            _create_grid_groups(all_grids, own_grid, timeout),
+        ),
+    )
+    expert_mesh = OwnershipMesh.on_grid(
+        own_grid,
+        groups,
         shard_dim_names=expert_layout.expert_mesh.mesh_dim_names,
         replicate_dim_names=mesh.replicate_dim_names,
         model_parallel_dims=mesh.model_parallel_dims,
@@ -556,36 +578,28 @@ def build_ownership_mesh(
     if layout.mesh is None:
         return OwnershipMesh.local()
     rank_grid = layout.rank_grid
-    rank = dist.get_rank()
-    replicate, shard = next((r, row.index(rank)) for r, row in enumerate(rank_grid) if rank in row)
-    num_replicas, num_shards = len(rank_grid), len(rank_grid[0])
     grids, tp_meshes = _gather_rank_grids(layout)
     if timeout is None:
         timeout = process_group_timeout(default_group())
-    if layout.process_group_policy == "isolated":
-        shard_group, replicate_group, world_group = _create_isolated_groups(
-            grids, rank_grid, timeout
-        )
-    else:
+
+    def shared(timeout: timedelta) -> tuple[dist.ProcessGroup | None, ...]:
         shard_group = layout.mesh.get_group()
         replicate_group = (
             layout.replicate_mesh.get_group() if layout.replicate_mesh is not None else None
         )
         world_group = (
-            shard_group if num_replicas == 1 else _create_grid_groups(grids, rank_grid, timeout)
+            shard_group if len(rank_grid) == 1 else _create_grid_groups(grids, rank_grid, timeout)
         )
+        return shard_group, replicate_group, world_group
+
+    groups = _create_groups(layout.process_group_policy, grids, rank_grid, timeout, shared=shared)
     if layout.process_group_policy == "isolated":
         tp_group = _create_tp_groups(tp_meshes, layout.tp_ranks, timeout)
     else:
         tp_group = layout.tp_mesh.get_group() if layout.tp_mesh is not None else None
-    return OwnershipMesh(
-        num_shards=num_shards,
-        num_replicas=num_replicas,
-        coord=OwnerCoord(shard, replicate),
-        rank_grid=rank_grid,
-        shard_group=shard_group if num_shards > 1 else None,
-        replicate_group=replicate_group if num_replicas > 1 else None,
-        world_group=world_group if num_shards * num_replicas > 1 else None,
+    return OwnershipMesh.on_grid(
+        rank_grid,
+        groups,
         tp_ranks=layout.tp_ranks,
         tp_group=tp_group,
         shard_dim_names=layout.mesh.mesh_dim_names,
@@ -638,6 +652,24 @@ def _gather_rank_grids(layout: OwnershipLayout) -> tuple[list[RankGrid], list[tu
                     f"{_as_lists(theirs)}. {SAME_MESH_FIX}"
                 )
     return grids, tp_meshes
+
+
+def _create_groups(
+    policy: str,
+    grids: list[RankGrid],
+    mine: RankGrid,
+    timeout: timedelta | None,
+    *,
+    shared: Callable[[timedelta | None], tuple[dist.ProcessGroup | None, ...]],
+) -> tuple[dist.ProcessGroup | None, ...]:
+    """This rank's ``(shard, replicate, world)`` groups on ``mine`` (collective over the default
+    group): cloned from every grid of ``grids`` under the "isolated" policy, else ``shared``'s
+    (the given meshes' own groups). ``timeout`` None takes the default group's."""
+    if timeout is None:
+        timeout = process_group_timeout(default_group())
+    if policy == "isolated":
+        return _create_isolated_groups(grids, mine, timeout)
+    return shared(timeout)
 
 
 def _create_isolated_groups(
