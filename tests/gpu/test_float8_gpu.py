@@ -28,10 +28,18 @@ torchao_float8 = pytest.importorskip("torchao.float8", reason="torchao is not in
 
 RECIPES = ["tensorwise", "rowwise", "rowwise_with_gw_hp"]
 LR, WEIGHT_DECAY, STEPS, ROWS = 0.02, 0.01, 5, 64
-# bf16 weights each step from fp32 masters on both sides; what differs is dmuon's Newton-Schulz
-# (fp32, cuBLAS) against the reference's (fp32, gram) and AdamW's foreach order, amplified at most
-# by a float8 rounding flipped here and there: a few bf16 roundings (2**-8) after STEPS steps.
-BF16_STEPS_TOLERANCE = 2e-2
+# The first step: forward and backward bit-equal, the same Newton-Schulz on the same momentum, so
+# what differs is the fp32 order of the elementwise update and of AdamW's foreach.
+FIRST_STEP_TOLERANCE = 1e-5
+# Later steps: a weight that differs by one fp32 rounding can round to another bf16 value, and its
+# float8 cast then to another float8 value (2**-4 relative): gradients differ by float8 roundings
+# here and there, and the runs drift apart by far more than any rounding of the optimizer. How far
+# is measured, not guessed: the same reference with the other Newton-Schulz (gram against direct,
+# equal up to fp32 rounding) drifts from it by the float8 amplification of a rounding. dmuon may
+# drift no further than a small multiple of that.
+DRIFT_FACTOR = 3.0
+LOSS_TOLERANCE = 2e-2
+DRIFT_FLOOR = 1e-5
 
 
 @pytest.fixture(autouse=True)
@@ -75,7 +83,11 @@ def test_dedicated_float8_forward_and_backward_are_the_plain_float8_models_bit_f
         assert torch.equal(p.master.grad, expected[p.fqn].grad.float()), p.fqn
 
 
-def reference_float8(recipe: str):
+def ns_cublas() -> NewtonSchulz:
+    return NewtonSchulz(dtype=torch.float32, kernel="cublas")
+
+
+def reference_float8(recipe: str, orthogonalize):
     """fp32 masters (the plain model in float32) and the reference optimizer."""
     reference = float8_model(recipe).to("cuda", torch.bfloat16).float()
     optimizer = ReferenceMuonAdamW(
@@ -83,7 +95,7 @@ def reference_float8(recipe: str):
         projections,
         lr=LR,
         weight_decay=WEIGHT_DECAY,
-        orthogonalize=functools.partial(newton_schulz, backend="gram", dtype=torch.float32),
+        orthogonalize=orthogonalize,
     )
     return reference, optimizer
 
@@ -100,10 +112,30 @@ def reference_step(reference, optimizer, step: int) -> float:
     return loss.item()
 
 
+def max_error(model, reference) -> float:
+    expected = dict(reference.named_parameters())
+    return max(
+        relative_error(p.master, expected[p.fqn])
+        for p in get_dedicated_state(model).iter_owned_masters()
+    )
+
+
+def max_reference_error(reference, other) -> float:
+    named = dict(other.named_parameters())
+    return max(
+        relative_error(param, named[name])
+        for name, param in reference.named_parameters()
+        if projections(name, param)
+    )
+
+
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_dedicated_float8_projections_train_like_the_reference_with_fp32_masters(recipe):
     model, optimizer = dmuon_float8(recipe)
-    reference, reference_optimizer = reference_float8(recipe)
+    reference, reference_optimizer = reference_float8(recipe, ns_cublas())
+    control, control_optimizer = reference_float8(
+        recipe, functools.partial(newton_schulz, backend="gram", dtype=torch.float32)
+    )
     losses, reference_losses = [], []
     for step in range(STEPS):
         loss = loss_of(model, rows(step))
@@ -112,9 +144,14 @@ def test_dedicated_float8_projections_train_like_the_reference_with_fp32_masters
         optimizer.zero_grad()
         losses.append(loss.item())
         reference_losses.append(reference_step(reference, reference_optimizer, step))
+        reference_step(control, control_optimizer, step)
+        if step == 0:
+            first = max_error(model, reference)
+            assert first < FIRST_STEP_TOLERANCE, f"after the first step: {first:.3e}"
     assert losses[0] == reference_losses[0]
-    assert losses == pytest.approx(reference_losses, rel=BF16_STEPS_TOLERANCE)
-    expected = dict(reference.named_parameters())
-    for p in get_dedicated_state(model).iter_owned_masters():
-        error = relative_error(p.master, expected[p.fqn])
-        assert error < BF16_STEPS_TOLERANCE, f"{p.fqn}: {error:.3e}"
+    assert losses == pytest.approx(reference_losses, rel=LOSS_TOLERANCE)
+    drift, control_drift = max_error(model, reference), max_reference_error(reference, control)
+    assert drift <= DRIFT_FACTOR * control_drift + DRIFT_FLOOR, (
+        f"dmuon drifted {drift:.3e} from the reference after {STEPS} steps; the reference with "
+        f"the other Newton-Schulz drifted {control_drift:.3e}"
+    )
