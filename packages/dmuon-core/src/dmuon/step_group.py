@@ -1,8 +1,9 @@
 """``dmuon.StepGroup``: the ``dmuon.Muon`` optimizers that take one training step together.
 
 Owns which optimizers form one step (the parts of a model this rank holds, and through the
-pipeline group the stages other ranks hold) and the one decision they must share: whether this
-step's gradients are finite. It must not touch gradients or weights, nor compute norms
+pipeline group the stages other ranks hold) and the decisions they must share: whether this
+step's gradients are finite, and (``agreed_minimum``) the step the Newton-Schulz kernels switch
+on. It must not touch gradients or weights, nor compute norms
 (``clip`` does; it reduces its norm over ``pp_group``).
 
 [Note: one step, several optimizers]
@@ -150,6 +151,21 @@ class StepGroup:
         flag starts for the host now, so the verdict waits for the norm, not for what the clip
         queues after it."""
         self._clip_norm = (self._generations(), PendingFlag(torch.isfinite(total_norm)))
+
+    def agreed_minimum(self, value: int) -> int:
+        """The minimum of ``value`` over every rank of the step: one int32 all-reduced over the
+        groups the non-finite check uses (``value`` itself, with no collective, on a step of
+        one rank). Every rank of the step must call it together: ``dmuon.kernel_switch``'s
+        agreement on when the Newton-Schulz kernels switch."""
+        groups = [group for group in self._check_groups() if group is not None]
+        if not groups:
+            return value
+        flag = torch.tensor(value, dtype=torch.int32, device=self._device())
+        for group in groups:
+            collectives.all_reduce(
+                flag, group, op=dist.ReduceOp.MIN, purpose="the kernel switch agreement"
+            ).wait()
+        return int(flag.item())
 
     def all_reduce_over_pipeline(self, tensor: torch.Tensor, op: dist.ReduceOp) -> None:
         """Reduce ``tensor`` over the pipeline stages in place (nothing without a pipeline)."""

@@ -21,6 +21,12 @@ KERNEL_CACHE_ENV = "DMUON_KERNEL_CACHE"  # flag, default on: compiled kernels ke
 FUSED_TRITON_ENV = "DMUON_FUSED_TRITON"  # flag, default on: Triton kernels of the fused Muon step
 # flag, default on: on GPUs with a measured prior, tune the expected winner first (autotune)
 SYRK_AUTOTUNE_PRIOR_ENV = "DMUON_SYRK_AUTOTUNE_PRIOR"
+# "background" (default) or "wait": where a dmuon.Muon's Newton-Schulz kernels compile
+# (``dmuon_kernels.background_compile``)
+KERNEL_COMPILE_ENV = "DMUON_KERNEL_COMPILE"
+COMPILE_IN_BACKGROUND = "background"
+COMPILE_FIRST = "wait"
+KERNEL_COMPILE_MODES = (COMPILE_IN_BACKGROUND, COMPILE_FIRST)
 
 TRUE_SPELLINGS = ("1", "true", "yes", "on")
 FALSE_SPELLINGS = ("0", "false", "no", "off")
@@ -45,6 +51,31 @@ def env_flag(name: str, default: bool) -> bool:
         f"environment variable {name}={raw!r} is not an on/off value: use one of "
         f"{', '.join(TRUE_SPELLINGS)} (on) or {', '.join(FALSE_SPELLINGS)} (off), any case, "
         f"or unset it for the default ({'on' if default else 'off'})"
+    )
+
+
+def kernel_compile_mode(requested: object = None) -> str:
+    """``"background"`` or ``"wait"``: ``requested`` when given (a ``NewtonSchulz(kernel_compile=
+    ...)`` argument), else ``DMUON_KERNEL_COMPILE`` (any case, spaces ignored), else
+    ``"background"``. Raises ValueError naming the argument or variable, its value and the two
+    choices otherwise."""
+    if requested is None:
+        raw = os.environ.get(KERNEL_COMPILE_ENV)
+        value = "" if raw is None else raw.strip().lower()
+        if not value:
+            return COMPILE_IN_BACKGROUND
+        source = f"environment variable {KERNEL_COMPILE_ENV}={raw!r}"
+    else:
+        value = requested.strip().lower() if isinstance(requested, str) else requested
+        source = f"kernel_compile={requested!r}"
+    if value in KERNEL_COMPILE_MODES:
+        return str(value)
+    raise ValueError(
+        f"{source} is not a kernel compile mode: use 'background' (the default: steps run on "
+        "cuBLAS while the tuned kernels compile in a separate process, then switch to them at "
+        "a step every rank agrees on) or 'wait' (compile and tune inside the first step, so "
+        "every step runs the tuned kernels: bit-reproducible from step 1)"
+        + ("" if requested is None else f", or None to read {KERNEL_COMPILE_ENV}")
     )
 
 

@@ -55,7 +55,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-from dmuon_kernels._env import NS_CUDA_GRAPH_ENV, NS_KERNEL_ENV
+from dmuon_kernels._env import NS_CUDA_GRAPH_ENV, NS_KERNEL_ENV, kernel_compile_mode
 from dmuon_kernels._log import is_rank_zero, log_rank_tagged
 from dmuon_kernels.coefficients import CoefficientTable, validate_coefficients
 from dmuon_kernels.fused import DEFAULT_NS_EPS as DEFAULT_EPS
@@ -68,7 +68,12 @@ from dmuon_kernels.syrk.dispatch import (
     ns_kernel_request,
     require_ns_kernel,
 )
-from dmuon_kernels.syrk.registry import AUTO, CUBLAS, canonical_kernel_name
+from dmuon_kernels.syrk.registry import (
+    AUTO,
+    CUBLAS,
+    canonical_kernel_name,
+    registry_generation,
+)
 
 NSBackend = Literal["gram", "direct"]
 BACKENDS: tuple[NSBackend, ...] = ("gram", "direct")
@@ -493,6 +498,11 @@ class NewtonSchulz:
         kernel_reason: where and why, e.g. "SM90, Tri Dao quack".
         kernel_origin: what decided it: "kernel argument", "DMUON_NS_KERNEL",
             "deterministic=True" or "auto".
+        kernel_compile: "background" or "wait": whether a ``dmuon.Muon`` using this instance
+            compiles the "auto" kernels in a separate process while its steps run cuBLAS, then
+            switches on a step every rank agrees on ("background", the default), or compiles
+            and tunes them inside its first step ("wait": bit-reproducible from step 1); the
+            argument, else ``DMUON_KERNEL_COMPILE`` (``dmuon_kernels.background_compile``).
         deterministic: True when asked for, or when kernel="cublas".
         coefficients: the (a, b, c) rows, one per iteration.
         restart_iterations: sorted 0-based iterations before which "gram" restarts.
@@ -518,6 +528,7 @@ class NewtonSchulz:
         restart_iterations: Iterable[int] | None = None,
         deterministic: bool = False,
         dtype: torch.dtype | None = AUTO_DTYPE,
+        kernel_compile: str | None = None,
     ) -> None:
         self._start(
             NSRequest.of(
@@ -527,7 +538,8 @@ class NewtonSchulz:
                 restart_iterations=restart_iterations,
                 deterministic=deterministic,
                 dtype=dtype,
-            )
+            ),
+            kernel_compile,
         )
 
     @classmethod
@@ -538,10 +550,11 @@ class NewtonSchulz:
         instance._start(request)
         return instance
 
-    def _start(self, request: NSRequest) -> None:
+    def _start(self, request: NSRequest, kernel_compile: str | None = None) -> None:
         """Resolve the kernel for ``request`` (raising now if it cannot run here) and set up the
         graph caches."""
         self._request = request
+        self.kernel_compile = kernel_compile_mode(kernel_compile)
         self._syrk_kernel, self.kernel_origin = ns_kernel_request(
             request.kernel, request.deterministic
         )
@@ -562,6 +575,19 @@ class NewtonSchulz:
             finish=self._final_product,
             name=f"NewtonSchulz({self.backend!r}) call",
         )
+        # The registry generation the graphs were captured under: when it moves (a backend
+        # registered, or the background compile's switch), the graphs hold stale kernels.
+        self._graphs_generation = registry_generation()
+
+    def _drop_stale_graphs(self) -> None:
+        """Drop both graph caches when the kernels "auto" may pick changed since they were
+        captured ([Note: the switch] in ``dmuon_kernels.background_compile``): each shape then
+        runs eagerly once (tuning there, outside any capture) and is captured again."""
+        generation = registry_generation()
+        if generation != self._graphs_generation:
+            self._graphs_generation = generation
+            self._graphed.clear()
+            self._graphed_call.clear()
 
     @property
     def backend(self) -> NSBackend:
@@ -607,6 +633,7 @@ class NewtonSchulz:
         G = validate_input(G)
         if G.numel() == 0:
             return torch.zeros_like(G)
+        self._drop_stale_graphs()
         if G.is_contiguous() or G.mT.is_contiguous():
             return restored_output(self._graphed_call(G), G)
         # A graph's static input copies G's strides: for a slice with gaps that would allocate
@@ -656,6 +683,7 @@ class NewtonSchulz:
         (B, n, m) with n <= m in ``iteration_dtype(device)`` — the captured graph's input buffer
         when there is one, so no copy is made into the graph."""
         dtype = self.iteration_dtype(device)
+        self._drop_stale_graphs()
         buffer = self._graphed.static_input(shape, dtype, device)
         return torch.empty(shape, dtype=dtype, device=device) if buffer is None else buffer
 
@@ -670,6 +698,7 @@ class NewtonSchulz:
                 f"iterate_normalized takes (B, n, m) with n <= m in {dtype}; got "
                 f"{tuple(X.shape)} in {X.dtype}. Use ns(G) for inputs it should normalise itself."
             )
+        self._drop_stale_graphs()
         return self._graphed(X, max_numel=graph_max_numel)
 
     @property

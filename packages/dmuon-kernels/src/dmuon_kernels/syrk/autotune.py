@@ -347,6 +347,62 @@ class SyrkAutotuner:
         self._chosen[chosen_key] = chosen
         return chosen
 
+    def compile_for(
+        self,
+        candidate: str,
+        A: Tensor,
+        C: Tensor | None = None,
+        *,
+        op: str = SYRK,
+        B: Tensor | None = None,
+    ) -> str:
+        """What a background compile job (``dmuon_kernels.compile_job``) runs instead of
+        ``choose``: the kernels ``choose`` would compile for this problem (``compile_plan``) are
+        built, each by one call on the tuning inputs (so they land in the on-disk caches), and
+        nothing is timed or recorded. Returns the first that ran, for the caller's own call to
+        go through it too (the iteration's alpha and beta), else cuBLAS."""
+        if candidate == BASELINE:
+            return BASELINE
+        problem = SyrkProblem.of(A, C, op, B)
+        if problem.flop < self.min_flop or (
+            self.tuned_ops is not None and problem.op not in self.tuned_ops
+        ):
+            return BASELINE
+        built = [
+            name
+            for name in self.compile_plan(candidate, problem, A.device)
+            if self._build(name, problem, A.device)
+        ]
+        return built[0] if built else BASELINE
+
+    def compile_plan(self, candidate: str, problem: SyrkProblem, device: torch.device) -> list[str]:
+        """The contenders whose kernels ``choose`` is expected to need for ``problem``: the
+        winner of the verdicts already known; else the prior's expected winner when it is not
+        tuned yet (the others are tuned only if it loses: [Note: the SM90 prior]); else every
+        contender not tuned yet."""
+        contenders = self.contenders(candidate, problem.op)
+        known = {name: self._verdict_if_known(name, problem, device) for name in contenders}
+        verdicts = [verdict for verdict in known.values() if verdict is not None]
+        if any(verdict.won for verdict in verdicts):
+            return [fastest_winner(verdicts)]
+        untuned = [name for name in contenders if known[name] is None]
+        expected = self._expected_winner(problem, device, contenders)
+        return [expected] if expected in untuned else untuned
+
+    def _build(self, name: str, problem: SyrkProblem, device: torch.device) -> bool:
+        """One call of ``name`` on ``problem``'s tuning inputs (compiling its kernel, or loading
+        it); False, with a line, when it raises."""
+        try:
+            _tuning_inputs(problem, device).run(self.backend(name), problem.op)
+            torch.cuda.synchronize(device)
+        except Exception as exc:  # that contender is not compiled; choose() will say why
+            _log(
+                f"compile of {problem.describe()} backend={name} failed "
+                f"({type(exc).__name__}: {exc})"
+            )
+            return False
+        return True
+
     def contenders(self, candidate: str, op: str) -> list[str]:
         """``candidate`` (the hardware ladder's pick) first, then the challengers that
         implement ``op``."""
@@ -580,10 +636,24 @@ def default_autotuner() -> SyrkAutotuner:
     return _default_tuner
 
 
+# True in a background compile job's process (``compile_only_in_this_process``).
+_compile_only = False
+
+
+def compile_only_in_this_process() -> None:
+    """From now on "auto" compiles what it would tune and times nothing
+    (``SyrkAutotuner.compile_for``): for ``dmuon_kernels.compile_job``'s process only, whose
+    timings would compete with the training process for the GPU."""
+    global _compile_only
+    _compile_only = True
+
+
 def choose_kernel(
     candidate: str, A: Tensor, C: Tensor | None, *, op: str = SYRK, B: Tensor | None = None
 ) -> str:
     """Dispatcher hook: the backend that runs this call under ``kernel="auto"``."""
+    if _compile_only:
+        return default_autotuner().compile_for(candidate, A, C, op=op, B=B)
     return default_autotuner().choose(candidate, A, C, op=op, B=B)
 
 

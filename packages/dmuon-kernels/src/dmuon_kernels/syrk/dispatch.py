@@ -17,7 +17,9 @@ per instance (``ns_kernel_request``), and each product once per operand signatur
    CuTe kernel available -> cute; else cublas;
 8. a candidate other than cublas is confirmed per shape by the autotuner
    (``dmuon_kernels.syrk.autotune.choose_kernel``), which also tries the other available
-   ``FAST_BACKENDS`` and keeps whichever beats cuBLAS most, else cuBLAS.
+   ``FAST_BACKENDS`` and keeps whichever beats cuBLAS most, else cuBLAS; except while a
+   background compile is pending (``syrk.readiness``): then "auto" runs cuBLAS, untuned, until
+   the switch.
 
 The names, the backends and their availability come from ``syrk.registry``; the autotuner is
 imported on first use (it depends on the registry, never on this module). Reports of the choice
@@ -35,6 +37,7 @@ from torch import Tensor
 
 from dmuon_kernels._env import NS_KERNEL_ENV
 from dmuon_kernels.syrk._requirements import KERNEL_DTYPES
+from dmuon_kernels.syrk.readiness import tuning_deferred
 from dmuon_kernels.syrk.registry import (
     AUTO,
     CUBLAS,
@@ -124,7 +127,7 @@ def resolve_kernel(
     if name == AUTO:
         name = auto_candidate(A.device)[0]
         if name != CUBLAS:
-            name = _per_shape_verdict(name, A, C, op, B)
+            name = CUBLAS if tuning_deferred() else _per_shape_verdict(name, A, C, op, B)
     return name
 
 

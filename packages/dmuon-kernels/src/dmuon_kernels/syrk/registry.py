@@ -102,8 +102,17 @@ def unregister_backend(name: str) -> None:
 
 
 def registry_generation() -> int:
-    """A number that changes whenever a backend is registered or unregistered."""
+    """A number that changes whenever a backend is registered or unregistered, or the backends
+    "auto" may pick change (``advance_registry_generation``)."""
     return _generation
+
+
+def advance_registry_generation() -> None:
+    """Make every choice cached against the registry stale (the per-call memo, the "auto"
+    ladder, Newton-Schulz's CUDA graphs): the background compile's switch does this when "auto"
+    may pick the fast backends again."""
+    global _generation
+    _generation += 1
 
 
 def backend_names() -> tuple[str, ...]:

@@ -1,0 +1,71 @@
+"""The switch from cuBLAS to the tuned Newton-Schulz kernels, on a step every rank agrees on.
+
+Owns the two calls ``dmuon.Muon`` makes: ``start_background_compile`` at construction (this
+rank's Newton-Schulz shapes to the process's compile job, when one is wanted) and
+``at_step_boundary`` at the start of each step (while a job is pending anywhere: one small
+all-reduce, then the same decision on every rank). The jobs, the gate and what the switch does
+are ``dmuon_kernels.background_compile``'s ([Note: the switch] there). It must not touch
+gradients, weights or optimizer state.
+
+Every rank calls ``at_step_boundary`` as many times as the others (once per ``Muon.step``) and
+each call is either a collective on every rank or on none: whether a job is pending is decided
+by the same agreed value everywhere, and whether one started by facts every rank shares
+(``wants_background_compile``).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable
+
+import torch
+
+from dmuon.step_group import StepGroup
+from dmuon_kernels.background_compile import (
+    FAILED,
+    READY,
+    BackgroundCompile,
+    background_compile,
+    job_spec,
+    wants_background_compile,
+)
+from dmuon_kernels.newton_schulz import NewtonSchulz
+
+
+def start_background_compile(
+    newton_schulz: NewtonSchulz,
+    device: torch.device,
+    matrices: Iterable[tuple[int, tuple[int, int]]],
+    compiles: BackgroundCompile | None = None,
+) -> bool:
+    """Submit the Newton-Schulz inputs of this rank's step on ``device`` (the model's) to the
+    compile job, when one is wanted; returns whether it was (then the step boundaries agree
+    until the switch, on this rank even when it owns no matrix).
+
+    ``matrices``: (param group index, (rows, cols)) of every matrix this rank orthogonalises in
+    its fused step; the step batches each group's matrices of one (short, long) into one
+    (B, short, long) input, and so does this.
+    """
+    compiles = background_compile() if compiles is None else compiles
+    if not wants_background_compile(newton_schulz, device):
+        return False
+    counts = Counter((group, min(shape), max(shape)) for group, shape in matrices)
+    shapes = [(count, short, long) for (_, short, long), count in counts.items()]
+    compiles.submit(job_spec(newton_schulz, device, shapes))
+    return True
+
+
+def at_step_boundary(
+    step_group: StepGroup, step: int, compiles: BackgroundCompile | None = None
+) -> None:
+    """While a compile job is pending: agree on the ranks' states (the minimum over every rank
+    of the step) and switch every rank on the step they are all READY, or keep cuBLAS on every
+    rank once one FAILED. Nothing (no collective) once settled or when no job started."""
+    compiles = background_compile() if compiles is None else compiles
+    if not compiles.active:
+        return
+    agreed = step_group.agreed_minimum(compiles.local_state())
+    if agreed == READY:
+        compiles.switch(step)
+    elif agreed == FAILED:
+        compiles.keep_cublas(step)

@@ -1,0 +1,144 @@
+"""The background compile's setting and its jobs in the training process
+(``dmuon_kernels.background_compile``; the agreement across ranks is in
+tests/distributed/test_kernel_switch.py, the kernels a job builds in tests/gpu).
+
+The setting reads like every other switch: the argument, else ``DMUON_KERNEL_COMPILE``, else
+"background", and a wrong value names where it came from, what it was and the choices. A job
+that fails for real (the real job module, on a machine without CUDA; a command that cannot
+start) leaves cuBLAS in place with one warning that says why and what to do; nothing starts on
+the CPU."""
+
+from __future__ import annotations
+
+import time
+import warnings
+
+import pytest
+import torch
+
+from dmuon_kernels._env import KERNEL_COMPILE_ENV, kernel_compile_mode
+from dmuon_kernels.background_compile import (
+    FAILED,
+    PENDING,
+    BackgroundCompile,
+    job_spec,
+    wants_background_compile,
+)
+from dmuon_kernels.newton_schulz import NewtonSchulz
+from dmuon_kernels.syrk import readiness
+
+JOB_END_TIMEOUT_S = 120.0
+
+
+@pytest.fixture
+def open_gate():
+    """The gate is process-wide: every test leaves it open, as it found it."""
+    assert not readiness.tuning_deferred()
+    yield
+    readiness.resume_tuning()
+
+
+def test_the_kernel_compile_mode_is_background_unless_the_argument_or_the_variable_says_wait(
+    monkeypatch,
+):
+    monkeypatch.delenv(KERNEL_COMPILE_ENV, raising=False)
+    assert kernel_compile_mode() == "background"
+    monkeypatch.setenv(KERNEL_COMPILE_ENV, " Wait ")
+    assert kernel_compile_mode() == "wait"
+    assert NewtonSchulz().kernel_compile == "wait"
+    assert kernel_compile_mode("background") == "background"  # the argument wins
+    assert NewtonSchulz(kernel_compile="background").kernel_compile == "background"
+    monkeypatch.setenv(KERNEL_COMPILE_ENV, "")
+    assert kernel_compile_mode() == "background"
+
+
+def test_an_unknown_kernel_compile_mode_in_the_environment_names_the_variable_and_the_choices(
+    monkeypatch,
+):
+    monkeypatch.setenv(KERNEL_COMPILE_ENV, "later")
+    with pytest.raises(ValueError) as error:
+        NewtonSchulz()
+    message = str(error.value)
+    assert message.startswith(
+        "environment variable DMUON_KERNEL_COMPILE='later' is not a kernel compile mode: use "
+        "'background' (the default"
+    )
+    assert "or 'wait' (compile and tune inside the first step" in message
+
+
+def test_an_unknown_kernel_compile_argument_is_named_with_its_value(monkeypatch):
+    monkeypatch.delenv(KERNEL_COMPILE_ENV, raising=False)
+    with pytest.raises(ValueError, match=r"^kernel_compile='soon' is not a kernel compile mode"):
+        NewtonSchulz(kernel_compile="soon")
+    with pytest.raises(ValueError, match=r"or None to read DMUON_KERNEL_COMPILE$"):
+        kernel_compile_mode(1)
+
+
+def test_no_background_compile_is_wanted_on_the_cpu_nor_for_a_named_kernel(monkeypatch):
+    monkeypatch.delenv(KERNEL_COMPILE_ENV, raising=False)
+    cpu = torch.device("cpu")
+    assert not wants_background_compile(NewtonSchulz(), cpu)
+    assert not wants_background_compile(NewtonSchulz(kernel="cublas"), cpu)
+
+
+def _state_once_ended(compiles: BackgroundCompile) -> int:
+    deadline = time.monotonic() + JOB_END_TIMEOUT_S
+    while (state := compiles.local_state()) == PENDING:
+        assert time.monotonic() < deadline, "the compile job did not end within two minutes"
+        time.sleep(0.05)
+    return state
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="fails for real only without CUDA")
+def test_a_real_job_that_fails_keeps_cublas_and_warns_once_with_its_output(open_gate):
+    compiles = BackgroundCompile()  # the real job module
+    spec = job_spec(NewtonSchulz(dtype=torch.float16), torch.device("cuda", 0), [(4, 256, 1024)])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        compiles.submit(spec)
+        assert readiness.tuning_deferred()  # "auto" runs cuBLAS from now on
+        assert _state_once_ended(compiles) == FAILED
+        assert compiles.local_state() == FAILED  # asked again: no second warning
+    (warning,) = [w for w in caught if issubclass(w.category, RuntimeWarning)]
+    message = str(warning.message)
+    assert message.startswith("dmuon background kernel compile failed: it exited with status 1")
+    assert "the compile job was given device 'cuda:0' but this process sees no CUDA device" in (
+        message
+    )
+    assert "Newton-Schulz keeps running cuBLAS on every rank for the rest of this run" in message
+    assert message.endswith(
+        "Fix the cause above, or set DMUON_KERNEL_COMPILE=wait to compile inside the first "
+        "step instead."
+    )
+    compiles.keep_cublas(step=1)
+    assert not compiles.active
+    assert readiness.tuning_deferred()  # cuBLAS stays
+
+
+def test_a_job_that_cannot_start_keeps_cublas_and_says_why(open_gate, tmp_path):
+    compiles = BackgroundCompile(command=[str(tmp_path / "no-such-python")])
+    spec = job_spec(NewtonSchulz(), torch.device("cpu"), [(2, 16, 32)])
+    with pytest.warns(RuntimeWarning) as caught:
+        compiles.submit(spec)
+    (warning,) = caught
+    assert str(warning.message).startswith(
+        "dmuon background kernel compile failed: it could not be started (FileNotFoundError"
+    )
+    assert compiles.local_state() == FAILED
+    assert compiles.active  # until the ranks agree (dmuon.kernel_switch)
+    compiles.keep_cublas(step=1)
+    assert not compiles.active and readiness.tuning_deferred()
+
+
+def test_the_switch_opens_the_gate_and_makes_every_cached_choice_stale(open_gate):
+    from dmuon_kernels.syrk.registry import registry_generation
+
+    compiles = BackgroundCompile()
+    compiles.submit(job_spec(NewtonSchulz(), torch.device("cpu"), []))  # a rank owning nothing
+    assert compiles.active and readiness.tuning_deferred()
+    assert compiles.local_state() == 2  # READY: no job was needed
+    generation = registry_generation()
+    compiles.switch(step=3)
+    assert not readiness.tuning_deferred()
+    assert registry_generation() == generation + 1
+    assert (compiles.switch_step, compiles.active) == (3, False)
