@@ -94,7 +94,7 @@ def check_data_parallel_layout(state: DedicatedState) -> None:
         fsdp2.require_divide_factor_integration()
     if dist.is_initialized():
         _refuse_replicas_outside_grid(state)
-    state.fsdp_reducers = _fsdp_modules_with_parameters(model)
+    state.remember_fsdp_reducers(_fsdp_modules_with_parameters(model))
     gradient_divisor(state)
 
 

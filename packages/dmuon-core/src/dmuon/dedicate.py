@@ -375,15 +375,14 @@ def no_sync(model: nn.Module) -> Iterator[None]:
     ddp_modules = ddp_wrappers(model)
     previous = state.requires_gradient_sync
     previous_ddp = [ddp.require_backward_grad_sync for ddp in ddp_modules]
-    state.requires_gradient_sync = False
     for module in fsdp_modules:
         module.set_requires_gradient_sync(False, recurse=False)
     for ddp in ddp_modules:
         ddp.require_backward_grad_sync = False
     try:
-        yield
+        with state.without_gradient_sync():
+            yield
     finally:
-        state.requires_gradient_sync = previous
         for module in fsdp_modules:
             module.set_requires_gradient_sync(previous, recurse=False)
         for ddp, value in zip(ddp_modules, previous_ddp):

@@ -50,7 +50,7 @@ import contextlib
 import functools
 import warnings
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Protocol
 
 import torch
@@ -75,6 +75,7 @@ from dmuon.group import (
     average_messages,
 )
 from dmuon.mesh import OwnershipMesh
+from dmuon.offload import MasterOffload
 from dmuon.param import DedicatedParam, is_dedicated
 from dmuon.partition import OwnershipPlan
 from dmuon.profile import ForwardUnshardProfile
@@ -133,10 +134,10 @@ class DedicatedState:
         # (FQN, module) of the FSDP modules that reduce the rest of the model, found once
         # dmuon.Muon looked (``dmuon.data_parallel``). Kept here, not in a table keyed by the
         # state: the modules reference the state, and such a table would keep the model alive.
-        self.fsdp_reducers: list[tuple[str, nn.Module]] | None = None
+        self._fsdp_reducers: list[tuple[str, nn.Module]] | None = None
         self.stacks = stacks_of(params.values())  # FQN -> expert stack (see ``dmuon.experts``)
         self.profile = profile  # forward-unshard wait counters (DMUON_RECORD_FORWARD_PROFILE=1)
-        self.requires_gradient_sync = True
+        self._requires_gradient_sync = True  # off inside dmuon.no_sync
         self.is_adopted = False
         # Counts the changes of the gradients as a whole (completed backwards, zero_grad calls):
         # a decision on them (see ``dmuon.step_group``) holds while it is unchanged.
@@ -144,9 +145,9 @@ class DedicatedState:
         # Set by dmuon.checkpoint while it reads (its entry maker) or loads the model, and by a
         # plain load_state_dict, whose masters the next forward publishes (see
         # [Note: loading into a dedicated parameter] in ``module_state``).
-        self.checkpoint_reading: Callable[[Any], torch.Tensor | None] | None = None
-        self.checkpoint_loading = False
-        self.masters_loaded = False
+        self._checkpoint_reading: Callable[[Any], torch.Tensor | None] | None = None
+        self._checkpoint_loading = False
+        self._masters_loaded = False
         # Forward order of the boundaries, recorded during the first forward; prefetch uses it.
         self._forward_order: list[BoundaryGroup] = []
         # Position of each boundary in the forward order, once the first forward has closed it.
@@ -158,7 +159,7 @@ class DedicatedState:
         self._backward_since_forward = False
         # Boundaries that reduced in this backward, in order (see REDUCES_IN_FLIGHT).
         self._reduced: list[BoundaryGroup] = []
-        # Set by dmuon.Muon(overlap_step=True): each boundary's owned gradients land (are
+        # Set by dmuon.Muon(overlap_step=True) (``attach_overlap``): each boundary's owned gradients land (are
         # waited for, averaged and handed to it) as soon as the boundary has reduced, during
         # backward, instead of at its end (see [Note: the overlapped step] in dmuon.overlap).
         self.gradient_listener: GradientListener | None = None
@@ -179,6 +180,29 @@ class DedicatedState:
     def device(self) -> torch.device:
         """Where the dedicated weights live (the CPU when nothing is dedicated)."""
         return self.boundaries[0].device if self.boundaries else torch.device("cpu")
+
+    @property
+    def requires_gradient_sync(self) -> bool:
+        """False inside ``dmuon.no_sync`` (``without_gradient_sync``): backward keeps the
+        gradients local."""
+        return self._requires_gradient_sync
+
+    @property
+    def fsdp_reducers(self) -> list[tuple[str, nn.Module]] | None:
+        """The FSDP modules that reduce the rest of the model, once ``remember_fsdp_reducers``
+        was told them (None before)."""
+        return self._fsdp_reducers
+
+    @property
+    def checkpoint_reading(self) -> Callable[[Any], torch.Tensor | None] | None:
+        """The entry maker of the checkpoint read now running (``reading_checkpoint``), if any."""
+        return self._checkpoint_reading
+
+    @property
+    def checkpoint_loading(self) -> bool:
+        """A checkpoint load that takes the dedicated keys itself is running
+        (``loading_checkpoint_elsewhere``)."""
+        return self._checkpoint_loading
 
     # ---- setup --------------------------------------------------------------------------------
 
@@ -253,6 +277,75 @@ class DedicatedState:
                 mark_expert_piece(p.master)  # the optimizer sees k expert matrices
         self.is_adopted = True
 
+    # ---- what the optimizer attaches ------------------------------------------------------------
+
+    def attach_overlap(self, listener: GradientListener) -> None:
+        """``dmuon.Muon(..., overlap_step=True)``: from now on each boundary's owned gradients land
+        in ``listener`` as soon as the boundary has reduced (``_land``). One per model."""
+        if self.gradient_listener is not None:
+            raise ValueError(OVERLAP_ALREADY_ATTACHED)
+        self.gradient_listener = listener
+
+    def attach_offload(self, masters: Iterable[torch.Tensor]) -> MasterOffload:
+        """``dmuon.Muon(..., offload_masters=True)``: the masters this rank owns among ``masters``
+        move to CPU homes between steps; each one's ``DedicatedParam`` is told where its value
+        lives (``master_value()``, a publish: [Note: offloaded masters] in ``dmuon.offload``)."""
+        chosen = {id(master) for master in masters}
+        owned = [
+            (p, self.boundary_of(p)) for p in self.iter_owned_masters() if id(p.master) in chosen
+        ]
+        offload = MasterOffload(owned, self.device)
+        for p, _ in owned:
+            p.offload = offload
+        return offload
+
+    def remember_fsdp_reducers(self, reducers: list[tuple[str, nn.Module]]) -> None:
+        """(FQN, module) of the FSDP modules that reduce the rest of the model, as
+        ``dmuon.data_parallel`` found them when ``dmuon.Muon`` looked."""
+        self._fsdp_reducers = reducers
+
+    # ---- gradient sync and checkpoints ------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def without_gradient_sync(self) -> Iterator[None]:
+        """Inside, backward reduces no gradient to the owners: they accumulate locally
+        (``dmuon.no_sync``)."""
+        previous = self._requires_gradient_sync
+        self._requires_gradient_sync = False
+        try:
+            yield
+        finally:
+            self._requires_gradient_sync = previous
+
+    @contextlib.contextmanager
+    def reading_checkpoint(
+        self, make_entry: Callable[[Any], torch.Tensor | None]
+    ) -> Iterator[None]:
+        """Inside, ``state_dict()`` holds ``make_entry(p)`` for each dedicated parameter or stack
+        (no key where it returns None): ``dmuon.checkpoint``'s reads."""
+        previous = self._checkpoint_reading
+        self._checkpoint_reading = make_entry
+        try:
+            yield
+        finally:
+            self._checkpoint_reading = previous
+
+    @contextlib.contextmanager
+    def loading_checkpoint_elsewhere(self) -> Iterator[None]:
+        """Inside, ``load_state_dict()`` leaves the dedicated keys alone: the caller
+        (``dmuon.checkpoint``) takes them."""
+        previous = self._checkpoint_loading
+        self._checkpoint_loading = True
+        try:
+            yield
+        finally:
+            self._checkpoint_loading = previous
+
+    def note_masters_loaded(self) -> None:
+        """A plain ``load_state_dict`` wrote the masters: the next forward (or
+        ``dmuon.checkpoint`` call) publishes them (``publish_loaded_masters``)."""
+        self._masters_loaded = True
+
     # ---- prefetch order -------------------------------------------------------------------------
 
     def _record_forward(self, group: BoundaryGroup) -> None:
@@ -315,8 +408,8 @@ class DedicatedState:
             self._forwarded.clear()
 
     def _finish_backward(self, group: BoundaryGroup) -> None:
-        group.finish_backward(reduce=self.requires_gradient_sync)
-        if self.requires_gradient_sync:
+        group.finish_backward(reduce=self._requires_gradient_sync)
+        if self._requires_gradient_sync:
             self._reduced.append(group)
             if len(self._reduced) > REDUCES_IN_FLIGHT:
                 self._reduced[-1 - REDUCES_IN_FLIGHT].retire_sent_reduces()
@@ -346,7 +439,7 @@ class DedicatedState:
                     self._finish_backward(group)
             received = []
             for group in reversed(forwarded):
-                received += group.finalize_backward(reduce=self.requires_gradient_sync)
+                received += group.finalize_backward(reduce=self._requires_gradient_sync)
             self._reduced.clear()
             landed, self._landed = self._landed, []
             if landed:
@@ -404,8 +497,8 @@ class DedicatedState:
     def publish_loaded_masters(self) -> None:
         """Publish the masters a plain ``load_state_dict`` changed, if it did (collective: every
         rank calls it at the same point, the next forward or ``dmuon.checkpoint`` call)."""
-        if self.masters_loaded:
-            self.masters_loaded = False
+        if self._masters_loaded:
+            self._masters_loaded = False
             self.reshard_all()  # a boundary left unsharded holds the weights of before
             self.publish_masters()
 
@@ -461,6 +554,11 @@ def _pre_forward(
         return None
     return _attach_post_backward(state, group, args, kwargs)
 
+
+OVERLAP_ALREADY_ATTACHED = (
+    "dmuon.Muon(overlap_step=True): this model already has an optimizer with "
+    "overlap_step=True; each model (each pipeline stage) takes one dmuon.Muon."
+)
 
 SKIPPED_BOUNDARY = (
     "dmuon: boundary {skipped} did not run in this forward on {rank}, though it comes before "

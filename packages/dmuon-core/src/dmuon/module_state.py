@@ -3,8 +3,8 @@
 Owns the module hooks that stand in for the 0-element placeholders (see [Note: placeholder and
 unsharded parameter] in ``param``) when torch saves or loads a module, and what a dedicated
 parameter's entry is on each rank. It must not issue collectives: ``dmuon.checkpoint`` reads
-full state dicts through these hooks with an entry maker of its own (``read_with``), which
-gathers.
+full state dicts through these hooks with an entry maker of its own
+(``DedicatedState.reading_checkpoint``), which gathers.
 
 [Note: a dedicated parameter's state-dict entry]
 As FSDP2's, a dmuon model's state dict is sharded: each rank holds its part, and
@@ -81,11 +81,10 @@ collective that needs none).
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import sys
 from collections import defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -149,29 +148,6 @@ def register_state_dict_hooks(state: DedicatedState) -> list[torch.utils.hooks.R
             ),
         ]
     return handles
-
-
-@contextlib.contextmanager
-def read_with(state: DedicatedState, make_entry: EntryMaker) -> Iterator[None]:
-    """Inside, ``state_dict()`` holds ``make_entry(p)`` for each dedicated parameter or stack
-    (no key where it returns None)."""
-    previous = state.checkpoint_reading
-    state.checkpoint_reading = make_entry
-    try:
-        yield
-    finally:
-        state.checkpoint_reading = previous
-
-
-@contextlib.contextmanager
-def loading_elsewhere(state: DedicatedState) -> Iterator[None]:
-    """Inside, ``load_state_dict()`` leaves dedicated keys alone (the caller takes them)."""
-    previous = state.checkpoint_loading
-    state.checkpoint_loading = True
-    try:
-        yield
-    finally:
-        state.checkpoint_loading = previous
 
 
 # ---- saving -----------------------------------------------------------------------------------
@@ -321,7 +297,7 @@ def _load_state_dict_pre_hook(
 ) -> None:
     if not state.is_adopted or state.checkpoint_loading:
         return
-    state.masters_loaded = True  # on every rank alike, whatever its dict holds
+    state.note_masters_loaded()  # on every rank alike, whatever its dict holds
     for p in held.params:
         key = prefix + p.attr
         if key not in state_dict:

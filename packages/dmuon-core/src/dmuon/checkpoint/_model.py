@@ -37,7 +37,7 @@ from dmuon.checkpoint._experts import load_stack_values, stack_model_entry, stac
 from dmuon.checkpoint._from_source import Entry, Plan, Transfer, ValueInfo
 from dmuon.experts import ExpertStack
 from dmuon.fqn import canonical_fqn, state_dict_key
-from dmuon.module_state import loading_elsewhere, owns_part, read_with, register_load_pre_hook
+from dmuon.module_state import owns_part, register_load_pre_hook
 from dmuon.param import DedicatedParam
 
 
@@ -50,7 +50,7 @@ def get_model_state_dict(
     ``dmuon.checkpoint`` calls.
     """
     ctx = checkpoint_context(model, options)
-    with read_with(ctx.state, lambda p: _dedicated_entry(ctx, p)):
+    with ctx.state.reading_checkpoint(lambda p: _dedicated_entry(ctx, p)):
         raw = model.state_dict()
     frozen = _frozen_names(model) if ctx.options.ignore_frozen_params else set()
     result: dict[str, object] = {}
@@ -189,7 +189,7 @@ def _take_values(
         if module._parameters or module._buffers or _has_extra_state(module)
     ]
     try:
-        with loading_elsewhere(ctx.state):
+        with ctx.state.loading_checkpoint_elsewhere():
             incompatible = model.load_state_dict(keyed, strict=False)
     finally:
         for handle in handles:
