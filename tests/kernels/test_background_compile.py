@@ -142,3 +142,18 @@ def test_the_switch_opens_the_gate_and_makes_every_cached_choice_stale(open_gate
     assert not readiness.tuning_deferred()
     assert registry_generation() == generation + 1
     assert (compiles.switch_step, compiles.active) == (3, False)
+
+
+def test_the_status_report_says_the_mode_and_why_auto_waits(open_gate, monkeypatch):
+    from dmuon_kernels.status import get_backend_status
+
+    monkeypatch.setenv(KERNEL_COMPILE_ENV, "wait")
+    status = get_backend_status()
+    assert status["kernel_compile"] == {"mode": "wait", "error": None, "deferred": None}
+    assert status["env"][KERNEL_COMPILE_ENV] == "wait"
+    BackgroundCompile().submit(job_spec(NewtonSchulz(), torch.device("cpu"), []))
+    monkeypatch.setenv(KERNEL_COMPILE_ENV, "never")
+    report = get_backend_status()["kernel_compile"]
+    assert report["mode"] is None
+    assert report["error"].startswith("environment variable DMUON_KERNEL_COMPILE='never'")
+    assert report["deferred"].startswith("a background compile is building the Newton-Schulz")

@@ -15,11 +15,14 @@ import torch
 
 from dmuon_kernels._env import (
     KERNEL_CACHE_ENV,
+    KERNEL_COMPILE_ENV,
     NS_CUDA_GRAPH_ENV,
     NS_KERNEL_ENV,
     SYRK_AUTOTUNE_LOG_ENV,
+    kernel_compile_mode,
 )
 from dmuon_kernels.newton_schulz import NewtonSchulz
+from dmuon_kernels.syrk import readiness
 from dmuon_kernels.syrk._requirements import KERNEL_DTYPES, installed_version
 from dmuon_kernels.syrk.cache import CACHE_DIR_ENV
 from dmuon_kernels.syrk.dispatch import (
@@ -42,6 +45,7 @@ ENV_VARS = (
     SYRK_AUTOTUNE_LOG_ENV,
     CACHE_DIR_ENV,
     KERNEL_CACHE_ENV,
+    KERNEL_COMPILE_ENV,
 )
 
 # Optional libraries whose versions the status report shows, by distribution name.
@@ -71,6 +75,8 @@ def get_ns_backend(ns: NewtonSchulz | None = None) -> str:
     if ns.dtype is not None and ns.dtype not in KERNEL_DTYPES:  # asked for; None is no news
         details += f"; {str(ns.dtype).removeprefix('torch.')} iteration"
     if ns.kernel_origin == ORIGIN_AUTO and ns.kernel != CUBLAS:
+        if readiness.tuning_deferred():
+            details += "; cuBLAS until the background compile's switch"
         details += _autotune_summary(ns.kernel)
     return f"{form} NS · kernel={ns.kernel} ({details})"
 
@@ -120,6 +126,17 @@ def _kernel_cache_report() -> dict[str, Any]:
     return {"folder": str(folder), "enabled": enabled, "problem": problem}
 
 
+def _kernel_compile_report() -> dict[str, str | None]:
+    """``get_backend_status()["kernel_compile"]``: the mode ``NewtonSchulz()`` gets
+    ("background" or "wait"; None with ``error`` when ``DMUON_KERNEL_COMPILE`` is not one), and
+    why "auto" runs cuBLAS untuned now (a background compile pending), or None."""
+    try:
+        mode, error = kernel_compile_mode(), None
+    except ValueError as exc:
+        mode, error = None, str(exc)
+    return {"mode": mode, "error": error, "deferred": readiness.deferred_because()}
+
+
 def get_backend_status() -> dict[str, Any]:
     """A JSON-friendly report: device and SM, the "auto" choice, what ``NewtonSchulz()`` runs,
     every backend's availability and reason, where compiled kernels are kept, the relevant
@@ -132,7 +149,9 @@ def get_backend_status() -> dict[str, Any]:
     such as ``DMUON_NS_KERNEL=quack`` where quack cannot run, is reported there, never raised.
     ``status["kernel_cache"]`` gives the compiled-kernel folder, whether the cache is on, and
     ``problem``: why kernels are not loaded from that folder (another user's, or writable by
-    others), or None.
+    others), or None. ``status["kernel_compile"]`` gives the compile mode (``mode``, or
+    ``error``) and ``deferred``: why "auto" runs cuBLAS untuned until the background compile's
+    switch, or None.
     """
     device = default_device()
     auto_choice, auto_reason = auto_candidate(device)
@@ -151,6 +170,7 @@ def get_backend_status() -> dict[str, Any]:
         "ns": _default_ns_report(),
         "backends": backends,
         "kernel_cache": _kernel_cache_report(),
+        "kernel_compile": _kernel_compile_report(),
         "env": {name: os.environ.get(name) for name in ENV_VARS},
         "versions": versions,
     }
