@@ -44,6 +44,7 @@ BUILT_ON_THE_PROTOCOL = {
     "dmuon.fsdp2",
     "dmuon.inspect",
     "dmuon.module_state",
+    "dmuon.muon_route",
     "dmuon.optim",
     "dmuon.qk_clip",
     "dmuon.step_group",
@@ -83,10 +84,10 @@ def test_the_muon_route_reaches_the_kernels_only_through_muon_update():
         if "dmuon_kernels.fused" in every_imported_module(path)
     }
     assert through_fused == {"muon_update.py"}
-    optim = ast.parse((SOURCE / "optim.py").read_text())
     runs_the_iteration = [
-        f"line {node.lineno}: .{node.attr}"
-        for node in ast.walk(optim)
+        f"{name} line {node.lineno}: .{node.attr}"
+        for name in ("optim.py", "muon_route.py")
+        for node in ast.walk(ast.parse((SOURCE / name).read_text()))
         if isinstance(node, ast.Attribute)
         and node.attr in ("iterate_normalized", "normalized_buffer", "prepare")
     ]

@@ -1,14 +1,14 @@
 """The Muon update of matrices: the step's one road to the fused kernels and Newton-Schulz.
 
-Owns the math of the Muon route, as ``optim`` calls it: momentum and Nesterov into the
+Owns the math of the Muon route, as ``muon_route`` calls it: momentum and Nesterov into the
 normalised Newton-Schulz input, the iteration (``NewtonSchulz.iterate_normalized``), the learning
 rate's scale for an (m, n) matrix (``adjust_lr``) and the decayed, scaled update of the fp32
 masters, the element-wise parts through ``dmuon_kernels.fused``. On CUDA with Triton a batch of B
 (rows, cols) matrices costs a constant number of launches, whatever B: the input in two passes
 (one over g and the momentum, one over the Newton-Schulz buffer), the update in one; the torch
-fallback (CPU) uses multi-tensor ``_foreach_`` ops. It must not hold optimizer state (``optim``
-creates the momentum buffers and passes them in) nor choose which matrices share a
-Newton-Schulz call (``optim`` does).
+fallback (CPU) uses multi-tensor ``_foreach_`` ops. It must not hold optimizer state
+(``muon_route`` creates the momentum buffers and passes them in) nor choose which matrices share
+a Newton-Schulz call (``muon_route`` does).
 
 The tensor-parallel path takes the same kernels one matrix at a time (``momentum_``,
 ``orthogonalized``, ``apply_update_``).

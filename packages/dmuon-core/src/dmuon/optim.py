@@ -1,10 +1,11 @@
 """``dmuon.Muon``: Muon on the matrices this rank owns, AdamW on everything else.
 
-Owns the owner step and the two routes: which matrices share a Newton-Schulz call, the
-optimizer state, torch's AdamW; the Muon route's math is ``muon_update``'s, its one road to the
-kernels. It must not move data itself: it asks the model's state before the step
-(``before_step``) and after it (``after_step``: the weights follow the masters, published
-across replicas).
+Owns the torch optimizer surface (param groups, ``step``, ``zero_grad``, ``state_dict`` and
+``load_state_dict``, ``init_state``), the step's orchestration and the AdamW route (torch's
+AdamW). The Muon route (its state layout, its Newton-Schulz batches, the plain, overlapped,
+offloaded and tensor-parallel work) is ``dmuon.muon_route``'s, its math ``muon_update``'s. It
+must not move data itself: it asks the model's state before the step (``before_step``) and
+after it (``after_step``: the weights follow the masters, published across replicas).
 
 Routes (``dmuon.routing`` decides each parameter's route, group and hyperparameters):
 - ``"muon"``: the fp32 masters of the dedicated matrices this rank owns (the master of an
@@ -19,13 +20,10 @@ so ``torch.optim.lr_scheduler`` and HF's schedulers scale every group.
 
 from __future__ import annotations
 
-import functools
-import itertools
 import math
 import sys
 import warnings
-from collections import defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -33,31 +31,24 @@ from torch.distributed.tensor import DTensor
 from torch.optim.adamw import adamw
 
 from dmuon import _profiler_labels as labels
-from dmuon import muon_update
+from dmuon import muon_route
 from dmuon._log import log_once
 from dmuon._text import preview_names
 from dmuon._torch_internals import profiler_range
 from dmuon.consistency import check_ranks_agree
 from dmuon.data_parallel import check_data_parallel_layout
 from dmuon.ddp import check_gradients_are_averaged
-from dmuon.experts import ExpertStack, agreed_name, is_expert_piece
+from dmuon.experts import ExpertStack, agreed_name
 from dmuon.fqn import canonical_fqn
 from dmuon.hooks import get_dedicated_state
-from dmuon.muon_update import (
-    MOMENTUM_DTYPES,
-    NORMUON_BETA2,
-    NORMUON_EPS,
-    dequantized,
-    int8_scale_shape,
-    matrix_shape_of,
-    quantize_,
-)
+from dmuon.muon_route import MuonRoute
+from dmuon.muon_update import MOMENTUM_DTYPES, NORMUON_BETA2, NORMUON_EPS
 from dmuon.nonfinite import check_policy
 from dmuon.ns_counts import NewtonSchulzCounts
 from dmuon.offload import MasterOffload, check_masters_can_be_offloaded
 from dmuon.optim_layout import LAYOUT_KEY, check_layout, layout_record, without_layout
-from dmuon.overlap import SPECULATION_GRAPH_MAX_NUMEL, OverlappedStep, OverlapStepStats
-from dmuon.param import MUON_ROUTE, DedicatedParam, is_dedicated
+from dmuon.overlap import OverlappedStep, OverlapStepStats
+from dmuon.param import MUON_ROUTE, is_dedicated
 from dmuon.routing import (
     ADJUST_LR,
     HF_NO_DECAY,
@@ -77,20 +68,10 @@ from dmuon.routing import (
     routing_rows,
 )
 from dmuon.step_group import StepGroup, StepMember
-from dmuon.tp import ChunkExchange
 from dmuon_kernels.coefficients import KELLER_COEFFICIENTS
 from dmuon_kernels.newton_schulz import NewtonSchulz
 
-# NorMuon's per-row state ([Note: NorMuon] in ``muon_update``): (m,), or (k, m) for an expert
-# piece. A checkpoint without it (plain Muon's) loads with this entry starting at zero.
-ROW_SECOND_MOMENT = "row_second_moment"
-# An int8 momentum's state ([Note: 8-bit momentum] in ``muon_update``): other names than a float
-# buffer's, so a checkpoint never loads one into the other.
-MOMENTUM_INT8, MOMENTUM_SCALE = "momentum_int8", "momentum_scale"
 _FUSED_ADAMW_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-# Newton-Schulz input of one batched call, at 2 bytes an element: the iteration's transient
-# workspace (a few times its input) stays near a GiB however many matrices share a shape.
-NS_CALL_BYTES = 256 * 2**20
 
 
 class Muon(torch.optim.Optimizer):
@@ -251,16 +232,14 @@ class Muon(torch.optim.Optimizer):
         # Newton-Schulz outputs applied per owned matrix ([Note: one Newton-Schulz per matrix
         # per step] in ``dmuon.ns_counts``); read through ``dmuon.inspect.newton_schulz_counts``.
         self._ns_counts = NewtonSchulzCounts()
-        # id(master) -> the TP-sharded parameter whose chunk it holds (masters never change).
-        self._tp_chunks = {
-            id(p.master): p for p in self._dedicated.iter_owned_masters() if p.is_tp_sharded
-        }
-        # id(master) -> its row-block sizes ([Note: row blocks] in ``dmuon.row_blocks``).
-        self._row_blocks = {
-            id(p.master): p.row_blocks
-            for p in self._dedicated.iter_owned_masters()
-            if p.row_blocks is not None
-        }
+        self._muon_route = MuonRoute(
+            optimizer=self,
+            newton_schulz=self._newton_schulz,
+            owned=list(self._dedicated.iter_owned_masters()),
+            mesh=self._dedicated.mesh,
+            ns_counts=self._ns_counts,
+            overlapped=overlap_step,
+        )
 
         self._facts, local_tensors = _param_facts(model, self._dedicated)
         # id(tensor) -> canonical FQN of what this rank steps (an expert piece's: its own name).
@@ -299,31 +278,8 @@ class Muon(torch.optim.Optimizer):
         )
         self._overlap = self._start_overlap() if overlap_step else None
         self._offload = self._start_offload() if offload_masters else None
-        self._compile_step_kernels_ahead()
+        self._muon_route.compile_kernels_ahead(self.param_groups)
         _log_route_summaries(self.routing())
-
-    def _compile_step_kernels_ahead(self) -> None:
-        """Start compiling the fused step kernels for this rank's Muon matrices, so that they
-        compile together while the first forward and backward run rather than one by one in
-        the first step ([Note: compiles ahead] in ``dmuon_kernels._fused_triton``)."""
-        for group in self.param_groups:
-            if group["route"] != MUON_ROUTE:
-                continue
-            shapes_by_device: dict[torch.device, set[tuple[int, int]]] = defaultdict(set)
-            for master in group["params"]:
-                if master.numel() == 0 or id(master) in self._tp_chunks:
-                    continue
-                for entry in _matrices_of(master, self._row_blocks.get(id(master))):
-                    shapes_by_device[master.device].add(_entry_shape(entry))
-            for device, shapes in shapes_by_device.items():
-                muon_update.compile_kernels_ahead(
-                    self._newton_schulz,
-                    device,
-                    shapes,
-                    nesterov=group["nesterov"],
-                    momentum_dtype=MOMENTUM_DTYPES[group["momentum_dtype"]],
-                    normuon=group["normuon"],
-                )
 
     def _start_offload(self) -> MasterOffload:
         """The CPU homes of ``offload_masters=True`` ([Note: offloaded masters] in
@@ -379,8 +335,8 @@ class Muon(torch.optim.Optimizer):
                 i for i, group in enumerate(self.param_groups) if group["route"] == MUON_ROUTE
             ],
             state=self.state,
-            speculate=self._speculate_unit,
-            apply=self._apply_call,
+            speculate=self._muon_route.speculate,
+            apply=self._muon_route.apply,
             device=self._dedicated.device,
         )
         self._dedicated.gradient_listener = overlap
@@ -477,7 +433,7 @@ class Muon(torch.optim.Optimizer):
             for index, group in enumerate(self.param_groups):
                 if group["route"] == MUON_ROUTE:
                     with profiler_range(labels.OWNER_STEP):
-                        self._muon_step(index, group)
+                        self._muon_route.step(index, group, self._overlap, self._offload)
                 else:
                     with profiler_range(labels.ADAMW_STEP):
                         self._adamw_step(group)
@@ -551,7 +507,7 @@ class Muon(torch.optim.Optimizer):
             dtype = MOMENTUM_DTYPES[group["momentum_dtype"]]
             for param in group["params"]:  # torch cast float buffers to the masters' fp32
                 if self.state.get(param):
-                    _conform_momentum(self.state[param], dtype)
+                    muon_route.conform_momentum(self.state[param], dtype)
 
     @torch.no_grad()
     def init_state(self) -> None:
@@ -568,183 +524,13 @@ class Muon(torch.optim.Optimizer):
                 if self.state[param]:
                     continue
                 if group["route"] == MUON_ROUTE:
-                    dtype = MOMENTUM_DTYPES[group["momentum_dtype"]]
-                    _momentum_of(self.state[param], param, None, dtype, create=torch.zeros)
-                    if group["normuon"]:
-                        _second_moment_of(self.state[param], param, None)
+                    muon_route.init_state(self.state[param], param, group)
                 else:
                     self.state[param].update(_new_adamw_state(_local(param)))
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none=set_to_none)
         self._dedicated.zero_master_grads(set_to_none)
-
-    # ---- the Muon route -------------------------------------------------------------------------
-
-    def _muon_step(self, index: int, group: dict) -> None:
-        tp_sharded = self._tp_chunks
-        self._tensor_parallel_muon_step(
-            group, [tp_sharded[id(m)] for m in group["params"] if id(m) in tp_sharded]
-        )
-        masters = [
-            master
-            for master in group["params"]
-            if master.grad is not None and master.numel() > 0 and id(master) not in tp_sharded
-        ]
-        # Overlapped: one chunk's matrices at a time, committed from backward's speculation
-        # where it is valid, computed here otherwise (see [Note: the overlapped step]).
-        units = (
-            [masters] if self._overlap is None else self._overlap.units_to_compute(index, masters)
-        )
-        calls = [call for unit in units for call in _ns_calls_of(unit, self._row_blocks)]
-        if self._offload is not None:  # the masters come from CPU memory a call ahead
-            self._offload.run(calls, functools.partial(self._muon_update, group))
-            return
-        for call in calls:
-            self._muon_update(group, call)
-
-    def _muon_update(self, group: dict, masters: list[tuple[nn.Parameter, Piece]]) -> None:
-        """The Muon step of ``masters``: matrices (or experts of expert pieces, or row blocks)
-        of one Newton-Schulz shape, equal (rows, cols) adjacent; the math is ``muon_update``'s."""
-        momentum_dtype = MOMENTUM_DTYPES[group["momentum_dtype"]]
-        grads, momenta, scales, first_steps = [], [], [], []
-        for master, piece in masters:
-            state = self.state[master]
-            first_step, momentum, scale = _momentum_of(state, master, piece, momentum_dtype)
-            grads.append(_matrix(master.grad, piece))
-            momenta.append(momentum)
-            scales.append(scale)
-            first_steps.append(first_step)
-        int8 = momentum_dtype == torch.int8
-        orthogonal = self._orthogonal(group, grads, momenta, first_steps, scales if int8 else None)
-        self._apply_call(group, masters, orthogonal)
-
-    def _orthogonal(
-        self,
-        group: dict,
-        grads: list[torch.Tensor],
-        momenta: list[torch.Tensor],
-        first_steps: list[bool],
-        scales: list[torch.Tensor] | None = None,
-        new_momenta: list[torch.Tensor] | None = None,
-    ) -> torch.Tensor:
-        """Momentum and Nesterov (into ``momenta``, or from them into ``new_momenta``) and one
-        batched Newton-Schulz of one call's matrices; returns its output (B, short, long)."""
-        with profiler_range(labels.NEWTON_SCHULZ):
-            return muon_update.orthogonalized_matrices(
-                self._newton_schulz,
-                grads,
-                momenta,
-                first_steps,
-                momentum=group["momentum"],
-                nesterov=group["nesterov"],
-                scales=scales,
-                graph_max_numel=None if self._overlap is None else SPECULATION_GRAPH_MAX_NUMEL,
-                new_momenta=new_momenta,
-            )
-
-    def _apply_call(
-        self, group: dict, masters: list[tuple[nn.Parameter, Piece]], orthogonal: torch.Tensor
-    ) -> None:
-        """NorMuon's rows if on, then decay and the scaled update of one call's masters from
-        its Newton-Schulz output."""
-        normuon = None
-        if group["normuon"]:
-            moments = [_second_moment_of(self.state[m], m, piece) for m, piece in masters]
-            normuon = (moments, group["normuon_beta2"], group["normuon_eps"])
-        muon_update.apply_matrices_(
-            [_matrix(master, piece) for master, piece in masters],
-            orthogonal,
-            lr=group["lr"],
-            weight_decay=group["weight_decay"],
-            adjust_lr=group["adjust_lr"],
-            normuon=normuon,
-        )
-        self._ns_counts.received(masters)
-
-    def _speculate_unit(
-        self,
-        group: dict,
-        masters: list[nn.Parameter],
-        grads: dict[int, torch.Tensor],
-        scratch: dict[int, torch.Tensor],
-    ) -> list[tuple[list[tuple[nn.Parameter, int | None]], torch.Tensor]]:
-        """The overlapped step's work during backward on one unit: ``_muon_update``'s, with
-        each master's gradient from ``grads`` (id -> its landed gradient) and its momentum
-        computed from the state's buffer into a new one (``scratch``, id -> buffer), the state
-        left untouched; returns each call's matrices and Newton-Schulz output, which
-        ``_apply_call`` applies at commit."""
-        first_step_of, read = {}, {}
-        for master in masters:
-            buffer = self.state.get(master, {}).get("momentum_buffer")
-            if buffer is not None:
-                scratch[id(master)], first_step_of[id(master)] = torch.empty_like(buffer), False
-                read[id(master)] = buffer
-            else:  # as ``_momentum_of`` creates it: zeros for an expert piece, whose experts
-                # each run ``buf = momentum * 0 + g``
-                create = torch.zeros if is_expert_piece(master) else torch.empty
-                scratch[id(master)] = create(
-                    _momentum_shape(master), dtype=torch.float32, device=master.device
-                )
-                first_step_of[id(master)] = not is_expert_piece(master)
-                read[id(master)] = scratch[id(master)]  # read and written in place
-        calls = []
-        for call in _ns_calls_of(masters, self._row_blocks):
-            grads_of_call = [_matrix(grads[id(master)], expert) for master, expert in call]
-            momenta = [_matrix(read[id(master)], expert) for master, expert in call]
-            new_momenta = [_matrix(scratch[id(master)], expert) for master, expert in call]
-            first_steps = [first_step_of[id(master)] for master, _ in call]
-            output = self._orthogonal(
-                group, grads_of_call, momenta, first_steps, new_momenta=new_momenta
-            )
-            calls.append((call, output))
-        return calls
-
-    def _tensor_parallel_muon_step(self, group: dict, params: list[DedicatedParam]) -> None:
-        """The Muon route of TP-sharded matrices; see [Note: tensor-parallel matrices] in
-        ``dmuon.tp``. Every TP rank of the owner runs it with the same matrices, in one order.
-
-        Momentum and Nesterov are element-wise, so each TP rank applies them to its chunk; the
-        chunks of the Muon input meet on the matrix's runner, which normalises and
-        orthogonalises the whole matrix; each TP rank applies its chunk of the result.
-        """
-        params = [p for p in params if p.master.grad is not None]
-        if not params:
-            return
-        mu = group["momentum"]
-        momentum_dtype = MOMENTUM_DTYPES[group["momentum_dtype"]]
-        inputs = []
-        for p in params:
-            first_step, momentum, _ = _momentum_of(
-                self.state[p.master], p.master, None, momentum_dtype
-            )
-            update = muon_update.momentum_(
-                _matrix(p.master.grad, None), momentum, first_step, mu, group["nesterov"]
-            )
-            inputs.append(update.view(p.local_shape))
-        mesh = self._dedicated.mesh
-        exchange = ChunkExchange(
-            layouts=[p.tp for p in params],
-            runners=[p.owner.tp for p in params],
-            tp_ranks=mesh.tp_ranks,
-            group=mesh.tp_group,
-        )
-        full_inputs = exchange.gather(inputs)
-        results = muon_update.orthogonalized(
-            self._newton_schulz, {i: (u, params[i].tp.shape) for i, u in full_inputs.items()}
-        )
-        device = params[0].master.device
-        chunks = exchange.scatter(results, self._newton_schulz.iteration_dtype(device), device)
-        for p, chunk in zip(params, chunks):
-            muon_update.apply_update_(
-                p.master,
-                chunk,
-                lr=group["lr"],
-                weight_decay=group["weight_decay"],
-                adjust_lr=group["adjust_lr"],
-                matrix_shape=tuple(p.shape),
-            )
-        self._ns_counts.received((p.master, None) for p in params)
 
     # ---- the AdamW route ------------------------------------------------------------------------
 
@@ -921,138 +707,6 @@ def _refuse_torch_checkpoint_state_dict(caller, dmuon_function: str) -> None:
             f"dmuon.checkpoint.{dmuon_function} (the same signature), or "
             "dmuon.checkpoint.get_state_dict / set_state_dict."
         )
-
-
-def _matrix_shape(param: torch.Tensor) -> tuple[int, int]:
-    """(m, n) of a weight, trailing dims flattened into n; of each expert of an expert piece."""
-    if is_expert_piece(param):
-        return param.shape[1], param.shape[2]
-    return matrix_shape_of(param.shape)
-
-
-Piece = int | slice | None
-"""Which matrix of a master an entry is: None (the master), ``i`` (expert i of an expert
-piece) or ``slice(start, stop)`` (a row block)."""
-
-
-def _matrices_of(
-    master: torch.Tensor, row_blocks: tuple[int, ...] | None = None
-) -> list[tuple[torch.Tensor, Piece]]:
-    """The matrices Muon orthogonalises in ``master``: itself, each expert of an expert piece
-    (k, m, n), or each of its row blocks; each gets its own Newton-Schulz and lr scale."""
-    if is_expert_piece(master):
-        return [(master, expert) for expert in range(master.shape[0])]
-    if row_blocks is not None:
-        starts = itertools.accumulate(row_blocks, initial=0)
-        return [(master, slice(start, start + rows)) for start, rows in zip(starts, row_blocks)]
-    return [(master, None)]
-
-
-def _ns_calls_of(
-    masters: list[nn.Parameter], row_blocks: dict[int, tuple[int, ...]]
-) -> Iterator[list[tuple[nn.Parameter, Piece]]]:
-    """The batched Newton-Schulz calls of ``masters`` (``row_blocks``: id(master) -> its row
-    blocks), each a list of matrices. Newton-Schulz runs on rows <= cols, so an (m, n) and an
-    (n, m) matrix share one call (Llama's gate/up and down projections, say); same-shape runs
-    stay adjacent for the element-wise batches."""
-    by_ns_shape: dict[tuple[int, int], list[tuple[nn.Parameter, Piece]]] = defaultdict(list)
-    for master in masters:
-        for entry in _matrices_of(master, row_blocks.get(id(master))):
-            rows, cols = _entry_shape(entry)
-            by_ns_shape[(min(rows, cols), max(rows, cols))].append(entry)
-    for (short, long), same_shape in by_ns_shape.items():
-        same_shape.sort(key=_entry_shape)  # (rows, cols) adjacent
-        yield from _ns_calls(same_shape, short * long)
-
-
-def _entry_shape(entry: tuple[torch.Tensor, Piece]) -> tuple[int, int]:
-    """(rows, cols) of the matrix an entry of ``_matrices_of`` stands for."""
-    master, piece = entry
-    rows, cols = _matrix_shape(master)
-    return (piece.stop - piece.start, cols) if isinstance(piece, slice) else (rows, cols)
-
-
-def _ns_calls(
-    masters: list[tuple[torch.Tensor, Piece]], numel: int
-) -> Iterator[list[tuple[torch.Tensor, Piece]]]:
-    """``masters`` in equal runs of at most ``NS_CALL_BYTES`` of fp16 Newton-Schulz input (the
-    iteration's workspace is a few times its input, and lives only during the call)."""
-    per_call = max(1, NS_CALL_BYTES // (2 * numel))
-    calls = -(-len(masters) // per_call)
-    size = -(-len(masters) // calls)
-    for start in range(0, len(masters), size):
-        yield masters[start : start + size]
-
-
-def _matrix(tensor: torch.Tensor, piece: Piece) -> torch.Tensor:
-    """(m, n) view of a master-shaped tensor (weight or gradient): the matrix, one expert, or
-    one row block."""
-    if piece is None:
-        return tensor.view(_matrix_shape(tensor))
-    if isinstance(piece, slice):
-        return tensor.view(matrix_shape_of(tensor.shape))[piece]
-    return tensor[piece]
-
-
-def _momentum_shape(master: torch.Tensor) -> tuple[int, ...]:
-    """Muon's momentum of a master: (m, n), or (k, m, n) for an expert piece."""
-    return tuple(master.shape) if is_expert_piece(master) else _matrix_shape(master)
-
-
-def _momentum_of(
-    state: dict, master: torch.Tensor, piece: Piece, dtype: torch.dtype, create=None
-) -> tuple[bool, torch.Tensor, torch.Tensor | None]:
-    """``(first_step, the (m, n) momentum buffer, its int8 scales or None)`` of one matrix,
-    created on its first step in ``dtype`` (a buffer held in another dtype, as torch's
-    ``load_state_dict`` or a change of ``momentum_dtype`` leaves it, is converted).
-
-    An expert piece keeps one (k, m, n) buffer and a matrix in row blocks one (m, n) buffer,
-    created as zeros: ``buf = momentum * 0 + g`` is exactly the first step's ``buf = g`` for
-    each of its matrices. An int8 buffer is created as zeros too (its scales must be finite).
-    """
-    _conform_momentum(state, dtype)
-    int8 = dtype == torch.int8
-    key = MOMENTUM_INT8 if int8 else "momentum_buffer"
-    buf = state.get(key)
-    first_step = buf is None
-    if first_step:
-        create = create or (torch.zeros if piece is not None or int8 else torch.empty)
-        shape = _momentum_shape(master)
-        buf = state[key] = create(shape, dtype=dtype, device=master.device)
-        if int8:
-            scale_shape = int8_scale_shape(shape)
-            state[MOMENTUM_SCALE] = create(scale_shape, dtype=torch.float32, device=master.device)
-    scale = state[MOMENTUM_SCALE] if int8 else None
-    if piece is None:
-        return first_step, buf, scale
-    return False, buf[piece], None if scale is None else scale[piece]
-
-
-def _conform_momentum(state: dict, dtype: torch.dtype) -> None:
-    """Hold the momentum of ``state`` (if any) in ``dtype``: a float buffer cast, an int8 one
-    ([Note: 8-bit momentum]) quantised or dequantised."""
-    if dtype == torch.int8:
-        if "momentum_buffer" in state:
-            values = state.pop("momentum_buffer").to(torch.float32)
-            q = torch.empty(values.shape, dtype=torch.int8, device=values.device)
-            scale = torch.empty(int8_scale_shape(values.shape), device=values.device)
-            quantize_(q, scale, values)
-            state[MOMENTUM_INT8], state[MOMENTUM_SCALE] = q, scale
-    elif MOMENTUM_INT8 in state:
-        values = dequantized(state.pop(MOMENTUM_INT8), state.pop(MOMENTUM_SCALE))
-        state["momentum_buffer"] = values.to(dtype)
-    elif "momentum_buffer" in state and state["momentum_buffer"].dtype != dtype:
-        state["momentum_buffer"] = state["momentum_buffer"].to(dtype)
-
-
-def _second_moment_of(state: dict, master: torch.Tensor, piece: Piece) -> torch.Tensor:
-    """NorMuon's per-row second moment of one matrix (fp32, zeros on its first step)."""
-    moment = state.get(ROW_SECOND_MOMENT)
-    if moment is None:
-        shape = _momentum_shape(master)[:-1]  # (m,), or (k, m) for an expert piece
-        moment = torch.zeros(shape, dtype=torch.float32, device=master.device)
-        state[ROW_SECOND_MOMENT] = moment
-    return moment if piece is None else moment[piece]
 
 
 def _new_adamw_state(weight: torch.Tensor) -> dict[str, torch.Tensor]:
