@@ -1,0 +1,501 @@
+"""float8 training with dedicated weights: dmuon + torchao float8 against FSDP2 + AdamW + float8.
+
+One GPU (world size 1, ``torch.distributed`` initialised: NCCL on CUDA, gloo on the CPU), one
+model, the same data and seed for every arm: ``bench_e2e``'s Llama (RMSNorm, rotary attention
+with GQA, SwiGLU) at d_model 2048, 4 layers, 16 heads, 8 kv heads, ffn 5632, vocabulary 32000
+(about 320 M parameters), sequence 2048, batch 4, bf16 compute
+(``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``; dmuon's ``param_policy`` the
+same), ``fully_shard`` per layer and on the root for every arm. The arms (``--arms``, any subset
+in this order):
+
+- ``fsdp2-adamw``: ``torch.optim.AdamW`` (fused on CUDA), betas (0.9, 0.95), weight decay 0.1 on
+  the matrices, lr ``--adamw-lr``;
+- ``fsdp2-adamw-float8-tensorwise`` / ``-rowwise``: the same after
+  ``torchao.float8.convert_to_float8_training`` of every ``*proj`` linear (not ``lm_head``, as
+  torchtitan's converter), with that recipe; tensorwise as torchtitan runs it with FSDP2:
+  ``enable_fsdp_float8_all_gather=True`` and ``precompute_float8_dynamic_scale_for_fsdp`` after
+  each step (rowwise cannot gather in float8);
+- ``dmuon``: ``dmuon.dedicate_params`` on the ``*proj`` matrices, then the same ``fully_shard``,
+  ``dmuon.Muon(model, lr=--muon-lr, adamw_lr=--adamw-lr)``;
+- ``dmuon-float8-tensorwise`` / ``-rowwise``: the same float8 conversion *before*
+  ``dedicate_params`` ([Note: float8 training on dedicated weights] in ``dmuon.float8``): the
+  owner keeps the fp32 masters, the dedicated weight is broadcast in bf16 and cast to float8 by
+  torchao in each forward.
+
+Every arm: linear warm-up over the first 10 % of the steps, then cosine decay to 10 % of the
+peak (``LambdaLR``). Recorded per arm: the training loss of every step (the curve), the mean of
+the last 10 % of them, the loss on ``EVAL_ROWS`` held-out rows after the last step, the median
+step time over the steps after ``--warmup`` (zero_grad + forward + backward + step [+ the float8
+scale precompute]; CUDA events, one synchronisation per step; wall clock on the CPU), tokens per
+second at that median, and peak memory (``max_memory_allocated``, reset before the arm's model is
+built). An arm that fails is recorded with its error, the run goes on and exits with 1.
+
+The data, unless ``--data``: deterministic synthetic tokens with structure, the same for every
+arm. Each row of seq + 1 tokens is a first-order Markov chain over the vocabulary (every token
+has ``SUCCESSORS`` successors drawn once, with Zipf-like probabilities, the same for every token)
+for its first half, and a copy of the first half after it: a model learns the chain (bigram
+statistics) and, with attention, the copy. The loss floor (the chain's entropy on the first half,
+0 on the copy) is recorded as ``loss_floor``. ``--data FILE``: the Shakespeare bytes of
+``bench_convergence --prepare`` instead (vocabulary 256; windows of the training text in a seeded
+order, held-out rows from its validation plays).
+
+``--compile``: ``torch.compile`` each layer after ``fully_shard`` (torchao's float8 casts are
+separate kernels in eager mode; torchtitan compiles float8 runs). It is off by default: the
+default run measures eager mode, where float8's casts cost what they cost.
+
+Usage (repository root; on the GPU machine ``source .gpu/setup.sh`` first, for torchao)::
+
+    python -m torch.distributed.run --standalone --nproc-per-node 1 benchmarks/e2e/bench_float8.py
+    python -m torch.distributed.run --standalone --nproc-per-node 1 benchmarks/e2e/bench_float8.py \\
+        --compile --out $OUT/float8-compiled.json
+    python benchmarks/e2e/bench_float8.py --device cpu --quick   # the CPU smoke run (tiny model)
+
+Without torchrun the script makes itself a world of one. The CPU smoke run (``--quick``: the
+tiny ``QUICK_CONFIG`` model in fp32, seq 64, 12 steps) runs torchao's float8 casts and matmuls on
+the CPU, as ``tests/distributed/test_float8.py`` does. The default GPU run is about 6 x 200 steps
+of about 0.1 s on an H100.
+
+JSON (``--out``; default ``benchmarks/results/float8-<device>-<date>.json``, none with
+``--quick`` unless given): the GPU name, torch / CUDA / torchao / dmuon versions, git sha, date,
+model, data and per arm the curve and figures above. A table is printed last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import math
+import os
+import socket
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+
+# The repository root, where `benchmarks` is a package: see benchmarks/README.md.
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from benchmarks import _common
+
+_common.add_package_sources_if_missing()  # before dmuon is imported
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # noqa: E402
+
+import dmuon  # noqa: E402
+from benchmarks.e2e.bench_e2e import (  # noqa: E402
+    QUICK_CONFIG,
+    Llama,
+    ModelConfig,
+    Timer,
+    is_projection,
+    loss_of,
+)
+from dmuon.hooks import get_dedicated_state  # noqa: E402
+
+BENCHMARK = "float8"
+ARMS = (
+    "fsdp2-adamw",
+    "fsdp2-adamw-float8-tensorwise",
+    "fsdp2-adamw-float8-rowwise",
+    "dmuon",
+    "dmuon-float8-tensorwise",
+    "dmuon-float8-rowwise",
+)
+RECIPES = ("tensorwise", "rowwise")
+MODEL = ModelConfig(vocab=32000, dim=2048, layers=4, heads=16, kv_heads=8, ffn=5632)
+SEQ, BATCH, STEPS, WARMUP = 2048, 4, 200, 20
+QUICK_SEQ, QUICK_BATCH, QUICK_STEPS, QUICK_WARMUP = 64, 4, 12, 4
+ADAMW_LR, MUON_LR = 1e-3, 0.02
+ADAMW_BETAS, ADAMW_WEIGHT_DECAY = (0.9, 0.95), 0.1
+WARMUP_FRACTION, FINAL_LR_FRACTION = 0.1, 0.1
+SUCCESSORS = 8  # per token of the synthetic chain
+EVAL_ROWS, QUICK_EVAL_ROWS = 16, 4
+DATA_SEED, EVAL_SEED, MODEL_SEED = 1, 2, 0
+
+
+# ---- the data ---------------------------------------------------------------------------------
+
+
+def successor_weights() -> torch.Tensor:
+    """The chain's probabilities of a token's ``SUCCESSORS`` successors: Zipf-like, 1/(k+1)."""
+    weights = 1.0 / torch.arange(1, SUCCESSORS + 1, dtype=torch.float64)
+    return weights / weights.sum()
+
+
+def chain_rows(vocab: int, rows: int, seq: int, seed: int) -> torch.Tensor:
+    """(rows, seq + 1) token ids: a Markov chain over the first half, copied after it.
+
+    The successor table is drawn from ``DATA_SEED`` (one chain for every split); ``seed`` draws
+    the rows' walks. On the CPU, so every device gets the same tokens."""
+    table = torch.randint(
+        0, vocab, (vocab, SUCCESSORS), generator=torch.Generator().manual_seed(DATA_SEED)
+    )
+    generator = torch.Generator().manual_seed(seed)
+    half = (seq + 2) // 2
+    walk = torch.empty(rows, half, dtype=torch.long)
+    walk[:, 0] = torch.randint(0, vocab, (rows,), generator=generator)
+    choices = torch.multinomial(
+        successor_weights().float(), rows * (half - 1), replacement=True, generator=generator
+    ).view(rows, half - 1)
+    for position in range(1, half):
+        walk[:, position] = table[walk[:, position - 1], choices[:, position - 1]]
+    return torch.cat((walk, walk), dim=1)[:, : seq + 1]
+
+
+def chain_loss_floor(seq: int) -> float:
+    """The mean loss of a model that knows the chain and copies: the chain's entropy on the
+    predicted positions of the first half, 0 on the copy."""
+    weights = successor_weights()
+    entropy = float(-(weights * weights.log()).sum())
+    half = (seq + 2) // 2
+    return entropy * (half - 1) / seq
+
+
+class Data:
+    """Every step's (batch, seq + 1) tokens and the held-out rows, on the device."""
+
+    def __init__(self, args: argparse.Namespace, device: torch.device) -> None:
+        rows = args.steps * args.batch
+        eval_rows = QUICK_EVAL_ROWS if args.quick else EVAL_ROWS
+        if args.data is None:
+            self.train = chain_rows(args.model.vocab, rows, args.seq, seed=10).to(device)
+            self.eval = chain_rows(args.model.vocab, eval_rows, args.seq, seed=EVAL_SEED)
+            self.eval = self.eval.to(device)
+            self.meta = {
+                "kind": "markov-chain-then-copy",
+                "successors": SUCCESSORS,
+                "loss_floor": chain_loss_floor(args.seq),
+            }
+        else:
+            from benchmarks.e2e.bench_convergence import Windows, load
+
+            train_bytes, val_bytes, meta = load(args.data)
+            train, val = (
+                Windows(train_bytes, args.seq, device),
+                Windows(val_bytes, args.seq, device),
+            )
+            order = torch.randperm(train.count, generator=torch.Generator().manual_seed(DATA_SEED))
+            if rows > train.count:
+                raise SystemExit(
+                    f"{BENCHMARK}: --steps {args.steps} x --batch {args.batch} = {rows} windows, "
+                    f"but {args.data} has {train.count} at seq {args.seq}; lower --steps."
+                )
+            self.train = train.take(order[:rows].to(device))
+            spaced = torch.linspace(0, val.count - 1, eval_rows).long()
+            self.eval = val.take(spaced.to(device))
+            self.meta = {"kind": "shakespeare-bytes", "file": str(args.data), **meta}
+        self.batch = args.batch
+
+    def step(self, index: int) -> torch.Tensor:
+        return self.train[index * self.batch : (index + 1) * self.batch]
+
+
+# ---- the arms ---------------------------------------------------------------------------------
+
+
+def recipe_of(arm: str) -> str | None:
+    return arm.rsplit("-", 1)[1] if "-float8-" in arm else None
+
+
+def float8_config(arm: str):
+    """torchao's config of a float8 arm: the recipe's; FSDP2's tensorwise with the float8
+    all-gather, as torchtitan sets it."""
+    from torchao.float8 import Float8LinearConfig
+
+    config = Float8LinearConfig.from_recipe_name(recipe_of(arm))
+    if arm == "fsdp2-adamw-float8-tensorwise":
+        config = dataclasses.replace(config, enable_fsdp_float8_all_gather=True)
+    return config
+
+
+def lr_factor(step: int, steps: int) -> float:
+    """Linear warm-up to 1, then cosine decay to ``FINAL_LR_FRACTION`` at ``steps``."""
+    warmup = max(1, round(steps * WARMUP_FRACTION))
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, steps - warmup))
+    return FINAL_LR_FRACTION + (1 - FINAL_LR_FRACTION) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def build(arm: str, args: argparse.Namespace, mesh, device: torch.device):
+    """(model, optimizer, after_step, extra JSON fields) of one arm, from the seeded model."""
+    torch.manual_seed(MODEL_SEED)
+    with device:
+        model = Llama(args.model, args.seq, checkpoint_layers=False)
+    extra: dict = {}
+    after_step = None
+    if recipe_of(arm) is not None:
+        from torchao.float8 import convert_to_float8_training
+
+        config = float8_config(arm)
+        convert_to_float8_training(
+            model, config=config, module_filter_fn=lambda module, fqn: "proj" in fqn
+        )
+        extra["float8_linears"] = sum(type(m).__name__ == "Float8Linear" for m in model.modules())
+        extra["float8_all_gather"] = config.enable_fsdp_float8_all_gather
+        if config.enable_fsdp_float8_all_gather:
+            from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
+            def after_step() -> None:
+                precompute_float8_dynamic_scale_for_fsdp(model)
+
+    mixed = args.param_dtype != torch.float32
+    mp_policy = MixedPrecisionPolicy(
+        param_dtype=args.param_dtype if mixed else None,
+        reduce_dtype=torch.float32 if mixed else None,
+    )
+    if arm.startswith("dmuon"):
+        dmuon.dedicate_params(
+            model,
+            mesh,
+            predicate=is_projection,
+            param_policy=(
+                {"defaults": {"param_dtype": args.param_dtype, "reduce_dtype": torch.float32}}
+                if mixed
+                else None
+            ),
+        )
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh, mp_policy=mp_policy)
+    fully_shard(model, mesh=mesh, mp_policy=mp_policy)
+    if args.compile:
+        for layer in model.layers:
+            layer.compile()
+    if arm.startswith("dmuon"):
+        optimizer = dmuon.Muon(model, lr=args.muon_lr, adamw_lr=args.adamw_lr)
+        extra["newton_schulz"] = repr(optimizer.newton_schulz)
+        extra["dedicated_modules"] = sorted(
+            {type(p.module).__name__ for p in get_dedicated_state(model).params.values()}
+        )
+    else:
+        decay = [p for p in model.parameters() if p.ndim >= 2]
+        no_decay = [p for p in model.parameters() if p.ndim < 2]
+        optimizer = torch.optim.AdamW(
+            [
+                {"params": decay, "weight_decay": ADAMW_WEIGHT_DECAY},
+                {"params": no_decay, "weight_decay": 0.0},
+            ],
+            lr=args.adamw_lr,
+            betas=ADAMW_BETAS,
+            fused=device.type == "cuda",
+        )
+    return model, optimizer, after_step, extra
+
+
+def evaluate(model, data: Data) -> float:
+    with torch.no_grad():
+        return sum(
+            loss_of(model, data.eval[start : start + data.batch]).item()
+            * len(data.eval[start : start + data.batch])
+            for start in range(0, len(data.eval), data.batch)
+        ) / len(data.eval)
+
+
+def run_arm(arm: str, args, mesh, device: torch.device, data: Data) -> dict:
+    """One arm's curve, step times and peak memory; its error instead if it fails."""
+    free_memory(device)
+    started = time.perf_counter()
+    try:
+        model, optimizer, after_step, extra = build(arm, args, mesh, device)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lambda step: lr_factor(step, args.steps)
+        )
+        losses, step_ms = [], []
+        for index in range(args.steps):
+            timer = Timer(device)
+            timer.start()
+            optimizer.zero_grad(set_to_none=True)
+            loss = loss_of(model, data.step(index))
+            loss.backward()
+            optimizer.step()
+            if after_step is not None:
+                after_step()
+            timer.stop()
+            scheduler.step()
+            _common.synchronize(device)
+            losses.append(loss.item())
+            if index >= args.warmup:
+                step_ms.append(timer.ms())
+        eval_loss = evaluate(model, data)
+    except Exception as error:
+        print(f"{arm}: failed: {type(error).__name__}: {error}", flush=True)
+        return {"error": f"{type(error).__name__}: {error}", "traceback": traceback.format_exc()}
+    peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+    median = statistics.median(step_ms)
+    tail = losses[-max(1, len(losses) // 10) :]
+    result = {
+        "losses": losses,
+        "losses_finite": all(math.isfinite(x) for x in losses),
+        "final_loss_mean": sum(tail) / len(tail),
+        "eval_loss": eval_loss,
+        "step_ms": step_ms,
+        "step_ms_median": median,
+        "tokens_per_second": args.batch * args.seq / (median / 1e3),
+        "peak_gib": peak,
+        "wall_seconds": time.perf_counter() - started,
+        **extra,
+    }
+    print(
+        f"{arm}: step {median:.1f} ms, loss {losses[0]:.3f} -> {result['final_loss_mean']:.3f}, "
+        f"eval {eval_loss:.3f}" + (f", peak {peak:.1f} GiB" if peak is not None else ""),
+        flush=True,
+    )
+    del model, optimizer, scheduler
+    free_memory(device)
+    return result
+
+
+def free_memory(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+# ---- report -----------------------------------------------------------------------------------
+
+
+def print_table(results: dict, floor: float | None) -> None:
+    baseline = results.get("fsdp2-adamw", {}).get("step_ms_median")
+    print()
+    print(
+        f"{'arm':32} {'step ms':>8} {'x fsdp2':>8} {'tok/s':>9} {'peak GiB':>9} "
+        f"{'loss end':>9} {'eval':>7}"
+    )
+    for arm, result in results.items():
+        if "error" in result:
+            print(f"{arm:32} failed: {result['error'][:80]}")
+            continue
+        ratio = f"{result['step_ms_median'] / baseline:.3f}" if baseline else "-"
+        peak = f"{result['peak_gib']:.2f}" if result["peak_gib"] is not None else "-"
+        print(
+            f"{arm:32} {result['step_ms_median']:8.1f} {ratio:>8} "
+            f"{result['tokens_per_second']:9.0f} {peak:>9} {result['final_loss_mean']:9.4f} "
+            f"{result['eval_loss']:7.4f}"
+        )
+    if floor is not None:
+        print(f"(the synthetic data's loss floor: {floor:.4f})")
+
+
+# ---- main -------------------------------------------------------------------------------------
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    parser.add_argument("--quick", action="store_true", help="the tiny CPU smoke configuration")
+    parser.add_argument("--arms", default=",".join(ARMS), help=f"any of {', '.join(ARMS)}")
+    parser.add_argument("--steps", type=int, default=None)
+    parser.add_argument("--warmup", type=int, default=None, help="steps not timed")
+    parser.add_argument("--seq", type=int, default=None)
+    parser.add_argument("--batch", type=int, default=None)
+    parser.add_argument("--layers", type=int, default=None, help=f"default {MODEL.layers}")
+    parser.add_argument("--adamw-lr", type=float, default=ADAMW_LR)
+    parser.add_argument("--muon-lr", type=float, default=MUON_LR)
+    parser.add_argument("--compile", action="store_true", help="torch.compile each layer")
+    parser.add_argument("--data", type=Path, default=None, help="bench_convergence's .npz")
+    _common.add_record_options(
+        parser, "default: benchmarks/results/float8-<device>-<date>.json (none with --quick)"
+    )
+    args = parser.parse_args(argv)
+    args.arms = [arm.strip() for arm in args.arms.split(",") if arm.strip()]
+    unknown = [arm for arm in args.arms if arm not in ARMS]
+    if unknown:
+        parser.error(f"--arms: unknown {', '.join(unknown)}; the arms are {', '.join(ARMS)}")
+    model = QUICK_CONFIG if args.quick else MODEL
+    if args.data is not None:
+        model = dataclasses.replace(model, vocab=256)
+    if args.layers is not None:
+        model = dataclasses.replace(model, layers=args.layers)
+    args.model = model
+    for name, full, quick in (
+        ("steps", STEPS, QUICK_STEPS),
+        ("warmup", WARMUP, QUICK_WARMUP),
+        ("seq", SEQ, QUICK_SEQ),
+        ("batch", BATCH, QUICK_BATCH),
+    ):
+        if getattr(args, name) is None:
+            setattr(args, name, quick if args.quick else full)
+    if args.warmup >= args.steps:
+        parser.error(f"--warmup {args.warmup} leaves no timed step of --steps {args.steps}")
+    # bf16 compute on the GPU as float8 training runs; fp32 on the CPU (as the CPU tests).
+    args.param_dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
+    return args
+
+
+def single_process_environment() -> None:
+    """Lets ``python benchmarks/e2e/bench_float8.py`` run without torchrun (world size 1)."""
+    if "RANK" in os.environ:
+        return
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    single_process_environment()
+    backend = "nccl" if args.device == "cuda" else "gloo"
+    device = _common.start_process_group(BENCHMARK, args.device, backend, "--device cpu --quick")
+    if dist.get_world_size() != 1:
+        raise SystemExit(
+            f"{BENCHMARK}: world size {dist.get_world_size()}; this benchmark compares the arms "
+            "on one device: run it with --nproc-per-node 1."
+        )
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+        print(f"{BENCHMARK}: float8 GEMMs need SM89 or later; the float8 arms will fail.")
+    mesh = init_device_mesh(device.type, (1,), mesh_dim_names=("shard",))
+    data = Data(args, device)
+    device_label = _common.device_name(device)
+    with torch.device("meta"):
+        num_params = sum(p.numel() for p in Llama(args.model, 1, False).parameters())
+    print(
+        f"{BENCHMARK}: {device_label}, torch {torch.__version__}, torchao "
+        f"{_common.installed('torchao')['torchao']}, dmuon {dmuon.__version__}; Llama "
+        f"{num_params / 1e6:.1f} M params ({dataclasses.asdict(args.model)}), seq {args.seq}, "
+        f"batch {args.batch}, {args.steps} steps, {args.param_dtype} compute"
+        + (", compiled layers" if args.compile else ""),
+        flush=True,
+    )
+    results = {arm: run_arm(arm, args, mesh, device, data) for arm in args.arms}
+    date = _common.utc_now()
+    record = {
+        "benchmark": BENCHMARK,
+        "device": device_label,
+        **_common.versions(dmuon=dmuon.__version__, **_common.installed("torchao")),
+        "git_sha": _common.git_sha(args.git_sha),
+        "date": _common.iso_seconds(date),
+        "environment": _common.dmuon_environment(),
+        "model": dataclasses.asdict(args.model),
+        "num_params": num_params,
+        "seq": args.seq,
+        "batch": args.batch,
+        "steps": args.steps,
+        "timed_after": args.warmup,
+        "param_dtype": str(args.param_dtype),
+        "compile": args.compile,
+        "adamw_lr": args.adamw_lr,
+        "muon_lr": args.muon_lr,
+        "data": data.meta,
+        "arms": results,
+    }
+    out = args.out
+    if out is None and not args.quick:
+        qualifiers = ["compiled"] if args.compile else []
+        out = _common.result_path(BENCHMARK, device_label, date, *qualifiers)
+    if out is not None:
+        _common.write_json(out, record)
+    print_table(results, data.meta.get("loss_floor"))
+    dist.destroy_process_group()
+    return 1 if any("error" in result for result in results.values()) else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
