@@ -11,8 +11,9 @@ Must not: measure anything, decide what a script's JSON contains (each script la
 record, these functions give its values), or import dmuon (the distributed scripts call
 ``add_package_sources_if_missing()`` before they import it).
 
-The scripts run as ``python benchmarks/<name>.py`` (or under ``torch.distributed.run``), which
-puts this folder on ``sys.path``: they ``import _common``.
+The scripts run as ``python benchmarks/<kind>/<name>.py`` (or under ``torch.distributed.run``)
+from the repository root; each puts the repository root on ``sys.path`` first and then
+``from benchmarks import _common`` (``benchmarks/README.md``).
 """
 
 from __future__ import annotations

@@ -20,8 +20,9 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import PurePath
 
-import _common
 import torch
+
+from benchmarks import _common
 
 OWN_TIME, CUMULATIVE_TIME = "own", "cumulative"
 _SORT_KEYS = {OWN_TIME: "own_us_per_call", CUMULATIVE_TIME: "cum_us_per_call"}

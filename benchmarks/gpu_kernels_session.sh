@@ -36,13 +36,13 @@ PY
     tests)
       timeout ${TESTS_TIMEOUT:-300} python3 -m pytest tests/gpu -q -rs -p no:cacheprovider 2>&1 | tee "$OUT/tests.log" | tail -40 ;;
     syrk)
-      timeout ${SYRK_TIMEOUT:-240} python3 benchmarks/bench_syrk.py --out "$OUT/syrk.json" --git-sha "$sha" 2>&1 | tee "$OUT/syrk.log" | grep -v "SYRK autotune" ;;
+      timeout ${SYRK_TIMEOUT:-240} python3 benchmarks/kernels/bench_syrk.py --out "$OUT/syrk.json" --git-sha "$sha" 2>&1 | tee "$OUT/syrk.log" | grep -v "SYRK autotune" ;;
     ns)
-      timeout ${NS_TIMEOUT:-300} python3 benchmarks/bench_ns.py --out "$OUT/ns.json" --git-sha "$sha" 2>&1 | tee "$OUT/ns.log" | grep -v "SYRK autotune" ;;
+      timeout ${NS_TIMEOUT:-300} python3 benchmarks/kernels/bench_ns.py --out "$OUT/ns.json" --git-sha "$sha" 2>&1 | tee "$OUT/ns.log" | grep -v "SYRK autotune" ;;
     blocks)
-      timeout ${BLOCKS_TIMEOUT:-150} python3 benchmarks/bench_cublas_blocks.py --out "$OUT/blocks.json" --git-sha "$sha" 2>&1 | tee "$OUT/blocks.log" ;;
+      timeout ${BLOCKS_TIMEOUT:-150} python3 benchmarks/kernels/bench_cublas_blocks.py --out "$OUT/blocks.json" --git-sha "$sha" 2>&1 | tee "$OUT/blocks.log" ;;
     step)
-      timeout ${STEP_TIMEOUT:-240} python3 benchmarks/bench_step.py --out "$OUT/step.json" --git-sha "$sha" 2>&1 | grep -v "SYRK autotune" | tee "$OUT/step.log" ;;
+      timeout ${STEP_TIMEOUT:-240} python3 benchmarks/step/bench_step.py --out "$OUT/step.json" --git-sha "$sha" 2>&1 | grep -v "SYRK autotune" | tee "$OUT/step.log" ;;
   esac
   echo "== step $step took $(( $(date +%s) - start ))s"
 done

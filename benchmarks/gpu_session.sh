@@ -89,33 +89,33 @@ case $part in
   ;;
 2)
   step profile-overlap 200 python -m torch.distributed.run --standalone --nproc-per-node 1 \
-    benchmarks/profile_overlap.py --git-sha "$sha" --out "$out/profile-overlap.json"
-  step fused-step 60 python benchmarks/bench_fused_step.py --git-sha "$sha" --out "$out/fused-step.json"
-  step step 100 python benchmarks/bench_step.py --git-sha "$sha" --out "$out/step.json"
-  step hf-trainer 200 python benchmarks/run_hf_trainer_cuda.py --out "$out/hf-trainer-w1.json"
+    benchmarks/overlap/profile_overlap.py --git-sha "$sha" --out "$out/profile-overlap.json"
+  step fused-step 60 python benchmarks/step/bench_fused_step.py --git-sha "$sha" --out "$out/fused-step.json"
+  step step 100 python benchmarks/step/bench_step.py --git-sha "$sha" --out "$out/step.json"
+  step hf-trainer 200 python benchmarks/checks/run_hf_trainer_cuda.py --out "$out/hf-trainer-w1.json"
   ;;
 3)
-  step cold-start-qwen 270 python benchmarks/bench_cold_start.py --models qwen2 qwen3-moe \
+  step cold-start-qwen 270 python benchmarks/e2e/bench_cold_start.py --models qwen2 qwen3-moe \
     --git-sha "$sha" --out "$out/cold-start-qwen.json"
-  step cold-start-llama 200 python benchmarks/bench_cold_start.py --models llama-0.89b \
+  step cold-start-llama 200 python benchmarks/e2e/bench_cold_start.py --models llama-0.89b \
     --git-sha "$sha" --out "$out/cold-start-llama.json"
-  step ns-schedules 90 python benchmarks/bench_ns_schedules.py --git-sha "$sha" \
+  step ns-schedules 90 python benchmarks/kernels/bench_ns_schedules.py --git-sha "$sha" \
     --out "$out/ns-schedules.json"
   ;;
 4)
-  step dispatch 100 python benchmarks/bench_dispatch.py --shapes 1024x4096 2048x2048 \
+  step dispatch 100 python benchmarks/kernels/bench_dispatch.py --shapes 1024x4096 2048x2048 \
     4096x4096 8192x8192 --host-profile 20 --git-sha "$sha" --out "$out/dispatch.json"
   step collectives 150 python -m torch.distributed.run --standalone --nproc-per-node 4 \
-    benchmarks/bench_collectives.py --backend gloo --iters 10 --warmup 2 --git-sha "$sha" \
+    benchmarks/overlap/bench_collectives.py --backend gloo --iters 10 --warmup 2 --git-sha "$sha" \
     --out "$out/collectives-gloo-w4.json"
   # torchtitan and its small pure-Python dependencies travel as wheels in .gpu/titan.
   python -m pip install -q --no-deps --target /tmp/titan-site .gpu/titan/*.whl >/dev/null 2>&1
   PYTHONPATH=$PYTHONPATH:/tmp/titan-site GIT_SHA=$sha \
-    step titan 150 python benchmarks/bench_titan.py --out "$out/titan-w1.json"
+    step titan 150 python benchmarks/e2e/bench_titan.py --out "$out/titan-w1.json"
   ;;
 5)
   sharded_gpu_tests 3 285
-  step cold-start 290 python benchmarks/bench_cold_start.py --models qwen2 qwen3-moe llama-0.89b \
+  step cold-start 290 python benchmarks/e2e/bench_cold_start.py --models qwen2 qwen3-moe llama-0.89b \
     --git-sha "$sha" --out "$out/cold-start.json"
   ;;
 6)
@@ -125,23 +125,23 @@ case $part in
     --git-sha "$sha" --out "$out/e2e-w1.json"
   ;;
 7)
-  step step 150 python benchmarks/bench_step.py --profile --git-sha "$sha" --out "$out/step.json"
+  step step 150 python benchmarks/step/bench_step.py --profile --git-sha "$sha" --out "$out/step.json"
   step opt-step 150 python -m torch.distributed.run --standalone --nproc-per-node 1 \
-    benchmarks/profile_opt_step.py --git-sha "$sha" --out "$out/profile-opt-step.json"
+    benchmarks/step/profile_opt_step.py --git-sha "$sha" --out "$out/profile-opt-step.json"
   ;;
 8)
   sharded_gpu_tests 3 400
   step overlap-ab 150 python -m torch.distributed.run --standalone --nproc-per-node 1 \
-    benchmarks/overlap_ab.py --rounds 60 --git-sha "$sha" --out "$out/overlap-ab.json"
+    benchmarks/overlap/overlap_ab.py --rounds 60 --git-sha "$sha" --out "$out/overlap-ab.json"
   ;;
 9)
   step e2e 130 python -m torch.distributed.run --standalone --nproc-per-node 1 \
     benchmarks/bench_e2e.py --variants dmuon-z3,dmuon-z3-overlap \
     --git-sha "$sha" --out "$out/e2e-w1.json"
   step overlap-timeline 100 python -m torch.distributed.run --standalone --nproc-per-node 1 \
-    benchmarks/overlap_timeline.py --git-sha "$sha" --out "$out/overlap-timeline.json"
+    benchmarks/overlap/overlap_timeline.py --git-sha "$sha" --out "$out/overlap-timeline.json"
   step profile-overlap 200 python -m torch.distributed.run --standalone --nproc-per-node 1 \
-    benchmarks/profile_overlap.py --git-sha "$sha" --out "$out/profile-overlap.json"
+    benchmarks/overlap/profile_overlap.py --git-sha "$sha" --out "$out/profile-overlap.json"
   ;;
 *)
   echo "part must be 0 to 9" >&2

@@ -50,10 +50,10 @@ for world in ${WORLDS:-2 4 8}; do
   for step in $steps; do
     case $step in
       protocol)
-        run protocol "${PROTOCOL_TIMEOUT:-300}" "$world" benchmarks/run_protocol_cuda.py \
+        run protocol "${PROTOCOL_TIMEOUT:-300}" "$world" benchmarks/checks/run_protocol_cuda.py \
           --backend nccl --out "$OUT/protocol-$device-nccl-w$world-$day.json" ;;
       collectives)
-        run collectives "${COLLECTIVES_TIMEOUT:-300}" "$world" benchmarks/bench_collectives.py \
+        run collectives "${COLLECTIVES_TIMEOUT:-300}" "$world" benchmarks/overlap/bench_collectives.py \
           --out "$OUT/collectives-$device-nccl-w$world-$day.json" ;;
       e2e)
         run e2e "${E2E_TIMEOUT:-600}" "$world" benchmarks/bench_e2e.py \
@@ -62,7 +62,7 @@ for world in ${WORLDS:-2 4 8}; do
         run e2e-large "${E2E_TIMEOUT:-600}" "$world" benchmarks/bench_e2e.py \
           --dim 4096 --layers 8 --out "$OUT/e2e-$device-d4096-w$world-$day.json" ;;
       overlap)
-        run overlap "${OVERLAP_TIMEOUT:-600}" "$world" benchmarks/overlap_ab.py \
+        run overlap "${OVERLAP_TIMEOUT:-600}" "$world" benchmarks/overlap/overlap_ab.py \
           --rounds 30 --out "$OUT/overlap-ab-$device-w$world-$day.json" ;;
       *)
         echo "unknown step $step (protocol, collectives, e2e, e2e-large, overlap)"; exit 2 ;;

@@ -743,7 +743,7 @@ def format_markdown(calibration: Calibration) -> str:
         "FSDP2's step is the fit: the ring model prices gloo's broadcast and reduce (dmuon's "
         "collectives) like its all-gather and reduce-scatter (FSDP2's), and the measurements say "
         "gloo does not (one explanation, unverified: a reduce-scatter run as an all-reduce, "
-        "twice the bytes). `benchmarks/bench_collectives.py --backend gloo` on 4 ranks measures "
+        "twice the bytes). `benchmarks/overlap/bench_collectives.py --backend gloo` on 4 ranks measures "
         "each kind; a per-kind link would replace the one fitted bandwidth.",
         "- Nothing here tests NVLink or the network: those predictions rest on the assumed links "
         "until `benchmarks/multi_gpu_session.sh` runs.",

@@ -15,7 +15,7 @@ predictions first; without matplotlib it then exits 2 with that line naming the 
     dmuon-tools simulate --config llama3-8b --gpus 64 --tokens-per-step 1M --training-tflops 300
     dmuon-tools calibrate --results benchmarks/results [--markdown]
 
-``ns.json``: a ``benchmarks/bench_ns.py`` result or a plain ``{"MxN": ms}`` object (the wheel ships
+``ns.json``: a ``benchmarks/kernels/bench_ns.py`` result or a plain ``{"MxN": ms}`` object (the wheel ships
 no table; the repository's ``benchmarks/results/`` holds measured ones).
 """
 
@@ -83,7 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument(
         "--ns-table",
         metavar="JSON",
-        help='measured NS times: a benchmarks/bench_ns.py result or {"MxN": ms}',
+        help='measured NS times: a benchmarks/kernels/bench_ns.py result or {"MxN": ms}',
     )
     plan.add_argument(
         "--candidate",

@@ -233,9 +233,9 @@ H200_SOURCES = {
     "memory_gib": "the H200's 141 GB less what the CUDA context and allocator keep (139 GiB "
     "allocatable, as the GPU machine reports)",
     "nvlink": "assumed: H200 NVLink 4 (450 GB/s a direction), NCCL ring bus bandwidth about "
-    "80% of it; not measured (no multi-GPU machine yet: benchmarks/bench_collectives.py)",
+    "80% of it; not measured (no multi-GPU machine yet: benchmarks/overlap/bench_collectives.py)",
     "network": "assumed: one 400 Gb/s NIC per GPU (50 GB/s), 90% achieved by a ring, 10 us a "
-    "step; not measured (benchmarks/bench_collectives.py on two nodes)",
+    "step; not measured (benchmarks/overlap/bench_collectives.py on two nodes)",
 }
 
 H200 = Machine(

@@ -4,7 +4,7 @@ Owns the byte counts the simulator reports per system, by component, and the pea
 moments of a step: the end of forward (activations saved, no gradients yet), the end of backward
 (every gradient, one layer's working set) and the optimizer step (state, gradients, the step's
 workspace). It must not time anything. The components and their sizes are the ones
-``benchmarks/profile_host.py`` records after a step (fp32 masters, momentum, master gradients,
+``benchmarks/e2e/profile_host.py`` records after a step (fp32 masters, momentum, master gradients,
 resident segments, FSDP2 shards, AdamW state), so they can be compared one by one.
 
 [Note: what the memory model leaves out]

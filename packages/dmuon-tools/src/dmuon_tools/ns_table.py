@@ -1,6 +1,6 @@
 """A measured Newton-Schulz time table: milliseconds per matrix shape, and lookups for any shape.
 
-Owns reading the table (the JSON ``benchmarks/bench_ns.py`` writes, or a plain ``{"MxN": ms}``
+Owns reading the table (the JSON ``benchmarks/kernels/bench_ns.py`` writes, or a plain ``{"MxN": ms}``
 object) and the estimate for a shape the table lacks: the time of the table shape nearest in
 Newton-Schulz FLOPs (``6 n'^2 m' + 14 n'^3``, ``n' = min``, ``m' = max``), scaled by the FLOP
 ratio, and flagged as scaled. A shape and its transpose cost the same (Newton-Schulz works on the
@@ -80,7 +80,7 @@ class NSTimeTable:
         if not isinstance(results, list):
             raise ValueError(
                 f"{source}: 'results' must be a list of rows (shape, candidate, median_ms), got a "
-                f"JSON {type(results).__name__}; pass a benchmarks/bench_ns.py result."
+                f"JSON {type(results).__name__}; pass a benchmarks/kernels/bench_ns.py result."
             )
         rows = [row for row in results if isinstance(row, Mapping)]
         candidates = sorted({str(row.get("candidate")) for row in rows})

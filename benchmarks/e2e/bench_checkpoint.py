@@ -15,8 +15,8 @@ once more on its own, and so is the export of the full model to the CPU of rank 
 
 Usage (repository root; on the GPU machine put the package sources on PYTHONPATH)::
 
-    python -m torch.distributed.run --nproc-per-node 1 benchmarks/bench_checkpoint.py
-    python -m torch.distributed.run --nproc-per-node 2 benchmarks/bench_checkpoint.py --device cpu --quick
+    python -m torch.distributed.run --nproc-per-node 1 benchmarks/e2e/bench_checkpoint.py
+    python -m torch.distributed.run --nproc-per-node 2 benchmarks/e2e/bench_checkpoint.py --device cpu --quick
 
 Rank 0 prints a table and writes JSON (``--out``; default
 ``benchmarks/results/checkpoint-<gpu>-w<world>-<date>.json``, none with ``--quick``).
@@ -28,16 +28,18 @@ import argparse
 import functools
 import shutil
 import statistics
+import sys
 import tempfile
 import time
 from dataclasses import asdict
 from pathlib import Path
 
-import _common
+# The repository root, where `benchmarks` is a package: see benchmarks/README.md.
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from benchmarks import _common
 
 _common.add_package_sources_if_missing()  # before dmuon is imported
 
-import bench_e2e  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.distributed.checkpoint as dcp  # noqa: E402
@@ -46,6 +48,7 @@ from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 
 import dmuon  # noqa: E402
 import dmuon.checkpoint as dckpt  # noqa: E402
+from benchmarks.e2e import bench_e2e  # noqa: E402
 
 VARIANTS = ("fsdp2-adamw", "dmuon-z3")
 TARGET_RATIO = 1.2  # dmuon's save + load at most 1.2x FSDP2 + AdamW's

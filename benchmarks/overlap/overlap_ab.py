@@ -12,8 +12,8 @@ difference measured at world size 1.
 Usage (repository root)::
 
     python -m torch.distributed.run --standalone --nproc-per-node 1 \\
-        benchmarks/overlap_ab.py --rounds 40 --out $OUT/overlap-ab.json
-    python -m torch.distributed.run --nproc-per-node 2 benchmarks/overlap_ab.py \\
+        benchmarks/overlap/overlap_ab.py --rounds 40 --out $OUT/overlap-ab.json
+    python -m torch.distributed.run --nproc-per-node 2 benchmarks/overlap/overlap_ab.py \\
         --device cpu --quick --rounds 2   # a smoke test on gloo
 """
 
@@ -23,18 +23,21 @@ import argparse
 import dataclasses
 import random
 import statistics
+import sys
 from pathlib import Path
 
-import _common
+# The repository root, where `benchmarks` is a package: see benchmarks/README.md.
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from benchmarks import _common
 
 _common.add_package_sources_if_missing()  # before dmuon is imported
 
-import bench_e2e  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 
 import dmuon  # noqa: E402
+from benchmarks.e2e import bench_e2e  # noqa: E402
 from dmuon.inspect import SPECULATION_CHUNKS  # noqa: E402
 
 PLAIN, OVERLAPPED = "dmuon-z3", "dmuon-z3-overlap"

@@ -13,11 +13,11 @@ bandwidth (``t = (n - 1) alpha + f B / bw``, ``f`` = (n-1)/n for all-gather and 
 
 Usage (repository root; on the GPU machine put the package sources on PYTHONPATH)::
 
-    python -m torch.distributed.run --nproc-per-node 8 benchmarks/bench_collectives.py
-    python -m torch.distributed.run --nproc-per-node 4 benchmarks/bench_collectives.py --backend gloo
+    python -m torch.distributed.run --nproc-per-node 8 benchmarks/overlap/bench_collectives.py
+    python -m torch.distributed.run --nproc-per-node 4 benchmarks/overlap/bench_collectives.py --backend gloo
     python -m torch.distributed.run --nnodes 2 --nproc-per-node 8 --rdzv-endpoint HOST:29500 \\
-        benchmarks/bench_collectives.py                     # across nodes: the network link
-    python -m torch.distributed.run --nproc-per-node 2 benchmarks/bench_collectives.py --device cpu --quick
+        benchmarks/overlap/bench_collectives.py                     # across nodes: the network link
+    python -m torch.distributed.run --nproc-per-node 2 benchmarks/overlap/bench_collectives.py --device cpu --quick
 
 Rank 0 prints a table and writes JSON (``--out``; default
 ``benchmarks/results/collectives-<gpu>-<backend>-w<world>-<date>.json``, none with ``--quick``).
@@ -30,10 +30,14 @@ import os
 import statistics
 import sys
 import time
+from pathlib import Path
 
-import _common
+# The repository root, where `benchmarks` is a package: see benchmarks/README.md.
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import torch
 import torch.distributed as dist
+
+from benchmarks import _common
 
 KINDS = ("broadcast", "reduce", "all_gather", "reduce_scatter", "all_reduce")
 SIZES_MIB = (1, 4, 16, 64, 256)

@@ -12,34 +12,36 @@ Two contexts, each a fresh seeded model trained on the same tokens:
 Per context, after ``--warmup`` iterations: ``--steps`` iterations whose ``step()`` starts on an
 idle device (synchronised after backward) and is timed with CUDA events and on the host (entry
 to return), then one more profiled ``step()``: device time per kernel, summed per kernel class
-against the Newton-Schulz FLOP floor of the dedicated matrices (``benchmarks/_step_anatomy.py``).
+against the Newton-Schulz FLOP floor of the dedicated matrices (``benchmarks/step/_step_anatomy.py``).
 The difference of the two class tables is where the FSDP2 run's extra step time goes.
 
 Usage (GPU machine, repository root)::
 
     python -m torch.distributed.run --standalone --nproc-per-node 1 \\
-        benchmarks/profile_opt_step.py --out $OUT/profile-opt-step.json
+        benchmarks/step/profile_opt_step.py --out $OUT/profile-opt-step.json
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
 from pathlib import Path
 
-import _common
+# The repository root, where `benchmarks` is a package: see benchmarks/README.md.
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from benchmarks import _common
 
 _common.add_package_sources_if_missing()
 
-import _step_anatomy  # noqa: E402
-import bench_e2e  # noqa: E402
-import bench_step  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 
 import dmuon  # noqa: E402
+from benchmarks.e2e import bench_e2e  # noqa: E402
+from benchmarks.step import _step_anatomy, bench_step  # noqa: E402
 
 CONTEXTS = ("fsdp2", "alone")
 

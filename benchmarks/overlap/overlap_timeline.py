@@ -24,7 +24,7 @@ and step, or measure the difference with ``overlap_ab.py``.
 Usage (GPU machine, repository root)::
 
     python -m torch.distributed.run --standalone --nproc-per-node 1 \\
-        benchmarks/overlap_timeline.py --out $OUT/overlap-timeline.json
+        benchmarks/overlap/overlap_timeline.py --out $OUT/overlap-timeline.json
 """
 
 from __future__ import annotations
@@ -35,21 +35,26 @@ import cProfile
 import dataclasses
 import pstats
 import statistics
+import sys
 import time
 from pathlib import Path
 
-import _common
-import _host_profile
+# The repository root, where `benchmarks` is a package: see benchmarks/README.md.
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from benchmarks import (
+    _common,
+    _host_profile,
+)
 
 _common.add_package_sources_if_missing()  # before dmuon is imported
 
-import bench_e2e  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from profile_overlap import DEVICE_CATEGORIES, VARIANTS, trace_events, union_us  # noqa: E402
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 
 import dmuon  # noqa: E402
+from benchmarks.e2e import bench_e2e  # noqa: E402
+from benchmarks.overlap.profile_overlap import DEVICE_CATEGORIES, VARIANTS, trace_events, union_us  # noqa: E402
 
 PHASES = ("forward", "backward", "step")
 PROFILED_ITERATIONS = 3  # under cProfile, the speculation only

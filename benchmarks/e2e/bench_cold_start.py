@@ -44,9 +44,9 @@ The cold and warm first steps are compared with AdamW's (the targets: at most 5 
 
 Usage (repository root; on the GPU machine put the package sources on PYTHONPATH)::
 
-    python benchmarks/bench_cold_start.py --out "$OUT/cold-start.json"   # CUDA, all models
-    python benchmarks/bench_cold_start.py --models qwen3-moe --steps 4
-    python benchmarks/bench_cold_start.py --device cpu --tiny --steps 3   # smoke test
+    python benchmarks/e2e/bench_cold_start.py --out "$OUT/cold-start.json"   # CUDA, all models
+    python benchmarks/e2e/bench_cold_start.py --models qwen3-moe --steps 4
+    python benchmarks/e2e/bench_cold_start.py --device cpu --tiny --steps 3   # smoke test
 """
 
 from __future__ import annotations
@@ -63,7 +63,9 @@ import threading
 import time
 from pathlib import Path
 
-import _common
+# The repository root, where `benchmarks` is a package: see benchmarks/README.md.
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from benchmarks import _common
 
 VARIANTS = ("adamw", "dmuon-cold", "dmuon-warm")
 MODELS = ("qwen2", "llama-0.89b", "qwen3-moe")

@@ -26,7 +26,7 @@ script exits 0.
 Usage (repository root; on the GPU machine with the package sources and torchtitan's wheels on
 the path)::
 
-    python benchmarks/bench_titan.py --out $OUT/titan-h200-w1.json
+    python benchmarks/e2e/bench_titan.py --out $OUT/titan-h200-w1.json
 """
 
 from __future__ import annotations

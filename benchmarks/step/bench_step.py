@@ -25,10 +25,10 @@ the most cumulative time (``benchmarks/_host_profile.py``), printed after the su
 
 Usage (on the GPU machine, from the repository root, packages on PYTHONPATH)::
 
-    python benchmarks/bench_step.py                       # JSON: benchmarks/results/step-<gpu>-<date>.json
-    python benchmarks/bench_step.py --git-sha <sha> --out results.json
-    python benchmarks/bench_step.py --quick               # tiny shapes on CPU: a smoke test
-    python benchmarks/bench_step.py --host-profile        # and where step()'s host time goes
+    python benchmarks/step/bench_step.py                       # JSON: benchmarks/results/step-<gpu>-<date>.json
+    python benchmarks/step/bench_step.py --git-sha <sha> --out results.json
+    python benchmarks/step/bench_step.py --quick               # tiny shapes on CPU: a smoke test
+    python benchmarks/step/bench_step.py --host-profile        # and where step()'s host time goes
 
 The FLOP floor is the Gram Newton-Schulz cost of the stack (6·n²·m + 14·n³ per n x m matrix,
 n <= m) at 740 TFLOP/s, the H200's measured dense fp16/bf16 GEMM rate (about 55 ms).
@@ -42,13 +42,18 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
-import _common
-import _host_profile
-import _step_anatomy
+# The repository root, where `benchmarks` is a package: see benchmarks/README.md.
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import torch
 from torch import nn
 
+from benchmarks import (
+    _common,
+    _host_profile,
+)
+from benchmarks.step import _step_anatomy
 from dmuon_kernels.syrk.timing import median_ms
 
 LLAMA3_8B_LAYER: dict[str, tuple[int, int]] = {  # name -> (out_features, in_features)

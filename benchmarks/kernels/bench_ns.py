@@ -9,9 +9,9 @@ any per-shape SYRK autotune); ratios are baseline_ms / candidate_ms, so > 1 mean
 
 Usage (from the repository root, packages installed or on PYTHONPATH)::
 
-    python benchmarks/bench_ns.py                      # CUDA; JSON: benchmarks/results/ns-<gpu>-<date>.json
-    python benchmarks/bench_ns.py --repeats 50 --warmup 10 --out ns.json --git-sha <sha>
-    python benchmarks/bench_ns.py --quick              # small shapes on CPU, a smoke test (no JSON
+    python benchmarks/kernels/bench_ns.py                      # CUDA; JSON: benchmarks/results/ns-<gpu>-<date>.json
+    python benchmarks/kernels/bench_ns.py --repeats 50 --warmup 10 --out ns.json --git-sha <sha>
+    python benchmarks/kernels/bench_ns.py --quick              # small shapes on CPU, a smoke test (no JSON
                                                        # unless --out is given; CPU fp16 matmuls
                                                        # are slow, so its ratios mean nothing)
     hatch run bench-ns --quick
@@ -40,12 +40,15 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
-import _common
+# The repository root, where `benchmarks` is a package: see benchmarks/README.md.
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import torch
 from torch import Tensor
 from torch.optim import _muon as torch_muon
 
+from benchmarks import _common
 from dmuon_kernels import NewtonSchulz, __version__, get_backend_status
 
 # (rows, cols) of the matrices Muon meets in 1B-70B models.

@@ -36,10 +36,10 @@ the optimizer state's bytes and the losses (must be finite). On CPU, host times 
 
 Usage (repository root; on the GPU machine put the package sources on PYTHONPATH)::
 
-    python benchmarks/bench_moonlight.py --out $OUT/moonlight.json
-    python benchmarks/bench_moonlight.py --device cpu --quick       # gloo, tiny, < 1 minute
-    python benchmarks/bench_moonlight.py --layers 3 --vocab 32768   # a smaller cut
-    python benchmarks/bench_moonlight.py --device cpu --quick --nproc 2 --tau 0.08  # clips
+    python benchmarks/e2e/bench_moonlight.py --out $OUT/moonlight.json
+    python benchmarks/e2e/bench_moonlight.py --device cpu --quick       # gloo, tiny, < 1 minute
+    python benchmarks/e2e/bench_moonlight.py --layers 3 --vocab 32768   # a smaller cut
+    python benchmarks/e2e/bench_moonlight.py --device cpu --quick --nproc 2 --tau 0.08  # clips
 
 The driver prints a table last and writes JSON (``--out``; default
 ``benchmarks/results/moonlight-<gpu>-<date>.json``, none with ``--quick`` unless given).
@@ -61,20 +61,22 @@ import traceback
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-import _common
+# The repository root, where `benchmarks` is a package: see benchmarks/README.md.
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from benchmarks import _common
 
 _common.add_package_sources_if_missing()  # before dmuon is imported
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from bench_e2e import optimizer_state_bytes, rotate  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # noqa: E402
 from torch.utils.checkpoint import checkpoint  # noqa: E402
 
 import dmuon  # noqa: E402
+from benchmarks.e2e.bench_e2e import optimizer_state_bytes, rotate  # noqa: E402
 
 ARMS = ("fsdp2-adamw", "dmuon-muonclip")
 ADAMW_LR = 1e-3  # the AdamW arm's; dmuon.Muon's own defaults are lr 0.02, adamw_lr 1e-3

@@ -13,8 +13,8 @@ on 4 ranks, and whether Z2 equals Z3 bit for bit.
 
 Usage (GPU machine, repository root; gloo ranks share one GPU)::
 
-    python -m torch.distributed.run --nproc-per-node 2 benchmarks/run_tensor_parallel_cuda.py
-    python -m torch.distributed.run --nproc-per-node 4 benchmarks/run_tensor_parallel_cuda.py
+    python -m torch.distributed.run --nproc-per-node 2 benchmarks/checks/run_tensor_parallel_cuda.py
+    python -m torch.distributed.run --nproc-per-node 4 benchmarks/checks/run_tensor_parallel_cuda.py
     ... --device cpu    # the same on CPU (a smoke test of this script)
 
 Rank 0 prints a table and writes JSON (``--out``, default
@@ -27,14 +27,27 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from pathlib import Path
 
-import _common
+# The repository root, where `benchmarks` is a package: see benchmarks/README.md.
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from benchmarks import _common
 
 _common.add_package_sources_if_missing()
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from run_protocol_cuda import (  # noqa: E402
+from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
+from torch.distributed.fsdp import fully_shard  # noqa: E402
+from torch.distributed.tensor import Replicate  # noqa: E402
+from torch.distributed.tensor.parallel import (  # noqa: E402
+    ColwiseParallel,
+    RowwiseParallel,
+    parallelize_module,
+)
+
+import dmuon  # noqa: E402
+from benchmarks.checks.run_protocol_cuda import (  # noqa: E402
     DEFAULT_TOLERANCE,
     REFERENCE,
     all_ranks,
@@ -46,16 +59,6 @@ from run_protocol_cuda import (  # noqa: E402
     run_record,
     visible_weights,
 )
-from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
-from torch.distributed.fsdp import fully_shard  # noqa: E402
-from torch.distributed.tensor import Replicate  # noqa: E402
-from torch.distributed.tensor.parallel import (  # noqa: E402
-    ColwiseParallel,
-    RowwiseParallel,
-    parallelize_module,
-)
-
-import dmuon  # noqa: E402
 from dmuon.testing import TinyDecoder, batches, loss_fn, proj_predicate, rank_rows  # noqa: E402
 
 LR = 0.02

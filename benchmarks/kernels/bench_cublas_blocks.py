@@ -10,7 +10,7 @@ at 4096³, the shape of the square direct iteration.
 
 Usage (repository root, dmuon-kernels on PYTHONPATH)::
 
-    python benchmarks/bench_cublas_blocks.py --out blocks.json
+    python benchmarks/kernels/bench_cublas_blocks.py --out blocks.json
 """
 
 from __future__ import annotations
@@ -18,10 +18,13 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable
+from pathlib import Path
 
-import _common
+# The repository root, where `benchmarks` is a package: see benchmarks/README.md.
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import torch
 
+from benchmarks import _common
 from dmuon_kernels import __version__
 from dmuon_kernels.syrk import cublas
 from dmuon_kernels.syrk.timing import median_ms

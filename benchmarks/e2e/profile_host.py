@@ -16,8 +16,8 @@ cumulative time), so that each hook's share is visible.
 
 Usage (GPU machine, repository root)::
 
-    python -m torch.distributed.run --nproc-per-node 1 benchmarks/profile_host.py
-    python -m torch.distributed.run --nproc-per-node 1 benchmarks/profile_host.py --device cpu --quick
+    python -m torch.distributed.run --nproc-per-node 1 benchmarks/e2e/profile_host.py
+    python -m torch.distributed.run --nproc-per-node 1 benchmarks/e2e/profile_host.py --device cpu --quick
 
 Rank 0 prints the tables and writes JSON (``--out``; default
 ``benchmarks/results/host-profile-<device>-<date>.json``).
@@ -32,17 +32,20 @@ import pstats
 import statistics
 import sys
 import time
+from pathlib import Path
 
-import _common
+# The repository root, where `benchmarks` is a package: see benchmarks/README.md.
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from benchmarks import _common
 
 _common.add_package_sources_if_missing()
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from bench_e2e import QUICK_CONFIG, ModelConfig, build, loss_of  # noqa: E402
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 
 import dmuon  # noqa: E402
+from benchmarks.e2e.bench_e2e import QUICK_CONFIG, ModelConfig, build, loss_of  # noqa: E402
 
 VARIANTS = ("fsdp2-adamw", "dmuon-z3")
 GPT2_SMALL = ModelConfig(vocab=50257, dim=768, layers=12, heads=12, kv_heads=12, ffn=2112)

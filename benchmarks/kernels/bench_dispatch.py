@@ -33,10 +33,10 @@ includes the computation, ``device_ms`` is host time): a smoke test of the scrip
 
 Usage (repository root, packages importable)::
 
-    python benchmarks/bench_dispatch.py                    # JSON: benchmarks/results/dispatch-<gpu>-<date>.json
-    python benchmarks/bench_dispatch.py --out "$OUT/dispatch.json" --git-sha <sha>
-    python benchmarks/bench_dispatch.py --shapes 256x256 1024x4096 --host-repeats 100
-    python benchmarks/bench_dispatch.py --shapes 2048x2048 --host-profile 50
+    python benchmarks/kernels/bench_dispatch.py                    # JSON: benchmarks/results/dispatch-<gpu>-<date>.json
+    python benchmarks/kernels/bench_dispatch.py --out "$OUT/dispatch.json" --git-sha <sha>
+    python benchmarks/kernels/bench_dispatch.py --shapes 256x256 1024x4096 --host-repeats 100
+    python benchmarks/kernels/bench_dispatch.py --shapes 2048x2048 --host-profile 50
 """
 
 from __future__ import annotations
@@ -48,12 +48,17 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
-import _common
-import _host_profile
+# The repository root, where `benchmarks` is a package: see benchmarks/README.md.
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import torch
 from torch.optim import _muon as torch_muon
 
+from benchmarks import (
+    _common,
+    _host_profile,
+)
 from dmuon_kernels import NewtonSchulz, __version__, get_backend_status, newton_schulz
 from dmuon_kernels.syrk import backend_availability, resolve_kernel, symmetric_product, syrk
 from dmuon_kernels.syrk import quack as quack_backend

@@ -21,8 +21,8 @@ first broadcasts and Newton-Schulz calls).
 
 Usage (GPU machine, repository root; ``torch.distributed.run`` is started by the script)::
 
-    python benchmarks/run_hf_trainer_cuda.py --out $OUT/hf-trainer-cuda.json
-    python benchmarks/run_hf_trainer_cuda.py --device cpu --nproc 2 --tiny   # CPU smoke test
+    python benchmarks/checks/run_hf_trainer_cuda.py --out $OUT/hf-trainer-cuda.json
+    python benchmarks/checks/run_hf_trainer_cuda.py --device cpu --nproc 2 --tiny   # CPU smoke test
 
 Prints a table and writes JSON (default
 ``benchmarks/results/hf-trainer-cuda-<device>-w<nproc>-<date>.json``). Exit code 1 when the
@@ -43,7 +43,9 @@ import time
 import traceback
 from pathlib import Path
 
-import _common
+# The repository root, where `benchmarks` is a package: see benchmarks/README.md.
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from benchmarks import _common
 
 PHASES = ("adamw", "dmuon", "resume")
 

@@ -15,7 +15,7 @@ from a row-major and a transposed A, and A·A + C with scalars).
 
 Usage (GPU machine, repository root, package sources on PYTHONPATH)::
 
-    python benchmarks/bench_parallel_compile.py --out "$OUT/parallel-compile.json"
+    python benchmarks/kernels/bench_parallel_compile.py --out "$OUT/parallel-compile.json"
 """
 
 from __future__ import annotations
@@ -28,8 +28,11 @@ import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
-import _common
+# The repository root, where `benchmarks` is a package: see benchmarks/README.md.
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from benchmarks import _common
 
 MODES = ("serial", "threads")
 FAMILIES = ("triton", "quack", "both")

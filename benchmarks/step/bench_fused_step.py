@@ -14,8 +14,8 @@ for the update) as an effective bandwidth.
 
 Usage (repository root; on the GPU machine put the package sources on PYTHONPATH)::
 
-    python benchmarks/bench_fused_step.py          # CUDA; JSON: benchmarks/results/fused-step-<gpu>-<date>.json
-    python benchmarks/bench_fused_step.py --quick  # tiny shapes on CPU: a smoke test (no JSON unless --out)
+    python benchmarks/step/bench_fused_step.py          # CUDA; JSON: benchmarks/results/fused-step-<gpu>-<date>.json
+    python benchmarks/step/bench_fused_step.py --quick  # tiny shapes on CPU: a smoke test (no JSON unless --out)
 """
 
 from __future__ import annotations
@@ -26,10 +26,13 @@ import statistics
 import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
-import _common
+# The repository root, where `benchmarks` is a package: see benchmarks/README.md.
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import torch
 
+from benchmarks import _common
 from dmuon_kernels import __version__
 from dmuon_kernels.fused import muon_apply_updates_, muon_normalized_inputs_
 

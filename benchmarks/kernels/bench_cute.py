@@ -17,7 +17,7 @@ with cuBLAS (exit 1 on a mismatch), so a broken kernel costs seconds, not the wh
 
 Usage (repository root, packages on PYTHONPATH)::
 
-    python benchmarks/bench_cute.py [--out cute.json] [--dtypes float16 bfloat16] [--no-quack]
+    python benchmarks/kernels/bench_cute.py [--out cute.json] [--dtypes float16 bfloat16] [--no-quack]
         [--configs sm90_128x128 128x128_4warps] [--shapes 4096x4096 8192x8192] [--batch 8]
         [--smoke]
 """
@@ -28,10 +28,13 @@ import argparse
 import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
-import _common
+# The repository root, where `benchmarks` is a package: see benchmarks/README.md.
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import torch
 
+from benchmarks import _common
 from dmuon_kernels.syrk import backend_availability, get_backend
 from dmuon_kernels.syrk import cute as cute_backend
 from dmuon_kernels.syrk.timing import median_ms

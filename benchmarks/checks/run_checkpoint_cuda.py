@@ -10,8 +10,8 @@ equal values).
 
 Usage (GPU machine, repository root, packages importable)::
 
-    python -m torch.distributed.run --nproc-per-node 2 benchmarks/run_checkpoint_cuda.py --backend gloo
-    python -m torch.distributed.run --nproc-per-node 1 benchmarks/run_checkpoint_cuda.py --backend nccl
+    python -m torch.distributed.run --nproc-per-node 2 benchmarks/checks/run_checkpoint_cuda.py --backend gloo
+    python -m torch.distributed.run --nproc-per-node 1 benchmarks/checks/run_checkpoint_cuda.py --backend nccl
     ... --device cpu    # the same on CPU (a smoke test of this script)
 
 Rank 0 prints a table and writes JSON (``--out``, default
@@ -27,7 +27,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-import _common
+# The repository root, where `benchmarks` is a package: see benchmarks/README.md.
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from benchmarks import _common
 
 _common.add_package_sources_if_missing()  # before dmuon is imported
 

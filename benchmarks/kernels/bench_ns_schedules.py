@@ -21,8 +21,8 @@ four rows, You's and Keller's tables.
 
 Usage (repository root; on the GPU machine put the package sources on PYTHONPATH)::
 
-    python benchmarks/bench_ns_schedules.py          # CUDA; JSON: benchmarks/results/ns-schedules-<gpu>-<date>.json
-    python benchmarks/bench_ns_schedules.py --quick  # small shapes on CPU: a smoke test (no JSON unless --out)
+    python benchmarks/kernels/bench_ns_schedules.py          # CUDA; JSON: benchmarks/results/ns-schedules-<gpu>-<date>.json
+    python benchmarks/kernels/bench_ns_schedules.py --quick  # small shapes on CPU: a smoke test (no JSON unless --out)
 """
 
 from __future__ import annotations
@@ -30,10 +30,13 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
-import _common
+# The repository root, where `benchmarks` is a package: see benchmarks/README.md.
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import torch
 
+from benchmarks import _common
 from dmuon_kernels import NewtonSchulz, __version__, get_backend_status, reference
 from dmuon_kernels.coefficients import (
     KELLER_COEFFICIENTS,

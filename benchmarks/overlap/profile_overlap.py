@@ -12,7 +12,7 @@ copies), slower kernels (the two streams contending) or idle gaps.
 Usage (GPU machine, repository root)::
 
     python -m torch.distributed.run --standalone --nproc-per-node 1 \\
-        benchmarks/profile_overlap.py --out $OUT/profile-overlap.json
+        benchmarks/overlap/profile_overlap.py --out $OUT/profile-overlap.json
 """
 
 from __future__ import annotations
@@ -21,19 +21,22 @@ import argparse
 import collections
 import json
 import statistics
+import sys
 import tempfile
 from pathlib import Path
 
-import _common
+# The repository root, where `benchmarks` is a package: see benchmarks/README.md.
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from benchmarks import _common
 
 _common.add_package_sources_if_missing()  # before dmuon is imported
 
-import bench_e2e  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 
 import dmuon  # noqa: E402
+from benchmarks.e2e import bench_e2e  # noqa: E402
 
 VARIANTS = ("dmuon-z3", "dmuon-z3-overlap")
 DEVICE_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")

@@ -19,8 +19,8 @@ spread (what a difference must exceed to mean anything); the optimizer's Muon st
 
 Usage (repository root)::
 
-    python benchmarks/bench_update_rules_loss.py             # 200 steps x 3 seeds, ~1 min
-    python benchmarks/bench_update_rules_loss.py --steps 20 --seeds 1 --out /tmp/x.json
+    python benchmarks/e2e/bench_update_rules_loss.py             # 200 steps x 3 seeds, ~1 min
+    python benchmarks/e2e/bench_update_rules_loss.py --steps 20 --seeds 1 --out /tmp/x.json
 
 Writes JSON (default ``benchmarks/results/update-rules-loss-cpu-<date>.json``) with the inputs,
 versions, git sha and every loss.
@@ -33,8 +33,11 @@ import logging
 import statistics
 import sys
 import time
+from pathlib import Path
 
-import _common
+# The repository root, where `benchmarks` is a package: see benchmarks/README.md.
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from benchmarks import _common
 
 _common.add_package_sources_if_missing()  # before dmuon is imported
 

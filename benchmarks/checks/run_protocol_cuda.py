@@ -18,9 +18,9 @@ Configurations, by world size:
 
 Usage (GPU machine, repository root, packages importable; several gloo ranks share one GPU)::
 
-    python -m torch.distributed.run --nproc-per-node 2 benchmarks/run_protocol_cuda.py --backend gloo
-    python -m torch.distributed.run --nproc-per-node 4 benchmarks/run_protocol_cuda.py --backend gloo
-    python -m torch.distributed.run --nproc-per-node 1 benchmarks/run_protocol_cuda.py --backend nccl
+    python -m torch.distributed.run --nproc-per-node 2 benchmarks/checks/run_protocol_cuda.py --backend gloo
+    python -m torch.distributed.run --nproc-per-node 4 benchmarks/checks/run_protocol_cuda.py --backend gloo
+    python -m torch.distributed.run --nproc-per-node 1 benchmarks/checks/run_protocol_cuda.py --backend nccl
     ... --device cpu    # the same on CPU (a smoke test of this script)
 
 Rank 0 prints a table and writes JSON (``--out``, default
@@ -37,8 +37,11 @@ import os
 import sys
 import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
-import _common
+# The repository root, where `benchmarks` is a package: see benchmarks/README.md.
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from benchmarks import _common
 
 # Where the packages are not installed, their sources.
 _common.add_package_sources_if_missing()

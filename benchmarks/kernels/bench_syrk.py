@@ -15,8 +15,8 @@ keeps the host's launch overhead out), CUDA events, the columns interleaved, med
 
 Usage (repository root, packages on PYTHONPATH)::
 
-    python benchmarks/bench_syrk.py                         # JSON: benchmarks/results/syrk-<gpu>-<date>.json
-    python benchmarks/bench_syrk.py --out syrk.json --repeats 25 --git-sha <sha>
+    python benchmarks/kernels/bench_syrk.py                         # JSON: benchmarks/results/syrk-<gpu>-<date>.json
+    python benchmarks/kernels/bench_syrk.py --out syrk.json --repeats 25 --git-sha <sha>
 """
 
 from __future__ import annotations
@@ -24,10 +24,13 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
-import _common
+# The repository root, where `benchmarks` is a package: see benchmarks/README.md.
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import torch
 
+from benchmarks import _common
 from dmuon_kernels import __version__
 from dmuon_kernels.syrk import (
     backend_availability,

