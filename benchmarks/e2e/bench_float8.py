@@ -94,7 +94,6 @@ from benchmarks.e2e.bench_e2e import (  # noqa: E402
     is_projection,
     loss_of,
 )
-from dmuon.hooks import get_dedicated_state  # noqa: E402
 
 BENCHMARK = "float8"
 ARMS = (
@@ -269,7 +268,10 @@ def build(arm: str, args: argparse.Namespace, mesh, device: torch.device):
         optimizer = dmuon.Muon(model, lr=args.muon_lr, adamw_lr=args.adamw_lr)
         extra["newton_schulz"] = repr(optimizer.newton_schulz)
         extra["dedicated_modules"] = sorted(
-            {type(p.module).__name__ for p in get_dedicated_state(model).params.values()}
+            {
+                type(model.get_submodule(name.rpartition(".")[0])).__name__
+                for name in dmuon.inspect.view(model).params
+            }
         )
     else:
         decay = [p for p in model.parameters() if p.ndim >= 2]
