@@ -30,7 +30,8 @@ inside the step and holding the GIL: a first step 6 to 17 s over Trainer + AdamW
 Numerics change at the switch by a kernel's rounding. ``DMUON_KERNEL_COMPILE=wait`` starts no
 job: the first step compiles and tunes in the process (slower, bit-reproducible from step 1).
 Nothing starts on the CPU, for a kernel named explicitly (not "auto"), for an iteration dtype
-the fast kernels lack, or where "auto" resolves to cuBLAS anyway.
+the fast kernels lack, where "auto" resolves to cuBLAS anyway, or where the compiled-kernel
+cache is off or untrusted (the first step compiles then, as in "wait").
 
 A job never outlives its trainer: it exits when its parent is gone (``compile_job``), and this
 process kills it at exit. At most one job runs per process; shapes submitted while one runs
@@ -55,12 +56,18 @@ from typing import IO
 
 import torch
 
-from dmuon_kernels._env import COMPILE_IN_BACKGROUND, KERNEL_COMPILE_ENV
+from dmuon_kernels._env import (
+    COMPILE_IN_BACKGROUND,
+    KERNEL_CACHE_ENV,
+    KERNEL_COMPILE_ENV,
+    env_flag,
+)
 from dmuon_kernels._log import log_rank_tagged
 from dmuon_kernels.newton_schulz import NewtonSchulz, dtype_name
 from dmuon_kernels.syrk import readiness
 from dmuon_kernels.syrk._requirements import KERNEL_DTYPES
 from dmuon_kernels.syrk.dispatch import ORIGIN_AUTO, auto_candidate
+from dmuon_kernels.syrk.kernel_cache import default_kernel_cache, trust_problem
 from dmuon_kernels.syrk.registry import CUBLAS
 
 # A process's local state, ordered so that the minimum over the ranks is the agreed one.
@@ -78,15 +85,27 @@ def wants_background_compile(newton_schulz: NewtonSchulz, device: torch.device) 
     """Whether a ``dmuon.Muon`` with ``newton_schulz`` on ``device`` compiles its kernels in the
     background: its ``kernel_compile`` is "background", the device is CUDA, the kernel is "auto"
     (no argument, ``DMUON_NS_KERNEL`` or ``deterministic=True`` named one), the iteration dtype
-    has fast kernels, and "auto" picks a fast backend here. Facts every rank of a homogeneous
-    job shares, so all ranks agree without a collective."""
+    has fast kernels, "auto" picks a fast backend here, and the compiled-kernel cache is on and
+    trusted (otherwise the job's kernels could not reach this process, which would compile them
+    again at the switch, in the middle of the run: better in the first step). Facts every rank
+    of a homogeneous job shares, so all ranks agree without a collective."""
     return (
         newton_schulz.kernel_compile == COMPILE_IN_BACKGROUND
         and device.type == "cuda"
         and newton_schulz.kernel_origin == ORIGIN_AUTO
         and newton_schulz.iteration_dtype(device) in KERNEL_DTYPES
         and auto_candidate(device)[0] != CUBLAS
+        and _kernel_cache_usable()
     )
+
+
+def _kernel_cache_usable() -> bool:
+    """The compiled-kernel cache is on and its folder (when it exists yet) is one objects are
+    loaded from ([Note: whose objects are loaded] in ``syrk.kernel_cache``)."""
+    if not env_flag(KERNEL_CACHE_ENV, default=True):
+        return False
+    folder = default_kernel_cache().folder
+    return not folder.exists() or trust_problem(folder) is None
 
 
 def job_spec(newton_schulz: NewtonSchulz, device: torch.device, shapes: Iterable[Shape]) -> dict:
@@ -143,6 +162,7 @@ class BackgroundCompile:
         self._started: float | None = None
         self._shapes: list[Shape] = []
         self._settled = False
+        self._owner_pid = os.getpid()  # a forked child never ends its parent's job
         # Set at the switch: the step (as counted by the caller) and seconds since the start.
         self.switch_step: int | None = None
         self.seconds_to_switch: float | None = None
@@ -234,6 +254,8 @@ class BackgroundCompile:
 
     def stop(self) -> None:
         """End the running job, if any (at exit, or when the run keeps cuBLAS)."""
+        if os.getpid() != self._owner_pid:
+            return
         job, self._job = self._job, None
         self._queue.clear()
         if job is None:
