@@ -214,6 +214,7 @@ class BackgroundCompile:
             status = job.process.poll()
             if status is None:
                 return PENDING
+            self._read_progress(job)  # the lines written since the read above
             self._job = None
             job.log.close()
             if status != 0:
