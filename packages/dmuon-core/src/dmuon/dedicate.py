@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import warnings
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
@@ -36,8 +37,13 @@ from dmuon.experts import (
     make_expert_pieces,
 )
 from dmuon.float8 import refuse_modules_swapped_later
+from dmuon.group import BoundaryGroup
 from dmuon.hooks import DedicatedState, attach_state, find_dedicated_state, get_dedicated_state
 from dmuon.mesh import (
+    ExpertLayout,
+    ExpertMeshes,
+    OwnershipLayout,
+    OwnershipMesh,
     build_expert_mesh,
     build_ownership_mesh,
     resolve_expert_layout,
@@ -45,8 +51,8 @@ from dmuon.mesh import (
 )
 from dmuon.module_state import register_state_dict_hooks
 from dmuon.param import DedicatedParam, is_dedicated, make_placeholder, mark_dedicated
-from dmuon.partition import OwnerCoord, ParamSpec, layer_id_of, plan_ownership
-from dmuon.policy import resolve_param_policy
+from dmuon.partition import OwnerCoord, OwnershipPlan, ParamSpec, layer_id_of, plan_ownership
+from dmuon.policy import ParamPolicy, resolve_param_policy
 from dmuon.profile import ForwardUnshardProfile, forward_profile_requested
 from dmuon.routing import Predicate, Routes, select_dedicated
 from dmuon.row_blocks import RowBlocks, resolve_row_blocks
@@ -154,46 +160,135 @@ def dedicate_params(
             by their global experts. See [Note: expert-parallel stacks] in ``dmuon.experts``.
             The token dispatch over ``ep`` stays the model's.
     """
-    # A setup error on one rank (its predicate raised, a bad argument) is raised on every rank
-    # before any process group is created: none is left waiting for the failed rank.
+    # The phases, in order: what the arguments ask for (raised on every rank before any process
+    # group exists: none is left waiting for a failed rank), the groups, who owns what, the
+    # dedicated parameters and their boundaries, the ranks' agreement, the state on the model.
     with ranks_fail_together("dedicate_params"):
         _check_timeout(timeout)
         _check_call_order(model, mesh)
-        policy = resolve_param_policy(param_policy, compute_dtype)
-        selected, overrides = select_dedicated(model, predicate, routes)
-        stacked = expert_stack_names(selected, expert_stacks, ep_mesh)
-        tp_layouts, parallel_dims = _tensor_parallel_layouts(
+        request = _resolve_request(
             model,
-            [item for item in selected if not is_expert_parallel(item[3], ep_mesh)],
             mesh,
-            replicate_mesh,
+            predicate,
+            replicate_mesh=replicate_mesh,
+            param_policy=param_policy,
+            compute_dtype=compute_dtype,
+            process_group_policy=process_group_policy,
+            routes=routes,
+            expert_stacks=expert_stacks,
+            row_blocks=row_blocks,
+            ep_mesh=ep_mesh,
+            expert_mesh=expert_mesh,
         )
-        tp_mesh = exchange_mesh(tp_layouts)
-        blocks = resolve_row_blocks(
-            row_blocks,
-            selected,
-            overrides,
-            stacked,
-            [name for name, layout in tp_layouts.items() if layout.is_sharded],
-        )
-        layout = resolve_ownership_layout(
-            mesh, replicate_mesh, process_group_policy, tp_mesh, parallel_dims
-        )
-        expert_layout = resolve_expert_layout(layout, ep_mesh, expert_mesh)
-    if not selected:
+    if not request.selected:
         warnings.warn(NO_MATCH_WARNING, UserWarning, stacklevel=2)
-    ownership_mesh = build_ownership_mesh(layout, timeout)
-    # The partition below must come out the same everywhere: check its inputs first.
+    ownership_mesh, experts = _create_meshes(request, timeout)
+    plan = _plan_owners(request, ownership_mesh, experts, layer_id_fn)
+    params = _make_dedicated_params(request, plan, ownership_mesh, experts)
+    boundaries = group_by_boundary(
+        model, params, hook_boundary_predicate, ownership_mesh, reshard_after_forward
+    )
+    _check_ranks_agree_on_decisions(ownership_mesh, plan, params, boundaries, reshard_after_forward)
+    _install_state(
+        model,
+        DedicatedState(
+            model=model,
+            mesh=ownership_mesh,
+            plan=plan,
+            params=params,
+            boundaries=boundaries,
+            route_overrides=request.overrides,
+            gradient_divisor=data_parallel.gradient_divisor,
+            profile=ForwardUnshardProfile() if forward_profile_requested() else None,
+        ),
+    )
+    return dict(plan.owners)
+
+
+@dataclass(frozen=True, slots=True)
+class _Request:
+    """What this rank's arguments ask for, validated, before any process group exists: the
+    selected parameters and their routes, stacks, TP layouts and row blocks, and the meshes'
+    layouts."""
+
+    policy: ParamPolicy
+    # (canonical FQN, module, attribute, parameter) of every dedicated parameter.
+    selected: list[tuple[str, nn.Module, str, nn.Parameter]]
+    overrides: dict[str, str]  # FQN -> route, for those routes= set
+    stacked: list[str]  # FQNs of the expert stacks
+    tp_layouts: dict[str, TensorParallelLayout]
+    blocks: dict[str, tuple[int, ...]]  # FQN -> its row blocks
+    layout: OwnershipLayout
+    expert_layout: ExpertLayout | None
+
+
+def _resolve_request(
+    model: nn.Module,
+    mesh,
+    predicate: Predicate,
+    *,
+    replicate_mesh,
+    param_policy,
+    compute_dtype: torch.dtype | None,
+    process_group_policy: str,
+    routes: Routes | None,
+    expert_stacks: ExpertStackPredicate | None,
+    row_blocks: RowBlocks | None,
+    ep_mesh,
+    expert_mesh,
+) -> _Request:
+    """Which parameters are dedicated, on which route, stacked, TP-sharded or cut into row
+    blocks, and the layouts of the meshes: local, no collective (raises on a bad argument)."""
+    policy = resolve_param_policy(param_policy, compute_dtype)
+    selected, overrides = select_dedicated(model, predicate, routes)
+    stacked = expert_stack_names(selected, expert_stacks, ep_mesh)
+    tp_layouts, parallel_dims = _tensor_parallel_layouts(
+        model,
+        [item for item in selected if not is_expert_parallel(item[3], ep_mesh)],
+        mesh,
+        replicate_mesh,
+    )
+    tp_mesh = exchange_mesh(tp_layouts)
+    blocks = resolve_row_blocks(
+        row_blocks,
+        selected,
+        overrides,
+        stacked,
+        [name for name, layout in tp_layouts.items() if layout.is_sharded],
+    )
+    layout = resolve_ownership_layout(
+        mesh, replicate_mesh, process_group_policy, tp_mesh, parallel_dims
+    )
+    return _Request(
+        policy=policy,
+        selected=selected,
+        overrides=overrides,
+        stacked=stacked,
+        tp_layouts=tp_layouts,
+        blocks=blocks,
+        layout=layout,
+        expert_layout=resolve_expert_layout(layout, ep_mesh, expert_mesh),
+    )
+
+
+def _create_meshes(
+    request: _Request, timeout: timedelta | None
+) -> tuple[OwnershipMesh, ExpertMeshes | None]:
+    """dmuon's process groups (collective), and the expert meshes under expert parallelism once
+    every rank is known to ask for the same parameters: the partition that follows must come
+    out the same everywhere."""
+    ownership_mesh = build_ownership_mesh(request.layout, timeout)
+    expert_layout = request.expert_layout
     check_ranks_agree(
         ownership_mesh.world_group,
         {
             "dedicated": (
                 "dedicated parameters (names and shapes)",
-                [(name, tuple(param.shape)) for name, _, _, param in selected],
+                [(name, tuple(param.shape)) for name, _, _, param in request.selected],
             ),
-            "routes": ("route overrides (routes=)", sorted(overrides.items())),
-            "expert_stacks": ("expert stacks (expert_stacks=)", stacked),
-            "row_blocks": ("row blocks (row_blocks=)", sorted(blocks.items())),
+            "routes": ("route overrides (routes=)", sorted(request.overrides.items())),
+            "expert_stacks": ("expert stacks (expert_stacks=)", request.stacked),
+            "row_blocks": ("row blocks (row_blocks=)", sorted(request.blocks.items())),
             "expert_parallel": (
                 "expert parallelism (ep_mesh=, expert_mesh=)",
                 None
@@ -203,20 +298,32 @@ def dedicate_params(
         },
     )
     experts = (
-        build_expert_mesh(expert_layout, layout, ownership_mesh, timeout)
+        build_expert_mesh(expert_layout, request.layout, ownership_mesh, timeout)
         if expert_layout is not None
         else None
     )
+    return ownership_mesh, experts
 
+
+def _plan_owners(
+    request: _Request,
+    ownership_mesh: OwnershipMesh,
+    experts: ExpertMeshes | None,
+    layer_id_fn: Callable[[str], str | None] | None,
+) -> OwnershipPlan:
+    """Who owns each matrix (``partition.plan_ownership``, a pure function of names, shapes and
+    mesh sizes); warns where layers could not be told apart."""
     specs = [
         ParamSpec(
             name=name,
-            shape=tuple(global_stack_shape(param, experts) if name in stacked else param.shape),
+            shape=tuple(
+                global_stack_shape(param, experts) if name in request.stacked else param.shape
+            ),
             layer_id=layer_id_of(name, layer_id_fn),
-            expert_stack=name in stacked,
-            row_blocks=blocks.get(name),
+            expert_stack=name in request.stacked,
+            row_blocks=request.blocks.get(name),
         )
-        for name, _, _, param in selected
+        for name, _, _, param in request.selected
     ]
     plan = plan_ownership(
         specs,
@@ -233,12 +340,22 @@ def dedicate_params(
             "owners, so that a layer's broadcasts run concurrently, cannot apply to them. Name "
             "layers like 'layers.N' / 'blocks.N', or pass layer_id_fn=lambda name: ...",
             UserWarning,
-            stacklevel=2,
+            stacklevel=3,  # the caller of dedicate_params
         )
     log_once("[DMuon] %s", plan.describe())
+    return plan
 
+
+def _make_dedicated_params(
+    request: _Request,
+    plan: OwnershipPlan,
+    ownership_mesh: OwnershipMesh,
+    experts: ExpertMeshes | None,
+) -> dict[str, DedicatedParam]:
+    """One ``DedicatedParam`` per matrix (an expert stack's pieces from ``experts``), its
+    original parameter marked dedicated; FQN (a piece's ``<fqn>[start:stop]``) -> it."""
     params: dict[str, DedicatedParam] = {}
-    for name, module, attr, param in selected:
+    for name, module, attr, param in request.selected:
         if name in plan.expert_slices:
             params.update(
                 make_expert_pieces(
@@ -248,15 +365,15 @@ def dedicate_params(
                     param=param,
                     plan=plan,
                     mesh=ownership_mesh,
-                    policy=policy,
-                    route_override=overrides.get(name),
+                    policy=request.policy,
+                    route_override=request.overrides.get(name),
                     experts=experts,
                 )
             )
             continue
         owner = plan.owners[name]
         mark_dedicated(param)
-        param_dtype, reduce_dtype = policy.defaults.dtypes_of(param)
+        param_dtype, reduce_dtype = request.policy.defaults.dtypes_of(param)
         params[name] = DedicatedParam(
             fqn=name,
             module=module,
@@ -269,15 +386,23 @@ def dedicate_params(
             is_owner=ownership_mesh.is_me(owner),
             placeholder=make_placeholder(param),
             original=param,
-            route_override=overrides.get(name),
-            tp=tp_layouts.get(name),
-            row_blocks=blocks.get(name),
+            route_override=request.overrides.get(name),
+            tp=request.tp_layouts.get(name),
+            row_blocks=request.blocks.get(name),
         )
-    boundaries = group_by_boundary(
-        model, params, hook_boundary_predicate, ownership_mesh, reshard_after_forward
-    )
-    # What the options made of those inputs must match too, or the ranks' collectives would not
-    # pair up: owners (a rank-dependent layer_id_fn), hook boundaries, Z2/Z3 and dtypes.
+    return params
+
+
+def _check_ranks_agree_on_decisions(
+    ownership_mesh: OwnershipMesh,
+    plan: OwnershipPlan,
+    params: dict[str, DedicatedParam],
+    boundaries: list[BoundaryGroup],
+    reshard_after_forward: bool,
+) -> None:
+    """What the options made of the agreed inputs must match too, or the ranks' collectives
+    would not pair up: owners (a rank-dependent layer_id_fn), hook boundaries, Z2/Z3 and
+    dtypes. Raises on every rank."""
     check_ranks_agree(
         ownership_mesh.world_group,
         {
@@ -303,16 +428,13 @@ def dedicate_params(
             ),
         },
     )
-    state = DedicatedState(
-        model=model,
-        mesh=ownership_mesh,
-        plan=plan,
-        params=params,
-        boundaries=boundaries,
-        route_overrides=overrides,
-        gradient_divisor=data_parallel.gradient_divisor,
-        profile=ForwardUnshardProfile() if forward_profile_requested() else None,
-    )
+
+
+def _install_state(model: nn.Module, state: DedicatedState) -> None:
+    """The state takes the model: its hooks, the state-dict hooks, DDP's ignore list; the
+    weights move into the owners' segments now unless the model is still on the meta device
+    (then at the first forward or ``dmuon.Muon``)."""
+    params = state.params
     state.register_hooks()
     register_state_dict_hooks(state)
     ignore_dedicated_in_ddp(model, params)
@@ -320,7 +442,6 @@ def dedicate_params(
     refuse_modules_swapped_later(model, params)
     if not any(p.original.is_meta for p in params.values()):
         state.ensure_adopted()
-    return dict(plan.owners)
 
 
 def _check_timeout(timeout: object) -> None:
