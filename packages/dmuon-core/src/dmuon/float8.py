@@ -16,7 +16,36 @@ the weight gradient reaches the owner as any other. torchao's option for FSDP2's
 all-gather (``enable_fsdp_float8_all_gather``) wraps the weight in a tensor subclass that dmuon
 adopts as a plain value: the dedicated weights then travel in ``param_dtype`` and are cast per
 forward, while the modules FSDP2 shards keep their float8 all-gather. Carrying a dedicated
-weight in float8 on the broadcast is not built.
+weight in float8 on the broadcast is not built ([Note: a float8 broadcast]).
+
+[Note: a float8 broadcast]
+What it would take, and why it is not built. With the tensorwise recipe the broadcast could carry
+the weight in float8 and its one fp32 scale instead of the bf16 weight, at half the bytes, and
+stay exact: ``Float8Linear`` passes a weight that already is a ``Float8TrainingTensor`` to its
+matmul as it is (``tensor_already_casted_to_fp8``) and uses that same float8 weight for the
+forward GEMM and, since ``cast_config_weight_for_grad_input`` is the weight's own tensorwise
+cast, for the grad-input GEMM, while the weight gradient never reads the weight. A segment root
+that casts the bf16 value of its local segment with torchao's ``hp_tensor_to_float8_dynamic``
+(role WEIGHT, the module's ``linear_mm_config`` and config) therefore hands every rank the very
+float8 tensor its own cast of the bf16 broadcast would make: checked on the CPU with torchao
+0.18, a ``Float8Linear`` given the pre-cast ``Float8TrainingTensor`` as its parameter returns a
+bit-equal output, input gradient and (plain, high-precision) weight gradient. FSDP2's
+``enable_fsdp_float8_all_gather`` rests on the same property. Rowwise and rowwise_with_gw_hp
+cannot: the forward scales the weight per row and the grad-input GEMM per column (or
+tensorwise), two casts of the bf16 value that no single float8 tensor serves, so the option would
+refuse them at ``dedicate_params`` (torchao itself refuses its float8 all-gather for them).
+
+Building it touches the layout of every module that owns a piece of the path: a segment would
+carry a second buffer (the float8 bytes, plus one fp32 scale per parameter) that the non-roots
+receive instead of the bf16 one, the root casting into it in ``unshard`` after the last
+``refresh_from_masters`` (``dmuon.group``); the unsharded parameter would be an ``nn.Parameter``
+over a ``Float8TrainingTensor`` of views of those buffers instead of a view of the bf16 buffer
+(``DedicatedParam.bind_unsharded``); the option would come in through ``dedicate_params`` and be
+refused with expert stacks, tensor parallelism and any module that is not a tensorwise
+``Float8Linear``; and every reader of ``p.unsharded`` as a bf16 value would have to be checked.
+The gain is half the broadcast's bytes and nothing else (the forward casts the same either
+way): worth it only where a multi-GPU step shows the broadcast not hidden behind compute, which
+``benchmarks/e2e/bench_float8.py`` (one GPU, nothing broadcast) cannot tell; measure that first.
 
 Converted *after* ``dedicate_params``, ``convert_to_float8_training`` builds a new module that
 takes over the old one's 0-element placeholder, while dmuon's hooks keep moving the weight on the
