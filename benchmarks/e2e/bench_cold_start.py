@@ -9,7 +9,13 @@ tokens) for ``--steps`` steps, each variant in a fresh Python process:
   (autotune verdicts, compiled CuTe kernels, and under it nvidia-cutlass-dsl's cache),
   ``QUACK_CACHE_DIR`` and ``TRITON_CACHE_DIR`` all point into a new folder per model;
 - ``dmuon-warm``: the same again over the folders the cold run left, as a second job on the
-  machine would start.
+  machine would start;
+- ``dmuon-wait``: ``dmuon-cold`` with ``DMUON_KERNEL_COMPILE=wait`` (the kernels compile inside
+  the first step, as before the background compile) over caches of its own, empty.
+
+``dmuon-cold`` and ``dmuon-warm`` run the default background compile: their steps run cuBLAS
+until the step every rank switches on (``kernel_switch``: that step, the seconds from the job's
+start, and the median step after it; give ``--steps`` enough steps to reach it).
 
 Models (``--models``, default all three; ``--tiny`` shrinks each to a CPU-sized smoke test):
 
@@ -67,7 +73,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from benchmarks import _common
 
-VARIANTS = ("adamw", "dmuon-cold", "dmuon-warm")
+VARIANTS = ("adamw", "dmuon-cold", "dmuon-warm", "dmuon-wait")
 MODELS = ("qwen2", "llama-0.89b", "qwen3-moe")
 COLD_TARGET_S, WARM_TARGET_S = 5.0, 1.0  # extra first-step seconds over AdamW's
 RESULT_PREFIX = "cold-start-result "
@@ -365,20 +371,42 @@ def child(args: argparse.Namespace) -> None:
         # e.g. the library imports a NewtonSchulz's construction does: before the first step
         result["before_first_step"] = phase_timeline(0.0, clock.begin, origin=clock.begin)
         result["ns_kernel"] = repr(optimizer.newton_schulz)
+        from dmuon_kernels.background_compile import background_compile
+
+        compiles = background_compile()
+        switch = compiles.switch_step
+        result["step_s"] = steps
+        result["kernel_switch"] = {
+            "switch_step": switch,
+            "seconds_to_switch": compiles.seconds_to_switch,
+            "pending_at_end": compiles.active,
+            "after_switch_step_median_s": (
+                statistics.median(steps[switch:]) if switch and len(steps) > switch else None
+            ),
+        }
     print(RESULT_PREFIX + json.dumps(result), flush=True)
 
 
 def run_variant(variant: str, model: str, args: argparse.Namespace, caches: Path) -> dict:
     """``variant`` of ``model`` in a fresh process whose dmuon, quack and Triton caches live in
     ``caches``."""
+    if variant == "dmuon-wait":
+        caches = caches / "wait"  # empty too: the other variants share theirs
     env = {
         **os.environ,
         "DMUON_CACHE_DIR": str(caches / "dmuon"),
         "QUACK_CACHE_DIR": str(caches / "quack"),
         "TRITON_CACHE_DIR": str(caches / "triton"),
     }
-    for name in ("DMUON_SYRK_AUTOTUNE_LOG", "DMUON_KERNEL_CACHE", "CUTE_DSL_CACHE_DIR"):
+    for name in (
+        "DMUON_SYRK_AUTOTUNE_LOG",
+        "DMUON_KERNEL_CACHE",
+        "CUTE_DSL_CACHE_DIR",
+        "DMUON_KERNEL_COMPILE",
+    ):
         env.pop(name, None)
+    if variant == "dmuon-wait":
+        env["DMUON_KERNEL_COMPILE"] = "wait"
     command = [
         sys.executable,
         __file__,
@@ -455,6 +483,18 @@ def print_model(model: str, results: dict) -> dict:
             print(f"  {variant} first step by where the main thread was (s): {top}")
             kinds = ", ".join(f"{k} {v:.2f}" for k, v in found["phase_seconds_by_kind"].items())
             print(f"  {variant} first-use phases (s): {kinds or 'none'}")
+    for variant in ("dmuon-cold", "dmuon-warm"):
+        switch = results.get(variant, {}).get("kernel_switch")
+        if switch and switch["switch_step"] is None and not switch["pending_at_end"]:
+            print(f"  {variant} kernel switch: none (no background compile here, or it failed)")
+        elif switch:
+            after = switch["after_switch_step_median_s"]
+            print(
+                f"  {variant} kernel switch: step {switch['switch_step']}, "
+                f"{switch['seconds_to_switch'] or float('nan'):.1f} s after the job started; "
+                f"median step after it {'n/a' if after is None else f'{after * 1e3:.1f} ms'}"
+                + (" (still pending at the end: more --steps)" if switch["pending_at_end"] else "")
+            )
     return extra
 
 
