@@ -354,3 +354,13 @@ def test_on_hsdp_a_meta_model_shows_before_adoption_the_segments_it_gets(hsdp_ra
 def test_a_one_dimensional_mesh_is_one_replica_of_every_rank(pool4):
     for result in pool4.run(view_of_a_one_dimensional_mesh):
         assert result["grid"] == (4, 1, OwnerCoord(result["rank"], 0), ((0, 1, 2, 3),))
+
+
+def test_a_3d_parameter_is_an_expert_stack_by_default_unless_it_is_a_convolutions_weight():
+    stack = nn.Module()
+    stack.w1 = nn.Parameter(torch.zeros(4, 3, 2))
+    conv = nn.Conv1d(3, 5, kernel_size=2)
+    linear = nn.Linear(3, 5)
+    assert dmuon.inspect.is_expert_stack_by_default(stack, stack.w1) is True
+    assert dmuon.inspect.is_expert_stack_by_default(conv, conv.weight) is False
+    assert dmuon.inspect.is_expert_stack_by_default(linear, linear.weight) is False

@@ -11,10 +11,15 @@ from __future__ import annotations
 import json
 import os
 
+import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import dmuon
+import dmuon.inspect
 from dmuon.inspect import FORWARD_PROFILE_ENV
+from dmuon.testing import TinyDecoder, proj_predicate
 from tests.distributed.comm_counter import CollectiveLog
 from tests.distributed.scenarios_protocol import TrainConfig, build, counted_second_step
 
@@ -69,4 +74,31 @@ def one_step_against_the_summaries(**kwargs) -> dict:
         "param_groups": json.dumps(dmuon.summarize_param_groups(model, optimizer)),
         "profile": json.dumps(dmuon.collect_forward_unshard_profile(model)),
         "measured": _measured_per_kind(log, shard_ranks, replicate_ranks),
+    }
+
+
+def fsdp2_compute_dtypes_of_a_mixed_precision_model() -> dict:
+    """The tiny decoder with its layers computed in bf16 by FSDP2's mixed precision and its root
+    in the parameters' fp32: what ``dmuon.inspect.fsdp2_compute_dtypes`` and the param-group
+    summary say of each FSDP2 parameter."""
+    torch.manual_seed(0)
+    model = TinyDecoder()
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    dmuon.dedicate_params(model, mesh, proj_predicate)
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+    fully_shard(model, mesh=mesh)
+    optimizer = dmuon.Muon(model, lr=0.01)
+    name_of = {id(param): name for name, param in model.named_parameters()}
+    summary = dmuon.summarize_param_groups(model, optimizer)
+    return {
+        "inspect": {
+            name_of[key]: str(dtype)
+            for key, dtype in dmuon.inspect.fsdp2_compute_dtypes(model).items()
+        },
+        "summary": {
+            name: entry["param_dtype"]
+            for name, entry in summary["params"].items()
+            if entry["fsdp2"]
+        },
     }

@@ -10,7 +10,10 @@ import json
 import pytest
 
 from dmuon_tools.comm_plan import COLLECTIVE_KINDS
-from tests.tools.scenarios_tools import one_step_against_the_summaries
+from tests.tools.scenarios_tools import (
+    fsdp2_compute_dtypes_of_a_mixed_precision_model,
+    one_step_against_the_summaries,
+)
 
 CASES = [
     pytest.param({"replicas": 2, "reshard_after_forward": True}, id="hsdp-2x2-z3"),
@@ -99,3 +102,26 @@ def test_forward_profile_counts_one_wait_per_boundary_and_forward_on_every_rank(
         # Once the forward order is known (second step), each later boundary was prefetched.
         assert [b["prefetched"] for b in boundaries] == [0, 1, 1]
         assert all(b["cuda_wait_ms"]["events"] == 0 for b in boundaries)  # CPU: host clock only
+
+
+def test_fsdp2_parameters_are_reported_in_the_dtype_fsdp2s_mixed_precision_computes_them_in(
+    pool2,
+):
+    cast = {
+        f"layers.{index}.{name}"
+        for index in range(3)
+        for name in (
+            "attn_norm.weight",
+            "attn_norm.bias",
+            "o_proj.bias",
+            "mlp_norm.weight",
+            "mlp_norm.bias",
+        )
+    }
+    uncast = {"embed.weight", "norm.weight", "norm.bias", "lm_head.weight"}
+    for result in pool2.run(fsdp2_compute_dtypes_of_a_mixed_precision_model):
+        assert result["inspect"] == dict.fromkeys(sorted(cast), "torch.bfloat16")
+        assert result["summary"] == {
+            **dict.fromkeys(cast, "bfloat16"),
+            **dict.fromkeys(uncast, "float32"),
+        }

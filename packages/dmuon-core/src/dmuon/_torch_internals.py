@@ -418,6 +418,30 @@ def fsdp_input_cast_dtype(module: nn.Module) -> torch.dtype | None:
     return policy.param_dtype
 
 
+def fsdp_param_dtypes(module: nn.Module) -> dict[int, torch.dtype]:
+    """id(sharded parameter) -> the dtype FSDP2 computes it in, for the parameters ``module``'s
+    own FSDP2 parameter groups manage whose ``MixedPrecisionPolicy`` casts them. FSDP2 keeps the
+    groups and their policy on the module's state, with no public getter; on a layout this torch
+    does not have, what was found so far (the storage dtype then stands for the compute
+    dtype)."""
+    found: dict[int, torch.dtype] = {}
+    try:
+        fsdp_state = module._get_fsdp_state()
+        groups = getattr(fsdp_state, "_fsdp_param_groups", None)
+        if groups is None:
+            groups = [g for g in [fsdp_state._fsdp_param_group] if g is not None]
+        for group in groups:
+            param_dtype = group.mp_policy.param_dtype
+            if param_dtype is None:
+                continue
+            for fsdp_param in group.fsdp_params:
+                if fsdp_param.sharded_param.dtype.is_floating_point:
+                    found[id(fsdp_param.sharded_param)] = param_dtype
+    except (AttributeError, AssertionError):
+        pass
+    return found
+
+
 _FSDP_INIT = "torch.distributed.fsdp._fully_shard._fsdp_init"
 _MANAGED_STATES_PARAMETERS = ["modules", "ignored_params"]
 

@@ -65,6 +65,13 @@ EXPERT_PIECE_TAG = "_dmuon_expert_piece"
 _CONVOLUTIONS = (ConvNd,)
 
 
+def is_expert_stack_by_default(module: nn.Module, param: torch.Tensor) -> bool:
+    """Whether ``dedicate_params`` without ``expert_stacks=`` takes ``param`` of ``module`` for
+    an (E, m, n) expert stack: every 3-D parameter but a torch convolution's weight (see [Note:
+    which 3-D parameters are expert stacks])."""
+    return param.ndim == 3 and not isinstance(module, _CONVOLUTIONS)
+
+
 @dataclass(frozen=True, slots=True)
 class ExpertRange:
     """One piece of a stack as every rank knows it, under expert parallelism also the pieces of
@@ -197,7 +204,7 @@ def expert_stack_names(
                     "matrix, trailing dims flattened into columns)."
                 )
         else:
-            decided = not isinstance(module, _CONVOLUTIONS)
+            decided = is_expert_stack_by_default(module, param)
         if decided and isinstance(param, DTensor) and not is_expert_parallel(param, ep_mesh):
             placements = tuple(param.placements)
             if ep_mesh is None and placements == (Shard(0),):

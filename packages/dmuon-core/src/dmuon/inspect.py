@@ -34,6 +34,12 @@ owner ranks of a mesh built as ``init_device_mesh(device, (R, G), ("replicate", 
 The overlapped step's cut of an owner's boundaries into chunks (``speculation_chunks``,
 ``SPECULATION_CHUNKS``) is re-exported the same way.
 
+What the sibling packages would otherwise read from torch's private names:
+``is_expert_stack_by_default(module, param)``, the rule ``dedicate_params`` applies to a 3-D
+parameter without ``expert_stacks=`` (torch's convolutions excluded), and
+``fsdp2_compute_dtypes(model)``, the dtype FSDP2's mixed precision computes each of its
+parameters in.
+
 Of an optimizer: ``newton_schulz_counts(optimizer)``, the Newton-Schulz outputs each Muon matrix
 this rank owns has received (counted by ``dmuon.ns_counts`` where the update is applied), and
 ``model_of(optimizer)``. The counts differ by rank, so ``optimizer.routing()`` (the same rows on
@@ -70,6 +76,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from dmuon._torch_internals import fsdp_param_dtypes
+from dmuon.experts import is_expert_stack_by_default
 from dmuon.fqn import canonical_fqn
 from dmuon.group import BoundaryGroup, Segment
 from dmuon.hooks import get_dedicated_state
@@ -486,6 +494,23 @@ def forward_waits(model: nn.Module) -> tuple[ForwardWaitsView, ...] | None:
 # ---- building the views -------------------------------------------------------------------------
 
 
+# ---- what the sibling packages read of torch's modules ------------------------------------------
+
+
+def fsdp2_compute_dtypes(model: nn.Module) -> dict[int, torch.dtype]:
+    """id(sharded parameter) -> the dtype FSDP2 computes it in, for the parameters of ``model``
+    whose FSDP2 ``MixedPrecisionPolicy`` casts them (absent: computed in their storage dtype, or
+    a torch whose FSDP2 keeps its policy elsewhere). FSDP2 has no public getter for it; this
+    reads its per-module state (``dmuon._torch_internals``)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    found: dict[int, torch.dtype] = {}
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            found.update(fsdp_param_dtypes(module))
+    return found
+
+
 def _grid_of(mesh: OwnershipMesh) -> OwnerGrid:
     return OwnerGrid(
         num_shards=mesh.num_shards,
@@ -619,6 +644,8 @@ __all__ = [
     "SegmentView",
     "canonical_fqn",
     "forward_waits",
+    "fsdp2_compute_dtypes",
+    "is_expert_stack_by_default",
     "is_prepared",
     "layer_id_of",
     "make_param_specs",

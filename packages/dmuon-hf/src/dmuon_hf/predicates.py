@@ -23,6 +23,8 @@ from types import MappingProxyType
 import torch
 from torch import nn
 
+import dmuon.inspect
+
 Predicate = Callable[[str, torch.Tensor], bool]
 
 _LLAMA_FAMILY = (
@@ -173,7 +175,7 @@ def _example_candidates(model: nn.Module) -> list[str]:
                 and min(param.shape) > 1
                 and _ROUTER.search(own_name) is None
             )
-            is_expert_stack = param.ndim == 3 and not isinstance(module, nn.modules.conv._ConvNd)
+            is_expert_stack = dmuon.inspect.is_expert_stack_by_default(module, param)
             if is_projection or is_expert_stack:
                 chosen.append(name)
     return chosen

@@ -43,7 +43,7 @@ def summarize_param_groups(model: nn.Module, optimizer: torch.optim.Optimizer) -
     dedicated = view.params if view is not None else {}
     stacks = view.expert_stacks if view is not None else {}
     group_of = _group_index_by_tensor(optimizer)
-    compute_dtypes = _fsdp2_compute_dtypes(model)
+    compute_dtypes = dmuon.inspect.fsdp2_compute_dtypes(model)
 
     params: dict[str, dict[str, Any]] = {}
     first_name: dict[int, str] = {}
@@ -198,32 +198,3 @@ def _totals(params: dict[str, dict[str, Any]]) -> dict[str, dict[str, int]]:
         route["num_params"] += 1
         route["numel"] += entry["numel"]
     return totals
-
-
-def _fsdp2_compute_dtypes(model: nn.Module) -> dict[int, torch.dtype]:
-    """id(sharded parameter) -> FSDP2's forward dtype, for parameters whose policy casts them.
-
-    Reads FSDP2's per-module state (torch 2.11-2.13); on a layout it does not know, it returns
-    what it found so far and the storage dtype stands for the compute dtype.
-    """
-    from torch.distributed.fsdp import FSDPModule
-
-    found: dict[int, torch.dtype] = {}
-    for module in model.modules():
-        if not isinstance(module, FSDPModule):
-            continue
-        try:
-            fsdp_state = module._get_fsdp_state()
-            groups = getattr(fsdp_state, "_fsdp_param_groups", None)
-            if groups is None:
-                groups = [g for g in [fsdp_state._fsdp_param_group] if g is not None]
-            for group in groups:
-                param_dtype = group.mp_policy.param_dtype
-                if param_dtype is None:
-                    continue
-                for fsdp_param in group.fsdp_params:
-                    if fsdp_param.sharded_param.dtype.is_floating_point:
-                        found[id(fsdp_param.sharded_param)] = param_dtype
-        except (AttributeError, AssertionError):
-            continue
-    return found
