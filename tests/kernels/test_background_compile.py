@@ -10,12 +10,18 @@ the CPU."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 import time
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
 
+from dmuon_kernels import compile_job
 from dmuon_kernels._env import KERNEL_COMPILE_ENV, kernel_compile_mode
 from dmuon_kernels.background_compile import (
     FAILED,
@@ -25,7 +31,9 @@ from dmuon_kernels.background_compile import (
     wants_background_compile,
 )
 from dmuon_kernels.newton_schulz import NewtonSchulz
+from dmuon_kernels.status import get_backend_status
 from dmuon_kernels.syrk import readiness
+from dmuon_kernels.syrk.registry import registry_generation
 
 JOB_END_TIMEOUT_S = 120.0
 
@@ -131,8 +139,6 @@ def test_a_job_that_cannot_start_keeps_cublas_and_says_why(open_gate, tmp_path):
 
 
 def test_the_switch_opens_the_gate_and_makes_every_cached_choice_stale(open_gate):
-    from dmuon_kernels.syrk.registry import registry_generation
-
     compiles = BackgroundCompile()
     compiles.submit(job_spec(NewtonSchulz(), torch.device("cpu"), []))  # a rank owning nothing
     assert compiles.active and readiness.tuning_deferred()
@@ -145,8 +151,6 @@ def test_the_switch_opens_the_gate_and_makes_every_cached_choice_stale(open_gate
 
 
 def test_the_status_report_says_the_mode_and_why_auto_waits(open_gate, monkeypatch):
-    from dmuon_kernels.status import get_backend_status
-
     monkeypatch.setenv(KERNEL_COMPILE_ENV, "wait")
     status = get_backend_status()
     assert status["kernel_compile"] == {"mode": "wait", "error": None, "deferred": None}
@@ -157,3 +161,24 @@ def test_the_status_report_says_the_mode_and_why_auto_waits(open_gate, monkeypat
     assert report["mode"] is None
     assert report["error"].startswith("environment variable DMUON_KERNEL_COMPILE='never'")
     assert report["deferred"].startswith("a background compile is building the Newton-Schulz")
+
+
+def test_a_job_whose_parent_is_gone_exits_at_once_without_building_anything(tmp_path):
+    spec = job_spec(NewtonSchulz(), torch.device("cpu"), [(2, 16, 32)])
+    progress = tmp_path / "progress.jsonl"
+    # pid 1 is never this test's process: the job's parent is not the trainer it names.
+    spec.update(parent_pid=1 if os.getpid() != 1 else 2, progress=str(progress))
+    (tmp_path / "spec.json").write_text(json.dumps(spec))
+    source = str(Path(compile_job.__file__).resolve().parents[1])
+    result = subprocess.run(
+        [sys.executable, "-m", "dmuon_kernels.compile_job", str(tmp_path / "spec.json")],
+        env={
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join([source, os.environ.get("PYTHONPATH", "")]),
+        },
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == compile_job.ORPHANED_STATUS, result.stderr[-2000:]
+    assert not progress.exists()
