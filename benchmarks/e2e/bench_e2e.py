@@ -1,6 +1,6 @@
 """End-to-end training step: dmuon against FSDP2 + fused AdamW and naive Muon on FSDP2.
 
-Builds a Llama-style decoder locally (embeddings; per layer RMSNorm, attention q/k/v/o with GQA,
+Trains ``dmuon.testing``'s Llama-style decoder (embeddings; per layer RMSNorm, attention q/k/v/o with GQA,
 rotary embedding and causal ``F.scaled_dot_product_attention``, RMSNorm, SwiGLU gate/up/down;
 final norm; lm_head). The default config (d_model 2048, 16 layers, 16 heads, 8 kv heads, ffn
 5632, vocab 32000) has about 1.0 B parameters; sequence 2048, micro-batch 4 per rank, bf16
@@ -53,7 +53,7 @@ import statistics
 import sys
 import time
 import traceback
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 # The repository root, where `benchmarks` is a package: see benchmarks/README.md.
@@ -64,13 +64,11 @@ _common.add_package_sources_if_missing()  # before dmuon is imported
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from torch import nn  # noqa: E402
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # noqa: E402
-from torch.utils.checkpoint import checkpoint  # noqa: E402
 
 import dmuon  # noqa: E402
+from dmuon.testing import Llama, LlamaConfig, next_token_loss, proj_predicate  # noqa: E402
 
 VARIANTS = (
     "fsdp2-adamw",
@@ -88,110 +86,13 @@ OPTIMIZER_TARGET = 3.0  # dmuon's optimizer step at least 3x faster than naive M
 MUON_LR, ADAMW_LR = 0.02, 1e-3
 
 
-# ---- the model --------------------------------------------------------------------------------
+# ---- the model: dmuon.testing's Llama-style decoder ---------------------------------------------
 
-
-@dataclass(frozen=True, kw_only=True)
-class ModelConfig:
-    vocab: int = 32000
-    dim: int = 2048
-    layers: int = 16
-    heads: int = 16
-    kv_heads: int = 8
-    ffn: int = 5632
-    rope_theta: float = 10000.0
-
-
+# Under the names the scripts built on this one import (bench_convergence, profile_host, ...).
+ModelConfig = LlamaConfig
 QUICK_CONFIG = ModelConfig(vocab=256, dim=64, layers=2, heads=4, kv_heads=2, ffn=160)
-
-
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding on (batch, heads, seq, head_dim), the two halves as (real, imaginary)."""
-    first, second = x.chunk(2, dim=-1)
-    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
-    return torch.cat((first * cos - second * sin, first * sin + second * cos), dim=-1)
-
-
-class Attention(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        self.heads, self.kv_heads = config.heads, config.kv_heads
-        self.head_dim = config.dim // config.heads
-        self.q_proj = nn.Linear(config.dim, config.heads * self.head_dim, bias=False)
-        self.k_proj = nn.Linear(config.dim, config.kv_heads * self.head_dim, bias=False)
-        self.v_proj = nn.Linear(config.dim, config.kv_heads * self.head_dim, bias=False)
-        self.o_proj = nn.Linear(config.heads * self.head_dim, config.dim, bias=False)
-
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        batch, seq, _ = x.shape
-        q = self.q_proj(x).view(batch, seq, self.heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(batch, seq, self.kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(batch, seq, self.kv_heads, self.head_dim).transpose(1, 2)
-        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-        return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
-
-
-class SwiGLU(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        self.gate_proj = nn.Linear(config.dim, config.ffn, bias=False)
-        self.up_proj = nn.Linear(config.dim, config.ffn, bias=False)
-        self.down_proj = nn.Linear(config.ffn, config.dim, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
-class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        self.attn_norm = nn.RMSNorm(config.dim, eps=1e-5)
-        self.attn = Attention(config)
-        self.mlp_norm = nn.RMSNorm(config.dim, eps=1e-5)
-        self.mlp = SwiGLU(config)
-
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), cos, sin)
-        return x + self.mlp(self.mlp_norm(x))
-
-
-class Llama(nn.Module):
-    def __init__(self, config: ModelConfig, seq: int, checkpoint_layers: bool) -> None:
-        super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab, config.dim)
-        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.layers))
-        self.norm = nn.RMSNorm(config.dim, eps=1e-5)
-        self.lm_head = nn.Linear(config.dim, config.vocab, bias=False)
-        self.checkpoint_layers = checkpoint_layers
-        head_dim = config.dim // config.heads
-        inverse_freq = config.rope_theta ** (-torch.arange(0, head_dim, 2).float() / head_dim)
-        angles = torch.outer(torch.arange(seq).float(), inverse_freq)
-        self.register_buffer("cos", angles.cos(), persistent=False)
-        self.register_buffer("sin", angles.sin(), persistent=False)
-        for module in self.modules():
-            if isinstance(module, (nn.Linear, nn.Embedding)):
-                nn.init.normal_(module.weight, std=0.02)
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        x = self.embed_tokens(tokens)
-        cos, sin = self.cos[: tokens.shape[1]], self.sin[: tokens.shape[1]]
-        for layer in self.layers:
-            if self.checkpoint_layers:
-                # The whole layer call re-runs in backward, its module hooks included.
-                x = checkpoint(layer, x, cos, sin, use_reentrant=False)
-            else:
-                x = layer(x, cos, sin)
-        return self.lm_head(self.norm(x))
-
-
-def is_projection(name: str, param: nn.Parameter) -> bool:
-    return "proj" in name and param.ndim == 2
-
-
-def loss_of(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
-    logits = model(tokens[:, :-1])
-    return F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
+is_projection = proj_predicate
+loss_of = next_token_loss
 
 
 # ---- the variants -----------------------------------------------------------------------------

@@ -76,7 +76,8 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # noqa: E4
 from torch.utils.checkpoint import checkpoint  # noqa: E402
 
 import dmuon  # noqa: E402
-from benchmarks.e2e.bench_e2e import optimizer_state_bytes, rotate  # noqa: E402
+from benchmarks.e2e.bench_e2e import optimizer_state_bytes  # noqa: E402
+from dmuon.testing import SwiGLU, apply_rotary, next_token_loss  # noqa: E402
 
 ARMS = ("fsdp2-adamw", "dmuon-muonclip")
 ADAMW_LR = 1e-3  # the AdamW arm's; dmuon.Muon's own defaults are lr 0.02, adamw_lr 1e-3
@@ -145,7 +146,7 @@ class LatentAttention(nn.Module):
         q_nope, q_rope = q.split([nope, rope], dim=-1)
         latent, k_rope = self.kv_a_proj(x).split([c.kv_lora_rank, rope], dim=-1)
         k_rope = k_rope.view(batch, 1, seq, rope)
-        q_rope, k_rope = rotate(q_rope, cos, sin), rotate(k_rope, cos, sin)
+        q_rope, k_rope = apply_rotary(q_rope, cos, sin), apply_rotary(k_rope, cos, sin)
         kv = self.kv_b_proj(self.kv_a_norm(latent)).view(batch, seq, c.heads, nope + c.v_head_dim)
         k_nope, v = kv.transpose(1, 2).split([nope, c.v_head_dim], dim=-1)
         if self.record is not None:
@@ -155,17 +156,6 @@ class LatentAttention(nn.Module):
         k = torch.cat([k_nope, k_rope.expand(-1, c.heads, -1, -1)], dim=-1)
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=c.scaling)
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
-
-
-class SwiGLU(nn.Module):
-    def __init__(self, dim: int, ffn: int) -> None:
-        super().__init__()
-        self.gate_proj = nn.Linear(dim, ffn, bias=False)
-        self.up_proj = nn.Linear(dim, ffn, bias=False)
-        self.down_proj = nn.Linear(ffn, dim, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class MoE(nn.Module):
@@ -272,11 +262,6 @@ def mla_heads(model: Moonlight, config: MoonlightConfig) -> list[dmuon.MLAHeads]
     ]
 
 
-def loss_of(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
-    logits = model(tokens[:, :-1])
-    return F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
-
-
 def parameter_counts(config: MoonlightConfig) -> dict[str, int]:
     """Total, routed-expert and active-per-token parameter counts (from a meta model)."""
     with torch.device("meta"):
@@ -345,7 +330,7 @@ def measure(arm: str, args: argparse.Namespace, mesh, device: torch.device, toke
         _common.synchronize(device)
         step_start = time.perf_counter()
         optimizer.zero_grad(set_to_none=True)
-        loss = loss_of(model, tokens)
+        loss = next_token_loss(model, tokens)
         loss.backward()
         _common.synchronize(device)
         optimizer_start = time.perf_counter()

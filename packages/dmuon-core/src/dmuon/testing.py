@@ -60,12 +60,21 @@ deliberately uneven (rows not divisible by the world size, a 1 x n matrix) so FS
 dmuon packing meet their edge cases on every run. ``batches``/``rank_rows`` give every step's
 full batch and a rank's rows of it; ``dedicate_and_shard`` is what a user writes to put it on a
 mesh (the one function here that calls dmuon, through its public ``dedicate_params``).
+
+The Llama-style decoder, ``Llama``: the one model definition the benchmarks train (``bench_e2e``
+and the scripts built on it, ``bench_convergence``, ``bench_moonlight``'s rotary and SwiGLU):
+token embedding, ``LlamaConfig.layers`` pre-norm layers of grouped-query attention with rotary
+embedding and causal ``F.scaled_dot_product_attention``, RMSNorm, SwiGLU gate/up/down, an untied
+``lm_head``, every ``nn.Linear``/``nn.Embedding`` weight drawn from N(0, 0.02). Its shapes are
+whatever the benchmark passes; the defaults are bench_e2e's (about 1.0 B parameters).
+``next_token_loss`` is its loss with the logits upcast to fp32 (the benchmarks compute in bf16).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -83,12 +92,17 @@ __all__ = [
     "MUON_RMS_MATCHING_FACTOR",
     "VOCAB",
     "Block",
+    "Llama",
+    "LlamaConfig",
     "ReferenceMuonAdamW",
+    "SwiGLU",
     "TinyDecoder",
+    "apply_rotary",
     "batches",
     "dedicate_and_shard",
     "hf_no_decay",
     "loss_fn",
+    "next_token_loss",
     "proj_predicate",
     "rank_rows",
 ]
@@ -403,3 +417,107 @@ def dedicate_and_shard_on(
         fully_shard(layer, mesh=fsdp_mesh, reshard_after_forward=reshard_after_forward)
     fully_shard(model, mesh=fsdp_mesh, reshard_after_forward=reshard_after_forward)
     return owners
+
+
+# ---- the Llama-style decoder the benchmarks train ------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class LlamaConfig:
+    vocab: int = 32000
+    dim: int = 2048
+    layers: int = 16
+    heads: int = 16
+    kv_heads: int = 8
+    ffn: int = 5632
+    rope_theta: float = 10000.0
+
+
+def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotary embedding on (batch, heads, seq, head_dim), the two halves as (real, imaginary)."""
+    first, second = x.chunk(2, dim=-1)
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    return torch.cat((first * cos - second * sin, first * sin + second * cos), dim=-1)
+
+
+class _LlamaAttention(nn.Module):
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.heads, self.kv_heads = config.heads, config.kv_heads
+        self.head_dim = config.dim // config.heads
+        self.q_proj = nn.Linear(config.dim, config.heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(config.dim, config.kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(config.dim, config.kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(config.heads * self.head_dim, config.dim, bias=False)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        batch, seq, _ = x.shape
+        q = self.q_proj(x).view(batch, seq, self.heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(batch, seq, self.kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(batch, seq, self.kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, dim: int, ffn: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(dim, ffn, bias=False)
+        self.up_proj = nn.Linear(dim, ffn, bias=False)
+        self.down_proj = nn.Linear(ffn, dim, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class _LlamaLayer(nn.Module):
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.attn_norm = nn.RMSNorm(config.dim, eps=1e-5)
+        self.attn = _LlamaAttention(config)
+        self.mlp_norm = nn.RMSNorm(config.dim, eps=1e-5)
+        self.mlp = SwiGLU(config.dim, config.ffn)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        x = x + self.attn(self.attn_norm(x), cos, sin)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class Llama(nn.Module):
+    """``seq``: the longest sequence the rotary tables cover; ``checkpoint_layers``: each layer
+    recomputed in backward (activation checkpointing)."""
+
+    def __init__(self, config: LlamaConfig, seq: int, checkpoint_layers: bool) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab, config.dim)
+        self.layers = nn.ModuleList(_LlamaLayer(config) for _ in range(config.layers))
+        self.norm = nn.RMSNorm(config.dim, eps=1e-5)
+        self.lm_head = nn.Linear(config.dim, config.vocab, bias=False)
+        self.checkpoint_layers = checkpoint_layers
+        head_dim = config.dim // config.heads
+        inverse_freq = config.rope_theta ** (-torch.arange(0, head_dim, 2).float() / head_dim)
+        angles = torch.outer(torch.arange(seq).float(), inverse_freq)
+        self.register_buffer("cos", angles.cos(), persistent=False)
+        self.register_buffer("sin", angles.sin(), persistent=False)
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(module.weight, std=0.02)
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        x = self.embed_tokens(tokens)
+        cos, sin = self.cos[: tokens.shape[1]], self.sin[: tokens.shape[1]]
+        for layer in self.layers:
+            if self.checkpoint_layers:
+                # The whole layer call re-runs in backward, its module hooks included.
+                x = checkpoint(layer, x, cos, sin, use_reentrant=False)
+            else:
+                x = layer(x, cos, sin)
+        return self.lm_head(self.norm(x))
+
+
+def next_token_loss(model: nn.Module, tokens: Tensor) -> Tensor:
+    """Cross-entropy of ``model``'s logits at each position against the next token, the logits
+    upcast to fp32 first."""
+    logits = model(tokens[:, :-1])
+    return F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
