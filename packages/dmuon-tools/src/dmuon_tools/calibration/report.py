@@ -1,34 +1,40 @@
-"""The simulator against the measurements: fitted constants, and predicted vs measured.
+"""The calibration report: every measured component the simulator predicts, the prediction, the
+error, and whether the measurement fixed a constant (``fit``) or was left out of every fit
+(``held out``); printed as text or as the Markdown page ``docs/simulator-calibration.md``.
 
-Owns reading the committed benchmark results (``benchmarks/results/`` of the dmuon repository:
-``bench_e2e.py``, ``overlap_ab.py``, ``bench_step.py``, ``profile_host.py``, ``bench_ns.py``,
-``bench_syrk.py`` and ``run_protocol_cuda.py`` JSON), deriving the H200 machine's measured and
-fitted figures from the files its ``sources`` name (``derive_h200``), and the calibration report:
-every measured component the simulator predicts, the prediction, the error, and whether the
-measurement fixed a constant (``fit``) or was left out of every fit (``held out``). It must not
-change the model to fit a number: a constant is fitted once, on the one measurement
-``machine.H200_SOURCES`` names, and every other measurement is a test of it.
-
-[Note: reading a benchmark file]
-Each family of files has a loader that takes what the simulator needs and says, naming the file
-and the key, when something is missing; files of a family the report does not use are ignored,
-and the protocol runs are listed as excluded with the reason (their ``seconds`` time the whole
-check, reference model included, not a training step).
+Owns comparing each committed result with the simulator on the fitted machine (``calibrate``, a
+``Row`` per compared quantity, the summary by component) and printing it. It must not fit a
+constant (``fit`` does) or read a file other than through ``results``' loaders.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
-import re
 import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dmuon.inspect import SPECULATION_CHUNKS
+from dmuon_tools.calibration.fit import derive_h200, gloo_layout, gloo_machine
+from dmuon_tools.calibration.results import (
+    CUBLAS_NS_CANDIDATE,
+    E2E_FILE,
+    GLOO_FILE,
+    HOST_FILE,
+    NS_FILE,
+    STEP_FILE,
+    bench_e2e_shape,
+    bench_step_counts,
+    e2e_workload,
+    measured_ns_ms,
+    model_config_text,
+    overlap_what_if,
+    ran_on_cpu,
+    read_result,
+    value_at,
+)
 from dmuon_tools.costs import (
     ADAMW_BYTES_PER_ELEMENT,
     COLLECTIVES,
@@ -39,30 +45,9 @@ from dmuon_tools.costs import (
     ns_batch_ms,
     owner_ns_ms,
 )
-from dmuon_tools.machine import H200, H200_SOURCES, Link, Machine
-from dmuon_tools.model_shapes import DecoderShape
-from dmuon_tools.ns_table import shape_key
-from dmuon_tools.simulator import (
-    Layout,
-    ModelSizes,
-    Workload,
-    forward_backward_flops,
-    head_flops,
-    simulate,
-)
+from dmuon_tools.machine import Machine
+from dmuon_tools.simulator import Layout, Workload, simulate
 
-# The files the H200 preset's figures come from (see machine.H200_SOURCES).
-GEMM_FILE = "syrk-h200-2026-11-29-final.json"
-NS_FILE = "ns-h200-2026-11-29-autotune-graphs.json"
-STEP_FILE = "step-h200-2026-12-01-48aeddf.json"
-E2E_FILE = "e2e-h200-w1-2026-12-01-48aeddf.json"
-HOST_FILE = "host-gpt2-h200-2026-12-01-576a0bf.json"
-GLOO_FILE = "e2e-h200-gloo-w4-2026-12-01-f6373d6.json"
-DMUON_NS_CANDIDATE = "dmuon gram"
-CUBLAS_NS_CANDIDATE = "dmuon gram cublas"
-REFERENCE_NS_CANDIDATE = "torch.optim.Muon"
-# gloo on CUDA tensors of one GPU: a TCP loopback; its latency is assumed, its bandwidth fitted.
-GLOO_LATENCY_US = 50.0
 BENCH_E2E_DEFAULT_MODEL = {"vocab": 32000, "dim": 2048, "layers": 16, "heads": 16,
                            "kv_heads": 8, "ffn": 5632}  # fmt: skip
 # Variants of bench_e2e / profile_host and the simulator's system for each.
@@ -83,209 +68,6 @@ BENCH_STEP_ROWS = {
 # The error of the memory components the host profile lists after a step is not a test of the
 # model when it is exact by construction (sizes of tensors); they are still reported.
 DEFAULT_COMMAND = "dmuon-tools calibrate --results benchmarks/results"
-
-
-# ---- reading files (see [Note: reading a benchmark file]) ------------------------------------
-
-
-def _read(path: Path) -> dict[str, Any]:
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as error:
-        raise ValueError(f"cannot read the benchmark result {path}: {error}") from error
-    if not isinstance(data, dict):
-        raise ValueError(f"{path}: expected a JSON object, got a {type(data).__name__}.")
-    return data
-
-
-def _get(data: Mapping[str, Any], keys: str, path: Path) -> Any:
-    value: Any = data
-    for key in keys.split("."):
-        if not isinstance(value, Mapping) or key not in value:
-            raise ValueError(
-                f"{path.name}: no {keys!r} in the file; it is not a result of the benchmark its "
-                "name says, or was written by an older version of it."
-            )
-        value = value[key]
-    return value
-
-
-def bench_e2e_shape(model: Mapping[str, Any], where: str) -> DecoderShape:
-    """bench_e2e's Llama of ``ModelConfig`` (vocab, dim, layers, heads, kv_heads, ffn)."""
-    try:
-        dim, heads = int(model["dim"]), int(model["heads"])
-        return DecoderShape(
-            name=f"bench_e2e Llama d{dim} L{model['layers']}",
-            hidden_size=dim,
-            intermediate_size=int(model["ffn"]),
-            num_hidden_layers=int(model["layers"]),
-            num_attention_heads=heads,
-            num_key_value_heads=int(model["kv_heads"]),
-            head_dim=dim // heads,
-            vocab_size=int(model["vocab"]),
-        )
-    except (KeyError, TypeError, ValueError) as error:
-        raise ValueError(f"{where}: model {model!r} is not bench_e2e's ModelConfig.") from error
-
-
-def _model_config_text(text: str) -> dict[str, float]:
-    """``"ModelConfig(vocab=50257, dim=768, ...)"`` (profile_host's record) as a dict."""
-    return {key: float(value) for key, value in re.findall(r"(\w+)=([0-9.]+)", str(text))}
-
-
-def _ns_table(path: Path, candidate: str) -> dict[tuple[int, int], float]:
-    data = _read(path)
-    table = {
-        shape_key(row["shape"]): float(row["median_ms"])
-        for row in _get(data, "results", path)
-        if row.get("candidate") == candidate and not row.get("error") and row.get("median_ms")
-    }
-    if not table:
-        raise ValueError(f"{path.name}: no measurements of candidate {candidate!r}.")
-    return table
-
-
-def _bench_step_counts(data: Mapping[str, Any], path: Path) -> dict[tuple[int, int], int]:
-    """NS shape -> how many matrices, of bench_step's layer stack."""
-    layers = int(_get(data, "num_layers", path))
-    counts: dict[tuple[int, int], int] = {}
-    for dims in _get(data, "layer_shapes", path).values():
-        key = shape_key(dims)
-        counts[key] = counts.get(key, 0) + layers
-    return counts
-
-
-def _e2e_workload(inputs: Mapping[str, Any]) -> Workload:
-    return Workload(
-        seq_len=int(inputs["seq"]),
-        micro_batch=int(inputs["micro_batch"]),
-        activation_checkpointing=bool(inputs.get("checkpoint", True)),
-        param_bytes=4 if "float32" in str(inputs.get("param_dtype")) else 2,
-    )
-
-
-# ---- the H200's figures ------------------------------------------------------------------------
-
-
-def derive_h200(results: str | Path) -> Machine:
-    """The H200 preset's measured and fitted figures, computed from the files its sources name
-    (a test keeps ``machine.H200`` equal to this)."""
-    results = Path(results)
-    syrk = _read(results / GEMM_FILE)
-    matmul = next(
-        (
-            row
-            for row in _get(syrk, "matmul", results / GEMM_FILE)
-            if row["shape"] == [8192, 8192, 8192] and row["dtype"] == "bfloat16"
-        ),
-        None,
-    )
-    if matmul is None:
-        raise ValueError(f"{GEMM_FILE}: no bfloat16 8192x8192x8192 matmul row.")
-    gemm_tflops = 2 * 8192**3 / (matmul["median_ms"]["cublas"] * 1e-3) / 1e12
-    ns_path = results / NS_FILE
-    ns_ms = _ns_table(ns_path, DMUON_NS_CANDIDATE)
-    reference_ns_ms = _ns_table(ns_path, REFERENCE_NS_CANDIDATE)
-
-    step_path = results / STEP_FILE
-    step = _read(step_path)
-    adamw_ms = float(_get(step, "results.fused AdamW.median_ms", step_path))
-    num_params = int(_get(step, "num_params", step_path))
-    copy_gbps = ADAMW_BYTES_PER_ELEMENT * num_params / (adamw_ms * 1e-3) / 1e9
-
-    e2e_path = results / E2E_FILE
-    e2e = _read(e2e_path)
-    inputs = _get(e2e, "inputs", e2e_path)
-    model = ModelSizes.of(bench_e2e_shape(inputs["model"], E2E_FILE))
-    workload = _e2e_workload(inputs)
-    baseline = _get(e2e, "results.fsdp2-adamw", e2e_path)
-    forward_backward_ms = baseline["step_ms_median"] - baseline["optimizer_ms_median"]
-    training_tflops = forward_backward_flops(model, workload) / (forward_backward_ms * 1e-3) / 1e12
-
-    naive = _get(e2e, "results.naive-muon", e2e_path)
-    matrices = [dims for layer in model.layers for _, dims in layer]
-    modelled_ms = (
-        math.fsum(ns_batch_ms(reference_ns_ms, shape_key(dims), 1) for dims in matrices)
-        + elementwise_ms(model.dedicated_numel, REFERENCE_MUON_BYTES_PER_ELEMENT, copy_gbps)
-        + elementwise_ms(model.other_numel, ADAMW_BYTES_PER_ELEMENT, copy_gbps)
-    )
-    dtensor_ms = max(0.0, (naive["optimizer_ms_median"] - modelled_ms) / len(matrices))
-
-    host_path = results / HOST_FILE
-    host = _read(host_path)
-    host_inputs = _get(host, "inputs", host_path)
-    gpt2 = _model_config_text(host_inputs["model"])
-    gpt2_model = ModelSizes.of(bench_e2e_shape({k: int(v) for k, v in gpt2.items()}, HOST_FILE))
-    gpt2_workload = Workload(
-        seq_len=int(host_inputs["seq"]),
-        micro_batch=int(host_inputs["micro_batch"]),
-        activation_checkpointing=False,
-    )
-    head_ms = head_flops(gpt2_model, gpt2_workload) / (training_tflops * 1e12) * 1e3
-    floors = {}
-    for variant, family in (("fsdp2-adamw", "fsdp2"), ("dmuon-z3", "dmuon")):
-        measured = _get(host, f"results.{variant}.device_forward_backward_ms", host_path)
-        floors[family] = round((measured - head_ms) / gpt2_model.num_layers, 3)
-    return dataclasses.replace(
-        H200,
-        gemm_tflops=round(gemm_tflops, 1),
-        training_tflops=round(training_tflops, 1),
-        copy_gbps=round(copy_gbps, 0),
-        ns_ms={shape: round(ms, 4) for shape, ms in ns_ms.items()},
-        reference_ns_ms={shape: round(ms, 4) for shape, ms in reference_ns_ms.items()},
-        layer_host_ms=floors,
-        dtensor_host_ms_per_matrix=round(dtensor_ms, 3),
-        sources=H200_SOURCES,
-    )
-
-
-def gloo_machine(results: str | Path, machine: Machine) -> Machine:
-    """``machine`` with its in-node link replaced by gloo on one GPU (a TCP loopback): latency
-    assumed (``GLOO_LATENCY_US``), bandwidth fitted so that FSDP2 + AdamW's step on 4 ranks
-    matches ``GLOO_FILE``."""
-    path = Path(results) / GLOO_FILE
-    data = _read(path)
-    inputs = _get(data, "inputs", path)
-    shape = bench_e2e_shape(inputs["model"], GLOO_FILE)
-    workload = _e2e_workload(inputs)
-    world = int(_get(data, "world_size", path))
-    measured = float(_get(data, "results.fsdp2-adamw.step_ms_median", path))
-    layout = _gloo_layout(world)
-
-    def predicted(bandwidth: float) -> float:
-        trial = _with_loopback(machine, bandwidth)
-        return (
-            simulate(shape, layout, workload, trial, ("fsdp2-adamw",))
-            .predictions["fsdp2-adamw"]
-            .step_ms
-        )
-
-    low, high = 1e-3, 1e4  # GB/s; the step falls as bandwidth grows
-    for _ in range(60):
-        middle = math.sqrt(low * high)
-        if predicted(middle) > measured:
-            low = middle
-        else:
-            high = middle
-    return _with_loopback(machine, round(math.sqrt(low * high), 4))
-
-
-def _gloo_layout(world: int) -> Layout:
-    return Layout(num_shards=world, gpus_per_node=1, ranks_per_gpu=world)
-
-
-def _with_loopback(machine: Machine, bandwidth_gbps: float) -> Machine:
-    sources = dict(machine.sources)
-    sources["nvlink"] = (
-        f"gloo on one GPU: latency assumed {GLOO_LATENCY_US:g} us, bandwidth fitted on "
-        f"{GLOO_FILE} fsdp2-adamw step_ms_median (fit)"
-    )
-    return dataclasses.replace(
-        machine,
-        name=f"{machine.name}-gloo-loopback",
-        nvlink=Link(bandwidth_gbps=bandwidth_gbps, latency_us=GLOO_LATENCY_US),
-        sources=sources,
-    )
 
 
 # ---- the report ---------------------------------------------------------------------------------
@@ -394,19 +176,19 @@ def calibrate(results: str | Path, machine: Machine | None = None) -> Calibratio
         )
     machine = machine or derive_h200(results)
     gloo = gloo_machine(results, machine)
-    cublas_ns = _ns_table(results / NS_FILE, CUBLAS_NS_CANDIDATE)
+    cublas_ns = measured_ns_ms(results / NS_FILE, CUBLAS_NS_CANDIDATE)
     rows: list[Row] = []
     excluded: list[tuple[str, str]] = []
     for path in sorted(results.glob("*.json")):
         name = path.name
-        if _ran_on_cpu(path):  # the simulator models the GPU: a CPU run checks nothing of it
+        if ran_on_cpu(path):  # the simulator models the GPU: a CPU run checks nothing of it
             excluded.append((name, "a CPU run (the simulator models the H200)"))
         elif name.startswith("step-"):
             rows += _step_rows(path, machine, cublas_ns)
         elif name.startswith("e2e-"):
             rows += _e2e_rows(path, machine, gloo)
         elif name.startswith("overlap-ab-"):
-            what_if = _overlap_what_if(path)
+            what_if = overlap_what_if(path)
             if what_if is None:
                 rows += _overlap_ab_rows(path, machine, gloo)
             else:
@@ -426,16 +208,11 @@ def calibrate(results: str | Path, machine: Machine | None = None) -> Calibratio
     return Calibration(machine=machine, gloo=gloo, rows=tuple(rows), excluded=tuple(excluded))
 
 
-def _ran_on_cpu(path: Path) -> bool:
-    data = json.loads(path.read_text())
-    return isinstance(data, dict) and data.get("device") == "cpu"
-
-
 def _step_rows(
     path: Path, machine: Machine, cublas_ns: Mapping[tuple[int, int], float]
 ) -> list[Row]:
-    data = _read(path)
-    counts = _bench_step_counts(data, path)
+    data = read_result(path)
+    counts = bench_step_counts(data, path)
     numel = sum(count * a * b for (a, b), count in counts.items())
     predicted = {
         "adamw": elementwise_ms(numel, ADAMW_BYTES_PER_ELEMENT, machine.copy_gbps),
@@ -451,7 +228,7 @@ def _step_rows(
     }
     rows = []
     for case, what in BENCH_STEP_ROWS.items():
-        result = _get(data, "results", path).get(case)
+        result = value_at(data, "results", path).get(case)
         if result is None or result.get("median_ms") is None:
             continue
         fit = path.name == STEP_FILE and what == "adamw"
@@ -474,22 +251,22 @@ def _e2e_setting(
     """The machine, layout and setting label of a run of bench_e2e's model: NCCL runs on one
     node (one GPU a rank), gloo runs of several ranks sharing the one GPU (how the project's GPU
     machine runs them)."""
-    world = int(_get(data, "world_size", path))
-    if _get(data, "backend", path) == "gloo" and world > 1:
-        return gloo, _gloo_layout(world), f"gloo, {world} ranks on one GPU"
+    world = int(value_at(data, "world_size", path))
+    if value_at(data, "backend", path) == "gloo" and world > 1:
+        return gloo, gloo_layout(world), f"gloo, {world} ranks on one GPU"
     layout = Layout(num_shards=world, gpus_per_node=max(8, world))
     return machine, layout, "world size 1" if world == 1 else f"NCCL, {world} GPUs"
 
 
 def _e2e_rows(path: Path, machine: Machine, gloo: Machine) -> list[Row]:
     """``bench_e2e.py``: each variant's step, its parts and its peak."""
-    data = _read(path)
-    inputs = _get(data, "inputs", path)
+    data = read_result(path)
+    inputs = value_at(data, "inputs", path)
     machine, layout, setting = _e2e_setting(data, path, machine, gloo)
     shape = bench_e2e_shape(inputs["model"], path.name)
-    workload = _e2e_workload(inputs)
+    workload = e2e_workload(inputs)
     variants = [
-        v for v, result in _get(data, "results", path).items()
+        v for v, result in value_at(data, "results", path).items()
         if v in E2E_SYSTEMS and "error" not in result
     ]  # fmt: skip
     simulation = simulate(shape, layout, workload, machine, [E2E_SYSTEMS[v] for v in variants])
@@ -544,33 +321,15 @@ def _e2e_rows(path: Path, machine: Machine, gloo: Machine) -> list[Row]:
 OVERLAP_AB_SYSTEMS = {"dmuon-z3": "plain_median_ms", "dmuon-z3-overlap": "overlapped_median_ms"}
 
 
-# The speculation chunks of the ``overlap_ab.py`` runs that predate recording them: the default
-# was four until it became two.
-UNRECORDED_SPECULATION_CHUNKS = 4
-
-
-def _overlap_what_if(path: Path) -> str | None:
-    """Why an ``overlap_ab.py`` run measured settings the simulator does not model, or None."""
-    data = _read(path)
-    chunks = data.get("speculation_chunks", UNRECORDED_SPECULATION_CHUNKS)
-    priority = data.get("speculation_stream_priority", 0)
-    if (chunks, priority) == (SPECULATION_CHUNKS, 0):
-        return None
-    return (
-        f"run with speculation chunks {chunks}, side-stream priority {priority}; the "
-        f"simulator models the defaults ({SPECULATION_CHUNKS} chunks, priority 0)"
-    )
-
-
 def _overlap_ab_rows(path: Path, machine: Machine, gloo: Machine) -> list[Row]:
     """``overlap_ab.py``: the plain and the overlapped step measured paired (their iterations
     alternated on one machine), each step and the ratio of the two."""
     # Its first version ran NCCL at world size 1 only and recorded neither.
-    data = {"world_size": 1, "backend": "nccl", **_read(path)}
+    data = {"world_size": 1, "backend": "nccl", **read_result(path)}
     machine, layout, setting = _e2e_setting(data, path, machine, gloo)
-    shape = bench_e2e_shape(_get(data, "model", path), path.name)
+    shape = bench_e2e_shape(value_at(data, "model", path), path.name)
     # bench_e2e's defaults (activation checkpointing, bf16) where the file predates recording them
-    workload = _e2e_workload(data)
+    workload = e2e_workload(data)
     predictions = simulate(shape, layout, workload, machine, list(OVERLAP_AB_SYSTEMS))
     predicted = {s: predictions.predictions[s].step_ms for s in OVERLAP_AB_SYSTEMS}
     rows = [
@@ -578,7 +337,7 @@ def _overlap_ab_rows(path: Path, machine: Machine, gloo: Machine) -> list[Row]:
             source=path.name,
             case=system,
             quantity="step",
-            measured=float(_get(data, f"summary.{key}", path)),
+            measured=float(value_at(data, f"summary.{key}", path)),
             predicted=predicted[system],
             role="held out",
             setting=setting,
@@ -591,7 +350,7 @@ def _overlap_ab_rows(path: Path, machine: Machine, gloo: Machine) -> list[Row]:
             source=path.name,
             case=f"{overlapped} / {plain}, paired",
             quantity="step ratio",
-            measured=float(_get(data, "summary.ratio", path)),
+            measured=float(value_at(data, "summary.ratio", path)),
             predicted=predicted[overlapped] / predicted[plain],
             role="held out",
             unit="x",
@@ -615,9 +374,9 @@ def _e2e_role(name: str, variant: str, quantity: str) -> str:
 
 
 def _host_rows(path: Path, machine: Machine) -> list[Row]:
-    data = _read(path)
-    inputs = _get(data, "inputs", path)
-    config = {k: int(v) for k, v in _model_config_text(inputs["model"]).items()}
+    data = read_result(path)
+    inputs = value_at(data, "inputs", path)
+    config = {k: int(v) for k, v in model_config_text(inputs["model"]).items()}
     shape = bench_e2e_shape(config, path.name)
     # profile_host checkpoints activations exactly for bench_e2e's default model (--llama-1b);
     # the file does not record it.
@@ -627,7 +386,7 @@ def _host_rows(path: Path, machine: Machine) -> list[Row]:
         micro_batch=int(inputs["micro_batch"]),
         activation_checkpointing=checkpointing,
     )
-    results = _get(data, "results", path)
+    results = value_at(data, "results", path)
     variants = [v for v in results if v in E2E_SYSTEMS]
     simulation = simulate(shape, Layout(num_shards=1), workload, machine, variants)
     rows = []
@@ -674,15 +433,15 @@ def _collective_rows(path: Path, machine: Machine, gloo: Machine) -> list[Row]:
     """``bench_collectives.py``: each measured collective against the ring model on the link
     its ranks use (gloo ranks sharing a GPU: the fitted loopback; NCCL in one node: NVLink;
     across nodes: the network)."""
-    data = _read(path)
-    world = int(_get(data, "world_size", path))
-    backend = _get(data, "backend", path)
+    data = read_result(path)
+    world = int(value_at(data, "world_size", path))
+    backend = value_at(data, "backend", path)
     if backend == "gloo":
         link = gloo.nvlink
     else:
         link = machine.nvlink if int(data.get("nodes", 1)) <= 1 else machine.network
     rows = []
-    for result in _get(data, "results", path):
+    for result in value_at(data, "results", path):
         if "error" in result or result.get("kind") not in COLLECTIVES:
             continue
         rows.append(
