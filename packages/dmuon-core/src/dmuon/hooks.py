@@ -4,6 +4,14 @@ Owns the per-model protocol state (the boundaries, their forward order, the end-
 callback, gradient-sync on/off) and the hook functions. What moves is ``group``'s concern; this
 module only decides when.
 
+The state answers for itself: the modules around it change it through its methods, never by
+writing its fields (``tests/core/test_model_state.py``). The optimizer attaches its overlapped
+step (``attach_overlap``) and its offloaded masters (``attach_offload``, which tells each
+``DedicatedParam`` where its master lives); ``dmuon.no_sync`` runs under
+``without_gradient_sync``; ``dmuon.checkpoint`` reads and loads under ``reading_checkpoint`` and
+``loading_checkpoint_elsewhere``, a plain ``load_state_dict`` calls ``note_masters_loaded``;
+``dmuon.data_parallel`` hands it the FSDP modules it found (``remember_fsdp_reducers``).
+
 One training step, as the hooks see it (each boundary ``b`` advances itself: ``group``)::
 
     pre-forward(b)   b.pre_forward: unshard b (wait for its broadcast), register its unsharded

@@ -4,7 +4,8 @@ Owns where an offloaded master's value lives and its trips to the device and bac
 home (pinned under CUDA), the copies on side streams, the events that order them, and which
 masters the step has already copied into their segments. It must not do optimizer math (the
 step hands it one function per Newton-Schulz call), decide which masters are offloaded (the
-optimizer does, see ``dmuon.optim``) nor issue collectives.
+optimizer does, see ``dmuon.optim``) nor issue collectives. It is attached through the model
+state (``DedicatedState.attach_offload``), which registers it on each offloaded parameter.
 
 [Note: offloaded masters]
 Between steps an offloaded master's value is its *home*, a CPU tensor; the ``nn.Parameter``
