@@ -83,7 +83,7 @@ case $part in
 1)
   sharded_gpu_tests 3 380
   step e2e 180 python -m torch.distributed.run --standalone --nproc-per-node 1 \
-    benchmarks/bench_e2e.py --variants \
+    benchmarks/e2e/bench_e2e.py --variants \
     fsdp2-adamw,dmuon-z3,dmuon-z3+offload,dmuon-z3+bf16m,dmuon-z3+bf16m+offload \
     --git-sha "$sha" --out "$out/e2e-w1.json"
   ;;
@@ -121,7 +121,7 @@ case $part in
 6)
   sharded_gpu_tests 3 380
   step e2e 200 python -m torch.distributed.run --standalone --nproc-per-node 1 \
-    benchmarks/bench_e2e.py --variants fsdp2-adamw,dmuon-z3,dmuon-z3-overlap \
+    benchmarks/e2e/bench_e2e.py --variants fsdp2-adamw,dmuon-z3,dmuon-z3-overlap \
     --git-sha "$sha" --out "$out/e2e-w1.json"
   ;;
 7)
@@ -136,7 +136,7 @@ case $part in
   ;;
 9)
   step e2e 130 python -m torch.distributed.run --standalone --nproc-per-node 1 \
-    benchmarks/bench_e2e.py --variants dmuon-z3,dmuon-z3-overlap \
+    benchmarks/e2e/bench_e2e.py --variants dmuon-z3,dmuon-z3-overlap \
     --git-sha "$sha" --out "$out/e2e-w1.json"
   step overlap-timeline 100 python -m torch.distributed.run --standalone --nproc-per-node 1 \
     benchmarks/overlap/overlap_timeline.py --git-sha "$sha" --out "$out/overlap-timeline.json"

@@ -56,10 +56,10 @@ for world in ${WORLDS:-2 4 8}; do
         run collectives "${COLLECTIVES_TIMEOUT:-300}" "$world" benchmarks/overlap/bench_collectives.py \
           --out "$OUT/collectives-$device-nccl-w$world-$day.json" ;;
       e2e)
-        run e2e "${E2E_TIMEOUT:-600}" "$world" benchmarks/bench_e2e.py \
+        run e2e "${E2E_TIMEOUT:-600}" "$world" benchmarks/e2e/bench_e2e.py \
           --out "$OUT/e2e-$device-w$world-$day.json" ;;
       e2e-large)
-        run e2e-large "${E2E_TIMEOUT:-600}" "$world" benchmarks/bench_e2e.py \
+        run e2e-large "${E2E_TIMEOUT:-600}" "$world" benchmarks/e2e/bench_e2e.py \
           --dim 4096 --layers 8 --out "$OUT/e2e-$device-d4096-w$world-$day.json" ;;
       overlap)
         run overlap "${OVERLAP_TIMEOUT:-600}" "$world" benchmarks/overlap/overlap_ab.py \

@@ -35,10 +35,10 @@ CPU too) and the losses (must be finite). On CPU, wall-clock times.
 
 Usage (repository root; on the GPU machine put the package sources on PYTHONPATH)::
 
-    python -m torch.distributed.run --nproc-per-node 1 benchmarks/bench_e2e.py
-    python -m torch.distributed.run --nproc-per-node 8 benchmarks/bench_e2e.py --variants fsdp2-adamw,dmuon-z3
-    python -m torch.distributed.run --nproc-per-node 2 benchmarks/bench_e2e.py --device cpu --quick
-    python -m torch.distributed.run --nproc-per-node 4 benchmarks/bench_e2e.py --backend gloo  # one GPU
+    python -m torch.distributed.run --nproc-per-node 1 benchmarks/e2e/bench_e2e.py
+    python -m torch.distributed.run --nproc-per-node 8 benchmarks/e2e/bench_e2e.py --variants fsdp2-adamw,dmuon-z3
+    python -m torch.distributed.run --nproc-per-node 2 benchmarks/e2e/bench_e2e.py --device cpu --quick
+    python -m torch.distributed.run --nproc-per-node 4 benchmarks/e2e/bench_e2e.py --backend gloo  # one GPU
 
 Rank 0 prints a table and writes JSON (``--out``; default
 ``benchmarks/results/e2e-<gpu>-w<world>-<date>.json``, none with ``--quick`` unless given).
