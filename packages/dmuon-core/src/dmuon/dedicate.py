@@ -354,6 +354,7 @@ def _make_dedicated_params(
 ) -> dict[str, DedicatedParam]:
     """One ``DedicatedParam`` per matrix (an expert stack's pieces from ``experts``), its
     original parameter marked dedicated; FQN (a piece's ``<fqn>[start:stop]``) -> it."""
+    policy, overrides = request.policy, request.overrides
     params: dict[str, DedicatedParam] = {}
     for name, module, attr, param in request.selected:
         if name in plan.expert_slices:
@@ -365,15 +366,15 @@ def _make_dedicated_params(
                     param=param,
                     plan=plan,
                     mesh=ownership_mesh,
-                    policy=request.policy,
-                    route_override=request.overrides.get(name),
+                    policy=policy,
+                    route_override=overrides.get(name),
                     experts=experts,
                 )
             )
             continue
         owner = plan.owners[name]
         mark_dedicated(param)
-        param_dtype, reduce_dtype = request.policy.defaults.dtypes_of(param)
+        param_dtype, reduce_dtype = policy.defaults.dtypes_of(param)
         params[name] = DedicatedParam(
             fqn=name,
             module=module,
@@ -386,7 +387,7 @@ def _make_dedicated_params(
             is_owner=ownership_mesh.is_me(owner),
             placeholder=make_placeholder(param),
             original=param,
-            route_override=request.overrides.get(name),
+            route_override=overrides.get(name),
             tp=request.tp_layouts.get(name),
             row_blocks=request.blocks.get(name),
         )
