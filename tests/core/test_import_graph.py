@@ -44,6 +44,7 @@ BUILT_ON_THE_PROTOCOL = {
     "dmuon.fsdp2",
     "dmuon.inspect",
     "dmuon.module_state",
+    "dmuon.muon_options",
     "dmuon.muon_route",
     "dmuon.optim",
     "dmuon.qk_clip",

@@ -31,6 +31,13 @@ from dmuon.dedicate import (  # noqa: E402
     wait_all_replicate_broadcasts,
 )
 from dmuon.deferred import dedicate_before_fully_shard  # noqa: E402
+from dmuon.muon_options import (  # noqa: E402
+    AdjustLr,
+    MomentumDtype,
+    MuonOptions,
+    NonfinitePolicy,
+    NSBackend,
+)
 from dmuon.optim import Muon  # noqa: E402
 from dmuon.partition import OwnerCoord  # noqa: E402
 from dmuon.policy import ParamDefaults, ParamPolicy  # noqa: E402
@@ -86,11 +93,16 @@ __all__ = [
     "KELLER_COEFFICIENTS",
     "POLAR_EXPRESS_COEFFICIENTS",
     "YOU_COEFFICIENTS",
+    "AdjustLr",
     "AttentionHeads",
     "GQAClip",
     "MLAHeads",
+    "MomentumDtype",
     "Muon",
+    "MuonOptions",
+    "NSBackend",
     "NewtonSchulz",
+    "NonfinitePolicy",
     "OwnerCoord",
     "ParamDefaults",
     "ParamPolicy",

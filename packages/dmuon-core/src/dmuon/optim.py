@@ -20,7 +20,7 @@ so ``torch.optim.lr_scheduler`` and HF's schedulers scale every group.
 
 from __future__ import annotations
 
-import math
+import dataclasses
 import sys
 import warnings
 from collections.abc import Callable
@@ -41,17 +41,15 @@ from dmuon.ddp import check_gradients_are_averaged
 from dmuon.experts import ExpertStack, agreed_name
 from dmuon.fqn import canonical_fqn
 from dmuon.hooks import get_dedicated_state
+from dmuon.muon_options import AdjustLr, MomentumDtype, MuonOptions, NonfinitePolicy
 from dmuon.muon_route import MuonRoute
-from dmuon.muon_update import MOMENTUM_DTYPES, NORMUON_BETA2, NORMUON_EPS
-from dmuon.nonfinite import check_policy
+from dmuon.muon_update import MOMENTUM_DTYPES
 from dmuon.ns_counts import NewtonSchulzCounts
 from dmuon.offload import MasterOffload, check_masters_can_be_offloaded
 from dmuon.optim_layout import LAYOUT_KEY, check_layout, layout_record, without_layout
 from dmuon.overlap import OverlappedStep, OverlapStepStats
 from dmuon.param import MUON_ROUTE, is_dedicated
 from dmuon.routing import (
-    ADJUST_LR,
-    HF_NO_DECAY,
     RULE_KEYS,
     SHARDED_ADAMW_ROUTE,
     WHY_NOT_DEDICATED,
@@ -61,7 +59,6 @@ from dmuon.routing import (
     NoDecay,
     ParamFacts,
     RoutingRow,
-    momentum_dtype_name,
     no_decay_fqns,
     plan_groups,
     route_summaries,
@@ -69,9 +66,11 @@ from dmuon.routing import (
 )
 from dmuon.step_group import StepGroup, StepMember
 from dmuon_kernels.coefficients import KELLER_COEFFICIENTS
-from dmuon_kernels.newton_schulz import NewtonSchulz
+from dmuon_kernels.newton_schulz import NewtonSchulz, NSBackend
 
 _FUSED_ADAMW_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+# ``dmuon.Muon``'s keywords take their defaults from here (one place: ``dmuon.MuonOptions``).
+_DEFAULTS = MuonOptions()
 
 
 class Muon(torch.optim.Optimizer):
@@ -79,69 +78,10 @@ class Muon(torch.optim.Optimizer):
 
     Args:
         model: the model ``dedicate_params`` was called on (before or after ``fully_shard``).
-        lr, momentum, nesterov, weight_decay: the Muon route (decoupled weight decay).
-        ns_backend: ``"gram"``, ``"direct"`` or a configured ``dmuon.NewtonSchulz``; every rank
-            must use the same one (checked once at construction).
-        adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay: the AdamW route.
-        replicate_async: under HSDP, publish the new weights across replicas asynchronously
-            after ``step()`` (waited for by the next forward) instead of synchronously.
-        nonfinite: what a step does when a gradient holds NaN or inf on any rank: ``"skip"``
-            (the default: every rank skips the step, weights and optimizer state untouched,
-            with a warning naming the step and the parameters), ``"raise"`` (RuntimeError
-            naming the parameters, nothing updated) or ``"ignore"`` (torch's behaviour: no
-            check, and the update makes every weight it reaches NaN). The check reads the norm
-            of a ``dmuon.clip_grad_norm_`` over these gradients when one ran (a scalar to the
-            host, nothing recomputed); otherwise it costs one fused max-abs pass over this
-            rank's gradients, one all-reduce of a flag and one host synchronisation.
-        step_group: a ``dmuon.StepGroup`` shared by the optimizers of every part of a model
-            that trains in one step (pipeline stages, here and on the ranks of its ``pp_mesh``):
-            the non-finite decision, and ``dmuon.clip_grad_norm_``'s norm, then span them all.
-            None: this optimizer alone.
-        normuon, normuon_beta2, normuon_eps: NorMuon (Li et al., 2025, arXiv 2510.05491):
-            after Newton-Schulz, each row of the update is divided by the root of an EMA
-            (``normuon_beta2``) of its mean square, then the whole is rescaled to the
-            Frobenius norm of an orthogonal matrix, so ``adjust_lr`` keeps its meaning (the
-            update's RMS is 0.2 lr under ``"match_rms_adamw"``, as the paper's rule). State:
-            one fp32 number per row. See [Note: NorMuon] in ``dmuon.muon_update``.
-        momentum_dtype: the dtype the Muon momentum is stored in: ``torch.float32`` (the
-            default), ``torch.bfloat16`` (half its memory) or ``torch.int8`` (int8 with an fp32
-            scale per 256 elements of a row: about a quarter; [Note: 8-bit momentum] in
-            ``dmuon.muon_update``); the arithmetic is fp32 either way, the buffer rounded once
-            per step on store.
-        offload_masters: keep the fp32 masters of the Muon route in CPU memory (pinned under
-            CUDA) between steps, so they take no device memory during forward and backward;
-            ``step()`` brings them to the device one Newton-Schulz call ahead on a side stream
-            and copies them home on another ([Note: offloaded masters] in
-            ``dmuon.offload``). Bit-identical to the run without it; costs 2 x 4 bytes of
-            host-device traffic per owned element per step. Needs parameters in a dtype other
-            than fp32 (the master is then a copy of its own); not with ``overlap_step``,
-            tensor-parallel matrices or expert stacks (each refused with a message). The AdamW
-            route's masters (norms, biases) stay on the device.
-        adjust_lr: the Muon learning rate of an (m, n) matrix is ``lr`` times
-            ``0.2 * sqrt(max(m, n))`` (``"match_rms_adamw"``, the default: the update's RMS is
-            AdamW's), ``sqrt(max(1, m / n))`` (``"spectral"``, torch.optim.Muon's default) or 1
-            (None). ``Muon.torch_compatible(model, ...)`` reproduces torch.optim.Muon.
-        allow_no_muon: construct even when no dedicated parameter is a matrix (AdamW alone);
-            otherwise that raises, since it is almost always a predicate that matched nothing.
-            The check reads ``model``, which every rank of its mesh dedicated alike, so those
-            ranks all raise or none does; across pipeline stages (different models) the caller
-            decides: a stage without matrices passes True when another stage has some
-            (``dmuon_titan`` sums the stages' counts over the ``pp`` dim and does so).
-        param_groups: ``[{"params": fqns | (name, param) -> bool, "lr": ..., ...}, ...]``,
-            applied in order on top of the routes (a parameter takes the first group that
-            matches). A group may set ``lr`` and ``weight_decay`` (any route), ``momentum``,
-            ``nesterov``, ``adjust_lr``, ``normuon``, ``normuon_beta2``, ``normuon_eps`` and
-            ``momentum_dtype`` (Muon), ``betas`` and ``eps`` (AdamW); a key that
-            does not apply to a parameter the group matches raises. Each becomes one torch
-            param group per update rule it covers. A predicate sees a dedicated parameter as a
-            meta tensor of its full shape (its value lives on the owner only), so every rank
-            decides alike.
-        no_decay: which parameters get no weight decay. ``"hf"`` (the default) is HF
-            Trainer's rule: biases, the parameters of ``nn.LayerNorm`` modules and parameters
-            named like norms (``layernorm``, ``rmsnorm``, ``norm``, ``*_norm``). Embeddings
-            are decayed, as in HF. A function ``(name, param) -> bool`` chooses them itself;
-            None or False decays every parameter by its group's ``weight_decay``. A group that
-            sets ``weight_decay`` explicitly wins over this rule.
+        lr, momentum, ..., offload_masters: the fields of ``dmuon.MuonOptions`` (documented
+            there), with its defaults, validated once by it; ``Muon.from_options(model,
+            options, **overrides)`` takes a ``MuonOptions`` instead. ``optimizer.options`` is
+            the one this optimizer was built with.
 
     ``optimizer.routing()`` lists every parameter's route, owner, lr, weight decay and why; a
     summary line per route is logged (INFO, rank 0) on the ``dmuon`` logger at construction.
@@ -155,52 +95,54 @@ class Muon(torch.optim.Optimizer):
     def __init__(
         self,
         model: nn.Module,
-        lr: float = 0.02,
-        momentum: float = 0.95,
-        nesterov: bool = True,
-        weight_decay: float = 0.0,
-        ns_backend: str | NewtonSchulz = "gram",
-        adamw_lr: float = 1e-3,
-        adamw_betas: tuple[float, float] = (0.9, 0.999),
-        adamw_eps: float = 1e-8,
-        adamw_weight_decay: float = 0.01,
-        replicate_async: bool = True,
-        nonfinite: str = "skip",
-        allow_no_muon: bool = False,
-        adjust_lr: str | None = "match_rms_adamw",
-        param_groups: list[dict] | None = None,
-        no_decay: NoDecay = HF_NO_DECAY,
-        step_group: StepGroup | None = None,
-        overlap_step: bool = False,
-        normuon: bool = False,
-        normuon_beta2: float = NORMUON_BETA2,
-        normuon_eps: float = NORMUON_EPS,
-        momentum_dtype: torch.dtype | str = torch.float32,
-        offload_masters: bool = False,
+        lr: float = _DEFAULTS.lr,
+        momentum: float = _DEFAULTS.momentum,
+        nesterov: bool = _DEFAULTS.nesterov,
+        weight_decay: float = _DEFAULTS.weight_decay,
+        ns_backend: NSBackend | NewtonSchulz = _DEFAULTS.ns_backend,
+        adamw_lr: float = _DEFAULTS.adamw_lr,
+        adamw_betas: tuple[float, float] = _DEFAULTS.adamw_betas,
+        adamw_eps: float = _DEFAULTS.adamw_eps,
+        adamw_weight_decay: float = _DEFAULTS.adamw_weight_decay,
+        replicate_async: bool = _DEFAULTS.replicate_async,
+        nonfinite: NonfinitePolicy = _DEFAULTS.nonfinite,
+        allow_no_muon: bool = _DEFAULTS.allow_no_muon,
+        adjust_lr: AdjustLr | None = _DEFAULTS.adjust_lr,
+        param_groups: list[dict] | None = _DEFAULTS.param_groups,
+        no_decay: NoDecay = _DEFAULTS.no_decay,
+        step_group: StepGroup | None = _DEFAULTS.step_group,
+        overlap_step: bool = _DEFAULTS.overlap_step,
+        normuon: bool = _DEFAULTS.normuon,
+        normuon_beta2: float = _DEFAULTS.normuon_beta2,
+        normuon_eps: float = _DEFAULTS.normuon_eps,
+        momentum_dtype: torch.dtype | MomentumDtype = _DEFAULTS.momentum_dtype,
+        offload_masters: bool = _DEFAULTS.offload_masters,
     ) -> None:
-        _check_hyperparameters(
+        options = MuonOptions(
             lr=lr,
             momentum=momentum,
             nesterov=nesterov,
             weight_decay=weight_decay,
+            ns_backend=ns_backend,
             adamw_lr=adamw_lr,
             adamw_betas=adamw_betas,
             adamw_eps=adamw_eps,
             adamw_weight_decay=adamw_weight_decay,
             replicate_async=replicate_async,
+            nonfinite=nonfinite,
+            allow_no_muon=allow_no_muon,
+            adjust_lr=adjust_lr,
+            param_groups=param_groups,
+            no_decay=no_decay,
+            step_group=step_group,
             overlap_step=overlap_step,
             normuon=normuon,
             normuon_beta2=normuon_beta2,
             normuon_eps=normuon_eps,
+            momentum_dtype=momentum_dtype,
             offload_masters=offload_masters,
         )
-        momentum_dtype = momentum_dtype_name(momentum_dtype)
-        if adjust_lr not in ADJUST_LR:
-            raise ValueError(
-                f"dmuon.Muon: adjust_lr={adjust_lr!r} is not one of {ADJUST_LR}: "
-                "'match_rms_adamw' (lr x 0.2 sqrt(max(m, n)), the default), 'spectral' "
-                "(lr x sqrt(max(1, m / n)), torch.optim.Muon's default) or None (lr as given)."
-            )
+        momentum_dtype = options.momentum_dtype_name
         if not isinstance(model, nn.Module):
             raise TypeError(
                 f"dmuon.Muon takes the model itself, got {type(model).__name__}: dmuon.Muon("
@@ -223,11 +165,12 @@ class Muon(torch.optim.Optimizer):
         check_data_parallel_layout(self._dedicated)
         self._dedicated.ensure_adopted()
         check_gradients_are_averaged(self._dedicated)
-        self._newton_schulz = _resolve_newton_schulz(ns_backend)
+        self.options = options
+        self._newton_schulz = options.newton_schulz()
         self.replicate_async = replicate_async
         self.overlap_step = overlap_step
         self.offload_masters = offload_masters
-        self.nonfinite = check_policy(nonfinite)
+        self.nonfinite = nonfinite
         self._steps_taken = 0
         # Newton-Schulz outputs applied per owned matrix ([Note: one Newton-Schulz per matrix
         # per step] in ``dmuon.ns_counts``); read through ``dmuon.inspect.newton_schulz_counts``.
@@ -364,6 +307,19 @@ class Muon(torch.optim.Optimizer):
                 "needs its own torch optimizer."
             )
         super().add_param_group(param_group)
+
+    @classmethod
+    def from_options(cls, model: nn.Module, options: MuonOptions, **overrides) -> Muon:
+        """``dmuon.Muon`` with ``options``, any field replaced by ``overrides`` (keywords as
+        ``dmuon.Muon``'s): ``Muon.from_options(model, options, lr=0.01)``."""
+        if not isinstance(options, MuonOptions):
+            raise TypeError(
+                f"dmuon.Muon.from_options takes a dmuon.MuonOptions, got "
+                f"{type(options).__name__}; pass keywords to dmuon.Muon(model, lr=..., ...) "
+                "instead, or dmuon.MuonOptions(lr=..., ...)."
+            )
+        values = {field.name: getattr(options, field.name) for field in dataclasses.fields(options)}
+        return cls(model, **{**values, **overrides})
 
     @classmethod
     def torch_compatible(
@@ -725,64 +681,3 @@ def _fused_adamw_runs_on(weight: torch.Tensor) -> bool:
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
-
-
-def _resolve_newton_schulz(ns_backend: str | NewtonSchulz) -> NewtonSchulz:
-    if isinstance(ns_backend, NewtonSchulz):
-        return ns_backend
-    if isinstance(ns_backend, str):
-        return NewtonSchulz(backend=ns_backend)
-    raise TypeError(
-        f"ns_backend must be 'gram', 'direct' or a dmuon.NewtonSchulz, got "
-        f"{type(ns_backend).__name__}: {ns_backend!r}."
-    )
-
-
-def _check_hyperparameters(
-    *,
-    nesterov,
-    replicate_async,
-    overlap_step,
-    offload_masters,
-    adamw_betas,
-    momentum,
-    normuon,
-    normuon_beta2,
-    **values: float,
-) -> None:
-    """Refuse what torch.optim would take silently or fail on later, showing the value."""
-    for name, value in {**values, "momentum": momentum, "normuon_beta2": normuon_beta2}.items():
-        if (
-            isinstance(value, bool)
-            or not isinstance(value, (int, float))
-            or not math.isfinite(value)
-        ):
-            raise ValueError(f"dmuon.Muon: {name} must be a finite number, got {value!r}.")
-        if value < 0:
-            raise ValueError(f"dmuon.Muon: {name} must be a non-negative number, got {value!r}.")
-    if not 0 <= momentum < 1:
-        raise ValueError(f"dmuon.Muon: momentum must be in [0, 1), got {momentum!r}.")
-    if not 0 <= normuon_beta2 < 1:
-        raise ValueError(f"dmuon.Muon: normuon_beta2 must be in [0, 1), got {normuon_beta2!r}.")
-    flags = {
-        "nesterov": nesterov,
-        "replicate_async": replicate_async,
-        "overlap_step": overlap_step,
-        "normuon": normuon,
-        "offload_masters": offload_masters,
-    }
-    for name, value in flags.items():
-        if not isinstance(value, bool):
-            raise TypeError(f"dmuon.Muon: {name} must be True or False, got {value!r}.")
-    if (
-        not isinstance(adamw_betas, (tuple, list))
-        or len(adamw_betas) != 2
-        or not all(
-            isinstance(beta, (int, float)) and not isinstance(beta, bool) and 0 <= beta < 1
-            for beta in adamw_betas
-        )
-    ):
-        raise ValueError(
-            "dmuon.Muon: adamw_betas must be a pair of numbers in [0, 1), e.g. (0.9, 0.999), "
-            f"got {adamw_betas!r}."
-        )

@@ -6,6 +6,8 @@ not build anything: ``parallelize`` and ``optimizer`` read it.
 
 The AdamW route (embeddings, norms, the output head, routers) keeps the job's own AdamW
 settings: an AdamW hyperparameter left at None here is read from the job's optimizer config.
+The Muon route's options take their defaults, choices (``Literal`` types, so the command line
+lists them) and checks from ``dmuon.MuonOptions``, the one place that lists them.
 """
 
 from __future__ import annotations
@@ -20,8 +22,13 @@ from dmuon import (
     KELLER_COEFFICIENTS,
     POLAR_EXPRESS_COEFFICIENTS,
     YOU_COEFFICIENTS,
+    AdjustLr,
     GQAClip,
+    MomentumDtype,
+    MuonOptions,
     NewtonSchulz,
+    NonfinitePolicy,
+    NSBackend,
 )
 
 COEFFICIENTS = {
@@ -30,31 +37,33 @@ COEFFICIENTS = {
     "keller": KELLER_COEFFICIENTS,
 }
 NS_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
-MOMENTUM_DTYPES = ("float32", "bfloat16", "int8")
+MOMENTUM_DTYPES = get_args(MomentumDtype)
 GQA_CLIPS = get_args(GQAClip)
+# dmuon.Muon's defaults, which the Muon route's options here take.
+_MUON = MuonOptions()
 
 
 @dataclass(kw_only=True, slots=True)
 class DMuonConfig:
-    lr: float = 0.02
+    lr: float = _MUON.lr
     """Muon learning rate (scaled per matrix by ``adjust_lr``)."""
 
-    momentum: float = 0.95
-    nesterov: bool = True
-    weight_decay: float = 0.0
+    momentum: float = _MUON.momentum
+    nesterov: bool = _MUON.nesterov
+    weight_decay: float = _MUON.weight_decay
     """Decoupled weight decay of the Muon matrices."""
 
-    adjust_lr: str | None = "match_rms_adamw"
+    adjust_lr: AdjustLr | None = _MUON.adjust_lr
     """'match_rms_adamw' (lr x 0.2 sqrt(max(m, n))), 'spectral' or None; see dmuon.Muon."""
 
-    normuon: bool = False
+    normuon: bool = _MUON.normuon
     """NorMuon: per-row second moment after Newton-Schulz (docs/update-rules.md)."""
 
-    momentum_dtype: str = "float32"
+    momentum_dtype: MomentumDtype = _MUON.momentum_dtype_name
     """Muon momentum storage: 'float32', 'bfloat16' (half the memory) or 'int8' (block scales,
     about a quarter); fp32 arithmetic either way."""
 
-    ns_backend: str = "gram"
+    ns_backend: NSBackend = "gram"
     """Newton-Schulz algorithm: 'gram' or 'direct'."""
 
     ns_kernel: str = "auto"
@@ -80,10 +89,10 @@ class DMuonConfig:
     """Regex of parameters kept on AdamW even where ``muon_params`` matches them (routers,
     norms, embeddings)."""
 
-    replicate_async: bool = True
+    replicate_async: bool = _MUON.replicate_async
     """Under HSDP, publish new weights across replicas behind the next forward."""
 
-    nonfinite: str | None = None
+    nonfinite: NonfinitePolicy | None = None
     """dmuon.Muon's non-finite gradient policy; None keeps dmuon's default."""
 
     qk_clip_threshold: float | None = None
@@ -110,6 +119,19 @@ class DMuonConfig:
                 f"dmuon.momentum_dtype={self.momentum_dtype!r} is not one of "
                 f"{list(MOMENTUM_DTYPES)}."
             )
+        # The Muon route's values, checked as dmuon.Muon checks them (its messages).
+        MuonOptions(
+            lr=self.lr,
+            momentum=self.momentum,
+            nesterov=self.nesterov,
+            weight_decay=self.weight_decay,
+            adjust_lr=self.adjust_lr,
+            normuon=self.normuon,
+            momentum_dtype=self.momentum_dtype,
+            ns_backend=self.ns_backend,
+            replicate_async=self.replicate_async,
+            **({"nonfinite": self.nonfinite} if self.nonfinite is not None else {}),
+        )
         if self.qk_clip_threshold is not None and not self.qk_clip_threshold > 0:
             raise ValueError(
                 f"dmuon.qk_clip_threshold={self.qk_clip_threshold!r} is not a positive logit; "
