@@ -1,8 +1,10 @@
 """The QK-clip as a dmuon-titan job option (``--dmuon.qk_clip_threshold``): torchtitan's
 DeepSeek-V3 debug model (multi-head latent attention) with the Kimi recipe's DistMuon cuts, on 2
 gloo ranks, trains like the single-process reference that applies the same clip after each step
-(the rule of ``tests/core/test_qk_clip_mla.py``: Kimi K2's report for MLA, section 2.1); and a
-threshold no head reaches changes no bit of the run without the option."""
+(the rule of ``tests/core/test_qk_clip_mla.py``: Kimi K2's report for MLA, section 2.1), with
+gradient accumulation and under pipeline parallelism too (each stage's attention clipped on its
+own part, the pipeline's metadata-inference forwards left out); and a threshold no head reaches
+changes no bit of the run without the option."""
 
 from __future__ import annotations
 
@@ -134,3 +136,36 @@ def test_a_clipping_threshold_trains_like_the_reference_that_clips_after_each_st
     update = reference["final"][name] - run["initial"][name]
     moved = (reference["final"][name] - unclipped["final"][name]).norm()
     assert moved > 3 * BF16_UPDATE_TOLERANCE * update.norm()
+
+
+def test_a_clipping_threshold_under_pipeline_parallelism_trains_like_the_reference(
+    pool2, without_clip
+):
+    # pp 2 on 2 ranks: block 0 (dense) on stage 0, block 1 (MoE) on stage 1, each stage's
+    # attention clipped by its own part's clip, on its own optimizer. One data-parallel rank
+    # reads the 4 rows a step of the 2-rank job above, in 4 microbatches of 1: the clip takes
+    # the maximum over the pipeline's microbatches and runs once a step. The threshold: the
+    # median of the heads' largest logits in the first step, as in the test above.
+    observed = ReferenceQKClip(math.inf)
+    train_reference(without_clip, after_step=observed)
+    first = sorted(s for values in observed.history[0].values() for s in values)
+    threshold = (first[len(first) // 2 - 1] + first[len(first) // 2]) / 2
+
+    pipelined = {"pp": 2, "dp_shard": 1, "local_batch": 4}
+    options = {**JOB, **pipelined, "dmuon_options": {"qk_clip_threshold": threshold}}
+    run = pool2.run(train, job_options=options)[0]
+    clip = ReferenceQKClip(threshold)
+    reference = train_reference(run, after_step=clip)
+    assert clip.clipped_heads >= len(first) // 4
+    # Both stages clipped: each block's attention has a head over the threshold at some step.
+    for layer in ("layers.0.attention", "layers.1.attention"):
+        assert any(max(step[layer]) > threshold for step in clip.history), layer
+    assert_like_reference(
+        run, reference, weights=1e-2, losses=1e-3, matrix_updates=BF16_UPDATE_TOLERANCE
+    )
+    unclipped = train_reference(run, after_step=ReferenceQKClip(math.inf))
+    for layer in (0, 1):
+        name = f"layers.{layer}.attention.wkv_b.weight"
+        update = reference["final"][name] - run["initial"][name]
+        moved = (reference["final"][name] - unclipped["final"][name]).norm()
+        assert moved > 3 * BF16_UPDATE_TOLERANCE * update.norm(), name

@@ -12,12 +12,16 @@ and records ``dmuon.attention_max_logits`` under the module's name. Causal atten
 (``ScaledDotProductAttention``, no mask) and flex attention's ``BlockMask`` (made dense with its
 own ``mask_mod``) are observed; varlen attention is refused. It must not change the attention's
 inputs or outputs, and it does not wire the clip into dmuon-titan's trainer or options (the
-trainer does, from ``--dmuon.qk_clip_threshold``).
+trainer does, from ``--dmuon.qk_clip_threshold``). Inside ``unobserved()`` nothing is recorded:
+forwards that are not training forwards although gradients are on (a pipeline stage's metadata
+inference, see [Note: the pipeline's metadata inference] in ``dmuon_titan.trainer``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
+from collections.abc import Iterator
 
 import torch
 from torch import nn
@@ -27,6 +31,20 @@ from dmuon.inspect import canonical_fqn
 
 # Set on each observed inner attention: records the maxima of one forward under its layer name.
 _RECORD_ATTR = "_dmuon_qk_clip_record"
+# How many ``unobserved()`` blocks are open (the training loop's thread runs every forward).
+_unobserved_depth = 0
+
+
+@contextlib.contextmanager
+def unobserved() -> Iterator[None]:
+    """No attention logits recorded inside: for forwards that are not training forwards though
+    gradients are on (a pipeline stage's metadata inference on uninitialized inputs)."""
+    global _unobserved_depth
+    _unobserved_depth += 1
+    try:
+        yield
+    finally:
+        _unobserved_depth -= 1
 
 
 def mla_attention_heads(model: nn.Module) -> list[dmuon.MLAHeads]:
@@ -99,7 +117,7 @@ def _heads_of(name: str, module: nn.Module) -> dmuon.MLAHeads:
 
 def _observe(inner: nn.Module, args: tuple, kwargs: dict) -> None:
     record = inner.__dict__.get(_RECORD_ATTR)
-    if record is None or not torch.is_grad_enabled():
+    if record is None or not torch.is_grad_enabled() or _unobserved_depth:
         return
     query, key = args[0].transpose(1, 2), args[1].transpose(1, 2)  # (batch, heads, seq, dim)
     scale = kwargs.get("scale")

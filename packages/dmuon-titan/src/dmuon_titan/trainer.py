@@ -13,7 +13,9 @@ Owns the five places where a dmuon job differs from a stock one, and nothing els
   MuonClip's QK-clip (``qk_clip_titan``) on its own optimizer, built after it. The clip runs
   inside that optimizer's ``step()`` (its step pre-hook reduces the maxima the forwards since the
   previous step recorded, its master-update hook rescales): once per optimizer step, however
-  many microbatches (gradient accumulation, pipeline) the step's forwards ran.
+  many microbatches (gradient accumulation, pipeline) the step's forwards ran. Under pipeline
+  parallelism the stages' metadata inference is not observed (see [Note: the pipeline's
+  metadata inference]).
 
 Settings dmuon cannot work with are set or refused here, with the reason: CUDA graphs of the
 forward/backward are turned off (dmuon's hooks issue collectives and host-side waits that a
@@ -34,6 +36,21 @@ step ``DMuonTrainer`` puts ``dmuon.clip_grad_norm_`` over its parts and optimize
 (same arguments, same returned total norm, logged by torchtitan as usual), rather than
 re-implementing the whole step. It is the one place dmuon-titan reaches into torchtitan's
 modules.
+
+[Note: the pipeline's metadata inference]
+In its first step a pipeline schedule runs each stage's forward once more, before the
+microbatches, to learn the shapes the stages exchange (torch's
+``PipelineStage._forward_metadata_inference``, torch 2.13 and 2.14): the first stage on a real
+microbatch, every other stage on tensors made from the received shapes, ``torch.empty``'s
+uninitialized memory, with gradients on; then a backward (``_backward_metadata_inference``),
+which under activation checkpointing runs the forward again. The QK-clip's observing hook would
+record those forwards like training ones: attention logits of garbage inputs, taken into the
+step's maxima (measured on the DeepSeek-V3 debug model, pp 2: the second stage's first clip
+scaled its heads over the threshold by the garbage's maxima, 46% off the reference's update of
+one of them). So both run inside ``qk_clip.unobserved()`` (both: a checkpointed region must
+recompute the operations its forward ran, and the observation is some of them). A torch whose
+stages lack these methods infers the shapes some other way, unknown here: the clip under
+pipeline parallelism is then refused, naming the method.
 """
 
 from __future__ import annotations
@@ -58,7 +75,7 @@ from dmuon_titan.checkpoint import ChecksummedCheckpointManager
 from dmuon_titan.config import DMuonConfig
 from dmuon_titan.optimizer import DMuonOptimizers
 from dmuon_titan.parallelize import dedicating
-from dmuon_titan.qk_clip import mla_attention_heads, qk_clip_titan
+from dmuon_titan.qk_clip import mla_attention_heads, qk_clip_titan, unobserved
 from dmuon_titan.recipe import read_recipe
 
 
@@ -81,6 +98,8 @@ class DMuonTrainer(Trainer):
             self.config.dmuon,
             pipeline=self.parallel_dims.pp_enabled,
         )
+        if self.qk_clips and self.parallel_dims.pp_enabled:
+            _without_observing_metadata_inference(self.pp_schedule)
 
     def init_distributed(self) -> ParallelDims:
         parallel_dims = super().init_distributed()
@@ -148,6 +167,35 @@ def _qk_clips(
         f"{sum(len(clip.layers) for clip in clips)} attention layers of this rank's model parts."
     )
     return clips
+
+
+# The pipeline stage's methods that run its forward once for shapes, and its backward (with
+# activation checkpointing, the forward again) for the gradients' (torch 2.13, 2.14).
+_METADATA_INFERENCE = ("_forward_metadata_inference", "_backward_metadata_inference")
+
+
+def _without_observing_metadata_inference(schedule) -> None:
+    """Each of this rank's stages of ``schedule`` runs its metadata inference inside
+    ``qk_clip.unobserved()``; see [Note: the pipeline's metadata inference]."""
+    stages = getattr(schedule, "_stages", None) or [schedule._stage]
+    for stage, method in ((stage, method) for stage in stages for method in _METADATA_INFERENCE):
+        infer = getattr(stage, method, None)
+        if infer is None:
+            raise ValueError(
+                f"dmuon_titan: QK-clip under pipeline parallelism keeps each stage's passes for "
+                f"shapes (torch's PipelineStage.{method}, on uninitialized inputs) out of the "
+                f"clip's maxima, and this torch's {type(stage).__name__} has no such method "
+                f"(torch {torch.__version__}; tested: 2.13, 2.14). Run the clip without pipeline "
+                "parallelism (--parallelism.pipeline_parallel_degree 1), or without "
+                "--dmuon.qk_clip_threshold."
+            )
+
+        @functools.wraps(infer)
+        def infer_unobserved(*args, _infer=infer, **kwargs):
+            with unobserved():
+                return _infer(*args, **kwargs)
+
+        stage.__dict__[method] = infer_unobserved
 
 
 # DCP's planner, for a key the loading state dict has and the checkpoint lacks; Muon's momentum.
