@@ -87,7 +87,7 @@ def test_the_muon_route_reaches_the_kernels_only_through_muon_update():
     assert through_fused == {"muon_update.py"}
     runs_the_iteration = [
         f"{name} line {node.lineno}: .{node.attr}"
-        for name in ("optim.py", "muon_route.py")
+        for name in ("optim.py", "muon_route.py", "muon_state.py")
         for node in ast.walk(ast.parse((SOURCE / name).read_text()))
         if isinstance(node, ast.Attribute)
         and node.attr in ("iterate_normalized", "normalized_buffer", "prepare")

@@ -62,7 +62,7 @@ def test_between_steps_each_master_is_a_cpu_home_and_the_parameter_a_nan_stand_i
 
 def test_the_update_holds_the_masters_of_at_most_two_newton_schulz_calls(monkeypatch):
     # One matrix per call: the call computing and the next one's upload.
-    monkeypatch.setattr(dmuon.muon_route, "NS_CALL_BYTES", 1)
+    monkeypatch.setattr(dmuon.muon_state, "NS_CALL_BYTES", 1)
     model = bf16_model()
     optimizer = dmuon.Muon(model, ns_backend=FP32_NS, offload_masters=True)
     offload = next(iter(get_dedicated_state(model).iter_owned_masters())).offload

@@ -47,12 +47,12 @@ FULL = StateDictOptions(full_state_dict=True)
 def one_matrix_per_call():
     """Newton-Schulz calls of one matrix each: the offloaded step then runs in as many chunks
     as it has matrices (the pool's processes outlive a scenario, so the limit is restored)."""
-    saved = dmuon.muon_route.NS_CALL_BYTES
-    dmuon.muon_route.NS_CALL_BYTES = 1
+    saved = dmuon.muon_state.NS_CALL_BYTES
+    dmuon.muon_state.NS_CALL_BYTES = 1
     try:
         yield
     finally:
-        dmuon.muon_route.NS_CALL_BYTES = saved
+        dmuon.muon_state.NS_CALL_BYTES = saved
 
 
 def build(replicas: int, offload: bool):

@@ -127,22 +127,7 @@ class MuonOptions:
     offload_masters: bool = False
 
     def __post_init__(self) -> None:
-        _check_hyperparameters(
-            lr=self.lr,
-            momentum=self.momentum,
-            nesterov=self.nesterov,
-            weight_decay=self.weight_decay,
-            adamw_lr=self.adamw_lr,
-            adamw_betas=self.adamw_betas,
-            adamw_eps=self.adamw_eps,
-            adamw_weight_decay=self.adamw_weight_decay,
-            replicate_async=self.replicate_async,
-            overlap_step=self.overlap_step,
-            normuon=self.normuon,
-            normuon_beta2=self.normuon_beta2,
-            normuon_eps=self.normuon_eps,
-            offload_masters=self.offload_masters,
-        )
+        _check_hyperparameters(self)
         momentum_dtype_name(self.momentum_dtype)
         if self.adjust_lr not in ADJUST_LR:
             raise ValueError(
@@ -169,20 +154,11 @@ class MuonOptions:
         return NewtonSchulz(backend=self.ns_backend)
 
 
-def _check_hyperparameters(
-    *,
-    nesterov,
-    replicate_async,
-    overlap_step,
-    offload_masters,
-    adamw_betas,
-    momentum,
-    normuon,
-    normuon_beta2,
-    **values: float,
-) -> None:
+def _check_hyperparameters(options: MuonOptions) -> None:
     """Refuse what torch.optim would take silently or fail on later, showing the value."""
-    for name, value in {**values, "momentum": momentum, "normuon_beta2": normuon_beta2}.items():
+    numbers = ("lr", "weight_decay", "adamw_lr", "adamw_eps", "adamw_weight_decay", "normuon_eps")
+    for name in (*numbers, "momentum", "normuon_beta2"):
+        value = getattr(options, name)
         if (
             isinstance(value, bool)
             or not isinstance(value, (int, float))
@@ -191,20 +167,16 @@ def _check_hyperparameters(
             raise ValueError(f"dmuon.Muon: {name} must be a finite number, got {value!r}.")
         if value < 0:
             raise ValueError(f"dmuon.Muon: {name} must be a non-negative number, got {value!r}.")
+    momentum, normuon_beta2 = options.momentum, options.normuon_beta2
     if not 0 <= momentum < 1:
         raise ValueError(f"dmuon.Muon: momentum must be in [0, 1), got {momentum!r}.")
     if not 0 <= normuon_beta2 < 1:
         raise ValueError(f"dmuon.Muon: normuon_beta2 must be in [0, 1), got {normuon_beta2!r}.")
-    flags = {
-        "nesterov": nesterov,
-        "replicate_async": replicate_async,
-        "overlap_step": overlap_step,
-        "normuon": normuon,
-        "offload_masters": offload_masters,
-    }
-    for name, value in flags.items():
+    for name in ("nesterov", "replicate_async", "overlap_step", "normuon", "offload_masters"):
+        value = getattr(options, name)
         if not isinstance(value, bool):
             raise TypeError(f"dmuon.Muon: {name} must be True or False, got {value!r}.")
+    adamw_betas = options.adamw_betas
     if (
         not isinstance(adamw_betas, (tuple, list))
         or len(adamw_betas) != 2

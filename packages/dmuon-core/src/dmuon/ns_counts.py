@@ -27,8 +27,10 @@ from collections.abc import Iterable
 
 import torch
 
+from dmuon.muon_state import Piece
+
 # Which matrix of a master: None (the master), ``i`` (expert i of an expert piece) or
-# ``(start, stop)`` (a row block); ``dmuon.optim.Piece`` with the slice made hashable.
+# ``(start, stop)`` (a row block); ``dmuon.muon_state.Piece`` with the slice made hashable.
 PieceKey = int | tuple[int, int] | None
 
 
@@ -38,14 +40,14 @@ class NewtonSchulzCounts:
     def __init__(self) -> None:
         self._counts: Counter[tuple[int, PieceKey]] = Counter()
 
-    def received(self, entries: Iterable[tuple[torch.Tensor, int | slice | None]]) -> None:
+    def received(self, entries: Iterable[tuple[torch.Tensor, Piece]]) -> None:
         """Each ``(master, piece)`` of ``entries`` was updated from one Newton-Schulz output."""
         for master, piece in entries:
             self._counts[(id(master), _key(piece))] += 1
 
-    def of(self, master: torch.Tensor, piece: int | slice | None = None) -> int:
+    def of(self, master: torch.Tensor, piece: Piece = None) -> int:
         return self._counts[(id(master), _key(piece))]
 
 
-def _key(piece: int | slice | None) -> PieceKey:
+def _key(piece: Piece) -> PieceKey:
     return (piece.start, piece.stop) if isinstance(piece, slice) else piece

@@ -31,7 +31,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim.adamw import adamw
 
 from dmuon import _profiler_labels as labels
-from dmuon import muon_route
+from dmuon import muon_state
 from dmuon._log import log_once
 from dmuon._text import preview_names
 from dmuon._torch_internals import profiler_range
@@ -228,18 +228,12 @@ class Muon(torch.optim.Optimizer):
         """The CPU homes of ``offload_masters=True`` ([Note: offloaded masters] in
         ``dmuon.offload``) for the Muon route's masters this rank owns."""
         check_masters_can_be_offloaded(self._dedicated.params.values(), self.overlap_step)
-        in_muon_groups = {
-            id(master)
+        return self._dedicated.attach_offload(
+            master
             for group in self.param_groups
             if group["route"] == MUON_ROUTE
             for master in group["params"]
-        }
-        owned = [
-            (p, self._dedicated.boundary_of(p))
-            for p in self._dedicated.iter_owned_masters()
-            if id(p.master) in in_muon_groups
-        ]
-        return MasterOffload(owned, self._dedicated.device)
+        )
 
     def _start_overlap(self) -> OverlappedStep:
         """The speculation of ``overlap_step=True`` ([Note: the overlapped step] in
@@ -260,11 +254,6 @@ class Muon(torch.optim.Optimizer):
                 f"{', '.join(sorted(set(options)))}: its speculation keeps plain fp32 momentum "
                 "of whole matrices. Drop overlap_step=True, or those options."
             )
-        if self._dedicated.gradient_listener is not None:
-            raise ValueError(
-                "dmuon.Muon(overlap_step=True): this model already has an optimizer with "
-                "overlap_step=True; each model (each pipeline stage) takes one dmuon.Muon."
-            )
         boundary_of = {
             id(p.master): self._dedicated.boundary_of(p)
             for p in self._dedicated.iter_owned_masters()
@@ -282,7 +271,7 @@ class Muon(torch.optim.Optimizer):
             apply=self._muon_route.apply,
             device=self._dedicated.device,
         )
-        self._dedicated.gradient_listener = overlap
+        self._dedicated.attach_overlap(overlap)  # refused if the model has one already
         return overlap
 
     def overlap_stats(self) -> OverlapStepStats:
@@ -463,7 +452,7 @@ class Muon(torch.optim.Optimizer):
             dtype = MOMENTUM_DTYPES[group["momentum_dtype"]]
             for param in group["params"]:  # torch cast float buffers to the masters' fp32
                 if self.state.get(param):
-                    muon_route.conform_momentum(self.state[param], dtype)
+                    muon_state.conform_momentum(self.state[param], dtype)
 
     @torch.no_grad()
     def init_state(self) -> None:
@@ -480,7 +469,7 @@ class Muon(torch.optim.Optimizer):
                 if self.state[param]:
                     continue
                 if group["route"] == MUON_ROUTE:
-                    muon_route.init_state(self.state[param], param, group)
+                    muon_state.init_state(self.state[param], param, group)
                 else:
                     self.state[param].update(_new_adamw_state(_local(param)))
 

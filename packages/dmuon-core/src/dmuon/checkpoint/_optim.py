@@ -35,7 +35,7 @@ from dmuon._text import preview_names
 from dmuon.checkpoint._context import CheckpointContext, checkpoint_context
 from dmuon.checkpoint._experts import load_piece_state, stack_optimizer_entries
 from dmuon.fqn import canonical_fqn
-from dmuon.muon_route import ROW_SECOND_MOMENT
+from dmuon.muon_state import ROW_SECOND_MOMENT
 from dmuon.optim import Muon
 from dmuon.routing import RULE_KEYS
 from dmuon.tp import TensorParallelLayout
