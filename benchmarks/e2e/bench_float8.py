@@ -1,9 +1,9 @@
 """float8 training with dedicated weights: dmuon + torchao float8 against FSDP2 + AdamW + float8.
 
 One GPU (world size 1, ``torch.distributed`` initialised: NCCL on CUDA, gloo on the CPU), one
-model, the same data and seed for every arm: ``bench_e2e``'s Llama (RMSNorm, rotary attention
-with GQA, SwiGLU) at d_model 2048, 4 layers, 16 heads, 8 kv heads, ffn 5632, vocabulary 32000
-(about 320 M parameters), sequence 2048, batch 4, bf16 compute
+model, the same data and seed for every arm: ``dmuon.testing``'s Llama (RMSNorm, rotary
+attention with GQA, SwiGLU) at d_model 2048, 4 layers, 16 heads, 8 kv heads, ffn 5632,
+vocabulary 32000 (about 320 M parameters), sequence 2048, batch 4, bf16 compute
 (``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``; dmuon's ``param_policy`` the
 same), ``fully_shard`` per layer and on the root for every arm. The arms (``--arms``, any subset
 in this order):
@@ -86,14 +86,8 @@ from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # noqa: E402
 
 import dmuon  # noqa: E402
-from benchmarks.e2e.bench_e2e import (  # noqa: E402
-    QUICK_CONFIG,
-    Llama,
-    ModelConfig,
-    Timer,
-    is_projection,
-    loss_of,
-)
+from benchmarks.e2e.bench_e2e import QUICK_CONFIG, Timer  # noqa: E402
+from dmuon.testing import Llama, LlamaConfig, next_token_loss, proj_predicate  # noqa: E402
 
 BENCHMARK = "float8"
 ARMS = (
@@ -105,7 +99,7 @@ ARMS = (
     "dmuon-float8-rowwise",
 )
 RECIPES = ("tensorwise", "rowwise")
-MODEL = ModelConfig(vocab=32000, dim=2048, layers=4, heads=16, kv_heads=8, ffn=5632)
+MODEL = LlamaConfig(vocab=32000, dim=2048, layers=4, heads=16, kv_heads=8, ffn=5632)
 SEQ, BATCH, STEPS, WARMUP = 2048, 4, 200, 20
 QUICK_SEQ, QUICK_BATCH, QUICK_STEPS, QUICK_WARMUP = 64, 4, 12, 4
 ADAMW_LR, MUON_LR = 1e-3, 0.02
@@ -251,7 +245,7 @@ def build(arm: str, args: argparse.Namespace, mesh, device: torch.device):
         dmuon.dedicate_params(
             model,
             mesh,
-            predicate=is_projection,
+            predicate=proj_predicate,
             param_policy=(
                 {"defaults": {"param_dtype": args.param_dtype, "reduce_dtype": torch.float32}}
                 if mixed
@@ -291,7 +285,7 @@ def build(arm: str, args: argparse.Namespace, mesh, device: torch.device):
 def evaluate(model, data: Data) -> float:
     with torch.no_grad():
         return sum(
-            loss_of(model, data.eval[start : start + data.batch]).item()
+            next_token_loss(model, data.eval[start : start + data.batch]).item()
             * len(data.eval[start : start + data.batch])
             for start in range(0, len(data.eval), data.batch)
         ) / len(data.eval)
@@ -311,7 +305,7 @@ def run_arm(arm: str, args, mesh, device: torch.device, data: Data) -> dict:
             timer = Timer(device)
             timer.start()
             optimizer.zero_grad(set_to_none=True)
-            loss = loss_of(model, data.step(index))
+            loss = next_token_loss(model, data.step(index))
             loss.backward()
             optimizer.step()
             if after_step is not None:
