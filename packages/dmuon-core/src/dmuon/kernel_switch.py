@@ -1,7 +1,7 @@
 """The switch from cuBLAS to the tuned Newton-Schulz kernels, on a step every rank agrees on.
 
-Owns the two calls ``dmuon.Muon`` makes: ``start_background_compile`` at construction (this
-rank's Newton-Schulz shapes to the process's compile job, when one is wanted) and
+Owns the two calls ``dmuon.Muon`` makes: ``start_for_optimizer`` at construction (this rank's
+Newton-Schulz shapes to the process's compile job, when one is wanted) and
 ``at_step_boundary`` at the start of each step (while a job is pending anywhere: one small
 all-reduce, then the same decision on every rank). The jobs, the gate and what the switch does
 are ``dmuon_kernels.background_compile``'s ([Note: the switch] there). It must not touch
@@ -17,9 +17,12 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 import torch
 
+from dmuon.muon_state import entry_shape, matrices_of
+from dmuon.param import MUON_ROUTE
 from dmuon.step_group import StepGroup
 from dmuon_kernels.background_compile import (
     FAILED,
@@ -30,6 +33,9 @@ from dmuon_kernels.background_compile import (
     wants_background_compile,
 )
 from dmuon_kernels.newton_schulz import NewtonSchulz
+
+if TYPE_CHECKING:
+    from dmuon.hooks import DedicatedState
 
 
 def start_background_compile(
@@ -53,6 +59,29 @@ def start_background_compile(
     shapes = [(count, short, long) for (_, short, long), count in counts.items()]
     compiles.submit(job_spec(newton_schulz, device, shapes))
     return True
+
+
+def start_for_optimizer(
+    newton_schulz: NewtonSchulz,
+    state: DedicatedState,
+    param_groups: list[dict],
+    compiles: BackgroundCompile | None = None,
+) -> bool:
+    """``start_background_compile`` for a ``dmuon.Muon``'s Muon-route groups: every matrix its
+    fused step orthogonalises (``muon_state.matrices_of``: experts and row blocks each one; TP
+    chunks, orthogonalised whole on their runner one at a time, left out, as the fused kernels'
+    compiles ahead leave them), on the model's device."""
+    tp_chunks = {id(p.master) for p in state.iter_owned_masters() if p.is_tp_sharded}
+    row_blocks = {id(p.master): p.row_blocks for p in state.iter_owned_masters()}
+    matrices = [
+        (index, entry_shape(entry))
+        for index, group in enumerate(param_groups)
+        if group["route"] == MUON_ROUTE
+        for master in group["params"]
+        if master.numel() and id(master) not in tp_chunks
+        for entry in matrices_of(master, row_blocks.get(id(master)))
+    ]
+    return start_background_compile(newton_schulz, state.device, matrices, compiles)
 
 
 def at_step_boundary(

@@ -31,7 +31,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim.adamw import adamw
 
 from dmuon import _profiler_labels as labels
-from dmuon import muon_state
+from dmuon import kernel_switch, muon_state
 from dmuon._log import log_once
 from dmuon._text import preview_names
 from dmuon._torch_internals import profiler_range
@@ -222,6 +222,7 @@ class Muon(torch.optim.Optimizer):
         self._overlap = self._start_overlap() if overlap_step else None
         self._offload = self._start_offload() if offload_masters else None
         self._muon_route.compile_kernels_ahead(self.param_groups)
+        kernel_switch.start_for_optimizer(self._newton_schulz, self._dedicated, self.param_groups)
         _log_route_summaries(self.routing())
 
     def _start_offload(self) -> MasterOffload:
@@ -369,6 +370,7 @@ class Muon(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self._steps_taken += 1
+        kernel_switch.at_step_boundary(self.step_group, self._steps_taken)
         try:
             if self.nonfinite != "ignore" and self._skip_for_nonfinite_gradients():
                 return loss
