@@ -23,11 +23,6 @@ from tests.distributed.models import TinyDecoder, proj_predicate
 
 SOURCE = Path(dmuon.__file__).resolve().parent
 HOOKS = SOURCE / "hooks.py"
-# Writes that are being moved onto the state's methods, by file: none may be added.
-BEING_MOVED: dict[str, set[str]] = {
-    # ``Muon._start_overlap``: ``state.attach_overlap(listener)`` replaces it.
-    "optim.py": {"gradient_listener"},
-}
 
 
 def _state_fields() -> set[str]:
@@ -93,17 +88,9 @@ def test_no_core_module_but_hooks_writes_a_field_of_the_model_state():
     assert {"gradient_listener", "requires_gradient_sync", "_checkpoint_loading"} <= fields
     offenders = {}
     for path in sorted(SOURCE.rglob("*.py")):
-        if path == HOOKS:
-            continue
-        name = str(path.relative_to(SOURCE))
-        allowed = BEING_MOVED.get(name, set())
-        writes = [
-            write
-            for write in writes_into_the_state(path.read_text(), fields)
-            if write.rsplit(".", 1)[1] not in allowed
-        ]
+        writes = writes_into_the_state(path.read_text(), fields) if path != HOOKS else []
         if writes:
-            offenders[name] = writes
+            offenders[str(path.relative_to(SOURCE))] = writes
     assert offenders == {}, "call a method of DedicatedState instead (or give it one)"
 
 
@@ -127,7 +114,13 @@ def test_the_fields_that_others_change_through_methods_cannot_be_written_from_ou
     model = TinyDecoder()
     dmuon.dedicate_params(model, None, proj_predicate)
     state = get_dedicated_state(model)
-    for field in ("requires_gradient_sync", "checkpoint_loading", "checkpoint_reading"):
+    for field in (
+        "gradient_listener",
+        "requires_gradient_sync",
+        "checkpoint_loading",
+        "checkpoint_reading",
+        "fsdp_reducers",
+    ):
         with pytest.raises(AttributeError):
             setattr(state, field, None)
     with state.without_gradient_sync():

@@ -170,7 +170,7 @@ class DedicatedState:
         # Set by dmuon.Muon(overlap_step=True) (``attach_overlap``): each boundary's owned gradients land (are
         # waited for, averaged and handed to it) as soon as the boundary has reduced, during
         # backward, instead of at its end (see [Note: the overlapped step] in dmuon.overlap).
-        self.gradient_listener: GradientListener | None = None
+        self._gradient_listener: GradientListener | None = None
         self._landed: list[AveragedGradients] = []  # this backward's landings, in order
         self._end_of_backward_queued = False
         # The forward now running: the boundaries run, and the furthest position reached in the
@@ -188,6 +188,11 @@ class DedicatedState:
     def device(self) -> torch.device:
         """Where the dedicated weights live (the CPU when nothing is dedicated)."""
         return self.boundaries[0].device if self.boundaries else torch.device("cpu")
+
+    @property
+    def gradient_listener(self) -> GradientListener | None:
+        """What takes each boundary's gradients as they land (``attach_overlap``), if any."""
+        return self._gradient_listener
 
     @property
     def requires_gradient_sync(self) -> bool:
@@ -245,8 +250,8 @@ class DedicatedState:
 
     def zero_master_grads(self, set_to_none: bool = True) -> None:
         self.gradient_generation += 1
-        if self.gradient_listener is not None:
-            self.gradient_listener.gradients_cleared()
+        if self._gradient_listener is not None:
+            self._gradient_listener.gradients_cleared()
         for p in self.params.values():
             if p.master is not None and p.master.grad is not None:
                 if set_to_none:
@@ -290,9 +295,9 @@ class DedicatedState:
     def attach_overlap(self, listener: GradientListener) -> None:
         """``dmuon.Muon(..., overlap_step=True)``: from now on each boundary's owned gradients land
         in ``listener`` as soon as the boundary has reduced (``_land``). One per model."""
-        if self.gradient_listener is not None:
+        if self._gradient_listener is not None:
             raise ValueError(OVERLAP_ALREADY_ATTACHED)
-        self.gradient_listener = listener
+        self._gradient_listener = listener
 
     def attach_offload(self, masters: Iterable[torch.Tensor]) -> MasterOffload:
         """``dmuon.Muon(..., offload_masters=True)``: the masters this rank owns among ``masters``
@@ -421,13 +426,13 @@ class DedicatedState:
             self._reduced.append(group)
             if len(self._reduced) > REDUCES_IN_FLIGHT:
                 self._reduced[-1 - REDUCES_IN_FLIGHT].retire_sent_reduces()
-            if self.gradient_listener is not None:
+            if self._gradient_listener is not None:
                 self._land(group)
 
     def _land(self, group: BoundaryGroup) -> None:
         """The overlapped step: this boundary's owned gradients, final for this backward, are
         averaged now and handed to the listener (which starts the owner step on them)."""
-        listener = self.gradient_listener
+        listener = self._gradient_listener
         with listener.landing():
             received = group.land_local_reduces()
             averaged = average_messages(received, self._gradient_divisor(self))
@@ -451,7 +456,7 @@ class DedicatedState:
             self._reduced.clear()
             landed, self._landed = self._landed, []
             if landed:
-                self.gradient_listener.before_masters_take_gradients()
+                self._gradient_listener.before_masters_take_gradients()
             # One division for the whole backward, or one per landed boundary: the same numbers
             # (element-wise), and one read of the produced flags either way.
             divisor = self._gradient_divisor(self)

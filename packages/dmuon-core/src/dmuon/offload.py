@@ -108,7 +108,8 @@ class _Upload:
 
 
 class MasterOffload:
-    """CPU homes of the fp32 masters of ``params`` on ``device``, and their trips in a step."""
+    """CPU homes of the fp32 masters of ``params`` on ``device``, and their trips in a step.
+    Made by ``DedicatedState.attach_offload``, which registers it on each of ``params``."""
 
     def __init__(
         self,
@@ -137,7 +138,6 @@ class MasterOffload:
                 home.copy_(p.master.detach())
                 self._homes[id(p)] = home
                 p.master.data = self._stand_in.expand(p.master.shape)
-                p.offload = self
 
     @property
     def params(self) -> list[DedicatedParam]:
