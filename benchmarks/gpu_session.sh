@@ -23,6 +23,10 @@
 #   part 9: the overlapped step at world size 1: each one's step and peak memory (bench_e2e),
 #           where each phase's host and device time goes (overlap_timeline), the kernels by
 #           stream and name (profile_overlap)
+#   part 10: the background compile's and float8's GPU tests, float8 with dedicated weights
+#            (bench_float8, eager), the optimizer step by kernel class (bench_step --profile)
+#   part 11: the whole tests/gpu, then first steps on a fresh machine with the background compile
+#            (bench_cold_start, all three models)
 #
 # Usage, on the GPU machine from the repository root with .gpu/ carried along:
 #   bash benchmarks/gpu_session.sh <part> <git-sha>
@@ -143,8 +147,20 @@ case $part in
   step profile-overlap 200 python -m torch.distributed.run --standalone --nproc-per-node 1 \
     benchmarks/overlap/profile_overlap.py --git-sha "$sha" --out "$out/profile-overlap.json"
   ;;
+10)
+  step gpu-tests-new 200 python -m pytest -q -p no:cacheprovider \
+    tests/gpu/test_background_compile_gpu.py tests/gpu/test_float8_gpu.py
+  step float8 250 python -m torch.distributed.run --standalone --nproc-per-node 1 \
+    benchmarks/e2e/bench_float8.py --git-sha "$sha" --out "$out/float8.json"
+  step step 130 python benchmarks/step/bench_step.py --profile --git-sha "$sha" --out "$out/step.json"
+  ;;
+11)
+  sharded_gpu_tests 3 300
+  step cold-start 290 python benchmarks/e2e/bench_cold_start.py --models qwen2 qwen3-moe llama-0.89b \
+    --git-sha "$sha" --out "$out/cold-start.json"
+  ;;
 *)
-  echo "part must be 0 to 9" >&2
+  echo "part must be 0 to 11" >&2
   exit 2
   ;;
 esac
