@@ -57,7 +57,10 @@ of about 0.1 s on an H100.
 
 JSON (``--out``; default ``benchmarks/results/float8-<device>-<date>.json``, none with
 ``--quick`` unless given): the GPU name, torch / CUDA / torchao / dmuon versions, git sha, date,
-model, data and per arm the curve and figures above. A table is printed last.
+model, data and per arm the curve and figures above. A table is printed last. The plot (loss
+curves and step times, next to the JSON as ``<stem>.png``)::
+
+    python benchmarks/e2e/bench_float8.py --plot benchmarks/results/float8-....json
 """
 
 from __future__ import annotations
@@ -377,6 +380,73 @@ def print_table(results: dict, floor: float | None) -> None:
         print(f"(the synthetic data's loss floor: {floor:.4f})")
 
 
+PLOT_SMOOTHING = 10  # steps in the plot's running mean of the training loss
+
+
+def plot(results: Path, png: Path | None) -> Path:
+    """The training loss of every arm against the step (a running mean over ``PLOT_SMOOTHING``
+    steps; dmuon solid, FSDP2 + AdamW dashed, one colour per precision) and the median step
+    times as bars."""
+    import json
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    record = json.loads(results.read_text())
+    arms = {arm: r for arm, r in record["arms"].items() if "error" not in r}
+    colors = {"bf16": "tab:blue", "tensorwise": "tab:orange", "rowwise": "tab:green"}
+    figure, (curves, bars) = plt.subplots(
+        1, 2, figsize=(12, 4.8), gridspec_kw={"width_ratios": [2, 1]}
+    )
+    for arm, result in arms.items():
+        losses = result["losses"]
+        window = min(PLOT_SMOOTHING, len(losses))
+        smoothed = [
+            sum(losses[max(0, i - window + 1) : i + 1]) / (i + 1 - max(0, i - window + 1))
+            for i in range(len(losses))
+        ]
+        precision = recipe_of(arm) or "bf16"
+        curves.plot(
+            range(1, len(losses) + 1),
+            smoothed,
+            color=colors[precision],
+            linestyle="-" if arm.startswith("dmuon") else "--",
+            linewidth=1.5,
+            label=arm,
+        )
+    floor = record["data"].get("loss_floor")
+    if floor is not None:
+        curves.axhline(floor, color="gray", linestyle=":", linewidth=1, label="loss floor")
+    curves.set_xlabel("step")
+    curves.set_ylabel(f"training loss (running mean of {PLOT_SMOOTHING} steps)")
+    curves.grid(alpha=0.3)
+    curves.legend(fontsize=7)
+    names = list(arms)
+    bars.barh(
+        names,
+        [arms[arm]["step_ms_median"] for arm in names],
+        color=[colors[recipe_of(arm) or "bf16"] for arm in names],
+    )
+    bars.invert_yaxis()
+    bars.set_xlabel("median step time (ms)")
+    bars.tick_params(axis="y", labelsize=7)
+    model = record["model"]
+    figure.suptitle(
+        f"float8 with dedicated weights: {record['num_params'] / 1e6:.1f} M params (d "
+        f"{model['dim']}, {model['layers']} layers), seq {record['seq']} x batch "
+        f"{record['batch']}, {record['device']}, torch {record['torch']}, torchao "
+        f"{record['torchao']}" + (", compiled layers" if record["compile"] else ""),
+        fontsize=9,
+    )
+    figure.tight_layout()
+    png = png or results.with_suffix(".png")
+    figure.savefig(png, dpi=110)
+    print(f"wrote {png}")
+    return png
+
+
 # ---- main -------------------------------------------------------------------------------------
 
 
@@ -394,6 +464,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--muon-lr", type=float, default=MUON_LR)
     parser.add_argument("--compile", action="store_true", help="torch.compile each layer")
     parser.add_argument("--data", type=Path, default=None, help="bench_convergence's .npz")
+    parser.add_argument(
+        "--plot", type=Path, default=None, help="a result JSON: draw it, run nothing"
+    )
+    parser.add_argument("--png", type=Path, default=None, help="--plot's image (default: .png)")
     _common.add_record_options(
         parser, "default: benchmarks/results/float8-<device>-<date>.json (none with --quick)"
     )
@@ -437,6 +511,9 @@ def single_process_environment() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.plot is not None:
+        plot(args.plot, args.png)
+        return 0
     single_process_environment()
     backend = "nccl" if args.device == "cuda" else "gloo"
     device = _common.start_process_group(BENCHMARK, args.device, backend, "--device cpu --quick")

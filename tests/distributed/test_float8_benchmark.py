@@ -35,8 +35,12 @@ STEPS = 2
 
 
 @pytest.fixture(scope="module")
-def record(tmp_path_factory) -> dict:
-    out = tmp_path_factory.mktemp("float8") / "float8.json"
+def out(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("float8") / "float8.json"
+
+
+@pytest.fixture(scope="module")
+def record(out: Path) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
     command = [sys.executable, str(SCRIPT), "--device", "cpu", "--quick"]
     command += ["--steps", str(STEPS), "--warmup", "1", "--out", str(out)]
@@ -82,3 +86,13 @@ def test_dmuons_float8_forward_is_fsdp2s_and_differs_from_the_unconverted_model(
     assert first == arms[f"fsdp2-adamw-float8-{recipe}"]["losses"][0]
     assert arms["dmuon"]["losses"][0] == arms["fsdp2-adamw"]["losses"][0]
     assert first != arms["dmuon"]["losses"][0]
+
+
+def test_the_plot_mode_draws_the_runs_json_next_to_it(record, out):
+    completed = subprocess.run(
+        [sys.executable, str(SCRIPT), "--plot", str(out)],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert completed.returncode == 0, completed.stderr[-2000:]
+    png = out.with_suffix(".png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
