@@ -16,10 +16,7 @@ by the same agreed value everywhere, and whether one started by facts every rank
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable
 from typing import TYPE_CHECKING
-
-import torch
 
 from dmuon.muon_state import entry_shape, matrices_of
 from dmuon.param import MUON_ROUTE
@@ -38,27 +35,23 @@ if TYPE_CHECKING:
     from dmuon.hooks import DedicatedState
 
 
-def start_background_compile(
-    newton_schulz: NewtonSchulz,
-    device: torch.device,
-    matrices: Iterable[tuple[int, tuple[int, int]]],
-    compiles: BackgroundCompile | None = None,
-) -> bool:
-    """Submit the Newton-Schulz inputs of this rank's step on ``device`` (the model's) to the
-    compile job, when one is wanted; returns whether it was (then the step boundaries agree
-    until the switch, on this rank even when it owns no matrix).
-
-    ``matrices``: (param group index, (rows, cols)) of every matrix this rank orthogonalises in
-    its fused step; the step batches each group's matrices of one (short, long) into one
-    (B, short, long) input, and so does this.
-    """
-    compiles = background_compile() if compiles is None else compiles
-    if not wants_background_compile(newton_schulz, device):
-        return False
-    counts = Counter((group, min(shape), max(shape)) for group, shape in matrices)
-    shapes = [(count, short, long) for (_, short, long), count in counts.items()]
-    compiles.submit(job_spec(newton_schulz, device, shapes))
-    return True
+def ns_inputs(state: DedicatedState, param_groups: list[dict]) -> list[tuple[int, int, int]]:
+    """The Newton-Schulz inputs (B, short, long) of a ``dmuon.Muon``'s fused step on this rank:
+    per Muon-route group, its matrices of one (short, long) in one batch. The matrices are those
+    ``muon_state.matrices_of`` gives (experts and row blocks each one); TP chunks, orthogonalised
+    whole on their runner one at a time, are left out, as the fused kernels' compiles ahead
+    leave them."""
+    tp_chunks = {id(p.master) for p in state.iter_owned_masters() if p.is_tp_sharded}
+    row_blocks = {id(p.master): p.row_blocks for p in state.iter_owned_masters()}
+    counts = Counter(
+        (index, min(shape), max(shape))
+        for index, group in enumerate(param_groups)
+        if group["route"] == MUON_ROUTE
+        for master in group["params"]
+        if master.numel() and id(master) not in tp_chunks
+        for shape in map(entry_shape, matrices_of(master, row_blocks.get(id(master))))
+    )
+    return [(count, short, long) for (_, short, long), count in counts.items()]
 
 
 def start_for_optimizer(
@@ -67,21 +60,14 @@ def start_for_optimizer(
     param_groups: list[dict],
     compiles: BackgroundCompile | None = None,
 ) -> bool:
-    """``start_background_compile`` for a ``dmuon.Muon``'s Muon-route groups: every matrix its
-    fused step orthogonalises (``muon_state.matrices_of``: experts and row blocks each one; TP
-    chunks, orthogonalised whole on their runner one at a time, left out, as the fused kernels'
-    compiles ahead leave them), on the model's device."""
-    tp_chunks = {id(p.master) for p in state.iter_owned_masters() if p.is_tp_sharded}
-    row_blocks = {id(p.master): p.row_blocks for p in state.iter_owned_masters()}
-    matrices = [
-        (index, entry_shape(entry))
-        for index, group in enumerate(param_groups)
-        if group["route"] == MUON_ROUTE
-        for master in group["params"]
-        if master.numel() and id(master) not in tp_chunks
-        for entry in matrices_of(master, row_blocks.get(id(master)))
-    ]
-    return start_background_compile(newton_schulz, state.device, matrices, compiles)
+    """Submit a ``dmuon.Muon``'s Newton-Schulz inputs (``ns_inputs``) on the model's device to
+    the compile job, when one is wanted; returns whether it was (then the step boundaries agree
+    until the switch, on this rank even when it owns no matrix)."""
+    compiles = background_compile() if compiles is None else compiles
+    if not wants_background_compile(newton_schulz, state.device):
+        return False
+    compiles.submit(job_spec(newton_schulz, state.device, ns_inputs(state, param_groups)))
+    return True
 
 
 def at_step_boundary(
