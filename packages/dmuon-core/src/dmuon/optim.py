@@ -444,7 +444,17 @@ class Muon(torch.optim.Optimizer):
         _refuse_torch_checkpoint_state_dict(sys._getframe(1), "set_optimizer_state_dict")
         check_layout(state_dict, layout_record(self._dedicated.mesh, self._facts))
         before = [{k: v for k, v in group.items() if k != "params"} for group in self.param_groups]
+        state, groups = self.state, self.param_groups
         super().load_state_dict(without_layout(state_dict))
+        # torch puts a new state dict and new groups in their place; the overlapped step holds
+        # these objects (``OverlappedStep(state=..., param_groups=...)``), and read stale ones
+        # it speculated from the old momenta and committed into the old dict: the loaded values
+        # go into the objects it holds.
+        state.clear()
+        state.update(self.state)
+        for group, loaded in zip(groups, self.param_groups, strict=True):
+            group.update(loaded)
+        self.state, self.param_groups = state, groups
         for group, kept in zip(self.param_groups, before):
             for key, value in kept.items():
                 if key in RULE_KEYS or key not in group:
