@@ -60,7 +60,7 @@ MUON_BYTES_PER_ELEMENT = 4 + 8 + 8 + 2 + 2
 OVERLAP_COMMIT_BYTES_PER_ELEMENT = 8 + 2 + 2
 # torch.optim.Muon: the same without the compute-dtype copy (FSDP2 casts in its all-gather).
 REFERENCE_MUON_BYTES_PER_ELEMENT = 4 + 8 + 8 + 2
-# dmuon.optim's NS_CALL_BYTES: fp16 Newton-Schulz input of one batched call (a mirror: core has
+# dmuon.muon_state's NS_CALL_BYTES: fp16 Newton-Schulz input of one batched call (a mirror: core has
 # no public name for it yet).
 NS_CALL_BYTES = 256 * 2**20
 NS_INPUT_BYTES_PER_ELEMENT = 2
@@ -127,7 +127,7 @@ def ns_time_of_flops(table: Mapping[tuple[int, int], float], flops: float) -> fl
 
 def ns_calls(count: int, numel: int) -> Iterator[int]:
     """Sizes of the batched calls dmuon makes for ``count`` same-shape matrices of ``numel``
-    elements: equal runs of at most ``NS_CALL_BYTES`` of fp16 input (dmuon.optim's rule)."""
+    elements: equal runs of at most ``NS_CALL_BYTES`` of fp16 input (dmuon.muon_state's rule)."""
     if count < 1:
         return
     per_call = max(1, NS_CALL_BYTES // (NS_INPUT_BYTES_PER_ELEMENT * numel))
