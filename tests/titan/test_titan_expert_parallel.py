@@ -9,7 +9,13 @@ checkpoint bit for bit, and resumes at EP 1 like the EP 2 run."""
 import pytest
 import torch
 
-from tests.titan.scenarios_titan import EXPERT_PROJECTIONS, LAYERS, train, train_reference
+from tests.titan.scenarios_titan import (
+    EXPERT_PROJECTIONS,
+    LAYERS,
+    build_error,
+    train,
+    train_reference,
+)
 from tests.titan.test_titan_training import BF16_UPDATE_TOLERANCE, assert_like_reference
 
 EXPERTS, EP = 4, 2
@@ -25,8 +31,14 @@ EP_JOB = {
     "seq_len": 64,
     "local_batch": 1,
 }
-# The expert stacks of each model's MoE blocks (DeepSeek-V3's block 0 is dense).
-MOE_LAYERS = {"qwen3_moe": range(LAYERS), "deepseek_v3": range(1, LAYERS)}
+# The expert stacks of each model's MoE blocks (DeepSeek-V3's and the Kimi models' block 0 is
+# dense).
+MOE_LAYERS = {
+    "qwen3_moe": range(LAYERS),
+    "deepseek_v3": range(1, LAYERS),
+    "kimi_k2_5": range(1, LAYERS),
+    "moonlight": range(1, LAYERS),
+}
 
 
 def expert_stacks(model: str) -> list[str]:
@@ -131,3 +143,15 @@ def test_an_expert_parallel_checkpoint_resumes_on_two_ranks_like_the_four_rank_r
     assert_like_reference(
         resumed, steps_4_to_6, weights=1e-2, losses=1e-3, matrix_updates=BF16_UPDATE_TOLERANCE
     )
+
+
+def test_a_moe_job_with_tensor_parallelism_at_ep_1_is_refused_naming_the_sharded_stack(pool4):
+    # The other half of the EP-with-TP refusal's fix (check_supported, test_titan_switch.py):
+    # at EP 1, torchtitan shards each expert stack over tp, which dmuon does not dedicate; the
+    # build stops on every rank with the core's message, naming the stack and the way out.
+    job = {**EP_JOB, "ep": 1, "tp": 2, "dp_shard": 2}
+    for message in pool4.run(build_error, job_options=job):
+        assert "layers.0.moe.routed_experts.inner_experts.w1_EFD" in message
+        assert "placements (Shard(dim=1),)" in message
+        assert "tensor-parallel expert stacks are not dedicated yet" in message
+        assert "leave it out of the predicate" in message

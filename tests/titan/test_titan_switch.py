@@ -108,8 +108,11 @@ def test_an_optimizer_other_than_adamw_in_the_job_is_refused_with_the_fix():
         (
             {"dp_shard": 2, "ep": 2, "tp": 2, "spmd_backend": "partial_dtensor"},
             r"expert parallelism \(parallelism.expert_parallel_degree=2\) only without tensor "
-            r"parallelism, got parallelism.tensor_parallel_degree=2.*"
-            r"--parallelism.tensor_parallel_degree 1.*--parallelism.expert_parallel_degree 1",
+            r"parallelism, got parallelism.tensor_parallel_degree=2. torchtitan has no expert "
+            r"tensor parallelism.*\(efsdp = dp_shard x cp x tp / ep = 2\).*"
+            r"--parallelism.tensor_parallel_degree 1 \(EP with FSDP\).*"
+            r"--parallelism.expert_parallel_degree 1 instead, TP shards the expert stacks.*"
+            r"--dmuon.adamw_params",
         ),
     ],
     ids=["full-dtensor", "full-dtensor-expert-parallel", "expert-and-tensor-parallel"],

@@ -133,15 +133,36 @@ def expert_parallel_meshes(parallel_dims: ParallelDims) -> dict[str, DeviceMesh]
     }
 
 
+# [Note: expert parallelism with tensor parallelism]
+# torchtitan 0.3 has no expert tensor parallelism (ETP). With EP > 1 its expert stacks are
+# DTensors ``Shard(0)`` over ``ep`` alone, on the sparse mesh (``efsdp`` x ``ep`` = ``dp_shard``
+# x ``cp`` x ``tp``), and the MoE input is sequence-parallel, so each TP rank routes its own
+# tokens: the TP ranks are the experts' data-parallel ranks. dmuon's ownership grid of the dense
+# matrices is ``dp_shard`` x ``cp``, one per TP rank, and ``dmuon.dedicate_params`` cuts the
+# expert grid out of that grid (``ep`` x ``efsdp`` = its shard dim, [Note: expert meshes] in
+# ``dmuon.mesh``); an expert grid that crosses TP ranks would need the expert pieces' owners,
+# reduces and broadcasts on a grid of their own, a change to the core's partition, not here.
+# At EP 1 with TP, torchtitan shards the stacks over ``tp`` (``Shard(1)`` / ``Shard(2)``), which
+# ``dedicate_params`` refuses as well (tensor-parallel expert stacks). Both are refused with
+# the fixes that exist: TP 1, or the stacks off the Muon route.
+
+
 def check_supported(parallel_dims: ParallelDims) -> None:
     if parallel_dims.ep_enabled and parallel_dims.tp_enabled:
+        # See [Note: expert parallelism with tensor parallelism].
+        efsdp = parallel_dims.dp_shard * parallel_dims.cp * parallel_dims.tp // parallel_dims.ep
         raise ValueError(
             f"dmuon_titan takes expert parallelism (parallelism.expert_parallel_degree="
             f"{parallel_dims.ep}) only without tensor parallelism, got parallelism."
-            f"tensor_parallel_degree={parallel_dims.tp}: the expert stacks would then be "
-            "tensor-parallel too, which dmuon does not dedicate yet. Set "
-            "--parallelism.tensor_parallel_degree 1 (EP with FSDP), or "
-            "--parallelism.expert_parallel_degree 1 (TP, the experts as dmuon expert stacks)."
+            f"tensor_parallel_degree={parallel_dims.tp}. torchtitan has no expert tensor "
+            "parallelism: under EP it folds the TP ranks into the experts' data-parallel dim "
+            f"(efsdp = dp_shard x cp x tp / ep = {efsdp}), so each slice of experts would need "
+            "an owner among ranks that dmuon's ownership grid (dp_shard x cp, one per TP rank) "
+            "keeps apart, which dmuon does not dedicate yet. Set "
+            "--parallelism.tensor_parallel_degree 1 (EP with FSDP). With "
+            "--parallelism.expert_parallel_degree 1 instead, TP shards the expert stacks "
+            "themselves, which dmuon does not dedicate either: there, keep them off the Muon "
+            "route (--dmuon.adamw_params, or out of the recipe's DistMuon pattern)."
         )
     if parallel_dims.spmd_backend != "partial_dtensor":
         raise ValueError(
