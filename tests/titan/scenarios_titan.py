@@ -91,20 +91,56 @@ class Job:
     dmuon_options: dict = field(default_factory=dict)
 
 
-# The registry job each ``Job.model`` runs: llama3's dense debug model, or qwen3's MoE one (its
-# experts cut to a few small ones, ``titan_on_cpu.few_experts``).
+def kimi_job(name: str):
+    """A job config function of torchtitan's ``kimi_k2_7`` registry, by name, imported when
+    called: the registry imports torchvision (its image data), which the test env may lack
+    (``KIMI_REGISTRY_MISSING``). ``moonlight_16b_a3b`` comes at debug size (the kimi debug
+    model's width 256 and vocabulary, ``titan_on_cpu.narrow_mla``; the debug flavors' 2 warm-up
+    steps); its optimizer config, the recipe under test, is its own."""
+
+    def job():
+        from torchtitan.models.kimi_k2_7 import config_registry
+
+        config = getattr(config_registry, name)()
+        if name == "moonlight_16b_a3b":
+            titan_on_cpu.narrow_mla(config.model_spec, KIMI_DEBUG_WIDTH)
+            config.lr_scheduler.warmup_steps = 2
+        return config
+
+    return job
+
+
+def kimi_registry_missing() -> str | None:
+    """Why torchtitan's ``kimi_k2_7`` config registry does not import here, or None."""
+    try:
+        from torchtitan.models.kimi_k2_7 import config_registry  # noqa: F401
+    except ImportError as error:
+        return f"torchtitan.models.kimi_k2_7.config_registry does not import: {error}"
+    return None
+
+
+KIMI_DEBUG_WIDTH = 256  # kimi_k2_5_debugmodel's model dimension
+
+# The registry job each ``Job.model`` runs: llama3's dense debug model, or an MoE one (its
+# experts cut to a few small ones, ``titan_on_cpu.few_experts``): qwen3's, DeepSeek-V3's, or
+# torchtitan's own Muon jobs of ``kimi_k2_7`` (Kimi K2.5's debug model, Moonlight at debug size).
 MODELS = {
     "llama3": llama3_registry.llama3_debugmodel,
     "qwen3_moe": qwen3_registry.qwen3_moe_debug,
     "deepseek_v3": deepseek_v3_registry.deepseek_v3_debugmodel,
+    "kimi_k2_5": kimi_job("kimi_k2_5_debugmodel"),
+    "moonlight": kimi_job("moonlight_16b_a3b"),
 }
-MOE_MODELS = ("qwen3_moe", "deepseek_v3")
+# Jobs whose own optimizer config is a DistMuon recipe (torchtitan's kimi_k2_7 registry): like
+# ``Job.distmuon_recipe``'s, read as they are, with the routers' load balancing off.
+OWN_RECIPE_MODELS = ("kimi_k2_5", "moonlight")
+MOE_MODELS = ("qwen3_moe", "deepseek_v3", *OWN_RECIPE_MODELS)
 
 
 def make_config(job: Job, dump_folder: str):
     registry_config = MODELS[job.model]()
     if job.model in MOE_MODELS:
-        titan_on_cpu.few_experts(registry_config.model_spec, load_balancing=not job.distmuon_recipe)
+        titan_on_cpu.few_experts(registry_config.model_spec, load_balancing=not _has_recipe(job))
     if job.distmuon_recipe:
         registry_config.optimizer = distmuon_recipe(job.model)
     config = titan_on_cpu.on_cpu(
@@ -149,6 +185,10 @@ def make_config(job: Job, dump_folder: str):
     options = {"ns_coefficients": "keller", "ns_backend": "direct", "ns_kernel": "cublas"}
     options["ns_dtype"] = "bfloat16" if job.ns == "torch" else "float32"
     return dmuon_titan.enable(config, dmuon_titan.DMuonConfig(**options, **job.dmuon_options))
+
+
+def _has_recipe(job: Job) -> bool:
+    return job.distmuon_recipe or job.model in OWN_RECIPE_MODELS
 
 
 # qwen3's MoE debug model: every head (query, key and value) has 128 rows of the fused QKV.
@@ -391,7 +431,7 @@ def train_reference(run: dict, *, steps: int | None = None, after_step=None) -> 
     torch.manual_seed(0)
     spec = MODELS[job.model]().model_spec
     if job.model in MOE_MODELS:
-        titan_on_cpu.few_experts(spec, load_balancing=not job.distmuon_recipe)
+        titan_on_cpu.few_experts(spec, load_balancing=not _has_recipe(job))
     titan_on_cpu.small_model(spec, LAYERS, job.width)
     with torch.device("meta"):
         model = spec.model.build()
@@ -453,15 +493,17 @@ def _reference_optimizers(params: dict, run: dict, ns: str):
             [param for _, param in matrices], adjust_lr_fn="match_rms_adamw", **muon_kwargs
         )
     else:
+        # A registry's recipe names every block of its model; the reference has LAYERS.
         row_blocks = {
             name: [rows] * (params[name].shape[0] // rows)
             for name, rows in settings.get("row_blocks", {}).items()
+            if name in params
         }
         muon = ReferenceMuonAdamW(
             matrices,
             lambda name, param: True,
             **muon_kwargs,
-            expert_stacks=settings.get("expert_stacks", ()),
+            expert_stacks=[name for name in settings.get("expert_stacks", ()) if name in params],
             row_blocks=row_blocks,
             orthogonalize=functools.partial(
                 newton_schulz,

@@ -375,3 +375,63 @@ def few_experts(
             shared_experts=moe.shared_experts,
             load_balance_coeff=moe.load_balance_coeff if load_balancing else None,
         )
+
+
+def narrow_mla(model_spec, width: int, vocab: int = VOCAB) -> None:
+    """The multi-head latent attention model of ``model_spec`` (DeepSeek-V3, Kimi: Moonlight's
+    2048-wide text tower of a 163840-token vocabulary) with model dimension ``width`` and
+    ``vocab`` tokens, through its config's own fields: every projection from or to the model
+    dimension (MLA's ``wq`` / ``wq_a`` and ``wkv_a`` in, ``wo`` out; the dense and shared-expert
+    MLPs; the router gate), the norms, the embeddings and the output head (its init scale
+    ``width ** -0.5``, as the debug models'). The heads (count, dims, the latent ranks), hidden
+    sizes, routing and inits stay. Call ``few_experts`` after it: it sizes the routed experts
+    from the router's width."""
+    model = model_spec.model
+    model.dim, model.vocab_size = width, vocab
+    model.tok_embeddings = dataclasses.replace(
+        model.tok_embeddings, num_embeddings=vocab, embedding_dim=width
+    )
+    model.norm = dataclasses.replace(model.norm, normalized_shape=width)
+    std = width**-0.5
+    head_init = {"weight": functools.partial(torch.nn.init.trunc_normal_, std=std)}
+    model.lm_head = dataclasses.replace(
+        model.lm_head, in_features=width, out_features=vocab, param_init=head_init
+    )
+    model.layers = [_narrow_mla_block(block, width) for block in model.layers]
+
+
+def _narrow_mla_block(block, width: int):
+    def linear(config, **sizes):
+        return None if config is None else dataclasses.replace(config, **sizes)
+
+    def mlp(config):
+        if config is None:
+            return None
+        return dataclasses.replace(
+            config,
+            w1=linear(config.w1, in_features=width),
+            w2=linear(config.w2, out_features=width),
+            w3=linear(config.w3, in_features=width),
+        )
+
+    attention = block.attention
+    attention = dataclasses.replace(
+        attention,
+        dim=width,
+        wq=linear(attention.wq, in_features=width),
+        wq_a=linear(attention.wq_a, in_features=width),
+        wkv_a=linear(attention.wkv_a, in_features=width),
+        wo=linear(attention.wo, out_features=width),
+    )
+    moe = block.moe
+    if moe is not None:
+        router = dataclasses.replace(moe.router, gate=linear(moe.router.gate, in_features=width))
+        moe = dataclasses.replace(moe, router=router, shared_experts=mlp(moe.shared_experts))
+    return dataclasses.replace(
+        block,
+        attention=attention,
+        attention_norm=dataclasses.replace(block.attention_norm, normalized_shape=width),
+        ffn_norm=dataclasses.replace(block.ffn_norm, normalized_shape=width),
+        feed_forward=mlp(block.feed_forward),
+        moe=moe,
+    )
