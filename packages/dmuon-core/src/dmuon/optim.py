@@ -446,10 +446,10 @@ class Muon(torch.optim.Optimizer):
         before = [{k: v for k, v in group.items() if k != "params"} for group in self.param_groups]
         state, groups = self.state, self.param_groups
         super().load_state_dict(without_layout(state_dict))
-        # torch puts a new state dict and new groups in their place; the overlapped step holds
-        # these objects (``OverlappedStep(state=..., param_groups=...)``), and read stale ones
-        # it speculated from the old momenta and committed into the old dict: the loaded values
-        # go into the objects it holds.
+        # torch puts a new state dict and new groups in their place, but the overlapped step
+        # holds these objects (``OverlappedStep(state=..., param_groups=...)``): left stale, it
+        # would speculate from the old momenta and commit into the old dict. So the loaded
+        # values go into the objects it holds.
         state.clear()
         state.update(self.state)
         for group, loaded in zip(groups, self.param_groups, strict=True):
