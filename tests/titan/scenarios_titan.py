@@ -94,7 +94,7 @@ class Job:
 def kimi_job(name: str):
     """A job config function of torchtitan's ``kimi_k2_7`` registry, by name, imported when
     called: the registry imports torchvision (its image data), which the test env may lack
-    (``KIMI_REGISTRY_MISSING``). ``moonlight_16b_a3b`` comes at debug size (the kimi debug
+    (``kimi_registry_missing``). ``moonlight_16b_a3b`` comes at debug size (the kimi debug
     model's width 256 and vocabulary, ``titan_on_cpu.narrow_mla``; the debug flavors' 2 warm-up
     steps); its optimizer config, the recipe under test, is its own."""
 
