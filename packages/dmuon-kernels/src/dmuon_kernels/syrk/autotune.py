@@ -376,10 +376,13 @@ class SyrkAutotuner:
         return built[0] if built else BASELINE
 
     def compile_plan(self, candidate: str, problem: SyrkProblem, device: torch.device) -> list[str]:
-        """The contenders whose kernels ``choose`` is expected to need for ``problem``: the
-        winner of the verdicts already known; else the prior's expected winner when it is not
-        tuned yet (the others are tuned only if it loses: [Note: the SM90 prior]); else every
-        contender not tuned yet."""
+        """The contenders whose kernels ``choose`` may need for ``problem``: the winner of the
+        verdicts already known; else every contender not tuned yet, the prior's expected winner
+        first. ``choose`` tunes the others only when the expected one loses ([Note: the SM90
+        prior]), but which one loses is known only from timings, and a job builds what tuning
+        may load so that the training process never compiles: a kernel built in vain costs the
+        job's time, not a step's (an H100 run lost quack's verdict at (2048, 4096) and then
+        compiled the CuTe kernel in the step)."""
         contenders = self.contenders(candidate, problem.op)
         known = {name: self._verdict_if_known(name, problem, device) for name in contenders}
         verdicts = [verdict for verdict in known.values() if verdict is not None]
@@ -387,7 +390,10 @@ class SyrkAutotuner:
             return [fastest_winner(verdicts)]
         untuned = [name for name in contenders if known[name] is None]
         expected = self._expected_winner(problem, device, contenders)
-        return [expected] if expected in untuned else untuned
+        if expected in untuned:
+            untuned.remove(expected)
+            untuned.insert(0, expected)
+        return untuned
 
     def _build(self, name: str, problem: SyrkProblem, device: torch.device) -> bool:
         """One call of ``name`` on ``problem``'s tuning inputs (compiling its kernel, or loading
