@@ -54,6 +54,15 @@ def ns_inputs(state: DedicatedState, param_groups: list[dict]) -> list[tuple[int
     return [(count, short, long) for (_, short, long), count in counts.items()]
 
 
+def background_compile_wanted(newton_schulz: NewtonSchulz, state: DedicatedState) -> bool:
+    """Whether this rank's ``dmuon.Muon`` starts a compile job: a fact every rank must share, as
+    ``at_step_boundary`` is a collective on the ranks that did. It rests on each host's
+    environment and cache folder (``wants_background_compile``), so ``dmuon.Muon`` checks at
+    construction that the ranks agree, rather than letting a host that differs hang the first
+    step."""
+    return wants_background_compile(newton_schulz, state.device)
+
+
 def start_for_optimizer(
     newton_schulz: NewtonSchulz,
     state: DedicatedState,

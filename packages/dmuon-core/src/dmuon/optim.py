@@ -550,6 +550,12 @@ class Muon(torch.optim.Optimizer):
                     "Newton-Schulz settings (ns_backend / NewtonSchulz(...))",
                     self._newton_schulz.config,
                 ),
+                "background_compile": (
+                    "decisions to compile the Newton-Schulz kernels in a background job "
+                    "(DMUON_KERNEL_COMPILE, DMUON_KERNEL_CACHE, and whether each host trusts "
+                    "its DMUON_CACHE_DIR: see the kernels README)",
+                    kernel_switch.background_compile_wanted(self._newton_schulz, self._dedicated),
+                ),
                 "dedicated": (
                     "dedicated parameters (names and shapes)",
                     [(agreed_name(p), tuple(p.shape)) for p in self._dedicated.params.values()],
