@@ -763,6 +763,7 @@ def single_process_environment() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    _common.compile_kernels_first()
     started = time.perf_counter()
     args = parse_args(argv)
     if args.prepare:

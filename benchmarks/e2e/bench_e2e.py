@@ -474,6 +474,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    _common.compile_kernels_first()
     args = parse_args(argv)
     backend = args.backend or ("nccl" if args.device == "cuda" else "gloo")
     device = _common.start_process_group("bench_e2e", args.device, backend, "--device cpu --quick")

@@ -510,6 +510,7 @@ def single_process_environment() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    _common.compile_kernels_first()
     args = parse_args(argv)
     if args.plot is not None:
         plot(args.plot, args.png)

@@ -600,6 +600,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    _common.compile_kernels_first()
     args = parse_args(argv)
     if args.arm is not None:
         return run_arm(args)

@@ -114,6 +114,7 @@ def train(variant: str, seed: int, batches: list[torch.Tensor]) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
+    _common.compile_kernels_first()
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--seeds", type=int, default=3)

@@ -171,6 +171,7 @@ def profile_phases(model, optimizer, tokens, device, steps: int, top: int) -> di
 
 
 def main(argv: list[str] | None = None) -> int:
+    _common.compile_kernels_first()
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--quick", action="store_true")

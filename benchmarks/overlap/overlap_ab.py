@@ -68,6 +68,7 @@ def median_interval(values: list[float], seed: int = 0) -> tuple[float, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    _common.compile_kernels_first()
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=40, help="ABBA rounds (2 iterations each)")
     parser.add_argument("--warmup", type=int, default=3)

@@ -249,6 +249,7 @@ def summarise_trace(events: list[dict]) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
+    _common.compile_kernels_first()
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--warmup", type=int, default=3)

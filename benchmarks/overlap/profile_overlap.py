@@ -134,6 +134,7 @@ def summarise(step_ms: list[float], events: list[dict]) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
+    _common.compile_kernels_first()
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=3, help="profiled steps per variant")
     parser.add_argument("--warmup", type=int, default=3)

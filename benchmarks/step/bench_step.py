@@ -309,6 +309,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    _common.compile_kernels_first()
     args = parse_args(argv)
     import dmuon
     from dmuon_kernels import NewtonSchulz, get_backend_status

@@ -111,6 +111,7 @@ def profile_context(context: str, args, mesh, device, tokens) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
+    _common.compile_kernels_first()
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=10, help="timed steps per context")
     parser.add_argument("--warmup", type=int, default=3)
