@@ -76,6 +76,14 @@ def test_the_optimizer_asks_the_state_and_never_the_setup():
     assert "dmuon.dedicate" not in reachable(GRAPH, "dmuon.optim")
 
 
+def test_the_muon_state_sits_below_the_step_machinery_that_takes_its_batch_type():
+    # overlap and offload name one Newton-Schulz call by muon_state's Batch and its keys by
+    # MOMENTUM_BUFFER, so muon_state must never reach them (nor the route and optimizer).
+    above = {"dmuon.overlap", "dmuon.offload", "dmuon.muon_route", "dmuon.optim"}
+    assert reachable(GRAPH, "dmuon.muon_state") & above == set()
+    assert {"dmuon.muon_state"} <= GRAPH["dmuon.overlap"] & GRAPH["dmuon.offload"]
+
+
 def test_the_muon_route_reaches_the_kernels_only_through_muon_update():
     # One road: momentum, normalisation, Newton-Schulz, the lr scale and the update are
     # muon_update's; the optimizer hands it the tensors and its NewtonSchulz.

@@ -45,16 +45,14 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
-from torch import nn
 
 from dmuon._text import preview_names
+from dmuon.muon_state import Batch
 from dmuon.routing import MUON_ROUTE
 
 if TYPE_CHECKING:
     from dmuon.group import BoundaryGroup
     from dmuon.param import DedicatedParam
-
-Call = list[tuple[nn.Parameter, object]]  # one Newton-Schulz call: (master, which matrix)
 
 
 def check_masters_can_be_offloaded(params: Iterable[DedicatedParam], overlap_step: bool) -> None:
@@ -167,7 +165,7 @@ class MasterOffload:
 
     # ---- the step ---------------------------------------------------------------------------
 
-    def run(self, calls: Sequence[Call], update: Callable[[Call], None]) -> None:
+    def run(self, calls: Sequence[Batch], update: Callable[[Batch], None]) -> None:
         """Run ``update(call)`` for each call with its masters on the device, one call's
         uploads ahead; see [Note: offloaded masters]."""
         arriving: list[list[DedicatedParam]] = [[] for _ in calls]

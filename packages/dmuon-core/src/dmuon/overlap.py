@@ -67,11 +67,11 @@ called from another stream meanwhile waits for the side stream's replays by itse
 A unit was first one boundary (one layer), and on the H200 at world size 1 that made the
 overlapped step 9-11% slower than the plain one: Newton-Schulz batched one layer's matrices
 instead of every layer's, so each problem fell under the autotuner's size bound and ran on
-cuBLAS, less efficiently (torch.profiler, ``benchmarks/profile_overlap.py``: quack's SYRK time
--16.6 ms per step, cuBLAS's +28 ms; profile-overlap-h200-w1-2026-12-02-8814852.json). So each
-Muon param group's boundaries, in the model's order, are cut into ``SPECULATION_CHUNKS`` runs of
-about equal owned elements. Two, not four: each Newton-Schulz batch is then half of the plain
-step's instead of a quarter. On the H200 at world size 1, paired against the plain step, four
+cuBLAS, less efficiently (torch.profiler, ``benchmarks/overlap/profile_overlap.py``: quack's
+SYRK time -16.6 ms per step, cuBLAS's +28 ms; profile-overlap-h200-w1-2026-12-02-8814852.json).
+So each Muon param group's boundaries, in the model's order, are cut into ``SPECULATION_CHUNKS``
+runs of about equal owned elements. Two, not four: each Newton-Schulz batch is then half of the
+plain step's instead of a quarter. On the H200 at world size 1, paired against the plain step, four
 chunks gave +1.87 ms (215ad1a) and two -2.37 and -4.06 ms (215ad1a, 99ae62b), each on its own
 machine start; at side-stream priority -5, four gave +4.50 and two +2.25 (142ad87;
 overlap-ab-h200-w1-2026-12-04-*.json). ``dmuon-tools simulate`` puts two and four within 1 ms of
@@ -87,7 +87,7 @@ eager Newton-Schulz calls were most of it (the speculation's host time per itera
 call (speculated or computed by ``step()``, one chunk's matrices of a shape) replays a CUDA
 graph up to ``SPECULATION_GRAPH_MAX_NUMEL`` elements, where the plain step stops at
 ``dmuon_kernels.graphs.GRAPH_MAX_NUMEL``; a call holds at most 256 MiB of fp16 input
-(``dmuon.optim.NS_CALL_BYTES``), so only a single matrix over 2**28 elements stays eager.
+(``dmuon.muon_state.NS_CALL_BYTES``), so only a single matrix over 2**28 elements stays eager.
 A graph keeps its input and intermediates for good (the iteration's final product runs after the
 replay, into the tensor the call returns), once per shape, since the chunks of a uniform model
 share their shapes: on the H200's 0.89 B Llama the peak is 17.6 GiB against the plain step's 13.5
@@ -114,14 +114,14 @@ from dmuon import _profiler_labels as labels
 from dmuon._torch_internals import profiler_range, tensor_version, view_base
 from dmuon.experts import is_expert_piece
 from dmuon.group import AveragedGradients, BoundaryGroup, GradientMessage
+from dmuon.muon_state import MOMENTUM_BUFFER, Batch
 
-# (master, expert) pairs of one Newton-Schulz call, and its output: see ``dmuon.optim``.
-Call = list[tuple[nn.Parameter, int | None]]
+# A unit's Newton-Schulz calls, each with its output (``dmuon.muon_state.Batch``).
 Speculate = Callable[
     [dict, list[nn.Parameter], dict[int, torch.Tensor], dict[int, torch.Tensor]],
-    list[tuple[Call, torch.Tensor]],
+    list[tuple[Batch, torch.Tensor]],
 ]
-Apply = Callable[[dict, Call, torch.Tensor], None]
+Apply = Callable[[dict, Batch, torch.Tensor], None]
 
 # How many runs of consecutive boundaries a param group's speculation is cut into: see [Note:
 # speculation chunks].
@@ -182,7 +182,7 @@ class _Unit:
     nesterov: bool
     inputs: dict[int, _Input]  # id(master) ->
     scratch: dict[int, torch.Tensor]  # id(master) -> its new momentum buffer
-    calls: list[tuple[Call, torch.Tensor]]  # each Newton-Schulz call and its output
+    calls: list[tuple[Batch, torch.Tensor]]  # each Newton-Schulz call and its output
     matrices: int
 
 
@@ -300,7 +300,7 @@ class OverlappedStep:
         inputs = {}
         for m in masters:
             message, offset = messages[id(m)]
-            buffer = self._state.get(m, {}).get("momentum_buffer")
+            buffer = self._state.get(m, {}).get(MOMENTUM_BUFFER)
             if buffer is not None and self._side is not None:
                 buffer.record_stream(self._side)
             inputs[id(m)] = _Input(
@@ -383,7 +383,7 @@ class OverlappedStep:
             if unit is not None and self._valid(unit, unit_masters, group, ones):
                 with profiler_range(labels.COMMIT):
                     for m in unit.masters:
-                        self._state[m]["momentum_buffer"] = unit.scratch[id(m)]
+                        self._state[m][MOMENTUM_BUFFER] = unit.scratch[id(m)]
                     for call, output in unit.calls:
                         self._apply_call(group, call, output)
                 self._count(committed=unit.matrices)
@@ -410,7 +410,7 @@ class OverlappedStep:
                 or tensor_version(i.message) != i.version
             ):
                 return False
-            buffer = self._state.get(m, {}).get("momentum_buffer")
+            buffer = self._state.get(m, {}).get(MOMENTUM_BUFFER)
             if buffer is not i.momentum or (
                 buffer is not None and tensor_version(buffer) != i.momentum_version
             ):
