@@ -235,6 +235,16 @@ def test_model_of_gives_the_model_a_muon_was_built_on():
     assert dmuon.inspect.model_of(optimizer) is not other
 
 
+def test_muon_model_state_is_the_state_of_the_model_it_was_built_on_and_read_only():
+    model, other = prepared(), prepared()
+    optimizer = dmuon.Muon(model)
+    assert optimizer.model_state is get_dedicated_state(model)
+    assert optimizer.model_state is not get_dedicated_state(other)
+    with pytest.raises(AttributeError):
+        optimizer.model_state = get_dedicated_state(other)
+    assert optimizer.model_state is get_dedicated_state(model)
+
+
 def test_model_of_refuses_an_optimizer_that_is_not_dmuon_muon():
     sgd = torch.optim.SGD(TinyDecoder().parameters(), lr=0.1)
     with pytest.raises(

@@ -67,6 +67,15 @@ def prepared():
     return model, dmuon.Muon(model)
 
 
+def test_a_dmuon_muon_of_another_model_is_refused_with_the_fix():
+    model, _ = prepared()
+    _, other_optimizer = prepared()
+    with pytest.raises(
+        TypeError, match=r"the optimizer \(Muon\) is not the dmuon.Muon of this model; the clip"
+    ):
+        dmuon.QKClip(model, other_optimizer, attention_heads(model))
+
+
 def test_setup_errors_say_what_is_wrong_and_the_fix():
     model, optimizer = prepared()
     heads = attention_heads(model)

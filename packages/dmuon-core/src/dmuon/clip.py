@@ -320,7 +320,7 @@ def _parts(models, optimizers) -> list[tuple[DedicatedState, Muon]]:
                 "which only dmuon.Muon knows."
             )
         state = get_dedicated_state(model)
-        if optimizer._dedicated is not state:
+        if optimizer.model_state is not state:
             raise ValueError(
                 f"dmuon.clip_grad_norm_: optimizers[{index}] is not the optimizer of "
                 f"models[{index}] ({type(model).__name__}); pass each part's model and its "

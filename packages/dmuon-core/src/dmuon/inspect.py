@@ -368,7 +368,7 @@ def model_of(optimizer: Muon) -> nn.Module:
             f"dmuon.inspect.model_of takes a dmuon.Muon, got {type(optimizer).__name__}; build "
             "the optimizer with dmuon.Muon(model, ...)."
         )
-    return optimizer._dedicated.model
+    return optimizer.model_state.model
 
 
 def newton_schulz_counts(optimizer: Muon) -> dict[str, int | tuple[int, ...]]:

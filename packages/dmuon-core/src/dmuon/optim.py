@@ -40,7 +40,7 @@ from dmuon.data_parallel import check_data_parallel_layout
 from dmuon.ddp import check_gradients_are_averaged
 from dmuon.experts import ExpertStack, agreed_name
 from dmuon.fqn import canonical_fqn
-from dmuon.hooks import get_dedicated_state
+from dmuon.hooks import DedicatedState, get_dedicated_state
 from dmuon.muon_options import AdjustLr, MomentumDtype, MuonOptions, NonfinitePolicy
 from dmuon.muon_route import MuonRoute
 from dmuon.muon_update import MOMENTUM_DTYPES
@@ -349,6 +349,14 @@ class Muon(torch.optim.Optimizer):
     @property
     def newton_schulz(self) -> NewtonSchulz:
         return self._newton_schulz
+
+    @property
+    def model_state(self) -> DedicatedState:
+        """The model state this optimizer was built on (``get_dedicated_state(model)``): the
+        owners' masters its step updates and publishes. Read-only; the clip, QK-clip,
+        checkpoints and ``dmuon.inspect`` compare it with their model's to refuse an optimizer
+        of another model."""
+        return self._dedicated
 
     def routing(self) -> list[RoutingRow]:
         """Every trainable parameter: ``(fqn, shape, route, owner_rank, lr, weight_decay, why)``.

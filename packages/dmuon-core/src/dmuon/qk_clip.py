@@ -370,7 +370,7 @@ class QKClip:
         _check_settings(threshold, alpha, gqa, attention)
         attention = [_canonical(layer) for layer in attention]
         self._state = get_dedicated_state(model)
-        if getattr(optimizer, "_dedicated", None) is not self._state:
+        if getattr(optimizer, "model_state", None) is not self._state:
             raise TypeError(
                 f"dmuon.QKClip: the optimizer ({type(optimizer).__name__}) is not the dmuon.Muon "
                 "of this model; the clip runs inside its step. Pass the dmuon.Muon(model, ...) "

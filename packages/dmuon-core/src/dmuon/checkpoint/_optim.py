@@ -386,7 +386,7 @@ def _the_optimizer(ctx: CheckpointContext, optimizers) -> Muon:
             f"dmuon.checkpoint needs the one dmuon.Muon optimizer of the model, got {kinds}. "
             "Save other optimizers with torch.distributed.checkpoint.state_dict."
         )
-    if candidates[0]._dedicated is not ctx.state:
+    if candidates[0].model_state is not ctx.state:
         raise ValueError(
             "dmuon.checkpoint: this dmuon.Muon optimizer was built on another model; pass the "
             "model it was built on."
