@@ -24,8 +24,8 @@ one stays at 0.25 or more where the default reaches 0.18-0.20, because the suite
 sigma / ||G||_F (down to 5e-5) need five quintic steps' gain at 0 (prod(a) = 804).
 ``POLAR_EXPRESS_4_COEFFICIENTS`` is the opt-in four-step table: every sigma / ||G||_F in
 [4.16e-3, 1] (instead of [1e-3, 1]) ends within the default's band [0.729, 1.124], for 13-20 %
-fewer Newton-Schulz FLOPs. ``benchmarks/bench_ns_schedules.py`` prints each table's error and
-time; the default stays.
+fewer Newton-Schulz FLOPs. ``benchmarks/kernels/bench_ns_schedules.py`` prints each table's
+error and time; the default stays.
 """
 
 from __future__ import annotations

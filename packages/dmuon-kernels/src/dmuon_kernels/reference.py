@@ -3,7 +3,7 @@ matrices with controlled spectra they are checked on.
 
 Everything here runs in float64 on the input's device with plain matmuls and SVDs; nothing is
 tuned for speed, and the fast modules must never call into this one. ``SPECTRUM_CASES`` are the
-test suite's matrices (tests/kernels) and the rows of ``benchmarks/bench_ns_schedules.py``.
+test suite's matrices (tests/kernels) and the rows of ``benchmarks/kernels/bench_ns_schedules.py``.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ Kernels are compiled with TVM-FFI's calling convention (``--enable-tvm-ffi``): a
 plain Python ints (addresses, sizes, the raw CUDA stream) and floats straight to the compiled
 host code, which checks and unpacks them in C (``direct_call``). The JIT executor's own
 convention wraps each argument in Python objects first: a warmed 4096² ``syrk`` took 101 µs of
-host time that way, 34 µs now (H200, ``benchmarks/bench_dispatch.py``).
+host time that way, 34 µs now (H200, ``benchmarks/kernels/bench_dispatch.py``).
 
 Imports nvidia-cutlass-dsl and apache-tvm-ffi at module level, so only the kernel modules
 (``_cute_kernel``, ``_cute_sm90_kernel``) and the adapter's probe import it; it holds no device
