@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 import dmuon
+import dmuon.checkpoint
 import dmuon.partition
 from dmuon.hooks import get_dedicated_state
 from dmuon.inspect import OwnerCoord, make_param_specs, plan_ownership, what_if_grid
@@ -243,6 +244,21 @@ def test_muon_model_state_is_the_state_of_the_model_it_was_built_on_and_read_onl
     with pytest.raises(AttributeError):
         optimizer.model_state = get_dedicated_state(other)
     assert optimizer.model_state is get_dedicated_state(model)
+
+
+def test_every_muon_matrixs_state_is_keyed_by_the_public_momentum_buffer_name():
+    model = prepared()
+    optimizer = dmuon.Muon(model)
+    for batch in batches(1, 1):
+        loss_fn(model, batch).backward()
+        optimizer.step()
+    state = optimizer.state_dict()
+    muon = [i for g in state["param_groups"] if g["route"] == "muon" for i in g["params"]]
+    assert len(muon) == 15
+    assert {i: sorted(state["state"][i]) for i in muon} == {
+        i: [dmuon.checkpoint.MOMENTUM_BUFFER] for i in muon
+    }
+    assert dmuon.checkpoint.MOMENTUM_BUFFER == "momentum_buffer"  # torch.optim.Muon's name
 
 
 def test_model_of_refuses_an_optimizer_that_is_not_dmuon_muon():

@@ -40,7 +40,7 @@ from dmuon.hooks import find_dedicated_state
 from dmuon.testing import ReferenceMuonAdamW
 from dmuon_kernels import KELLER_COEFFICIENTS
 from dmuon_kernels.newton_schulz import newton_schulz
-from dmuon_titan.optimizer import muon_arguments
+from dmuon_titan.optimizer import muon_options
 from dmuon_titan.recipe import read_recipe
 
 FULL = StateDictOptions(full_state_dict=True)
@@ -408,8 +408,9 @@ def _optimizer_settings(trainer) -> dict:
     if not isinstance(trainer, dmuon_titan.DMuonTrainer):
         return {"adamw": adamw, "muon": None}
     recipe = read_recipe(config.optimizer)
-    muon = muon_arguments(config.dmuon, recipe)
-    assert muon.pop("adjust_lr") == "match_rms_adamw"  # the references' rule
+    options = muon_options(config.dmuon, recipe)
+    assert options.adjust_lr == "match_rms_adamw"  # the references' rule
+    muon = {key: getattr(options, key) for key in ("lr", "momentum", "nesterov", "weight_decay")}
     layouts = {"row_blocks": {}, "expert_stacks": []}
     if recipe is not None:
         layouts = {

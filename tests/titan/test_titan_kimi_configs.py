@@ -23,7 +23,7 @@ import pytest
 import torch
 
 import dmuon_titan
-from dmuon_titan.optimizer import adamw_route, muon_arguments
+from dmuon_titan.optimizer import adamw_route, muon_options
 from dmuon_titan.recipe import read_recipe
 from tests.titan.scenarios_titan import (
     EXPERT_PROJECTIONS,
@@ -104,8 +104,8 @@ def test_the_kimi_configs_own_recipe_gives_each_matrix_the_cut_its_compute_layou
     assert any(".shared_experts." in name for name in expected)
     # The Muon route's hyperparameters are the recipe's, over dmuon's own defaults; the AdamW
     # route's, its catch-all group's.
-    muon = muon_arguments(dmuon_titan.DMuonConfig(), recipe)
-    assert (muon["lr"], muon["weight_decay"], muon["adjust_lr"]) == (
+    muon = muon_options(dmuon_titan.DMuonConfig(), recipe)
+    assert (muon.lr, muon.weight_decay, muon.adjust_lr) == (
         KIMI_JOBS[job],
         0.1,
         "match_rms_adamw",

@@ -45,3 +45,35 @@ def test_a_bad_muon_route_value_is_refused_by_the_config_with_dmuon_muons_messag
 ):
     with pytest.raises(error, match=message):
         dmuon_titan.DMuonConfig(**options)
+
+
+def test_the_config_gives_dmuon_muon_its_muon_route_options_and_its_newton_schulz():
+    config = dmuon_titan.DMuonConfig(
+        lr=0.01, momentum=0.9, nesterov=False, weight_decay=0.1, adjust_lr="spectral",
+        normuon=True, momentum_dtype="bfloat16", ns_coefficients="keller", ns_dtype="float32",
+        replicate_async=False, nonfinite="raise",
+    )  # fmt: skip
+    options = config.muon_options()
+    assert isinstance(options, dmuon.MuonOptions)
+    assert (options.lr, options.momentum, options.nesterov, options.weight_decay) == (
+        0.01,
+        0.9,
+        False,
+        0.1,
+    )
+    assert (options.adjust_lr, options.normuon, options.replicate_async) == (
+        "spectral",
+        True,
+        False,
+    )
+    assert (options.momentum_dtype_name, options.nonfinite) == ("bfloat16", "raise")
+    assert options.newton_schulz().config == config.newton_schulz().config
+    assert options.newton_schulz().config.dtype == "float32"
+    # Unset here, dmuon's defaults: the AdamW route's values come from the job's optimizer config.
+    default = dmuon.MuonOptions()
+    assert dmuon_titan.DMuonConfig().muon_options().nonfinite == default.nonfinite
+    assert (options.adamw_lr, options.param_groups, options.step_group) == (
+        default.adamw_lr,
+        None,
+        None,
+    )

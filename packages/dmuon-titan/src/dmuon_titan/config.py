@@ -13,7 +13,7 @@ lists them) and checks from ``dmuon.MuonOptions``, the one place that lists them
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import get_args
 
 import torch
@@ -119,19 +119,7 @@ class DMuonConfig:
                 f"dmuon.momentum_dtype={self.momentum_dtype!r} is not one of "
                 f"{list(MOMENTUM_DTYPES)}."
             )
-        # The Muon route's values, checked as dmuon.Muon checks them (its messages).
-        MuonOptions(
-            lr=self.lr,
-            momentum=self.momentum,
-            nesterov=self.nesterov,
-            weight_decay=self.weight_decay,
-            adjust_lr=self.adjust_lr,
-            normuon=self.normuon,
-            momentum_dtype=self.momentum_dtype,
-            ns_backend=self.ns_backend,
-            replicate_async=self.replicate_async,
-            **({"nonfinite": self.nonfinite} if self.nonfinite is not None else {}),
-        )
+        self._muon_route()  # checked as dmuon.Muon checks them (its messages)
         if self.qk_clip_threshold is not None and not self.qk_clip_threshold > 0:
             raise ValueError(
                 f"dmuon.qk_clip_threshold={self.qk_clip_threshold!r} is not a positive logit; "
@@ -155,6 +143,27 @@ class DMuonConfig:
                     f"dmuon.{field_name}={getattr(self, field_name)!r} is not a regular "
                     f"expression: {error}."
                 ) from error
+
+    def muon_options(self) -> MuonOptions:
+        """The Muon route's options for ``dmuon.Muon.from_options``: this section's values, the
+        Newton-Schulz built from its ``ns_*``. The AdamW route's values and the job's param
+        groups are left at dmuon's defaults: ``dmuon_titan.optimizer`` reads them from the job's
+        optimizer config and passes them over these."""
+        return replace(self._muon_route(), ns_backend=self.newton_schulz())
+
+    def _muon_route(self) -> MuonOptions:
+        return MuonOptions(
+            lr=self.lr,
+            momentum=self.momentum,
+            nesterov=self.nesterov,
+            weight_decay=self.weight_decay,
+            adjust_lr=self.adjust_lr,
+            normuon=self.normuon,
+            momentum_dtype=self.momentum_dtype,
+            ns_backend=self.ns_backend,
+            replicate_async=self.replicate_async,
+            **({"nonfinite": self.nonfinite} if self.nonfinite is not None else {}),
+        )
 
     def newton_schulz(self) -> NewtonSchulz:
         return NewtonSchulz(

@@ -24,7 +24,7 @@ no stage has any, every rank passes ``allow_no_muon=False`` and every rank raise
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -68,24 +68,18 @@ class DMuonOptimizers(OptimizersContainer):
         recipe = read_recipe(config)  # the job's DistMuon group: the Muon route's settings
         adamw, param_groups = adamw_route(config.param_groups, config.dmuon, recipe)
         step_group = dmuon.StepGroup(pp_mesh=config._pp_mesh)
-        settings = config.dmuon
-        muon = muon_arguments(settings, recipe)
+        options = muon_options(config.dmuon, recipe)
         # See [Note: stages without Muon matrices].
         job_has_muon = muon_matrices_in_job(model_parts, config._pp_mesh) > 0
         self.optimizers = [
-            dmuon.Muon(
+            dmuon.Muon.from_options(
                 part,
-                **muon,
-                normuon=settings.normuon,
-                momentum_dtype=settings.momentum_dtype,
-                ns_backend=settings.newton_schulz(),
-                replicate_async=settings.replicate_async,
+                options,
                 param_groups=param_groups,
                 # The job's param groups say what decays; dmuon's HF rule would exempt norms.
                 no_decay=None,
                 step_group=step_group,
                 allow_no_muon=job_has_muon,
-                **({"nonfinite": settings.nonfinite} if settings.nonfinite is not None else {}),
                 **adamw,
             )
             for part in model_parts
@@ -121,20 +115,14 @@ def muon_matrices_in_job(model_parts: list[nn.Module], pp_mesh: DeviceMesh | Non
     return int(total.item())
 
 
-def muon_arguments(settings: DMuonConfig, recipe: MuonRecipe | None) -> dict[str, Any]:
-    """dmuon.Muon's Muon-route hyperparameters: ``dmuon.*``'s, where the job's DistMuon recipe
-    sets one, the recipe's (``lr``, ``weight_decay``, ``momentum``, ``nesterov``,
-    ``adjust_lr``)."""
-    arguments = {
-        "lr": settings.lr,
-        "momentum": settings.momentum,
-        "nesterov": settings.nesterov,
-        "weight_decay": settings.weight_decay,
-        "adjust_lr": settings.adjust_lr,
-    }
-    if recipe is not None:
-        arguments.update(recipe.hyperparameters)
-    return arguments
+def muon_options(settings: DMuonConfig, recipe: MuonRecipe | None) -> dmuon.MuonOptions:
+    """dmuon.Muon's Muon-route options: ``dmuon.*``'s (``DMuonConfig.muon_options``), where the
+    job's DistMuon recipe sets one, the recipe's (``lr``, ``weight_decay``, ``momentum``,
+    ``nesterov``, ``adjust_lr``), checked as ``dmuon.Muon`` checks them."""
+    options = settings.muon_options()
+    if recipe is None:
+        return options
+    return replace(options, **recipe.hyperparameters)
 
 
 def adamw_route(

@@ -71,6 +71,7 @@ from torchtitan.tools.logging import logger
 from torchtitan.trainer import Trainer
 
 import dmuon
+from dmuon.checkpoint import MOMENTUM_BUFFER
 from dmuon_titan.checkpoint import ChecksummedCheckpointManager
 from dmuon_titan.config import DMuonConfig
 from dmuon_titan.optimizer import DMuonOptimizers
@@ -200,12 +201,11 @@ def _without_observing_metadata_inference(schedule) -> None:
 
 # DCP's planner, for a key the loading state dict has and the checkpoint lacks; Muon's momentum.
 _MISSING_KEY = "Missing key in checkpoint state_dict: "
-_MUON_STATE = "momentum_buffer"
 
 
 def _naming_the_fix_for_stock_checkpoints(load):
     """``CheckpointManager.load``, raising with the fix when the checkpoint has no Muon state:
-    a stock torchtitan run's (AdamW) lacks every ``momentum_buffer`` of the Muon matrices."""
+    a stock torchtitan run's (AdamW) lacks every ``MOMENTUM_BUFFER`` of the Muon matrices."""
 
     @functools.wraps(load)
     def load_naming_the_fix(*args, **kwargs):
@@ -216,16 +216,16 @@ def _naming_the_fix_for_stock_checkpoints(load):
                 {
                     line.split(_MISSING_KEY, 1)[1].strip().rstrip(".")
                     for line in str(error).splitlines()
-                    if _MISSING_KEY in line and line.rstrip(".").endswith(_MUON_STATE)
+                    if _MISSING_KEY in line and line.rstrip(".").endswith(MOMENTUM_BUFFER)
                 }
             )
             if not missing:
                 raise
             step = kwargs.get("step", args[0] if args else -1)
-            matrix = missing[0].removeprefix("optimizer.state.").removesuffix("." + _MUON_STATE)
+            matrix = missing[0].removeprefix("optimizer.state.").removesuffix("." + MOMENTUM_BUFFER)
             raise ValueError(
                 f"dmuon_titan: the checkpoint (checkpoint.load_step={step}) has no dmuon "
-                f"optimizer state: DCP finds no {_MUON_STATE} for {matrix} ({len(missing)} "
+                f"optimizer state: DCP finds no {MOMENTUM_BUFFER} for {matrix} ({len(missing)} "
                 "Muon matrices without one), so a run without dmuon (torchtitan's stock AdamW) "
                 "wrote it, and Muon cannot take its optimizer state. Resume it with "
                 "--checkpoint.exclude_from_loading optimizer: the weights, the learning-rate "

@@ -27,7 +27,9 @@ raises ``CheckpointIntegrityError`` naming it (see ``_integrity``). A framework 
 itself (torchtitan's ``CheckpointManager``) gets the same checksums from
 ``checksumming_writer(path)`` and ``verifying_reader(path)`` as its storage writer and reader.
 Every function is collective over the ranks of the model's ownership grid and drains pending
-post-step publishes first. ``StateDictOptions``: ``full_state_dict``, ``cpu_offload``,
+post-step publishes first. A Muon matrix's state is its ``MOMENTUM_BUFFER`` entry
+(``"momentum_buffer"``, torch.optim.Muon's name): a checkpoint without it was not written by
+``dmuon.Muon``. ``StateDictOptions``: ``full_state_dict``, ``cpu_offload``,
 ``ignore_frozen_params``, ``strict`` and ``flatten_optimizer_state_dict`` are honoured;
 ``broadcast_from_rank0`` in ``set_model_state_dict`` (a big model loaded from one full dict on
 the first rank, each owner receiving only its matrices; a meta-device model after ``to_empty``
@@ -54,6 +56,7 @@ from dmuon.checkpoint._integrity import CheckpointIntegrityError
 from dmuon.checkpoint._model import get_model_state_dict, set_model_state_dict
 from dmuon.checkpoint._optim import get_optimizer_state_dict, set_optimizer_state_dict
 from dmuon.checkpoint._storage import checksumming_writer, load, save, verifying_reader
+from dmuon.muon_state import MOMENTUM_BUFFER
 from dmuon.optim import Muon
 
 
@@ -92,6 +95,7 @@ def set_state_dict(
 
 
 __all__ = [
+    "MOMENTUM_BUFFER",
     "CheckpointIntegrityError",
     "StateDictOptions",
     "checksumming_writer",
