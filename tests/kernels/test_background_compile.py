@@ -33,6 +33,7 @@ from dmuon_kernels.background_compile import (
 from dmuon_kernels.newton_schulz import NewtonSchulz
 from dmuon_kernels.status import get_backend_status
 from dmuon_kernels.syrk import readiness
+from dmuon_kernels.syrk.autotune import SyrkAutotuner, SyrkProblem
 from dmuon_kernels.syrk.registry import registry_generation
 
 JOB_END_TIMEOUT_S = 120.0
@@ -182,3 +183,16 @@ def test_a_job_whose_parent_is_gone_exits_at_once_without_building_anything(tmp_
     )
     assert result.returncode == compile_job.ORPHANED_STATUS, result.stderr[-2000:]
     assert not progress.exists()
+
+
+def test_a_job_builds_every_untuned_contender_the_expected_winner_first(tmp_path):
+    cpu = torch.device("cpu")
+    tuner = SyrkAutotuner(cache_dir=tmp_path, challengers=("cute",), prior=lambda p, d: "cute")
+    problem = SyrkProblem(M=2048, K=4096, batch=2, dtype=torch.float16, has_c=False)
+    # The prior expects cute, but only the timings say whether it loses: both are built.
+    assert tuner.compile_plan("quack", problem, cpu) == ["cute", "quack"]
+    # A verdict already known needs its winner's kernel alone.
+    cache, key = tuner._key("quack", problem, cpu)
+    won = problem.verdict("quack", "quack", "measured", candidate_ms=1.0, cublas_ms=2.0)
+    cache.put(key, won, persist=False)
+    assert tuner.compile_plan("quack", problem, cpu) == ["quack"]
