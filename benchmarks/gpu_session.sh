@@ -25,8 +25,9 @@
 #           stream and name (profile_overlap)
 #   part 10: the background compile's and float8's GPU tests, float8 with dedicated weights
 #            (bench_float8, eager), the optimizer step by kernel class (bench_step --profile)
-#   part 11: the whole tests/gpu, then first steps on a fresh machine with the background compile
-#            (bench_cold_start, all three models)
+#   part 11: the whole tests/gpu, then the optimizer step by kernel class (bench_step --profile)
+#   part 12: first steps on a fresh machine with the background compile (bench_cold_start), one
+#            model per run so a time-out loses only the last
 #
 # Usage, on the GPU machine from the repository root with .gpu/ carried along:
 #   bash benchmarks/gpu_session.sh <part> <git-sha>
@@ -156,11 +157,16 @@ case $part in
   ;;
 11)
   sharded_gpu_tests 3 300
-  step cold-start 290 python benchmarks/e2e/bench_cold_start.py --models qwen2 qwen3-moe llama-0.89b \
-    --git-sha "$sha" --out "$out/cold-start.json"
+  step step 130 python benchmarks/step/bench_step.py --profile --git-sha "$sha" --out "$out/step.json"
+  ;;
+12)
+  for model in qwen2 llama-0.89b qwen3-moe; do
+    step "cold-start-$model" 200 python benchmarks/e2e/bench_cold_start.py --models "$model" \
+      --steps 20 --git-sha "$sha" --out "$out/cold-start-$model.json"
+  done
   ;;
 *)
-  echo "part must be 0 to 11" >&2
+  echo "part must be 0 to 12" >&2
   exit 2
   ;;
 esac
