@@ -43,6 +43,7 @@ BUILT_ON_THE_PROTOCOL = {
     "dmuon.deferred",
     "dmuon.fsdp2",
     "dmuon.inspect",
+    "dmuon.kernel_switch",
     "dmuon.module_state",
     "dmuon.muon_options",
     "dmuon.muon_route",
