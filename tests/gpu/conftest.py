@@ -17,6 +17,10 @@ GPU_DIR = Path(__file__).resolve().parent
 
 # Before anything tunes: verdicts of this session go to a fresh folder, never ~/.cache/dmuon.
 os.environ.setdefault("DMUON_CACHE_DIR", tempfile.mkdtemp(prefix="dmuon-gpu-tests-"))
+# The tests of tuned kernels (quack, CuTe, graphs, the fused step) mean the kernels a tuned run
+# steps with, so a Muon here compiles them first instead of stepping on cuBLAS until a
+# background compile lands; test_background_compile_gpu.py sets the mode of each of its runs.
+os.environ.setdefault("DMUON_KERNEL_COMPILE", "wait")
 
 
 def pytest_collection_modifyitems(config, items):
