@@ -14,6 +14,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 import warnings
 from pathlib import Path
@@ -135,6 +136,26 @@ def test_a_job_that_cannot_start_keeps_cublas_and_says_why(open_gate, tmp_path):
     )
     assert compiles.local_state() == FAILED
     assert compiles.active  # until the ranks agree (dmuon.kernel_switch)
+    compiles.keep_cublas(step=1)
+    assert not compiles.active and readiness.tuning_deferred()
+
+
+def test_a_job_without_a_temporary_folder_keeps_cublas_and_says_why_instead_of_raising(
+    open_gate, tmp_path, monkeypatch
+):
+    # Raised on one rank (at Muon's construction, or a queued job's start at a step boundary),
+    # the error would leave the other ranks waiting in the step's agreement.
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "no-such-folder"))
+    compiles = BackgroundCompile()
+    spec = job_spec(NewtonSchulz(), torch.device("cpu"), [(2, 16, 32)])
+    with pytest.warns(RuntimeWarning) as caught:
+        compiles.submit(spec)
+    (warning,) = caught
+    assert str(warning.message).startswith(
+        "dmuon background kernel compile failed: it could not be started (FileNotFoundError"
+    )
+    assert "no-such-folder" in str(warning.message)
+    assert compiles.local_state() == FAILED
     compiles.keep_cublas(step=1)
     assert not compiles.active and readiness.tuning_deferred()
 

@@ -277,12 +277,17 @@ class BackgroundCompile:
         if self._job is not None or not self._queue or self._failure is not None:
             return
         spec = self._queue.pop(0)
-        folder = Path(tempfile.mkdtemp(prefix="dmuon-compile-job-"))  # mode 0700
-        spec = {**spec, "parent_pid": os.getpid(), "progress": str(folder / "progress.jsonl")}
-        (folder / "spec.json").write_text(json.dumps(spec))
-        log = (folder / "job.log").open("wb")
         command = self.command or [sys.executable, "-m", "dmuon_kernels.compile_job"]
+        folder: Path | None = None
+        log: IO[bytes] | None = None
+        # Any OSError here (no temporary folder, a full disk, no executable) is the job's
+        # failure, never the caller's exception: raised on one rank, inside a step boundary or
+        # Muon's construction, it would leave the other ranks waiting in the agreement.
         try:
+            folder = Path(tempfile.mkdtemp(prefix="dmuon-compile-job-"))  # mode 0700
+            spec = {**spec, "parent_pid": os.getpid(), "progress": str(folder / "progress.jsonl")}
+            (folder / "spec.json").write_text(json.dumps(spec))
+            log = (folder / "job.log").open("wb")
             process = subprocess.Popen(
                 [*command, str(folder / "spec.json")],
                 stdin=subprocess.DEVNULL,
@@ -291,9 +296,11 @@ class BackgroundCompile:
                 env=_job_environment(),
             )
         except OSError as exc:
-            log.close()
+            if log is not None:
+                log.close()
             self._fail(f"it could not be started ({type(exc).__name__}: {exc})", None)
-            shutil.rmtree(folder, ignore_errors=True)
+            if folder is not None:
+                shutil.rmtree(folder, ignore_errors=True)
             return
         self._job = _Job(process, [tuple(s) for s in spec["shapes"]], folder, log, time.time())
 
