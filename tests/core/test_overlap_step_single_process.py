@@ -143,6 +143,41 @@ def test_options_the_speculation_does_not_keep_are_refused_with_the_fix(options,
     assert named in str(info.value)
 
 
+@pytest.mark.parametrize(
+    ("refused", "message"),
+    [
+        ({"offload_masters": True}, r"offload_masters=True\) does not combine with overlap_step"),
+        ({"normuon": True}, r"does not combine yet with normuon=True"),
+    ],
+)
+def test_a_refused_optimizer_leaves_the_model_and_step_group_to_the_next_one(refused, message):
+    # The refusal came after the step group and the model state had taken the refused
+    # optimizer: the caller's next try said the model already had an optimizer.
+    torch.manual_seed(0)
+    model = TinyDecoder()
+    dmuon.dedicate_params(model, None, proj_predicate)
+    step_group = dmuon.StepGroup()
+    with pytest.raises(ValueError, match=message):
+        dmuon.Muon(model, overlap_step=True, step_group=step_group, **refused)
+    assert get_dedicated_state(model).gradient_listener is None
+    assert step_group.members == []
+    optimizer = dmuon.Muon(model, overlap_step=True, step_group=step_group)
+    loss_fn(model, next(iter(batches(1, 1)))).backward()
+    optimizer.step()
+    assert optimizer.overlap_stats().committed > 0
+
+
+def test_a_second_overlapped_optimizer_of_a_model_is_refused_before_its_step_group_takes_it():
+    torch.manual_seed(0)
+    model = TinyDecoder()
+    dmuon.dedicate_params(model, None, proj_predicate)
+    dmuon.Muon(model, overlap_step=True)
+    step_group = dmuon.StepGroup()
+    with pytest.raises(ValueError, match=r"this model already has an optimizer with overlap_step"):
+        dmuon.Muon(model, overlap_step=True, step_group=step_group)
+    assert step_group.members == []
+
+
 def test_loading_a_state_dict_mid_run_leaves_the_overlapped_step_on_the_loaded_state():
     # torch's load_state_dict puts a new state dict and new param groups in place; the
     # overlapped step must speculate from, and commit into, those (before the fix it kept the

@@ -40,7 +40,7 @@ from dmuon.data_parallel import check_data_parallel_layout
 from dmuon.ddp import check_gradients_are_averaged
 from dmuon.experts import ExpertStack, agreed_name
 from dmuon.fqn import canonical_fqn
-from dmuon.hooks import DedicatedState, get_dedicated_state
+from dmuon.hooks import OVERLAP_ALREADY_ATTACHED, DedicatedState, get_dedicated_state
 from dmuon.muon_options import AdjustLr, MomentumDtype, MuonOptions, NonfinitePolicy
 from dmuon.muon_route import MuonRoute
 from dmuon.muon_update import MOMENTUM_DTYPES
@@ -215,6 +215,12 @@ class Muon(torch.optim.Optimizer):
         self._groups_planned = True
         self._check_tensor_parallel_options()
         self._check_ranks_agree()
+        # Every refusal before the step group and the model state take this optimizer: a
+        # refused one left in them would refuse the caller's next try on this model.
+        if overlap_step:
+            self._check_overlap_options()
+        if offload_masters:
+            check_masters_can_be_offloaded(self._dedicated.params.values(), overlap_step)
         self.step_group = step_group if step_group is not None else StepGroup()
         self.step_group.join(
             StepMember(self, self._dedicated, self.nonfinite, self._named_gradients)
@@ -227,8 +233,8 @@ class Muon(torch.optim.Optimizer):
 
     def _start_offload(self) -> MasterOffload:
         """The CPU homes of ``offload_masters=True`` ([Note: offloaded masters] in
-        ``dmuon.offload``) for the Muon route's masters this rank owns."""
-        check_masters_can_be_offloaded(self._dedicated.params.values(), self.overlap_step)
+        ``dmuon.offload``) for the Muon route's masters this rank owns (checked at
+        construction: ``check_masters_can_be_offloaded``)."""
         return self._dedicated.attach_offload(
             master
             for group in self.param_groups
@@ -236,10 +242,9 @@ class Muon(torch.optim.Optimizer):
             for master in group["params"]
         )
 
-    def _start_overlap(self) -> OverlappedStep:
-        """The speculation of ``overlap_step=True`` ([Note: the overlapped step] in
-        ``dmuon.overlap``), listening to the model's gradients as they land."""
-        # Decided from facts every rank has, so every rank raises alike.
+    def _check_overlap_options(self) -> None:
+        """Refuse what the speculation of ``overlap_step=True`` does not keep, naming it.
+        Decided from facts every rank has, so every rank raises alike."""
         options = [
             f"{key}={group[key]!r}"
             for group in self.param_groups
@@ -255,6 +260,13 @@ class Muon(torch.optim.Optimizer):
                 f"{', '.join(sorted(set(options)))}: its speculation keeps plain fp32 momentum "
                 "of whole matrices. Drop overlap_step=True, or those options."
             )
+        if self._dedicated.gradient_listener is not None:
+            raise ValueError(OVERLAP_ALREADY_ATTACHED)
+
+    def _start_overlap(self) -> OverlappedStep:
+        """The speculation of ``overlap_step=True`` ([Note: the overlapped step] in
+        ``dmuon.overlap``), listening to the model's gradients as they land (its options checked
+        at construction: ``_check_overlap_options``)."""
         boundary_of = {
             id(p.master): self._dedicated.boundary_of(p)
             for p in self._dedicated.iter_owned_masters()
