@@ -41,6 +41,12 @@ def test_muon_options_refuses_a_bad_value_with_the_message_of_dmuon_muon(
         dmuon.MuonOptions(**{name: value})
 
 
+def test_muon_options_refuses_an_unknown_ns_backend_name_before_any_model():
+    # The name was checked only when dmuon.Muon built its NewtonSchulz, after the model's.
+    with pytest.raises(ValueError, match=r"backend must be 'gram' or 'direct'; got 'grma'"):
+        dmuon.MuonOptions(ns_backend="grma")
+
+
 def test_the_keywords_of_dmuon_muon_are_the_fields_of_muon_options_with_their_defaults():
     keywords = list(inspect.signature(dmuon.Muon).parameters.values())[1:]  # after the model
     defaults = dmuon.MuonOptions()

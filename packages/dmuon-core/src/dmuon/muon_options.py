@@ -20,7 +20,7 @@ from dmuon.muon_update import NORMUON_BETA2, NORMUON_EPS
 from dmuon.nonfinite import check_policy
 from dmuon.routing import ADJUST_LR, HF_NO_DECAY, NoDecay, momentum_dtype_name
 from dmuon.step_group import StepGroup
-from dmuon_kernels.newton_schulz import NewtonSchulz, NSBackend
+from dmuon_kernels.newton_schulz import NewtonSchulz, NSBackend, validate_backend
 
 AdjustLr = Literal["match_rms_adamw", "spectral"]
 """``adjust_lr``'s rules (or None: lr as given); ``dmuon.routing.ADJUST_LR`` at run time."""
@@ -140,6 +140,8 @@ class MuonOptions:
                 f"ns_backend must be 'gram', 'direct' or a dmuon.NewtonSchulz, got "
                 f"{type(self.ns_backend).__name__}: {self.ns_backend!r}."
             )
+        if isinstance(self.ns_backend, str):
+            validate_backend(self.ns_backend)  # NewtonSchulz's message, before any model
         check_policy(self.nonfinite)
 
     @property
