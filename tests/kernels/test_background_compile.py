@@ -160,6 +160,31 @@ def test_a_job_without_a_temporary_folder_keeps_cublas_and_says_why_instead_of_r
     assert not compiles.active and readiness.tuning_deferred()
 
 
+def test_a_job_that_reports_no_shape_done_for_too_long_is_ended_and_keeps_cublas(open_gate):
+    # Without the bound a hung job keeps "auto" on cuBLAS, and the ranks agreeing every step,
+    # for the rest of the run.
+    hung = [
+        sys.executable,
+        "-c",
+        "import time; print('compile job: stuck', flush=True); time.sleep(120)",
+    ]
+    compiles = BackgroundCompile(command=hung, stall_seconds=0.5)
+    compiles.submit(job_spec(NewtonSchulz(), torch.device("cpu"), [(2, 16, 32)]))
+    process = compiles._job.process
+    assert compiles.local_state() == PENDING
+    time.sleep(1.0)
+    with pytest.warns(RuntimeWarning) as caught:
+        assert compiles.local_state() == FAILED
+    (warning,) = caught
+    assert str(warning.message).startswith(
+        "dmuon background kernel compile failed: it reported no shape done for 0.5 s, so it was "
+        "taken as hung and ended; the end of its output:\ncompile job: stuck"
+    )
+    assert process.returncode is not None  # ended and reaped, not left running
+    compiles.keep_cublas(step=1)
+    assert not compiles.active and readiness.tuning_deferred()
+
+
 def test_the_switch_opens_the_gate_and_makes_every_cached_choice_stale(open_gate):
     compiles = BackgroundCompile()
     compiles.submit(job_spec(NewtonSchulz(), torch.device("cpu"), []))  # a rank owning nothing

@@ -24,7 +24,8 @@ inside the step and holding the GIL: a first step 6 to 17 s over Trainer + AdamW
    becomes stale (the registry generation moves), so each shape's next call tunes as usual,
    loading the kernels from disk instead of compiling them, and is captured again. From there
    the steps are exactly those of a run that compiled first;
-3. a job that fails (a crash, no GPU libraries, out of memory) warns once on its rank, and every
+3. a job that fails (a crash, no GPU libraries, out of memory; or hung: no shape done for
+   ``STALL_SECONDS``, then it is ended) warns once on its rank, and every
    rank keeps cuBLAS for the rest of the run (``keep_cublas``): correct, without the speed-up.
 
 Numerics change at the switch by a kernel's rounding. ``DMUON_KERNEL_COMPILE=wait`` starts no
@@ -77,6 +78,10 @@ STATE_NAMES = {FAILED: "failed", PENDING: "pending", READY: "ready"}
 LOG_TAIL_LINES = 12
 # How long a job gets to end after SIGTERM at exit, before SIGKILL.
 TERMINATE_GRACE_SECONDS = 2.0
+# A job that reports no shape done for this long is taken as hung: ended, and failed (cuBLAS
+# kept). One shape builds a few kernel variants of 3-6 s each; without a bound, a hung job would
+# keep "auto" on cuBLAS, and the ranks agreeing every step, for the rest of the run.
+STALL_SECONDS = 900.0
 
 Shape = tuple[int, int, int]
 
@@ -135,6 +140,7 @@ class _Job:
     folder: Path
     log: IO[bytes]
     started: float
+    progressed: float  # time.monotonic() of its start or of its last shape done
     progress_read: int = 0  # bytes of the progress file already read
     done: int = 0  # shapes reported done
 
@@ -151,11 +157,15 @@ class BackgroundCompile:
     """This process's compile jobs (``background_compile()`` is the process-wide one).
 
     ``command``: the job's command line before the spec file's path (default: this Python
-    running ``dmuon_kernels.compile_job``).
+    running ``dmuon_kernels.compile_job``). ``stall_seconds``: how long a job may go without
+    reporting a shape done before it is ended as hung (``STALL_SECONDS``).
     """
 
-    def __init__(self, command: Sequence[str] | None = None) -> None:
+    def __init__(
+        self, command: Sequence[str] | None = None, stall_seconds: float = STALL_SECONDS
+    ) -> None:
         self.command = list(command) if command is not None else None
+        self.stall_seconds = stall_seconds
         self._queue: list[dict] = []
         self._job: _Job | None = None
         self._failure: str | None = None
@@ -213,7 +223,17 @@ class BackgroundCompile:
             self._read_progress(job)
             status = job.process.poll()
             if status is None:
-                return PENDING
+                if time.monotonic() - job.progressed <= self.stall_seconds:
+                    return PENDING
+                self._job = None
+                _end(job.process)
+                job.log.close()
+                self._fail(
+                    f"it reported no shape done for {self.stall_seconds:g} s, so it was taken as "
+                    "hung and ended",
+                    job,
+                )
+                return FAILED
             self._read_progress(job)  # the lines written since the read above
             self._job = None
             job.log.close()
@@ -261,13 +281,7 @@ class BackgroundCompile:
         self._queue.clear()
         if job is None:
             return
-        if job.process.poll() is None:
-            job.process.terminate()
-            try:
-                job.process.wait(TERMINATE_GRACE_SECONDS)
-            except subprocess.TimeoutExpired:
-                job.process.kill()
-                job.process.wait()
+        _end(job.process)
         job.log.close()
         shutil.rmtree(job.folder, ignore_errors=True)
 
@@ -302,7 +316,9 @@ class BackgroundCompile:
             if folder is not None:
                 shutil.rmtree(folder, ignore_errors=True)
             return
-        self._job = _Job(process, [tuple(s) for s in spec["shapes"]], folder, log, time.time())
+        self._job = _Job(
+            process, [tuple(s) for s in spec["shapes"]], folder, log, time.time(), time.monotonic()
+        )
 
     def _read_progress(self, job: _Job) -> None:
         try:
@@ -313,6 +329,8 @@ class BackgroundCompile:
             return
         complete = text[: text.rfind(b"\n") + 1]  # a line still being written waits
         job.progress_read += len(complete)
+        if complete:
+            job.progressed = time.monotonic()
         for line in complete.decode().splitlines():
             entry = json.loads(line)
             job.done += 1
@@ -337,6 +355,17 @@ class BackgroundCompile:
             "compile inside the first step instead."
         )
         warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+
+def _end(process: subprocess.Popen) -> None:
+    """End ``process`` if it still runs (SIGTERM, then SIGKILL after a grace) and reap it."""
+    if process.poll() is None:
+        process.terminate()
+        try:
+            process.wait(TERMINATE_GRACE_SECONDS)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
 
 
 def _job_environment() -> dict[str, str]:
