@@ -187,6 +187,21 @@ def test_offload_refuses_expert_stacks():
     assert "Drop offload_masters=True, or leave the stacks out of the predicate" in message
 
 
+@pytest.mark.parametrize("offload_masters", [True, False])
+def test_a_second_optimizer_of_an_offloaded_model_is_refused_and_the_masters_kept(offload_masters):
+    # A second offload copied the first's NaN stand-ins into its homes: every master NaN.
+    model = bf16_model()
+    optimizer = dmuon.Muon(model, ns_backend=FP32_NS, offload_masters=True)
+    train(model, optimizer, 1)
+    kept = masters(model)
+    with pytest.raises(ValueError, match=r"already has an optimizer with offload_masters=True"):
+        dmuon.Muon(model, ns_backend=FP32_NS, offload_masters=offload_masters)
+    for name, value in masters(model).items():
+        assert torch.equal(value, kept[name]), name
+    train(model, optimizer, 1)  # the first still steps
+    assert not any(value.isnan().any() for value in masters(model).values())
+
+
 def test_offload_masters_must_be_a_bool():
     with pytest.raises(TypeError, match=r"offload_masters must be True or False, got 'yes'"):
         dmuon.Muon(bf16_model(), offload_masters="yes")

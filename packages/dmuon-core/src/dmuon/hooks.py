@@ -171,6 +171,9 @@ class DedicatedState:
         # waited for, averaged and handed to it) as soon as the boundary has reduced, during
         # backward, instead of at its end (see [Note: the overlapped step] in dmuon.overlap).
         self._gradient_listener: GradientListener | None = None
+        # Set by dmuon.Muon(offload_masters=True) (``attach_offload``): the CPU homes that hold
+        # the owned Muon masters between steps (every rank sets it, owner of some or not).
+        self._master_offload: MasterOffload | None = None
         self._landed: list[AveragedGradients] = []  # this backward's landings, in order
         self._end_of_backward_queued = False
         # The forward now running: the boundaries run, and the furthest position reached in the
@@ -193,6 +196,11 @@ class DedicatedState:
     def gradient_listener(self) -> GradientListener | None:
         """What takes each boundary's gradients as they land (``attach_overlap``), if any."""
         return self._gradient_listener
+
+    @property
+    def master_offload(self) -> MasterOffload | None:
+        """The offloaded masters' CPU homes (``attach_offload``), if an optimizer took them."""
+        return self._master_offload
 
     @property
     def requires_gradient_sync(self) -> bool:
@@ -302,7 +310,10 @@ class DedicatedState:
     def attach_offload(self, masters: Iterable[torch.Tensor]) -> MasterOffload:
         """``dmuon.Muon(..., offload_masters=True)``: the masters this rank owns among ``masters``
         move to CPU homes between steps; each one's ``DedicatedParam`` is told where its value
-        lives (``master_value()``, a publish: [Note: offloaded masters] in ``dmuon.offload``)."""
+        lives (``master_value()``, a publish: [Note: offloaded masters] in ``dmuon.offload``).
+        One per model: a second would take the first's NaN stand-ins for the masters."""
+        if self._master_offload is not None:
+            raise ValueError(OFFLOAD_ALREADY_ATTACHED)
         chosen = {id(master) for master in masters}
         owned = [
             (p, self.boundary_of(p)) for p in self.iter_owned_masters() if id(p.master) in chosen
@@ -310,6 +321,7 @@ class DedicatedState:
         offload = MasterOffload(owned, self.device)
         for p, _ in owned:
             p.offload = offload
+        self._master_offload = offload
         return offload
 
     def remember_fsdp_reducers(self, reducers: list[tuple[str, nn.Module]]) -> None:
@@ -571,6 +583,13 @@ def _pre_forward(
 OVERLAP_ALREADY_ATTACHED = (
     "dmuon.Muon(overlap_step=True): this model already has an optimizer with "
     "overlap_step=True; each model (each pipeline stage) takes one dmuon.Muon."
+)
+
+OFFLOAD_ALREADY_ATTACHED = (
+    "dmuon.Muon: this model already has an optimizer with offload_masters=True, whose CPU homes "
+    "hold the Muon masters between steps (the parameters hold NaN stand-ins); another optimizer "
+    "would step or offload those stand-ins. Each model (each pipeline stage) takes one "
+    "dmuon.Muon: keep stepping the first."
 )
 
 SKIPPED_BOUNDARY = (

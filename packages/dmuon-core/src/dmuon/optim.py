@@ -40,7 +40,12 @@ from dmuon.data_parallel import check_data_parallel_layout
 from dmuon.ddp import check_gradients_are_averaged
 from dmuon.experts import ExpertStack, agreed_name
 from dmuon.fqn import canonical_fqn
-from dmuon.hooks import OVERLAP_ALREADY_ATTACHED, DedicatedState, get_dedicated_state
+from dmuon.hooks import (
+    OFFLOAD_ALREADY_ATTACHED,
+    OVERLAP_ALREADY_ATTACHED,
+    DedicatedState,
+    get_dedicated_state,
+)
 from dmuon.muon_options import AdjustLr, MomentumDtype, MuonOptions, NonfinitePolicy
 from dmuon.muon_route import MuonRoute
 from dmuon.muon_update import MOMENTUM_DTYPES
@@ -221,6 +226,8 @@ class Muon(torch.optim.Optimizer):
             self._check_overlap_options()
         if offload_masters:
             check_masters_can_be_offloaded(self._dedicated.params.values(), overlap_step)
+        if self._dedicated.master_offload is not None:  # the same on every rank
+            raise ValueError(OFFLOAD_ALREADY_ATTACHED)
         self.step_group = step_group if step_group is not None else StepGroup()
         self.step_group.join(
             StepMember(self, self._dedicated, self.nonfinite, self._named_gradients)
