@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 import dmuon
+from dmuon import muon_state
 from dmuon.hooks import get_dedicated_state
 from dmuon.kernel_switch import ns_inputs
 from dmuon_kernels.background_compile import background_compile
@@ -65,6 +66,24 @@ def test_the_compile_job_gets_the_newton_schulz_inputs_the_step_runs():
     predicted = ns_inputs(get_dedicated_state(model), optimizer.param_groups)
     assert sorted(predicted) == sorted(ns.shapes)
     assert len(ns.shapes) == 8  # 4 (short, long) classes per group, two groups
+
+
+def test_the_compile_job_gets_a_large_shapes_calls_split_as_the_step_splits_them(monkeypatch):
+    # A large model's matrices of one shape go through Newton-Schulz in several calls of at
+    # most NS_CALL_BYTES; the job must build (and allocate) those calls, not one of them all.
+    # The bound is lowered here so that the small model's (48, 96) pairs take one call each.
+    monkeypatch.setattr(muon_state, "NS_CALL_BYTES", 2 * 48 * 96)
+    torch.manual_seed(0)
+    model = _model()
+    dmuon.dedicate_params(model, None, lambda name, p: p.ndim == 2)
+    ns = RecordingNewtonSchulz()
+    optimizer = dmuon.Muon(model, ns_backend=ns)
+    x = torch.randn(4, 48)
+    sum(layer(x).square().sum() for layer in model["layers"]).backward()
+    optimizer.step()
+    predicted = ns_inputs(get_dedicated_state(model), optimizer.param_groups)
+    assert sorted(predicted) == sorted(ns.shapes)
+    assert [s for s in ns.shapes if s[1:] == (48, 96)] == [(1, 48, 96)] * 4  # the step split
 
 
 def test_a_muon_on_the_cpu_starts_no_background_compile():

@@ -15,10 +15,9 @@ by the same agreed value everywhere, and whether one started by facts every rank
 
 from __future__ import annotations
 
-from collections import Counter
 from typing import TYPE_CHECKING
 
-from dmuon.muon_state import entry_shape, matrices_of
+from dmuon.muon_state import batches_of, entry_shape
 from dmuon.param import MUON_ROUTE
 from dmuon.step_group import StepGroup
 from dmuon_kernels.background_compile import (
@@ -37,21 +36,24 @@ if TYPE_CHECKING:
 
 def ns_inputs(state: DedicatedState, param_groups: list[dict]) -> list[tuple[int, int, int]]:
     """The Newton-Schulz inputs (B, short, long) of a ``dmuon.Muon``'s fused step on this rank:
-    per Muon-route group, its matrices of one (short, long) in one batch. The matrices are those
-    ``muon_state.matrices_of`` gives (experts and row blocks each one); TP chunks, orthogonalised
-    whole on their runner one at a time, are left out, as the fused kernels' compiles ahead
-    leave them."""
+    per Muon-route group, the calls ``muon_state.batches_of`` makes of its matrices (those of one
+    (short, long) together, in runs of at most ``NS_CALL_BYTES``: a large model's matrices of
+    one shape take several calls, never one that the job could not even allocate). The matrices
+    are those ``muon_state.matrices_of`` gives (experts and row blocks each one); TP chunks,
+    orthogonalised whole on their runner one at a time, are left out, as the fused kernels'
+    compiles ahead leave them. Under ``overlap_step=True`` the step batches per chunk of the
+    model instead, which this does not follow."""
     tp_chunks = {id(p.master) for p in state.iter_owned_masters() if p.is_tp_sharded}
     row_blocks = {id(p.master): p.row_blocks for p in state.iter_owned_masters()}
-    counts = Counter(
-        (index, min(shape), max(shape))
-        for index, group in enumerate(param_groups)
-        if group["route"] == MUON_ROUTE
-        for master in group["params"]
-        if master.numel() and id(master) not in tp_chunks
-        for shape in map(entry_shape, matrices_of(master, row_blocks.get(id(master))))
-    )
-    return [(count, short, long) for (_, short, long), count in counts.items()]
+    inputs = []
+    for group in param_groups:
+        if group["route"] != MUON_ROUTE:
+            continue
+        masters = [m for m in group["params"] if m.numel() and id(m) not in tp_chunks]
+        for batch in batches_of(masters, row_blocks):
+            rows, cols = entry_shape(batch[0])
+            inputs.append((len(batch), min(rows, cols), max(rows, cols)))
+    return inputs
 
 
 def background_compile_wanted(newton_schulz: NewtonSchulz, state: DedicatedState) -> bool:
