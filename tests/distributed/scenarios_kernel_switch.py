@@ -21,6 +21,7 @@ import torch.distributed as dist
 import dmuon
 from dmuon.kernel_switch import at_step_boundary
 from dmuon.testing import dedicate_and_shard
+from dmuon_kernels import background_compile as background_compile_module
 from dmuon_kernels.background_compile import PENDING, BackgroundCompile, job_spec
 from dmuon_kernels.newton_schulz import NewtonSchulz
 from dmuon_kernels.syrk import readiness
@@ -89,3 +90,60 @@ def switch_steps(release_dir: str, steps: int, failing_rank: int | None = None) 
         "active": compiles.active,
         "warnings": [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)],
     }
+
+
+def step_group_switch_steps(release_dir: str, steps: int, nan_step: int) -> dict:
+    """Two models per rank trained in one ``dmuon.StepGroup`` (``nonfinite="skip"``), each
+    ``Muon.step`` agreeing at its boundary through the process-wide compile job, as training
+    does; rank r's job ends just before step r + 1, and rank 0 puts a NaN in a gradient at
+    ``nan_step`` (every rank skips it). Returns the switch step and the skipped steps; a rank
+    making one agreement more or less than another would hang here."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    step_group = dmuon.StepGroup()
+    models, optimizers = [], []
+    for _ in range(2):
+        model = TinyDecoder()
+        dedicate_and_shard(model, "cpu", 1, True)
+        ns = NewtonSchulz(backend="gram", dtype=torch.float32, kernel="cublas")
+        models.append(model)
+        optimizers.append(dmuon.Muon(model, ns_backend=ns, step_group=step_group, nonfinite="skip"))
+    release = Path(release_dir) / f"rank{rank}"
+    compiles = background_compile_module.background_compile()
+    assert not compiles.active and compiles.switch_step is None, "a job left by another test"
+    compiles.command = [sys.executable, "-c", WAIT_FOR_RELEASE, str(release)]
+    skipped = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            compiles.submit(job_spec(optimizers[0].newton_schulz, torch.device("cpu"), []))
+            compiles.submit(
+                job_spec(optimizers[1].newton_schulz, torch.device("cpu"), [(2, 16, 32)])
+            )
+            for step, batch in enumerate(batches(steps, world), 1):
+                if step == rank + 1:
+                    release.touch()
+                    _wait_until_ended(compiles)
+                for model in models:
+                    loss_fn(model, rank_rows(batch, rank, world)).backward()
+                if step == nan_step and rank == 0:
+                    next(p for p in models[1].parameters() if p.grad is not None).grad.fill_(
+                        float("nan")
+                    )
+                seen = len(caught)
+                for optimizer in optimizers:
+                    optimizer.step()
+                if any("skipped on every rank" in str(w.message) for w in caught[seen:]):
+                    skipped.append(step)
+                for optimizer in optimizers:
+                    optimizer.zero_grad()
+            result = {
+                "switch_step": compiles.switch_step,
+                "active": compiles.active,
+                "deferred": readiness.tuning_deferred(),
+                "skipped": skipped,
+            }
+        finally:
+            compiles.stop()
+            readiness.resume_tuning()
+            background_compile_module._process_wide = None  # the next test's process is fresh
+    return result

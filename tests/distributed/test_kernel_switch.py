@@ -5,7 +5,7 @@ warning on the failing rank only."""
 
 import pytest
 
-from tests.distributed.scenarios_kernel_switch import switch_steps
+from tests.distributed.scenarios_kernel_switch import step_group_switch_steps, switch_steps
 
 
 @pytest.mark.parametrize("pool_name", ["pool2", "pool4"])
@@ -37,3 +37,18 @@ def test_a_job_that_fails_on_one_rank_keeps_cublas_on_every_rank_with_one_warnin
     assert "simulated crash of the kernel library" in warning
     assert "Newton-Schulz keeps running cuBLAS on every rank" in warning
     assert "DMUON_KERNEL_COMPILE=wait" in warning
+
+
+@pytest.mark.parametrize("pool_name", ["pool2", "pool4"])
+def test_optimizers_of_one_step_group_agree_as_often_on_every_rank_through_a_skipped_step(
+    pool_name, request, tmp_path
+):
+    pool = request.getfixturevalue(pool_name)
+    world = pool.world_size
+    results = pool.run(
+        step_group_switch_steps, release_dir=str(tmp_path), steps=world + 2, nan_step=1
+    )
+    for rank, result in enumerate(results):
+        assert result["switch_step"] == world, (rank, result)
+        assert not result["active"] and not result["deferred"], (rank, result)
+        assert result["skipped"] == [1], (rank, result)
