@@ -138,6 +138,11 @@ def test_a_job_that_cannot_start_keeps_cublas_and_says_why(open_gate, tmp_path):
     assert compiles.active  # until the ranks agree (dmuon.kernel_switch)
     compiles.keep_cublas(step=1)
     assert not compiles.active and readiness.tuning_deferred()
+    # Reports say why "auto" runs cuBLAS now: no compile is building anything anymore.
+    assert readiness.deferred_because().startswith(
+        "this rank's background kernel compile failed, so Newton-Schulz keeps running cuBLAS on "
+        "every rank for the rest of the run"
+    )
 
 
 def test_a_job_without_a_temporary_folder_keeps_cublas_and_says_why_instead_of_raising(

@@ -267,11 +267,13 @@ class BackgroundCompile:
         self._settled = True
         self.stop()
         where = "this rank's" if self._failure is not None else "another rank's"
-        log_rank_tagged(
-            f"step {step}: {where} background kernel compile failed, so Newton-Schulz keeps "
-            f"running cuBLAS on every rank for the rest of the run ({KERNEL_COMPILE_ENV}=wait "
-            "compiles inside the first step instead)"
+        why = (
+            f"{where} background kernel compile failed, so Newton-Schulz keeps running cuBLAS on "
+            f"every rank for the rest of the run ({KERNEL_COMPILE_ENV}=wait compiles inside the "
+            "first step instead)"
         )
+        readiness.defer_tuning(why)  # the reason reports give: no compile is building anymore
+        log_rank_tagged(f"step {step}: {why}")
 
     def stop(self) -> None:
         """End the running job, if any (at exit, or when the run keeps cuBLAS)."""
