@@ -230,7 +230,13 @@ class Muon(torch.optim.Optimizer):
             raise ValueError(OFFLOAD_ALREADY_ATTACHED)
         self.step_group = step_group if step_group is not None else StepGroup()
         self.step_group.join(
-            StepMember(self, self._dedicated, self.nonfinite, self._named_gradients)
+            StepMember(
+                self,
+                self._dedicated,
+                self.nonfinite,
+                self._named_gradients,
+                kernel_switch.background_compile_wanted(self._newton_schulz, self._dedicated),
+            )
         )
         self._overlap = self._start_overlap() if overlap_step else None
         self._offload = self._start_offload() if offload_masters else None

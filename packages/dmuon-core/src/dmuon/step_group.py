@@ -53,6 +53,9 @@ class StepMember:
     nonfinite: str  # its ``nonfinite=`` policy
     # (canonical FQN, this rank's gradient) of everything it steps that has a gradient.
     named_gradients: Callable[[], list[tuple[str, torch.Tensor]]]
+    # Whether it starts a background kernel compile: the stages' switch agreement is a collective
+    # over the pipeline group, so the stages must agree on it (``dmuon.kernel_switch``).
+    background_compile: bool = False
 
 
 class StepGroup:
@@ -114,6 +117,12 @@ class StepGroup:
                 "part": (
                     "numbers of optimizers in the step group (one per stage a rank holds)",
                     len(self.members),
+                ),
+                "background_compile": (
+                    "decisions to compile the Newton-Schulz kernels in a background job across "
+                    "pipeline stages (DMUON_KERNEL_COMPILE, DMUON_KERNEL_CACHE, and whether each "
+                    "host trusts its DMUON_CACHE_DIR: see the kernels README)",
+                    member.background_compile,
                 ),
             },
         )
