@@ -75,8 +75,8 @@ def get_ns_backend(ns: NewtonSchulz | None = None) -> str:
     if ns.dtype is not None and ns.dtype not in KERNEL_DTYPES:  # asked for; None is no news
         details += f"; {str(ns.dtype).removeprefix('torch.')} iteration"
     if ns.kernel_origin == ORIGIN_AUTO and ns.kernel != CUBLAS:
-        if readiness.tuning_deferred():
-            details += "; cuBLAS until the background compile's switch"
+        if readiness.tuning_deferred():  # why: a compile building, or one that failed
+            details += f"; cuBLAS: {readiness.deferred_because()}"
         details += _autotune_summary(ns.kernel)
     return f"{form} NS · kernel={ns.kernel} ({details})"
 
