@@ -53,11 +53,12 @@ def speculation_settings(path: Path) -> tuple[int, int]:
     )
 
 
-def test_every_committed_step_benchmark_is_compared_and_the_protocol_runs_are_excluded(
+def test_every_committed_step_benchmark_is_compared_and_the_protocol_and_other_gpu_runs_are_excluded(
     calibration,
 ):
     sources = {row.source for row in calibration.rows}
     on_cpu = {path.name for path in RESULTS.glob("*-cpu-*.json")}
+    on_other_gpus = {path.name for path in RESULTS.glob("*-h100-*.json")}
     what_ifs = {
         path.name
         for path in RESULTS.glob("overlap-ab-*.json")
@@ -65,13 +66,15 @@ def test_every_committed_step_benchmark_is_compared_and_the_protocol_runs_are_ex
     }
     assert what_ifs  # the committed what-if runs of the overlapped step
     for pattern in ("step-*.json", "e2e-*.json", "host-*.json", "overlap-ab-*.json"):
-        assert {path.name for path in RESULTS.glob(pattern)} - on_cpu - what_ifs <= sources
+        found = {path.name for path in RESULTS.glob(pattern)}
+        assert found - on_cpu - on_other_gpus - what_ifs <= sources
     excluded = dict(calibration.excluded)
     protocol = {path.name for path in RESULTS.glob("protocol-*.json")}
-    assert protocol | on_cpu | what_ifs == set(excluded)
+    assert protocol | on_cpu | on_other_gpus | what_ifs == set(excluded)
     assert all("no step time is recorded" in excluded[name] for name in protocol)
+    assert all("the simulator models the NVIDIA H200" in excluded[name] for name in on_other_gpus)
     assert all("run with speculation chunks" in excluded[name] for name in what_ifs)
-    assert not sources & (on_cpu | what_ifs)
+    assert not sources & (on_cpu | on_other_gpus | what_ifs)
 
 
 def test_a_fit_row_is_matched_and_held_out_rows_are_the_rest(calibration):

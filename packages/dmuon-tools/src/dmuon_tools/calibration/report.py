@@ -27,6 +27,7 @@ from dmuon_tools.calibration.results import (
     STEP_FILE,
     bench_e2e_shape,
     bench_step_counts,
+    device_of,
     e2e_workload,
     measured_ns_ms,
     model_config_text,
@@ -181,8 +182,13 @@ def calibrate(results: str | Path, machine: Machine | None = None) -> Calibratio
     excluded: list[tuple[str, str]] = []
     for path in sorted(results.glob("*.json")):
         name = path.name
+        device = device_of(path)
         if ran_on_cpu(path):  # the simulator models the GPU: a CPU run checks nothing of it
             excluded.append((name, "a CPU run (the simulator models the H200)"))
+        elif device is not None and device != machine.gpu:  # another card's figures
+            excluded.append(
+                (name, f"a run on an {device} (the simulator models the {machine.gpu})")
+            )
         elif name.startswith("step-"):
             rows += _step_rows(path, machine, cublas_ns)
         elif name.startswith("e2e-"):

@@ -122,8 +122,14 @@ def e2e_workload(inputs: Mapping[str, Any]) -> Workload:
 
 
 def ran_on_cpu(path: Path) -> bool:
+    return device_of(path) == "cpu"
+
+
+def device_of(path: Path) -> str | None:
+    """The ``device`` a result file records (a GPU's name, or "cpu"), or None."""
     data = json.loads(path.read_text())
-    return isinstance(data, dict) and data.get("device") == "cpu"
+    device = data.get("device") if isinstance(data, dict) else None
+    return device if isinstance(device, str) else None
 
 
 def overlap_what_if(path: Path) -> str | None:
