@@ -1,7 +1,8 @@
 """The switch from cuBLAS to the tuned Newton-Schulz kernels, on a step every rank agrees on.
 
-Owns the two calls ``dmuon.Muon`` makes: ``start_for_optimizer`` at construction (this rank's
-Newton-Schulz shapes to the process's compile job, when one is wanted) and
+Owns the calls ``dmuon.Muon`` makes: ``background_compile_wanted`` and ``start_for_optimizer``
+at construction (this rank's Newton-Schulz shapes to the process's compile job, when one is
+wanted) and
 ``at_step_boundary`` at the start of each step (while a job is pending anywhere: one small
 all-reduce, then the same decision on every rank). The jobs, the gate and what the switch does
 are ``dmuon_kernels.background_compile``'s ([Note: the switch] there). It must not touch
@@ -9,8 +10,8 @@ gradients, weights or optimizer state.
 
 Every rank calls ``at_step_boundary`` as many times as the others (once per ``Muon.step``) and
 each call is either a collective on every rank or on none: whether a job is pending is decided
-by the same agreed value everywhere, and whether one started by facts every rank shares
-(``wants_background_compile``).
+by the same agreed value everywhere, and whether one started by ``background_compile_wanted``,
+which ``dmuon.Muon`` checks every rank and pipeline stage agree on.
 """
 
 from __future__ import annotations
@@ -70,15 +71,12 @@ def start_for_optimizer(
     state: DedicatedState,
     param_groups: list[dict],
     compiles: BackgroundCompile | None = None,
-) -> bool:
+) -> None:
     """Submit a ``dmuon.Muon``'s Newton-Schulz inputs (``ns_inputs``) on the model's device to
-    the compile job, when one is wanted; returns whether it was (then the step boundaries agree
-    until the switch, on this rank even when it owns no matrix)."""
+    the compile job; for a ``Muon`` that ``background_compile_wanted`` (then the step boundaries
+    agree until the switch, on this rank even when it owns no matrix)."""
     compiles = background_compile() if compiles is None else compiles
-    if not wants_background_compile(newton_schulz, state.device):
-        return False
     compiles.submit(job_spec(newton_schulz, state.device, ns_inputs(state, param_groups)))
-    return True
 
 
 def at_step_boundary(

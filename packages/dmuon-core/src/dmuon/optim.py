@@ -52,7 +52,7 @@ from dmuon.muon_update import MOMENTUM_DTYPES
 from dmuon.ns_counts import NewtonSchulzCounts
 from dmuon.offload import MasterOffload, check_masters_can_be_offloaded
 from dmuon.optim_layout import LAYOUT_KEY, check_layout, layout_record, without_layout
-from dmuon.overlap import OverlappedStep, OverlapStepStats
+from dmuon.overlap import OverlappedStep, OverlapStepStats, check_speculation_options
 from dmuon.param import MUON_ROUTE, is_dedicated
 from dmuon.routing import (
     RULE_KEYS,
@@ -219,11 +219,17 @@ class Muon(torch.optim.Optimizer):
         super().__init__(torch_groups, defaults={})
         self._groups_planned = True
         self._check_tensor_parallel_options()
+        # Decided once: the ranks and the pipeline stages must agree on it (kernel_switch).
+        self._compiles_in_background = kernel_switch.background_compile_wanted(
+            self._newton_schulz, self._dedicated
+        )
         self._check_ranks_agree()
         # Every refusal before the step group and the model state take this optimizer: a
         # refused one left in them would refuse the caller's next try on this model.
         if overlap_step:
-            self._check_overlap_options()
+            check_speculation_options(self.param_groups, self._dedicated.params.values())
+            if self._dedicated.gradient_listener is not None:
+                raise ValueError(OVERLAP_ALREADY_ATTACHED)
         if offload_masters:
             check_masters_can_be_offloaded(self._dedicated.params.values(), overlap_step)
         if self._dedicated.master_offload is not None:  # the same on every rank
@@ -235,13 +241,16 @@ class Muon(torch.optim.Optimizer):
                 self._dedicated,
                 self.nonfinite,
                 self._named_gradients,
-                kernel_switch.background_compile_wanted(self._newton_schulz, self._dedicated),
+                self._compiles_in_background,
             )
         )
         self._overlap = self._start_overlap() if overlap_step else None
         self._offload = self._start_offload() if offload_masters else None
         self._muon_route.compile_kernels_ahead(self.param_groups)
-        kernel_switch.start_for_optimizer(self._newton_schulz, self._dedicated, self.param_groups)
+        if self._compiles_in_background:
+            kernel_switch.start_for_optimizer(
+                self._newton_schulz, self._dedicated, self.param_groups
+            )
         _log_route_summaries(self.routing())
 
     def _start_offload(self) -> MasterOffload:
@@ -255,31 +264,10 @@ class Muon(torch.optim.Optimizer):
             for master in group["params"]
         )
 
-    def _check_overlap_options(self) -> None:
-        """Refuse what the speculation of ``overlap_step=True`` does not keep, naming it.
-        Decided from facts every rank has, so every rank raises alike."""
-        options = [
-            f"{key}={group[key]!r}"
-            for group in self.param_groups
-            if group["route"] == MUON_ROUTE
-            for key, plain in (("normuon", False), ("momentum_dtype", "float32"))
-            if group[key] != plain
-        ]
-        if any(p.row_blocks is not None for p in self._dedicated.params.values()):
-            options.append("dedicate_params(row_blocks=...)")
-        if options:
-            raise ValueError(
-                "dmuon.Muon(overlap_step=True) does not combine yet with "
-                f"{', '.join(sorted(set(options)))}: its speculation keeps plain fp32 momentum "
-                "of whole matrices. Drop overlap_step=True, or those options."
-            )
-        if self._dedicated.gradient_listener is not None:
-            raise ValueError(OVERLAP_ALREADY_ATTACHED)
-
     def _start_overlap(self) -> OverlappedStep:
         """The speculation of ``overlap_step=True`` ([Note: the overlapped step] in
         ``dmuon.overlap``), listening to the model's gradients as they land (its options checked
-        at construction: ``_check_overlap_options``)."""
+        at construction: ``dmuon.overlap.check_speculation_options``)."""
         boundary_of = {
             id(p.master): self._dedicated.boundary_of(p)
             for p in self._dedicated.iter_owned_masters()
@@ -587,7 +575,7 @@ class Muon(torch.optim.Optimizer):
                     "decisions to compile the Newton-Schulz kernels in a background job "
                     "(DMUON_KERNEL_COMPILE, DMUON_KERNEL_CACHE, and whether each host trusts "
                     "its DMUON_CACHE_DIR: see the kernels README)",
-                    kernel_switch.background_compile_wanted(self._newton_schulz, self._dedicated),
+                    self._compiles_in_background,
                 ),
                 "dedicated": (
                     "dedicated parameters (names and shapes)",

@@ -103,7 +103,7 @@ one Newton-Schulz call's transient buffers at a time.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -115,6 +115,7 @@ from dmuon._torch_internals import profiler_range, tensor_version, view_base
 from dmuon.experts import is_expert_piece
 from dmuon.group import AveragedGradients, BoundaryGroup, GradientMessage
 from dmuon.muon_state import MOMENTUM_BUFFER, Batch
+from dmuon.param import MUON_ROUTE, DedicatedParam
 
 # A unit's Newton-Schulz calls, each with its output (``dmuon.muon_state.Batch``).
 Speculate = Callable[
@@ -431,6 +432,28 @@ class OverlappedStep:
         s = self.stats
         self.stats = OverlapStepStats(
             **{name: getattr(s, name) + more.get(name, 0) for name in s.__dataclass_fields__}
+        )
+
+
+def check_speculation_options(
+    param_groups: Sequence[dict], params: Iterable[DedicatedParam]
+) -> None:
+    """Refuse what the speculation of ``overlap_step=True`` does not keep, naming it. Decided
+    from facts every rank has, so every rank raises alike."""
+    options = [
+        f"{key}={group[key]!r}"
+        for group in param_groups
+        if group["route"] == MUON_ROUTE
+        for key, plain in (("normuon", False), ("momentum_dtype", "float32"))
+        if group[key] != plain
+    ]
+    if any(p.row_blocks is not None for p in params):
+        options.append("dedicate_params(row_blocks=...)")
+    if options:
+        raise ValueError(
+            "dmuon.Muon(overlap_step=True) does not combine yet with "
+            f"{', '.join(sorted(set(options)))}: its speculation keeps plain fp32 momentum "
+            "of whole matrices. Drop overlap_step=True, or those options."
         )
 
 
