@@ -25,6 +25,7 @@ import importlib.util
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -146,6 +147,19 @@ def add_package_sources_if_missing() -> None:
     if any(importlib.util.find_spec(name) is None for name in ("dmuon", "dmuon_kernels")):
         for package in ("dmuon-kernels", "dmuon-core"):
             sys.path.insert(0, str(REPO_ROOT / "packages" / package / "src"))
+
+
+def single_process_environment() -> None:
+    """Lets a distributed script run as ``python <script>`` without torchrun: a world of one on a
+    free local port (nothing when torchrun set the environment)."""
+    if "RANK" in os.environ:
+        return
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0"
+    )
 
 
 def start_process_group(script: str, device: str, backend: str, cpu_run: str) -> torch.device:

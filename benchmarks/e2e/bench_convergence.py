@@ -71,8 +71,6 @@ import gc
 import hashlib
 import json
 import math
-import os
-import socket
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -750,18 +748,6 @@ def _floats(text: str | None) -> tuple[float, ...]:
     return tuple(float(x) for x in text.split(",") if x.strip()) if text else ()
 
 
-def single_process_environment() -> None:
-    """Lets ``python benchmarks/e2e/bench_convergence.py`` run without torchrun (world size 1)."""
-    if "RANK" in os.environ:
-        return
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0"
-    )
-
-
 def main(argv: list[str] | None = None) -> int:
     _common.compile_kernels_first()
     started = time.perf_counter()
@@ -772,7 +758,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.plot:
         plot(args.plot, args.png)
         return 0
-    single_process_environment()
+    _common.single_process_environment()
     backend = "nccl" if args.device == "cuda" else "gloo"
     device = _common.start_process_group(BENCHMARK, args.device, backend, "--device cpu --quick")
     if dist.get_world_size() != 1:

@@ -69,8 +69,6 @@ import argparse
 import dataclasses
 import gc
 import math
-import os
-import socket
 import statistics
 import sys
 import time
@@ -89,6 +87,7 @@ from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # noqa: E402
 
 import dmuon  # noqa: E402
+from benchmarks.e2e.bench_convergence import Windows, load, lr_factor  # noqa: E402
 from benchmarks.e2e.bench_e2e import QUICK_CONFIG, Timer  # noqa: E402
 from dmuon.testing import Llama, LlamaConfig, next_token_loss, proj_predicate  # noqa: E402
 
@@ -167,8 +166,6 @@ class Data:
                 "loss_floor": chain_loss_floor(args.seq),
             }
         else:
-            from benchmarks.e2e.bench_convergence import Windows, load
-
             train_bytes, val_bytes, meta = load(args.data)
             train, val = (
                 Windows(train_bytes, args.seq, device),
@@ -206,15 +203,6 @@ def float8_config(arm: str):
     if arm == "fsdp2-adamw-float8-tensorwise":
         config = dataclasses.replace(config, enable_fsdp_float8_all_gather=True)
     return config
-
-
-def lr_factor(step: int, steps: int) -> float:
-    """Linear warm-up to 1, then cosine decay to ``FINAL_LR_FRACTION`` at ``steps``."""
-    warmup = max(1, round(steps * WARMUP_FRACTION))
-    if step < warmup:
-        return (step + 1) / warmup
-    progress = min(1.0, (step - warmup) / max(1, steps - warmup))
-    return FINAL_LR_FRACTION + (1 - FINAL_LR_FRACTION) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
 def build(arm: str, args: argparse.Namespace, mesh, device: torch.device):
@@ -301,7 +289,7 @@ def run_arm(arm: str, args, mesh, device: torch.device, data: Data) -> dict:
     try:
         model, optimizer, after_step, extra = build(arm, args, mesh, device)
         scheduler = torch.optim.lr_scheduler.LambdaLR(
-            optimizer, lambda step: lr_factor(step, args.steps)
+            optimizer, lambda step: lr_factor(step, args.steps, WARMUP_FRACTION, FINAL_LR_FRACTION)
         )
         losses, step_ms = [], []
         for index in range(args.steps):
@@ -497,25 +485,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def single_process_environment() -> None:
-    """Lets ``python benchmarks/e2e/bench_float8.py`` run without torchrun (world size 1)."""
-    if "RANK" in os.environ:
-        return
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0"
-    )
-
-
 def main(argv: list[str] | None = None) -> int:
     _common.compile_kernels_first()
     args = parse_args(argv)
     if args.plot is not None:
         plot(args.plot, args.png)
         return 0
-    single_process_environment()
+    _common.single_process_environment()
     backend = "nccl" if args.device == "cuda" else "gloo"
     device = _common.start_process_group(BENCHMARK, args.device, backend, "--device cpu --quick")
     if dist.get_world_size() != 1:
