@@ -28,6 +28,9 @@
 #   part 11: the whole tests/gpu, then the optimizer step by kernel class (bench_step --profile)
 #   part 12: first steps on a fresh machine with the background compile (bench_cold_start), one
 #            model per run so a time-out loses only the last
+#   part 13: the GPU tests of the update epilogue and of the steps it changes, the optimizer step
+#            by kernel class with the update written by the last product and written out
+#            (bench_step --profile), the 0.89 B Llama's first steps (bench_cold_start)
 #
 # Usage, on the GPU machine from the repository root with .gpu/ carried along:
 #   bash benchmarks/gpu_session.sh <part> <git-sha>
@@ -156,7 +159,8 @@ case $part in
   step step 130 python benchmarks/step/bench_step.py --profile --git-sha "$sha" --out "$out/step.json"
   ;;
 11)
-  sharded_gpu_tests 3 300
+  # 300 s cut shard 0 (the background compile's runs, the cold-start tests) short (d3e1d61).
+  sharded_gpu_tests 3 400
   step step 130 python benchmarks/step/bench_step.py --profile --git-sha "$sha" --out "$out/step.json"
   ;;
 12)
@@ -165,8 +169,16 @@ case $part in
       --steps 20 --git-sha "$sha" --out "$out/cold-start-$model.json"
   done
   ;;
+13)
+  step gpu-tests-epilogue 150 python -m pytest -q -p no:cacheprovider \
+    tests/gpu/test_update_epilogue_gpu.py tests/gpu/test_overlap_gpu.py \
+    tests/gpu/test_offload_gpu.py tests/gpu/test_float8_gpu.py tests/gpu/test_fused_gpu.py
+  step step 100 python benchmarks/step/bench_step.py --profile --git-sha "$sha" --out "$out/step.json"
+  step cold-start-llama-0.89b 300 python benchmarks/e2e/bench_cold_start.py --models llama-0.89b \
+    --steps 20 --git-sha "$sha" --out "$out/cold-start-llama-0.89b.json"
+  ;;
 *)
-  echo "part must be 0 to 12" >&2
+  echo "part must be 0 to 13" >&2
   exit 2
   ;;
 esac

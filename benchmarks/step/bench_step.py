@@ -8,7 +8,10 @@ k 1024x4096, v 1024x4096, o 4096x4096, gate 14336x4096, up 14336x4096, down 4096
 - ``torch.optim.AdamW(fused=True)``;
 - ``torch.optim.Muon`` with its defaults except ``adjust_lr_fn="match_rms_adamw"``;
 - ``dmuon.Muon`` at world size 1 (``dedicate_params(model, None, ...)``, no torch.distributed),
-  with its default Newton-Schulz (gram, kernel auto) and with ``NewtonSchulz(kernel="cublas")``.
+  with its default Newton-Schulz (gram, kernel auto), the same with the update applied from the
+  written-out Newton-Schulz output (``DMUON_UPDATE_EPILOGUE=0``; by default the last product
+  writes it: [Note: the update epilogue] in ``dmuon_kernels.update_epilogue``), and with
+  ``NewtonSchulz(kernel="cublas")``.
   Gradients go straight onto the fp32 masters, as the end of backward leaves them.
 
 Each step is bounded by ``torch.cuda.synchronize()`` on both sides; the table reports the median
@@ -38,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import os
 import statistics
 import sys
 import time
@@ -54,6 +58,7 @@ from benchmarks import (
     _host_profile,
 )
 from benchmarks.step import _step_anatomy
+from dmuon_kernels._env import UPDATE_EPILOGUE_ENV
 from dmuon_kernels.syrk.timing import median_ms
 
 LLAMA3_8B_LAYER: dict[str, tuple[int, int]] = {  # name -> (out_features, in_features)
@@ -184,9 +189,27 @@ def bench_dmuon(
     iters: int,
     profile=None,
     profile_host: bool = False,
+    update_epilogue: bool = True,
 ) -> dict:
     """``profile``: None, or the Chrome-trace path ("" for none) of a profiled extra step;
-    ``profile_host``: cProfile one extra step."""
+    ``profile_host``: cProfile one extra step; ``update_epilogue``: False runs the step with
+    ``DMUON_UPDATE_EPILOGUE=0`` (the Newton-Schulz output written out, then applied)."""
+    previous = os.environ.get(UPDATE_EPILOGUE_ENV)
+    os.environ[UPDATE_EPILOGUE_ENV] = "1" if update_epilogue else "0"
+    try:
+        return _bench_dmuon(
+            ns_backend, layer_shapes, num_layers, device, warmup, iters, profile, profile_host
+        )
+    finally:
+        if previous is None:
+            del os.environ[UPDATE_EPILOGUE_ENV]
+        else:
+            os.environ[UPDATE_EPILOGUE_ENV] = previous
+
+
+def _bench_dmuon(
+    ns_backend, layer_shapes, num_layers, device, warmup, iters, profile, profile_host
+) -> dict:
     import dmuon
 
     model = ProjectionStack(layer_shapes, num_layers, device)
@@ -371,6 +394,20 @@ def main(argv: list[str] | None = None) -> int:
                 args.iters,
                 args.profile,
                 profile_host=args.host_profile,
+            ),
+        ),
+        (
+            "dmuon.Muon (auto, written out)",
+            lambda: bench_dmuon(
+                "gram",
+                layer_shapes,
+                NUM_LAYERS,
+                device,
+                args.warmup,
+                args.iters,
+                None if args.profile is None else "",  # its table, not a second trace
+                profile_host=args.host_profile,
+                update_epilogue=False,
             ),
         ),
         (

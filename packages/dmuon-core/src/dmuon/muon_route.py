@@ -76,6 +76,11 @@ class MuonRoute:
         self._mesh = mesh
         self._ns_counts = ns_counts
         self._graph_max_numel = SPECULATION_GRAPH_MAX_NUMEL if overlapped else None
+        # The overlapped step applies Newton-Schulz outputs computed during backward: its
+        # recomputed units write the output out too, so both are one computation bit for bit
+        # (the plain step's last product writes the update itself on CUDA: [Note: the update
+        # epilogue] in ``dmuon_kernels.update_epilogue``). NorMuon's rows need the output.
+        self._writes_output_out = overlapped
         # id(master) -> the TP-sharded parameter whose chunk it holds (masters never change).
         self._tp_chunks = {id(p.master): p for p in owned if p.is_tp_sharded}
         # id(master) -> its row-block sizes ([Note: row blocks] in ``dmuon.row_blocks``).
@@ -115,7 +120,8 @@ class MuonRoute:
 
     def _update(self, group: dict, batch: Batch) -> None:
         """The Muon step of one batch: its gradients, momenta and scales gathered once, the
-        math ``muon_update``'s."""
+        math ``muon_update``'s; the update written by Newton-Schulz's last product unless the
+        output is needed (NorMuon, the overlapped step)."""
         momentum_dtype = MOMENTUM_DTYPES[group["momentum_dtype"]]
         grads, momenta, scales, first_steps = [], [], [], []
         for master, piece in batch:
@@ -126,9 +132,26 @@ class MuonRoute:
             momenta.append(momentum)
             scales.append(scale)
             first_steps.append(first_step)
-        int8 = momentum_dtype == torch.int8
-        orthogonal = self._orthogonal(group, grads, momenta, first_steps, scales if int8 else None)
-        self.apply(group, batch, orthogonal)
+        int8_scales = scales if momentum_dtype == torch.int8 else None
+        if group["normuon"] or self._writes_output_out:
+            orthogonal = self._orthogonal(group, grads, momenta, first_steps, int8_scales)
+            self.apply(group, batch, orthogonal)
+            return
+        with profiler_range(labels.NEWTON_SCHULZ):
+            muon_update.updated_matrices_(
+                self._newton_schulz,
+                [matrix(master, piece) for master, piece in batch],
+                grads,
+                momenta,
+                first_steps,
+                momentum=group["momentum"],
+                nesterov=group["nesterov"],
+                lr=group["lr"],
+                weight_decay=group["weight_decay"],
+                adjust_lr=group["adjust_lr"],
+                scales=int8_scales,
+            )
+        self._ns_counts.received(batch)
 
     def _orthogonal(
         self,

@@ -130,15 +130,67 @@ def orthogonalized_matrices(
     new_momenta: list[Tensor] | None = None,
 ) -> Tensor:
     """B matrices of one Newton-Schulz shape (an (m, n) and an (n, m) matrix share one), with
-    equal (rows, cols) adjacent: momentum and Nesterov into ``momenta``, the normalised input and
-    one batched Newton-Schulz; returns its output (B, short, long). ``grads`` and ``momenta`` are
-    fp32 (rows, cols) matrices (``momenta`` fp32 or bf16, or int8 with their ``scales``);
-    ``first_steps[i]``: the momentum buffer is new (``buf = g``); ``graph_max_numel``: see
-    ``NewtonSchulz.iterate_normalized``. The overlapped step runs it during backward with
-    ``new_momenta`` (fp32 or bf16 buffers like ``momenta``, which are then only read), so the
-    optimizer state stays as it is (``dmuon.overlap``)."""
+    equal (rows, cols) adjacent: ``normalized_batch``, then one batched Newton-Schulz; returns
+    its output (B, short, long). ``graph_max_numel``: see ``NewtonSchulz.iterate_normalized``.
+    The overlapped step runs it during backward with ``new_momenta`` (fp32 or bf16 buffers like
+    ``momenta``, which are then only read), so the optimizer state stays as it is
+    (``dmuon.overlap``)."""
+    inputs = normalized_batch(
+        newton_schulz, grads, momenta, first_steps, momentum=momentum, nesterov=nesterov,
+        scales=scales, new_momenta=new_momenta,
+    )  # fmt: skip
+    return newton_schulz.iterate_normalized(inputs, graph_max_numel=graph_max_numel)
+
+
+def updated_matrices_(
+    newton_schulz: NewtonSchulz,
+    masters: list[Tensor],
+    grads: list[Tensor],
+    momenta: list[Tensor],
+    first_steps: list[bool],
+    *,
+    momentum: float,
+    nesterov: bool,
+    lr: float,
+    weight_decay: float,
+    adjust_lr: str | None,
+    scales: list[Tensor] | None = None,
+) -> None:
+    """The whole Muon step of B matrices of one Newton-Schulz shape: ``normalized_batch``, then
+    Newton-Schulz whose last product writes the decayed, scaled update into each fp32 master
+    (rows, cols), in place (``NewtonSchulz.update_masters_``: on CUDA the output is never
+    stored, [Note: the update epilogue] in ``dmuon_kernels.update_epilogue``)."""
+    inputs = normalized_batch(
+        newton_schulz, grads, momenta, first_steps, momentum=momentum, nesterov=nesterov,
+        scales=scales,
+    )  # fmt: skip
+    newton_schulz.update_masters_(
+        inputs,
+        masters,
+        lr=lr,
+        weight_decay=weight_decay,
+        scales=[lr_scale(adjust_lr, *master.shape) for master in masters],
+    )
+
+
+def normalized_batch(
+    newton_schulz: NewtonSchulz,
+    grads: list[Tensor],
+    momenta: list[Tensor],
+    first_steps: list[bool],
+    *,
+    momentum: float,
+    nesterov: bool,
+    scales: list[Tensor] | None = None,
+    new_momenta: list[Tensor] | None = None,
+) -> Tensor:
+    """Momentum and Nesterov into ``momenta`` (or from them into ``new_momenta``) and the
+    normalised Newton-Schulz input of B matrices, written into ``newton_schulz``'s buffer for
+    it, which is returned (B, short, long). ``grads`` and ``momenta`` are fp32 (rows, cols)
+    matrices (``momenta`` fp32 or bf16, or int8 with their ``scales``); ``first_steps[i]``: the
+    momentum buffer is new (``buf = g``)."""
     if new_momenta is not None and scales is not None:
-        raise ValueError("orthogonalized_matrices: new_momenta does not take int8 momenta")
+        raise ValueError("normalized_batch: new_momenta does not take int8 momenta")
     rows, cols = grads[0].shape
     inputs = newton_schulz.normalized_buffer(
         (len(grads), min(rows, cols), max(rows, cols)), grads[0].device
@@ -155,7 +207,7 @@ def orthogonalized_matrices(
             scales=None if scales is None else scales[start:stop],
             new_momenta=None if new_momenta is None else new_momenta[start:stop],
         )
-    return newton_schulz.iterate_normalized(inputs, graph_max_numel=graph_max_numel)
+    return inputs
 
 
 def apply_matrices_(

@@ -19,6 +19,9 @@ NS_CUDA_GRAPH_ENV = "DMUON_NS_CUDA_GRAPH"  # flag, default on: CUDA-graph replay
 SYRK_AUTOTUNE_LOG_ENV = "DMUON_SYRK_AUTOTUNE_LOG"
 KERNEL_CACHE_ENV = "DMUON_KERNEL_CACHE"  # flag, default on: compiled kernels kept on disk
 FUSED_TRITON_ENV = "DMUON_FUSED_TRITON"  # flag, default on: Triton kernels of the fused Muon step
+# flag, default on: on CUDA the Muon update is written by Newton-Schulz's last product
+# (``dmuon_kernels.update_epilogue``)
+UPDATE_EPILOGUE_ENV = "DMUON_UPDATE_EPILOGUE"
 # flag, default on: on GPUs with a measured prior, tune the expected winner first (autotune)
 SYRK_AUTOTUNE_PRIOR_ENV = "DMUON_SYRK_AUTOTUNE_PRIOR"
 # "background" (default) or "wait": where a dmuon.Muon's Newton-Schulz kernels compile

@@ -291,6 +291,12 @@ def _normalized_inputs_torch(
     oriented.copy_(_divided_by_norm(update, _square_sums(update), eps))
 
 
+def decay_and_step(lr: float, weight_decay: float, scale: float) -> tuple[float, float]:
+    """``(1 − lr·weight_decay, lr·scale)``: the factors of ``master·decay − step·update``,
+    computed once here for every way of applying it (bit for bit the same floats)."""
+    return 1.0 - float(lr) * float(weight_decay), float(lr) * float(scale)
+
+
 def muon_apply_updates_(
     masters: Sequence[Tensor],  # B fp32 master weights; updated in place
     updates: Sequence[Tensor],  # B Newton-Schulz outputs of the masters' shapes, any strides
@@ -309,7 +315,7 @@ def muon_apply_updates_(
         return
     for master, update in zip(masters, updates, strict=True):
         _check_same_shape("muon_apply_update_", master, update)
-    decay, step = 1.0 - float(lr) * float(weight_decay), float(lr) * float(scale)
+    decay, step = decay_and_step(lr, weight_decay, scale)
     kernels = _kernels(masters[0], updates[0])
     if kernels is not None and len(masters) <= MAX_KERNEL_BATCH and masters[0].numel() > 0:
         master_views = [_as_matrix(m) for m in masters]
@@ -469,6 +475,7 @@ def muon_apply_update_(
 __all__ = [
     "DEFAULT_NS_EPS",
     "compile_step_kernels_ahead",
+    "decay_and_step",
     "muon_apply_update_",
     "muon_apply_updates_",
     "muon_momentum_",

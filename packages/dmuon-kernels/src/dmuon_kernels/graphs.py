@@ -105,12 +105,22 @@ class GraphedFunction:
         # device -> (stream, event after it) of the last replay of one of its graphs
         self._last_use: dict[torch.device, tuple[torch.cuda.Stream, torch.cuda.Event]] = {}
 
-    def __call__(self, x: Tensor, *, max_numel: int | None = None) -> Tensor:
-        """``finish(*fn(x))``, always a fresh tensor.
+    def __call__(
+        self,
+        x: Tensor,
+        *,
+        max_numel: int | None = None,
+        finish: Callable[..., Tensor | None] | None = None,
+    ) -> Tensor | None:
+        """``finish(*fn(x))``, always a fresh tensor (or None: see ``finish``).
 
         ``max_numel`` (default ``GRAPH_MAX_NUMEL``): the largest input that may be captured, for
         a caller whose launches cost more than the graph's memory (an overlapped step's
-        Newton-Schulz calls, launched from backward); a graph already captured always replays."""
+        Newton-Schulz calls, launched from backward); a graph already captured always replays.
+        ``finish``: this call's own last step instead of the instance's, which may also write
+        its result into tensors of the caller's and return None (the Muon update written by
+        the final product: ``dmuon_kernels.update_epilogue``)."""
+        finish = self.finish if finish is None else finish
         signature = _signature(x)
         captured = self._captured.get(signature)
         if captured is not None:
@@ -118,12 +128,13 @@ class GraphedFunction:
             if x is not captured.static_input:  # callers may write the input there directly
                 captured.static_input.copy_(x)
             captured.graph.replay()
-            return self._used(x.device, self._finished(captured.static_outputs, static=True))
+            result = self._finished(finish, captured.static_outputs, static=True)
+            return self._used(x.device, result)
         if not self._may_capture(x, signature, max_numel):
-            return self._finished(_as_tuple(self.fn(x)), static=False)
+            return self._finished(finish, _as_tuple(self.fn(x)), static=False)
         if signature not in self._warmed:
             self._warmed.add(signature)
-            return self._finished(_as_tuple(self.fn(x)), static=False)
+            return self._finished(finish, _as_tuple(self.fn(x)), static=False)
         announce = progress_lines_enabled()  # an invalid switch raises before any work
         shape, _, dtype, _ = signature
         what = f"{self.name} shape={tuple(shape)} dtype={_dtype_name(dtype)}"
@@ -132,7 +143,7 @@ class GraphedFunction:
         captured = signature in self._captured
         if announce and captured:
             log_rank_tagged(f"captured a CUDA graph of {what} in {phase.seconds:.2f} s")
-        result = self._finished(outputs, static=captured)
+        result = self._finished(finish, outputs, static=captured)
         return self._used(x.device, result) if captured else result
 
     def static_input(
@@ -185,7 +196,7 @@ class GraphedFunction:
             if stream != current:
                 current.wait_event(done)
 
-    def _used(self, device: torch.device, result: Tensor) -> Tensor:
+    def _used(self, device: torch.device, result: Tensor | None) -> Tensor | None:
         """Record the replay (and its ``finish``) just enqueued as the device's last one."""
         stream = torch.cuda.current_stream(device)
         done = torch.cuda.Event()
@@ -269,14 +280,20 @@ class GraphedFunction:
         self._captured[signature] = _Captured(graph, static_input, static_outputs)
         return static_outputs
 
-    def _finished(self, outputs: tuple[Tensor, ...], *, static: bool) -> Tensor:
+    def _finished(
+        self,
+        finish: Callable[..., Tensor | None] | None,
+        outputs: tuple[Tensor, ...],
+        *,
+        static: bool,
+    ) -> Tensor | None:
         """The call's result from fn's outputs; ``static``: they are a graph's, to be left to
         it."""
-        if self.finish is None:
+        if finish is None:
             (output,) = outputs
             return output.clone() if static else output
-        result = self.finish(*outputs)
-        if static and _shares_memory(result, outputs):
+        result = finish(*outputs)
+        if static and result is not None and _shares_memory(result, outputs):
             raise RuntimeError(
                 f"{self.name}: finish returned (a view of) a graph's output, which the next "
                 "replay overwrites; it must allocate its result"

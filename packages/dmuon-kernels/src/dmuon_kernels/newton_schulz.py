@@ -45,11 +45,12 @@ This module must not know about devices beyond what torch gives it, nor import t
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import os
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Literal
 
 import torch
@@ -59,7 +60,7 @@ from dmuon_kernels._env import NS_CUDA_GRAPH_ENV, NS_KERNEL_ENV, kernel_compile_
 from dmuon_kernels._log import is_rank_zero, log_rank_tagged
 from dmuon_kernels.coefficients import CoefficientTable, validate_coefficients
 from dmuon_kernels.fused import DEFAULT_NS_EPS as DEFAULT_EPS
-from dmuon_kernels.fused import normalize_frobenius
+from dmuon_kernels.fused import decay_and_step, muon_apply_updates_, normalize_frobenius
 from dmuon_kernels.graphs import GraphedFunction
 from dmuon_kernels.syrk import matmul, symmetric_product, syrk
 from dmuon_kernels.syrk.dispatch import (
@@ -74,6 +75,7 @@ from dmuon_kernels.syrk.registry import (
     canonical_kernel_name,
     registry_generation,
 )
+from dmuon_kernels.update_epilogue import epilogue_enabled, final_update_
 
 NSBackend = Literal["gram", "direct"]
 BACKENDS: tuple[NSBackend, ...] = ("gram", "direct")
@@ -687,11 +689,18 @@ class NewtonSchulz:
         buffer = self._graphed.static_input(shape, dtype, device)
         return torch.empty(shape, dtype=dtype, device=device) if buffer is None else buffer
 
-    def iterate_normalized(self, X: Tensor, *, graph_max_numel: int | None = None) -> Tensor:
+    def iterate_normalized(
+        self,
+        X: Tensor,
+        *,
+        graph_max_numel: int | None = None,
+        finish: Callable[[Tensor, Tensor], None] | None = None,
+    ) -> Tensor:
         """The iteration alone on X (B, n, m), n <= m, in ``iteration_dtype(X.device)``, each
         matrix already divided by its Frobenius norm + eps; returns a fresh tensor of X's shape
         and dtype. ``graph_max_numel``: the largest X whose signature may get a CUDA graph
-        (default ``dmuon_kernels.graphs.GRAPH_MAX_NUMEL``)."""
+        (default ``dmuon_kernels.graphs.GRAPH_MAX_NUMEL``). ``finish`` (``update_masters_``):
+        takes the last product's two factors instead, and the call returns None."""
         dtype = self.iteration_dtype(X.device)
         if X.dim() != 3 or X.dtype != dtype or X.shape[-2] > X.shape[-1]:
             raise ValueError(
@@ -699,7 +708,40 @@ class NewtonSchulz:
                 f"{tuple(X.shape)} in {X.dtype}. Use ns(G) for inputs it should normalise itself."
             )
         self._drop_stale_graphs()
-        return self._graphed(X, max_numel=graph_max_numel)
+        return self._graphed(X, max_numel=graph_max_numel, finish=finish)
+
+    def update_masters_(
+        self,
+        X: Tensor,
+        masters: Sequence[Tensor],
+        *,
+        lr: float,
+        weight_decay: float,
+        scales: Sequence[float],
+        graph_max_numel: int | None = None,
+    ) -> None:
+        """The iteration on X as ``iterate_normalized``, then ``masters[i] = masters[i]·(1 −
+        lr·weight_decay) − lr·scales[i]·O_i`` in place for its output O (B, n, m):
+        ``masters[i]`` is O_i's shape or its transpose, fp32 or X's dtype. On CUDA the last
+        product writes the update itself and O is never stored ([Note: the update epilogue] in
+        ``dmuon_kernels.update_epilogue``); elsewhere, or with ``DMUON_UPDATE_EPILOGUE=0``, O is
+        written out and applied in one more pass (``muon_apply_updates_``)."""
+        if not epilogue_enabled(X):
+            orthogonal = self.iterate_normalized(X, graph_max_numel=graph_max_numel)
+            n, m = X.shape[-2:]
+            for master, ortho, scale in zip(masters, orthogonal, scales, strict=True):
+                update = ortho if tuple(master.shape) == (n, m) else ortho.mT
+                muon_apply_updates_([master], [update], lr, weight_decay, scale)
+            return
+        factors = [decay_and_step(lr, weight_decay, scale) for scale in scales]
+        self.iterate_normalized(  # validates X
+            X,
+            graph_max_numel=graph_max_numel,
+            finish=functools.partial(
+                self._final_update, masters, factors[0][0] if factors else 1.0,
+                [step for _, step in factors],
+            ),
+        )  # fmt: skip
 
     @property
     def graphs(self) -> GraphedFunction:
@@ -734,6 +776,21 @@ class NewtonSchulz:
         return final_product(
             left, X, backend=self.backend, coefficients=self.coefficients, kernel=self._syrk_kernel
         )
+
+    def _final_update(
+        self,
+        masters: Sequence[Tensor],
+        decay: float,
+        steps: Sequence[float],
+        left: Tensor,
+        X: Tensor,
+    ) -> None:
+        """``update_masters_``'s last product, run eagerly after each graph replay."""
+        direct = not _gram_form(self.backend, X)
+        final_update_(
+            left, X, masters, diagonal=self.coefficients[-1][0] if direct else None,
+            decay=decay, steps=steps,
+        )  # fmt: skip
 
     def __repr__(self) -> str:
         return (
