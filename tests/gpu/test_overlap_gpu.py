@@ -23,9 +23,13 @@ SLOW_CYCLES = 50_000_000  # about 25 ms of an idle kernel on an H200
 
 
 def train(
-    overlap: bool, recompute: bool = False, max_norm: float | None = None, slow: bool = False
+    overlap: bool,
+    recompute: bool = False,
+    max_norm: float | None = None,
+    slow: bool = False,
+    steps: int = STEPS,
 ):
-    """Masters and momenta after STEPS steps; ``recompute``: every gradient is multiplied by 1
+    """Masters and momenta after ``steps`` steps; ``recompute``: every gradient is multiplied by 1
     in place before ``step()`` (same values, a new version), so ``step()`` discards each
     speculation and computes the unit itself; ``max_norm``: ``dmuon.clip_grad_norm_`` before
     each step; ``slow``: each unit's speculation starts ``SLOW_CYCLES`` late on its stream, so
@@ -43,7 +47,7 @@ def train(
 
         optimizer._overlap._speculate = late
     owned = [p for p in get_dedicated_state(model).iter_owned_masters() if p.route == "muon"]
-    for tokens in batches(STEPS, 1, per_rank=4, seq=33):
+    for tokens in batches(steps, 1, per_rank=4, seq=33):
         loss_fn(model, tokens.cuda()).backward()
         if recompute:
             for p in owned:
@@ -54,7 +58,11 @@ def train(
         optimizer.zero_grad()
     torch.cuda.synchronize()
     weights = {p.fqn: p.master.detach().clone() for p in owned}
-    momenta = {p.fqn: optimizer.state[p.master]["momentum_buffer"].clone() for p in owned}
+    momenta = {  # none before the first step
+        p.fqn: optimizer.state[p.master]["momentum_buffer"].clone()
+        for p in owned
+        if p.master in optimizer.state
+    }
     return weights, momenta, optimizer
 
 
@@ -82,13 +90,18 @@ def test_committed_speculation_is_the_step_recomputed_bit_for_bit(monkeypatch, p
 
 def test_the_overlapped_step_is_close_to_the_plain_schedule():
     """The plain schedule batches each shape's Newton-Schulz over all layers, the overlapped one
-    over a chunk's: the kernels may round differently by batch, never by more than that."""
-    weights, momenta, _ = train(overlap=False)
-    overlapped, overlapped_momenta, _ = train(overlap=True)
+    over a chunk's, and its last product writes the update where the overlapped step applies the
+    fp16 output ([Note: the update epilogue] in ``dmuon_kernels.update_epilogue``): one step from
+    the same weights differs by those roundings, never by more. (Over several steps of this bf16
+    model a rounding apart becomes a bf16 weight apart, and small singular directions amplify
+    it: a comparison there measures the model, not the step.)"""
+    initial, _, _ = train(overlap=False, steps=0)
+    weights, momenta, _ = train(overlap=False, steps=1)
+    overlapped, overlapped_momenta, _ = train(overlap=True, steps=1)
     for name in weights:
-        torch.testing.assert_close(overlapped[name], weights[name], rtol=0, atol=1e-4)
-        # bf16 compute: weights a rounding apart can give gradients a bf16 rounding apart
-        assert relative_error(overlapped_momenta[name], momenta[name]) < 1e-2, name
+        update = weights[name] - initial[name]
+        assert relative_error(overlapped[name] - initial[name], update) < 2e-3, name
+        assert relative_error(overlapped_momenta[name], momenta[name]) < 1e-6, name
 
 
 @pytest.mark.parametrize("max_norm", [None, 1e9, 1e-3], ids=["no-clip", "clip-by-1", "clip"])

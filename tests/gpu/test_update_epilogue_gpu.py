@@ -91,18 +91,18 @@ def test_update_masters_is_the_same_eager_and_through_graph_replays():
             assert torch.equal(a, b)
 
 
-def train(monkeypatch, epilogue: bool, profiled: bool = False):
-    """(masters, the owner's bf16 segment values, the last step's CUDA kernels if ``profiled``)
-    after 3 steps of a bf16 tiny decoder."""
+def train(monkeypatch, epilogue: bool, steps: int, profiled: bool = False):
+    """(masters, the owner's bf16 segment values, the first step's CUDA kernels if
+    ``profiled``) after ``steps`` steps of a bf16 tiny decoder."""
     monkeypatch.setenv("DMUON_UPDATE_EPILOGUE", "1" if epilogue else "0")
     torch.manual_seed(0)
     model = TinyDecoder(4).to("cuda", torch.bfloat16)
     dmuon.dedicate_params(model, None, proj_predicate)
     optimizer = dmuon.Muon(model, weight_decay=0.01)
     kernels = []
-    for step, tokens in enumerate(batches(3, 1, per_rank=4, seq=33)):
+    for step, tokens in enumerate(batches(steps, 1, per_rank=4, seq=33)):
         loss_fn(model, tokens.cuda()).backward()
-        if profiled and step == 2:
+        if profiled and step == 0:
             with profile(activities=[ProfilerActivity.CUDA]) as trace:
                 optimizer.step()
                 torch.cuda.synchronize()
@@ -120,12 +120,17 @@ def train(monkeypatch, epilogue: bool, profiled: bool = False):
 def test_a_muon_step_with_the_epilogue_launches_no_update_pass_and_lands_where_the_other_does(
     monkeypatch,
 ):
-    masters, segments, kernels = train(monkeypatch, epilogue=True, profiled=True)
-    written_out, _, written_kernels = train(monkeypatch, epilogue=False, profiled=True)
+    """One step from the same weights: the same gradients, momenta and Newton-Schulz factors,
+    so the updates differ by the fp16 rounding of the written-out output (about 2^-12 relative).
+    (Over several steps of this bf16 model such a difference becomes a bf16 weight apart, which
+    small singular directions amplify.)"""
+    initial, _, _ = train(monkeypatch, epilogue=True, steps=0)
+    masters, segments, kernels = train(monkeypatch, epilogue=True, steps=1, profiled=True)
+    written_out, _, written_kernels = train(monkeypatch, epilogue=False, steps=1, profiled=True)
     assert any("apply_update" in name for name in written_kernels), written_kernels
     assert not any("apply_update" in name for name in kernels), kernels
     for name in masters:
-        # fp16 roundings of the Newton-Schulz output apart, three steps of lr 0.02
-        torch.testing.assert_close(masters[name], written_out[name], rtol=0, atol=1e-4)
+        update, expected = masters[name] - initial[name], written_out[name] - initial[name]
+        assert relative_error(update, expected) < 2e-3, name
         # the weights forward broadcasts: the owner's bf16 segment, refreshed after the step
         assert torch.equal(segments[name], masters[name].to(torch.bfloat16)), name

@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import json
 import math
 import os
@@ -728,10 +729,14 @@ class NewtonSchulz:
         written out and applied in one more pass (``muon_apply_updates_``)."""
         if not epilogue_enabled(X):
             orthogonal = self.iterate_normalized(X, graph_max_numel=graph_max_numel)
-            n, m = X.shape[-2:]
-            for master, ortho, scale in zip(masters, orthogonal, scales, strict=True):
-                update = ortho if tuple(master.shape) == (n, m) else ortho.mT
-                muon_apply_updates_([master], [update], lr, weight_decay, scale)
+            updates = [o if m.shape == o.shape else o.mT for m, o in zip(masters, orthogonal)]
+            # one pass per run of equal shape and scale
+            runs = itertools.groupby(range(len(masters)), lambda i: (masters[i].shape, scales[i]))
+            for (_, scale), run in runs:
+                run = list(run)
+                muon_apply_updates_(
+                    [masters[i] for i in run], [updates[i] for i in run], lr, weight_decay, scale
+                )
             return
         factors = [decay_and_step(lr, weight_decay, scale) for scale in scales]
         self.iterate_normalized(  # validates X
