@@ -46,8 +46,10 @@ plain step, too, runs one unit at a time (Newton-Schulz batched by shape within 
 across chunks), so a committed unit and a recomputed one are bit-identical on any device, by
 construction. Against the default schedule (batched across boundaries) they are
 bit-identical where the kernels give each matrix of a batch the same result whatever the batch
-(verified on CPU: ``tests/distributed/test_overlap_step.py``); on CUDA that holds if the
-batched matmuls and the SYRK autotune are batch-invariant, which is to be measured.
+(verified on CPU: ``tests/distributed/test_overlap_step.py``). On CUDA they are not: the
+plain schedule's last product writes the update into the masters, where a unit here applies
+its stored output ([Note: the update epilogue] in ``dmuon_kernels.update_epilogue``), so the two
+differ by the fp16 rounding of that output, besides any batch-dependent rounding of the kernels.
 
 Streams (CUDA): a landing makes the side stream wait for the compute stream (so it sees the
 gradients, the momentum and the previous step's writes) and the reduces; the tensors it reads
