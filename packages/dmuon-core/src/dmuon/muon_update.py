@@ -5,8 +5,11 @@ normalised Newton-Schulz input, the iteration (``NewtonSchulz.iterate_normalized
 rate's scale for an (m, n) matrix (``adjust_lr``) and the decayed, scaled update of the fp32
 masters, the element-wise parts through ``dmuon_kernels.fused``. On CUDA with Triton a batch of B
 (rows, cols) matrices costs a constant number of launches, whatever B: the input in two passes
-(one over g and the momentum, one over the Newton-Schulz buffer), the update in one; the torch
-fallback (CPU) uses multi-tensor ``_foreach_`` ops. It must not hold optimizer state
+(one over g and the momentum, one over the Newton-Schulz buffer), and the update none: the
+iteration's last product writes it into the masters (``updated_matrices_``, [Note: the update
+epilogue] in ``dmuon_kernels.update_epilogue``), or one pass where the output is needed
+(NorMuon, the overlapped step: ``apply_matrices_``); the torch fallback (CPU) uses multi-tensor
+``_foreach_`` ops. It must not hold optimizer state
 (``muon_route`` creates the momentum buffers and passes them in) nor choose which matrices share
 a Newton-Schulz call (``muon_route`` does).
 

@@ -37,7 +37,8 @@ Other layouts, and callers that normalise their own input (the fused optimizer s
 ``normalized_buffer`` and ``iterate_normalized``), replay a graph of the iteration alone. The
 iteration's last product (Q·X, or a·X + poly·X) runs eagerly after the replay, into a new tensor:
 the graph's own outputs are overwritten by later replays, and copying the result out of it
-would cost one more pass over the output.
+would cost one more pass over the output. ``update_masters_`` has that product write the Muon
+update into the caller's fp32 masters instead (``dmuon_kernels.update_epilogue``).
 
 This module must not know about devices beyond what torch gives it, nor import torch.distributed.
 """
@@ -696,7 +697,7 @@ class NewtonSchulz:
         *,
         graph_max_numel: int | None = None,
         finish: Callable[[Tensor, Tensor], None] | None = None,
-    ) -> Tensor:
+    ) -> Tensor | None:
         """The iteration alone on X (B, n, m), n <= m, in ``iteration_dtype(X.device)``, each
         matrix already divided by its Frobenius norm + eps; returns a fresh tensor of X's shape
         and dtype. ``graph_max_numel``: the largest X whose signature may get a CUDA graph
