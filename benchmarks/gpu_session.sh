@@ -31,6 +31,9 @@
 #   part 13: the GPU tests of the update epilogue and of the steps it changes, the optimizer step
 #            by kernel class with the update written by the last product and written out
 #            (bench_step --profile), the 0.89 B Llama's first steps (bench_cold_start)
+#   part 14: what issue 44 still lacks a figure for: the 0.89 B Llama's iteration and optimizer
+#            step against FSDP2 + AdamW at world size 1 (bench_e2e), float8 compiled on text
+#            (bench_float8 --compile --data, the Shakespeare bytes carried in .gpu/)
 #
 # Usage, on the GPU machine from the repository root with .gpu/ carried along:
 #   bash benchmarks/gpu_session.sh <part> <git-sha>
@@ -177,8 +180,16 @@ case $part in
   step cold-start-llama-0.89b 300 python benchmarks/e2e/bench_cold_start.py --models llama-0.89b \
     --steps 20 --git-sha "$sha" --out "$out/cold-start-llama-0.89b.json"
   ;;
+14)
+  step e2e 200 python -m torch.distributed.run --standalone --nproc-per-node 1 \
+    benchmarks/e2e/bench_e2e.py --variants fsdp2-adamw,dmuon-z3 \
+    --git-sha "$sha" --out "$out/e2e-w1.json"
+  step float8-compiled 350 python -m torch.distributed.run --standalone --nproc-per-node 1 \
+    benchmarks/e2e/bench_float8.py --compile --data .gpu/shakespeare-bytes.npz \
+    --git-sha "$sha" --out "$out/float8-compiled.json"
+  ;;
 *)
-  echo "part must be 0 to 13" >&2
+  echo "part must be 0 to 14" >&2
   exit 2
   ;;
 esac
