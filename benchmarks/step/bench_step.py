@@ -47,6 +47,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from unittest import mock
 
 # The repository root, where `benchmarks` is a package: see benchmarks/README.md.
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
@@ -194,46 +195,31 @@ def bench_dmuon(
     """``profile``: None, or the Chrome-trace path ("" for none) of a profiled extra step;
     ``profile_host``: cProfile one extra step; ``update_epilogue``: False runs the step with
     ``DMUON_UPDATE_EPILOGUE=0`` (the Newton-Schulz output written out, then applied)."""
-    previous = os.environ.get(UPDATE_EPILOGUE_ENV)
-    os.environ[UPDATE_EPILOGUE_ENV] = "1" if update_epilogue else "0"
-    try:
-        return _bench_dmuon(
-            ns_backend, layer_shapes, num_layers, device, warmup, iters, profile, profile_host
-        )
-    finally:
-        if previous is None:
-            del os.environ[UPDATE_EPILOGUE_ENV]
-        else:
-            os.environ[UPDATE_EPILOGUE_ENV] = previous
+    with mock.patch.dict(os.environ, {UPDATE_EPILOGUE_ENV: "1" if update_epilogue else "0"}):
+        import dmuon
 
-
-def _bench_dmuon(
-    ns_backend, layer_shapes, num_layers, device, warmup, iters, profile, profile_host
-) -> dict:
-    import dmuon
-
-    model = ProjectionStack(layer_shapes, num_layers, device)
-    dmuon.dedicate_params(model, None, predicate=lambda name, p: p.ndim == 2)
-    optimizer = dmuon.Muon(model, ns_backend=ns_backend)
-    views = dmuon.inspect.view(model).params.values()
-    masters = [p.master for p in views if p.master is not None]
-    shapes = [tuple(master.shape) for master in masters]
-    for master, grad in zip(masters, random_gradients(shapes, device)):
-        master.grad = grad
-    result = time_steps(optimizer.step, device, warmup, iters)
-    if profile_host:
-        result["host_profile"] = host_profile(optimizer.step, device)
-    if profile is not None:
-        rows = kernel_table(optimizer.step, device, profile or None)
-        result["device_kernels"] = rows[:KERNEL_ROWS_KEPT]
-        result["anatomy"] = _step_anatomy.anatomy(rows, shapes, PEAK_TFLOPS)
-        print(_step_anatomy.format_anatomy("  one step by kernel class", result["anatomy"]))
-    newton_schulz = optimizer.newton_schulz
-    result["newton_schulz"] = repr(newton_schulz)
-    result["kernel"] = newton_schulz.kernel
-    result["kernel_reason"] = newton_schulz.kernel_reason
-    del optimizer, model, masters
-    return result
+        model = ProjectionStack(layer_shapes, num_layers, device)
+        dmuon.dedicate_params(model, None, predicate=lambda name, p: p.ndim == 2)
+        optimizer = dmuon.Muon(model, ns_backend=ns_backend)
+        views = dmuon.inspect.view(model).params.values()
+        masters = [p.master for p in views if p.master is not None]
+        shapes = [tuple(master.shape) for master in masters]
+        for master, grad in zip(masters, random_gradients(shapes, device)):
+            master.grad = grad
+        result = time_steps(optimizer.step, device, warmup, iters)
+        if profile_host:
+            result["host_profile"] = host_profile(optimizer.step, device)
+        if profile is not None:
+            rows = kernel_table(optimizer.step, device, profile or None)
+            result["device_kernels"] = rows[:KERNEL_ROWS_KEPT]
+            result["anatomy"] = _step_anatomy.anatomy(rows, shapes, PEAK_TFLOPS)
+            print(_step_anatomy.format_anatomy("  one step by kernel class", result["anatomy"]))
+        newton_schulz = optimizer.newton_schulz
+        result["newton_schulz"] = repr(newton_schulz)
+        result["kernel"] = newton_schulz.kernel
+        result["kernel_reason"] = newton_schulz.kernel_reason
+        del optimizer, model, masters
+        return result
 
 
 def kernel_table(

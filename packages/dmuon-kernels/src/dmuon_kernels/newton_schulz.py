@@ -739,15 +739,10 @@ class NewtonSchulz:
                     [masters[i] for i in run], [updates[i] for i in run], lr, weight_decay, scale
                 )
             return
-        factors = [decay_and_step(lr, weight_decay, scale) for scale in scales]
-        self.iterate_normalized(  # validates X
-            X,
-            graph_max_numel=graph_max_numel,
-            finish=functools.partial(
-                self._final_update, masters, factors[0][0] if factors else 1.0,
-                [step for _, step in factors],
-            ),
-        )  # fmt: skip
+        decay, _ = decay_and_step(lr, weight_decay, 1.0)
+        steps = [decay_and_step(lr, weight_decay, scale)[1] for scale in scales]
+        finish = functools.partial(self._final_update, masters, decay, steps)
+        self.iterate_normalized(X, graph_max_numel=graph_max_numel, finish=finish)  # validates X
 
     @property
     def graphs(self) -> GraphedFunction:
