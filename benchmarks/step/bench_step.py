@@ -40,6 +40,7 @@ n <= m) at 740 TFLOP/s, the H200's measured dense fp16/bf16 GEMM rate (about 55 
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import os
 import statistics
@@ -346,6 +347,15 @@ def main(argv: list[str] | None = None) -> int:
         f"median of {args.iters} steps after {args.warmup} warm-up"
     )
 
+    dmuon_run = functools.partial(
+        bench_dmuon,
+        layer_shapes=layer_shapes,
+        num_layers=NUM_LAYERS,
+        device=device,
+        warmup=args.warmup,
+        iters=args.iters,
+        profile_host=args.host_profile,
+    )
     runs: list[tuple[str, Callable[[], dict]]] = [
         (
             "fused AdamW",
@@ -369,45 +379,15 @@ def main(argv: list[str] | None = None) -> int:
                 profile_host=args.host_profile,
             ),
         ),
-        (
-            "dmuon.Muon (gram, kernel auto)",
-            lambda: bench_dmuon(
-                "gram",
-                layer_shapes,
-                NUM_LAYERS,
-                device,
-                args.warmup,
-                args.iters,
-                args.profile,
-                profile_host=args.host_profile,
-            ),
-        ),
+        ("dmuon.Muon (gram, kernel auto)", lambda: dmuon_run("gram", profile=args.profile)),
         (
             "dmuon.Muon (auto, written out)",
-            lambda: bench_dmuon(
-                "gram",
-                layer_shapes,
-                NUM_LAYERS,
-                device,
-                args.warmup,
-                args.iters,
-                None if args.profile is None else "",  # its table, not a second trace
-                profile_host=args.host_profile,
-                update_epilogue=False,
+            # its kernel table, not a second trace
+            lambda: dmuon_run(
+                "gram", profile=None if args.profile is None else "", update_epilogue=False
             ),
         ),
-        (
-            "dmuon.Muon (gram, kernel cublas)",
-            lambda: bench_dmuon(
-                NewtonSchulz(kernel="cublas"),
-                layer_shapes,
-                NUM_LAYERS,
-                device,
-                args.warmup,
-                args.iters,
-                profile_host=args.host_profile,
-            ),
-        ),
+        ("dmuon.Muon (gram, kernel cublas)", lambda: dmuon_run(NewtonSchulz(kernel="cublas"))),
     ]
     results: dict[str, dict] = {}
     for label, run in runs:
