@@ -58,20 +58,17 @@ def final_update_(
 ) -> None:
     """``masters[i] = decay·masters[i] − steps[i]·(L_i·X_i)`` in place, as one GEMM each.
 
-    ``left`` (B, n, n) and ``X`` (B, n, m) are the iteration's last factors; ``diagonal``: the
-    direct form's ``a``, added to the diagonal of a copy of ``left`` first (None for the gram
-    form's Q). ``masters[i]`` is fp32 (or X's dtype), of shape (n, m), or (m, n) for a matrix
-    iterated transposed, rows or columns contiguous. Nothing is returned, and nothing of
-    ``left`` or ``X`` is kept (they may be a CUDA graph's outputs)."""
+    ``left`` (B, n, n) and ``X`` (B, n, m) are the iteration's last factors, its scratch (a
+    CUDA graph's outputs, which the next replay rewrites); ``diagonal``: the direct form's
+    ``a``, added to ``left``'s diagonal in place first (None for the gram form's Q).
+    ``masters[i]`` is fp32 (or X's dtype), of shape (n, m), or (m, n) for a matrix iterated
+    transposed, rows or columns contiguous. Nothing is returned or kept."""
     if len(masters) != X.shape[0] or len(steps) != X.shape[0]:
         raise ValueError(
             f"final_update_: {X.shape[0]} Newton-Schulz outputs, {len(masters)} masters and "
             f"{len(steps)} steps; pass one master and one step per matrix"
         )
-    if diagonal is not None:
-        # A copy: adding in place onto a graph's output would save this pass over the B·n²
-        # factor, but is not yet measured on a GPU.
-        left = left.clone()
+    if diagonal is not None:  # in place: a copy of the B·n² factor would cost a pass
         left.diagonal(dim1=-2, dim2=-1).add_(diagonal)
     n, m = X.shape[-2:]
     for L, x, master, step in zip(left, X, masters, steps, strict=True):
