@@ -34,6 +34,9 @@
 #   part 14: what issue 44 still lacks a figure for: the 0.89 B Llama's iteration and optimizer
 #            step against FSDP2 + AdamW at world size 1 (bench_e2e), float8 compiled on text
 #            (bench_float8 --compile --data, the Shakespeare bytes carried in .gpu/)
+#   part 15: the update epilogue's GPU tests (the direct form's a·I in place), the 0.89 B
+#            Llama's iteration and optimizer step against FSDP2 + AdamW (bench_e2e), the
+#            optimizer step by kernel class with its Chrome trace and host profile (bench_step)
 #
 # Usage, on the GPU machine from the repository root with .gpu/ carried along:
 #   bash benchmarks/gpu_session.sh <part> <git-sha>
@@ -188,8 +191,16 @@ case $part in
     benchmarks/e2e/bench_float8.py --compile --data .gpu/shakespeare-bytes.npz \
     --git-sha "$sha" --out "$out/float8-compiled.json"
   ;;
+15)
+  step epilogue-tests 150 python -m pytest -q -p no:cacheprovider tests/gpu/test_update_epilogue_gpu.py
+  step e2e 200 python -m torch.distributed.run --standalone --nproc-per-node 1 \
+    benchmarks/e2e/bench_e2e.py --variants fsdp2-adamw,dmuon-z3 \
+    --git-sha "$sha" --out "$out/e2e-w1.json"
+  step step 150 python benchmarks/step/bench_step.py --profile "$out/step-trace.json.gz" \
+    --host-profile --git-sha "$sha" --out "$out/step.json"
+  ;;
 *)
-  echo "part must be 0 to 14" >&2
+  echo "part must be 0 to 15" >&2
   exit 2
   ;;
 esac
