@@ -22,6 +22,9 @@ FUSED_TRITON_ENV = "DMUON_FUSED_TRITON"  # flag, default on: Triton kernels of t
 # flag, default on: on CUDA the Muon update is written by Newton-Schulz's last product
 # (``dmuon_kernels.update_epilogue``)
 UPDATE_EPILOGUE_ENV = "DMUON_UPDATE_EPILOGUE"
+# "triton" (default) or "cublas": the GEMM of that update where it also writes the forward weight
+# (``dmuon_kernels.update_epilogue``)
+UPDATE_GEMM_ENV = "DMUON_UPDATE_GEMM"
 # flag, default on: on GPUs with a measured prior, tune the expected winner first (autotune)
 SYRK_AUTOTUNE_PRIOR_ENV = "DMUON_SYRK_AUTOTUNE_PRIOR"
 # "background" (default) or "wait": where a dmuon.Muon's Newton-Schulz kernels compile
@@ -54,6 +57,22 @@ def env_flag(name: str, default: bool) -> bool:
         f"environment variable {name}={raw!r} is not an on/off value: use one of "
         f"{', '.join(TRUE_SPELLINGS)} (on) or {', '.join(FALSE_SPELLINGS)} (off), any case, "
         f"or unset it for the default ({'on' if default else 'off'})"
+    )
+
+
+def env_choice(name: str, choices: tuple[str, ...], default: str) -> str:
+    """The value of environment variable ``name``, one of ``choices`` (any case, surrounding
+    spaces ignored); ``default`` when it is unset or empty. Raises ValueError naming the
+    variable, its value and the choices otherwise."""
+    raw = os.environ.get(name)
+    value = "" if raw is None else raw.strip().lower()
+    if not value:
+        return default
+    if value in choices:
+        return value
+    raise ValueError(
+        f"environment variable {name}={raw!r} is not one of {', '.join(choices)} (any case); "
+        f"unset it for the default ({default})"
     )
 
 

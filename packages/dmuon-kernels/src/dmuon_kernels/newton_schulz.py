@@ -77,7 +77,7 @@ from dmuon_kernels.syrk.registry import (
     canonical_kernel_name,
     registry_generation,
 )
-from dmuon_kernels.update_epilogue import epilogue_enabled, final_update_
+from dmuon_kernels.update_epilogue import copy_into_, epilogue_enabled, final_update_
 
 NSBackend = Literal["gram", "direct"]
 BACKENDS: tuple[NSBackend, ...] = ("gram", "direct")
@@ -721,13 +721,23 @@ class NewtonSchulz:
         weight_decay: float,
         scales: Sequence[float],
         graph_max_numel: int | None = None,
+        copies: Sequence[Tensor | None] | None = None,
     ) -> None:
         """The iteration on X as ``iterate_normalized``, then ``masters[i] = masters[i]·(1 −
         lr·weight_decay) − lr·scales[i]·O_i`` in place for its output O (B, n, m):
         ``masters[i]`` is O_i's shape or its transpose, fp32 or X's dtype. On CUDA the last
         product writes the update itself and O is never stored ([Note: the update epilogue] in
         ``dmuon_kernels.update_epilogue``); elsewhere, or with ``DMUON_UPDATE_EPILOGUE=0``, O is
-        written out and applied in one more pass (``muon_apply_updates_``)."""
+        written out and applied in one more pass (``muon_apply_updates_``).
+
+        ``copies[i]`` (None, or a tensor of ``masters[i]``'s shape in a narrower dtype: the
+        weight forward computes with) receives the new master rounded to its dtype, by the
+        same product's epilogue where the fused update GEMM runs, by a copy otherwise."""
+        if copies is not None and len(copies) != len(masters):
+            raise ValueError(
+                f"update_masters_: {len(masters)} masters and {len(copies)} copies; pass one "
+                "copy (or None) per master"
+            )
         if not epilogue_enabled(X):
             orthogonal = self.iterate_normalized(X, graph_max_numel=graph_max_numel)
             updates = [o if m.shape == o.shape else o.mT for m, o in zip(masters, orthogonal)]
@@ -738,10 +748,11 @@ class NewtonSchulz:
                 muon_apply_updates_(
                     [masters[i] for i in run], [updates[i] for i in run], lr, weight_decay, scale
                 )
+            copy_into_(copies, masters)
             return
         decay, _ = decay_and_step(lr, weight_decay, 1.0)
         steps = [decay_and_step(lr, weight_decay, scale)[1] for scale in scales]
-        finish = functools.partial(self._final_update, masters, decay, steps)
+        finish = functools.partial(self._final_update, masters, copies, decay, steps)
         self.iterate_normalized(X, graph_max_numel=graph_max_numel, finish=finish)  # validates X
 
     @property
@@ -781,6 +792,7 @@ class NewtonSchulz:
     def _final_update(
         self,
         masters: Sequence[Tensor],
+        copies: Sequence[Tensor | None] | None,
         decay: float,
         steps: Sequence[float],
         left: Tensor,
@@ -790,7 +802,7 @@ class NewtonSchulz:
         direct = not _gram_form(self.backend, X)
         final_update_(
             left, X, masters, diagonal=self.coefficients[-1][0] if direct else None,
-            decay=decay, steps=steps,
+            decay=decay, steps=steps, copies=copies,
         )  # fmt: skip
 
     def __repr__(self) -> str:

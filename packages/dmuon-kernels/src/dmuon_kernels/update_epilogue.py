@@ -25,9 +25,13 @@ computed during backward and applied at ``step()`` with the learning rate of tha
 O out (``dmuon.overlap``), and so does every step on the CPU, where there is no memory traffic
 to save and the CPU tests keep the overlapped step equal to the plain one bit for bit.
 
-The bf16 copy of the weight (the owner's segment that forward broadcasts) is refreshed after the
-step by a separate cast (``dmuon.group``): a cuBLAS epilogue writes one output. Fusing that cast
-here needs a GEMM with a second, bf16 output in its epilogue (a kernel of our own).
+The weight forward computes with (the owner's bf16 segment, which forward broadcasts) is the
+step's second output: ``copies[i]``, the new master rounded to the copy's dtype. A cuBLAS
+epilogue writes one output, so where a copy is wanted the product is instead this package's
+Triton GEMM (``dmuon_kernels._update_gemm_triton``), whose epilogue stores the master and the
+rounded copy from the same registers: the copy costs a 2-byte store per element instead of a
+pass that reads the master again (6 bytes). ``DMUON_UPDATE_GEMM=cublas`` keeps cuBLAS and copies
+after it; without Triton, or off CUDA, the copy is that separate pass too.
 """
 
 from __future__ import annotations
@@ -37,7 +41,10 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from dmuon_kernels._env import UPDATE_EPILOGUE_ENV, env_flag
+from dmuon_kernels._env import UPDATE_EPILOGUE_ENV, UPDATE_GEMM_ENV, env_choice, env_flag
+from dmuon_kernels.fused import triton_available
+
+UPDATE_GEMMS = ("triton", "cublas")
 
 
 def epilogue_enabled(X: Tensor) -> bool:
@@ -45,6 +52,24 @@ def epilogue_enabled(X: Tensor) -> bool:
     last product (CUDA, and ``DMUON_UPDATE_EPILOGUE`` not off; see [Note: the update
     epilogue]). Raises ValueError for a value of the variable that is not on/off."""
     return env_flag(UPDATE_EPILOGUE_ENV, default=True) and X.is_cuda
+
+
+def fused_copies_enabled(X: Tensor) -> bool:
+    """Whether a copy of the updated master is written by the update GEMM itself (the Triton
+    kernel: CUDA, Triton installed, ``DMUON_UPDATE_GEMM`` not ``cublas``). Raises ValueError for
+    a value of the variable that is not one of ``UPDATE_GEMMS``."""
+    choice = env_choice(UPDATE_GEMM_ENV, UPDATE_GEMMS, default="triton")
+    return choice == "triton" and X.is_cuda and triton_available()
+
+
+def copy_into_(copies: Sequence[Tensor | None] | None, masters: Sequence[Tensor]) -> None:
+    """``copies[i] = masters[i]`` rounded to the copy's dtype, for each copy that is not None
+    (the separate pass the fused update GEMM saves)."""
+    if copies is None:
+        return
+    pairs = [(c, m) for c, m in zip(copies, masters, strict=True) if c is not None]
+    if pairs:
+        torch._foreach_copy_([c for c, _ in pairs], [m for _, m in pairs])
 
 
 def final_update_(
@@ -55,8 +80,10 @@ def final_update_(
     diagonal: float | None,
     decay: float,
     steps: Sequence[float],
+    copies: Sequence[Tensor | None] | None = None,
 ) -> None:
-    """``masters[i] = decay·masters[i] − steps[i]·(L_i·X_i)`` in place, as one GEMM each.
+    """``masters[i] = decay·masters[i] − steps[i]·(L_i·X_i)`` in place, as one GEMM each, and
+    ``copies[i]`` (None, or a tensor of the master's shape) the new master rounded.
 
     ``left`` (B, n, n) and ``X`` (B, n, m) are the iteration's last factors, its scratch (a
     CUDA graph's outputs, which the next replay rewrites); ``diagonal``: the direct form's
@@ -71,7 +98,10 @@ def final_update_(
     if diagonal is not None:  # in place: a copy of the B·n² factor would cost a pass
         left.diagonal(dim1=-2, dim2=-1).add_(diagonal)
     n, m = X.shape[-2:]
-    for L, x, master, step in zip(left, X, masters, steps, strict=True):
+    copies = [None] * len(masters) if copies is None else copies
+    fused = fused_copies_enabled(X) and any(c is not None for c in copies)
+    unfused = []
+    for L, x, master, step, copy in zip(left, X, masters, steps, copies, strict=True):
         if tuple(master.shape) == (n, m):
             first, second = L, x
         elif tuple(master.shape) == (m, n):
@@ -81,6 +111,18 @@ def final_update_(
                 f"final_update_: a master of shape {tuple(master.shape)} for a Newton-Schulz "
                 f"output of shape {(n, m)}; it must be that shape or its transpose"
             )
+        if copy is not None and tuple(copy.shape) != tuple(master.shape):
+            raise ValueError(
+                f"final_update_: a copy of shape {tuple(copy.shape)} for a master of shape "
+                f"{tuple(master.shape)}; they must be equal"
+            )
+        if fused and copy is not None and master.dtype == torch.float32:
+            from dmuon_kernels._update_gemm_triton import update_gemm_
+
+            update_gemm_(first, second, master, copy, decay=decay, step=step)
+            continue
+        if copy is not None:
+            unfused.append((copy, master))
         if master.dtype == x.dtype:
             master.addmm_(first, second, beta=decay, alpha=-step)
         else:
@@ -88,6 +130,7 @@ def final_update_(
                 master, first, second, out_dtype=master.dtype, beta=decay, alpha=-step,
                 out=master,
             )  # fmt: skip
+    copy_into_([c for c, _ in unfused], [m for _, m in unfused])
 
 
-__all__ = ["epilogue_enabled", "final_update_"]
+__all__ = ["copy_into_", "epilogue_enabled", "final_update_", "fused_copies_enabled"]
