@@ -18,9 +18,12 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+
+from dmuon_kernels._fused_triton import _await_compiles_ahead
 
 
 class TileConfig(NamedTuple):
@@ -121,6 +124,7 @@ def update_gemm_(
     """``master = decay·master − step·(first·second)`` and ``copy = master`` rounded, in one
     launch: ``first`` (M, K), ``second`` (K, N), ``master`` fp32 and ``copy`` (M, N), all
     CUDA tensors of any strides (``update_epilogue`` has checked shapes, dtypes and device)."""
+    _await_compiles_ahead()
     M, K = first.shape
     N = second.shape[1]
     grid = (triton.cdiv(M, tiles.block_m) * triton.cdiv(N, tiles.block_n),)
@@ -132,3 +136,26 @@ def update_gemm_(
         GROUP_M=tiles.group_m, EVEN_K=K % tiles.block_k == 0,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )  # fmt: skip
+
+
+def update_gemm_launches(
+    rows: int, cols: int, *, ns_dtype: torch.dtype, copy_dtype: torch.dtype
+) -> list[tuple[object, tuple, dict]]:
+    """``(kernel, args, options)`` of the launch ``update_gemm_`` makes for a contiguous fp32
+    (rows, cols) master and its contiguous copy, as [Note: compiles ahead] in
+    ``dmuon_kernels._fused_triton`` takes them: L·X for a wide master, Xᵀ·Lᵀ for a tall one,
+    with n = min(rows, cols) and m = max(rows, cols)."""
+    n, m = min(rows, cols), max(rows, cols)
+    if rows <= cols:  # first = L (n, n), second = X (n, m)
+        sizes, strides = (n, m, n), (n, 1, m, 1)
+    else:  # first = Xᵀ (m, n), second = Lᵀ (n, n)
+        sizes, strides = (m, n, n), (1, m, 1, n)
+    tiles = DEFAULT_TILES
+    args = (ns_dtype, ns_dtype, torch.float32, copy_dtype, *sizes, *strides,
+            cols, 1, cols, 1, 0.5, 0.5)  # fmt: skip
+    options = dict(
+        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
+        GROUP_M=tiles.group_m, EVEN_K=n % tiles.block_k == 0,
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+    )  # fmt: skip
+    return [(_update_gemm_kernel, args, options)]

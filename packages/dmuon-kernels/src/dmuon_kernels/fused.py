@@ -345,6 +345,7 @@ def compile_step_kernels_ahead(
     grad_dtype: torch.dtype = torch.float32,
     master_dtype: torch.dtype = torch.float32,
     aligned_gradients: bool = False,
+    more_launches: Sequence[tuple[object, tuple, dict]] = (),
 ) -> int:
     """Start compiling, in background threads, the Triton kernels that ``muon_normalized_inputs_``
     and ``muon_apply_updates_`` will launch for batches of (rows, cols) matrices of these dtypes
@@ -352,8 +353,9 @@ def compile_step_kernels_ahead(
     them one after the other; the first launch waits for them. Returns how many
     specialisations were started: 0 where the step would not use Triton (not CUDA, no Triton,
     ``DMUON_FUSED_TRITON=0``). ``aligned_gradients``: every gradient will start 16-byte aligned
-    (else the variants for gradients at any offset compile too). See [Note: compiles ahead] in
-    ``dmuon_kernels._fused_triton``."""
+    (else the variants for gradients at any offset compile too). ``more_launches``: other Triton
+    launches of the step to compile with them (``update_epilogue.update_gemm_launches``). See
+    [Note: compiles ahead] in ``dmuon_kernels._fused_triton``."""
     device = torch.device(device)
     kernels = _enabled_kernels() if device.type == "cuda" else None
     if kernels is None:
@@ -370,7 +372,7 @@ def compile_step_kernels_ahead(
             aligned_gradients=aligned_gradients,
         )
     ]  # fmt: skip
-    return kernels.compile_step_ahead(device, launches)
+    return kernels.compile_step_ahead(device, [*launches, *more_launches])
 
 
 # ---- single matrices ----------------------------------------------------------------------------

@@ -11,7 +11,9 @@ run fp16 and bf16 matmuls tens of times slower than fp32 (minutes for one 1024 x
 
 Two iterations compute the same polynomial up to rounding (with X of shape n x m, n <= m):
 
-- direct: ``A = X·Xᵀ; X <- a·X + (b·A + c·A²)·X``, about 20·n²·m + 10·n³ FLOPs for 5 steps.
+- direct: ``A = X·Xᵀ; X <- (a·I + b·A + c·A²)·X``, about 20·n²·m + 10·n³ FLOPs for 5 steps
+  (a·I goes onto the n x n factor's diagonal, so each step is one product without C: a GEMM
+  with C = X would first copy X into its output, a pass over the long side per step).
 - gram: iterate on the n x n Gram matrix R = X·Xᵀ and accumulate the polynomial Q so that the
   output is Q·X, touching the long side m only at segment starts and at the end. Per step
   ``Z = b·R + c·R²``; ``Q = Z + a·I`` at a segment start, else ``Q = a·Q + Z·Q``; then, unless
@@ -35,7 +37,7 @@ are transposed) replays one graph of normalisation and the iteration per (shape,
 device), so a warmed call is a copy of G in, one replay, the final product and the restore.
 Other layouts, and callers that normalise their own input (the fused optimizer step:
 ``normalized_buffer`` and ``iterate_normalized``), replay a graph of the iteration alone. The
-iteration's last product (Q·X, or a·X + poly·X) runs eagerly after the replay, into a new tensor:
+iteration's last product (Q·X, or (a·I + poly)·X) runs eagerly after the replay, into a new tensor:
 the graph's own outputs are overwritten by later replays, and copying the result out of it
 would cost one more pass over the output. ``update_masters_`` has that product write the Muon
 update into the caller's fp32 masters instead (``dmuon_kernels.update_epilogue``).
@@ -152,34 +154,22 @@ def validate_eps(eps: object) -> float:
     return float(eps)
 
 
-def _plus_identity(Z: Tensor, a: float) -> Tensor:
-    """``Z + a·I`` as a new tensor."""
-    out = Z.clone()
-    out.diagonal(dim1=-2, dim2=-1).add_(a)
-    return out
-
-
 def direct_iteration(X: Tensor, coefficients: CoefficientTable, *, kernel: str = AUTO) -> Tensor:
-    """Run ``X <- a·X + (b·A + c·A²)·X`` with A = X·Xᵀ, for X (n, m) or (B, n, m), n <= m."""
-    return _direct_final_product(*_direct_factors(X, coefficients, kernel), coefficients, kernel)
+    """Run ``X <- (a·I + b·A + c·A²)·X`` with A = X·Xᵀ, for X (n, m) or (B, n, m), n <= m."""
+    return matmul(*_direct_factors(X, coefficients, kernel), kernel=kernel)
 
 
 def _direct_factors(
     X: Tensor, coefficients: CoefficientTable, kernel: str
 ) -> tuple[Tensor, Tensor]:
-    """``direct_iteration`` but its last product: (b·A + c·A², X) of the last step."""
+    """``direct_iteration`` but its last product: (a·I + b·A + c·A², X) of the last step."""
     for step, (a, b, c) in enumerate(coefficients):
         A = syrk(X, kernel=kernel)  # (.., n, n)
-        poly = syrk(A, C=A, alpha=c, beta=b, kernel=kernel)  # b·A + c·A², A symmetric
+        left = syrk(A, C=A, alpha=c, beta=b, kernel=kernel)  # b·A + c·A², A symmetric
+        left.diagonal(dim1=-2, dim2=-1).add_(a)  # rounded once, as the gram form's Q = Z + a·I
         if step < len(coefficients) - 1:
-            X = matmul(poly, X, C=X, beta=a, kernel=kernel)  # a·X + poly·X
-    return poly, X
-
-
-def _direct_final_product(
-    poly: Tensor, X: Tensor, coefficients: CoefficientTable, kernel: str
-) -> Tensor:
-    return matmul(poly, X, C=X, beta=coefficients[-1][0], kernel=kernel)  # a·X + poly·X
+            X = matmul(left, X, kernel=kernel)
+    return left, X
 
 
 def gram_iteration(
@@ -211,13 +201,14 @@ def _gram_factors(
         Z = syrk(R, C=R, alpha=c, beta=b, kernel=kernel)  # b·R + c·R²
         # Z, Q, R and R_step are polynomials in the segment's first R, so they commute and
         # every product below is symmetric: symmetric kernels compute half of it.
-        if starts_segment:
-            Q = _plus_identity(Z, a)
-        else:
-            Q = symmetric_product(Z, Q, C=Q, beta=a, kernel=kernel)  # a·Q + Z·Q
         if not ends_segment:
             R_step = symmetric_product(R, Z, C=R, beta=a, kernel=kernel)  # R·(a·I + Z)
             R = symmetric_product(Z, R_step, C=R_step, beta=a, kernel=kernel)  # (aI+Z)R(aI+Z)
+        if starts_segment:  # Z's last use: a·I goes onto it in place (a copy costs a pass)
+            Q = Z
+            Q.diagonal(dim1=-2, dim2=-1).add_(a)
+        else:
+            Q = symmetric_product(Z, Q, C=Q, beta=a, kernel=kernel)  # a·Q + Z·Q
     return Q, X
 
 
@@ -275,13 +266,9 @@ def iteration_factors(
     return _direct_factors(X, coefficients, kernel)
 
 
-def final_product(
-    left: Tensor, X: Tensor, *, backend: str, coefficients: CoefficientTable, kernel: str
-) -> Tensor:
-    """The iteration's last product from ``iteration_factors``: Q·X, or a·X + poly·X."""
-    if _gram_form(backend, X):
-        return matmul(left, X, kernel=kernel)
-    return _direct_final_product(left, X, coefficients, kernel)
+def final_product(left: Tensor, X: Tensor, *, kernel: str) -> Tensor:
+    """The iteration's last product from ``iteration_factors``: Q·X, or (a·I + poly)·X."""
+    return matmul(left, X, kernel=kernel)
 
 
 def _gram_form(backend: str, X: Tensor) -> bool:
@@ -785,9 +772,7 @@ class NewtonSchulz:
 
     def _final_product(self, left: Tensor, X: Tensor) -> Tensor:
         """The iteration's last product, run eagerly after each graph replay (``finish``)."""
-        return final_product(
-            left, X, backend=self.backend, coefficients=self.coefficients, kernel=self._syrk_kernel
-        )
+        return final_product(left, X, kernel=self._syrk_kernel)
 
     def _final_update(
         self,
@@ -799,11 +784,7 @@ class NewtonSchulz:
         X: Tensor,
     ) -> None:
         """``update_masters_``'s last product, run eagerly after each graph replay."""
-        direct = not _gram_form(self.backend, X)
-        final_update_(
-            left, X, masters, diagonal=self.coefficients[-1][0] if direct else None,
-            decay=decay, steps=steps, copies=copies,
-        )  # fmt: skip
+        final_update_(left, X, masters, decay=decay, steps=steps, copies=copies)
 
     def __repr__(self) -> str:
         return (

@@ -6,7 +6,7 @@ It must not run the rest of the iteration (``dmuon_kernels.newton_schulz``) nor 
 optimizers: the caller passes the masters, one decay and one step per matrix.
 
 [Note: the update epilogue]
-The iteration ends with one product, O = L·X (L = Q of the gram form, or poly + a·I of the
+The iteration ends with one product, O = L·X (L = Q of the gram form, or a·I + poly of the
 direct one; X (n, m), n <= m). Written out, the step then costs a store of O in the iteration
 dtype, and a separate pass that reads O and the fp32 master and writes the master: 4 bytes per
 element more than necessary, and one launch. Here the product is a GEMM whose C operand is the
@@ -17,9 +17,7 @@ the GEMM's epilogue and O exists only in registers. A tall master (m, n) takes
 
 Numerics: O is no longer rounded to the iteration dtype before it is scaled, so the update is
 closer to the exact product than the written-out one (one fp32 rounding instead of an fp16 one
-and an fp32 one). The direct form's ``a·X + poly·X`` becomes ``(poly + a·I)·X``, with the
-diagonal rounded to the iteration dtype once, as the gram form's Q = Z + a·I always was. So the
-two schedules that must agree bit for bit use one way each: ``dmuon.Muon``'s plain step (and
+and an fp32 one). So the two schedules that must agree bit for bit use one way each: ``dmuon.Muon``'s plain step (and
 its offloaded masters) this one, on CUDA; the overlapped step, whose Newton-Schulz output is
 computed during backward and applied at ``step()`` with the learning rate of that moment, writes
 O out (``dmuon.overlap``), and so does every step on the CPU, where there is no memory traffic
@@ -36,7 +34,7 @@ after it; without Triton, or off CUDA, the copy is that separate pass too.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import torch
 from torch import Tensor
@@ -54,22 +52,38 @@ def epilogue_enabled(X: Tensor) -> bool:
     return env_flag(UPDATE_EPILOGUE_ENV, default=True) and X.is_cuda
 
 
-def fused_copies_enabled(X: Tensor) -> bool:
+def fused_copies_enabled(X: Tensor | None) -> bool:
     """Whether a copy of the updated master is written by the update GEMM itself (the Triton
-    kernel: CUDA, Triton installed, ``DMUON_UPDATE_GEMM`` not ``cublas``). Raises ValueError for
-    a value of the variable that is not one of ``UPDATE_GEMMS``."""
+    kernel: ``X`` on CUDA, or None for any CUDA tensor; Triton installed; ``DMUON_UPDATE_GEMM``
+    not ``cublas``). Raises ValueError for a value of the variable that is not one of
+    ``UPDATE_GEMMS``."""
     choice = env_choice(UPDATE_GEMM_ENV, UPDATE_GEMMS, default="triton")
-    return choice == "triton" and X.is_cuda and triton_available()
+    return choice == "triton" and (X is None or X.is_cuda) and triton_available()
+
+
+def update_gemm_launches(
+    shapes: Iterable[tuple[int, int]], ns_dtype: torch.dtype, copy_dtype: torch.dtype
+) -> list[tuple[object, tuple, dict]]:
+    """The Triton update GEMM's launches for fp32 masters of ``shapes`` with copies in
+    ``copy_dtype`` ([Note: compiles ahead] in ``dmuon_kernels._fused_triton``); none where the
+    step would not run it (the epilogue or the Triton GEMM switched off)."""
+    if not env_flag(UPDATE_EPILOGUE_ENV, default=True) or not fused_copies_enabled(None):
+        return []
+    from dmuon_kernels._update_gemm_triton import update_gemm_launches as launches_of
+
+    return [
+        launch
+        for rows, cols in shapes
+        for launch in launches_of(rows, cols, ns_dtype=ns_dtype, copy_dtype=copy_dtype)
+    ]
 
 
 def copy_into_(copies: Sequence[Tensor | None] | None, masters: Sequence[Tensor]) -> None:
     """``copies[i] = masters[i]`` rounded to the copy's dtype, for each copy that is not None
     (the separate pass the fused update GEMM saves)."""
-    if copies is None:
-        return
-    pairs = [(c, m) for c, m in zip(copies, masters, strict=True) if c is not None]
-    if pairs:
-        torch._foreach_copy_([c for c, _ in pairs], [m for _, m in pairs])
+    for copy, master in zip(copies or [None] * len(masters), masters, strict=True):
+        if copy is not None:
+            copy.copy_(master)
 
 
 def final_update_(
@@ -77,7 +91,6 @@ def final_update_(
     X: Tensor,
     masters: Sequence[Tensor],
     *,
-    diagonal: float | None,
     decay: float,
     steps: Sequence[float],
     copies: Sequence[Tensor | None] | None = None,
@@ -85,18 +98,14 @@ def final_update_(
     """``masters[i] = decay·masters[i] − steps[i]·(L_i·X_i)`` in place, as one GEMM each, and
     ``copies[i]`` (None, or a tensor of the master's shape) the new master rounded.
 
-    ``left`` (B, n, n) and ``X`` (B, n, m) are the iteration's last factors, its scratch (a
-    CUDA graph's outputs, which the next replay rewrites); ``diagonal``: the direct form's
-    ``a``, added to ``left``'s diagonal in place first (None for the gram form's Q).
-    ``masters[i]`` is fp32 (or X's dtype), of shape (n, m), or (m, n) for a matrix iterated
+    ``left`` (B, n, n) and ``X`` (B, n, m) are the iteration's last factors (``L·X`` is its
+    output). ``masters[i]`` is fp32 (or X's dtype), of shape (n, m), or (m, n) for a matrix iterated
     transposed, rows or columns contiguous. Nothing is returned or kept."""
     if len(masters) != X.shape[0] or len(steps) != X.shape[0]:
         raise ValueError(
             f"final_update_: {X.shape[0]} Newton-Schulz outputs, {len(masters)} masters and "
             f"{len(steps)} steps; pass one master and one step per matrix"
         )
-    if diagonal is not None:  # in place: a copy of the B·n² factor would cost a pass
-        left.diagonal(dim1=-2, dim2=-1).add_(diagonal)
     n, m = X.shape[-2:]
     copies = [None] * len(masters) if copies is None else copies
     fused = fused_copies_enabled(X) and any(c is not None for c in copies)
@@ -133,4 +142,10 @@ def final_update_(
     copy_into_([c for c, _ in unfused], [m for _, m in unfused])
 
 
-__all__ = ["copy_into_", "epilogue_enabled", "final_update_", "fused_copies_enabled"]
+__all__ = [
+    "copy_into_",
+    "epilogue_enabled",
+    "final_update_",
+    "fused_copies_enabled",
+    "update_gemm_launches",
+]
