@@ -37,6 +37,8 @@
 #   part 15: the update epilogue's GPU tests (the direct form's a·I in place), the 0.89 B
 #            Llama's iteration and optimizer step against FSDP2 + AdamW (bench_e2e), the
 #            optimizer step by kernel class with its Chrome trace and host profile (bench_step)
+#   part 16: the update GEMM's and the epilogue's GPU tests, the update GEMM against cuBLAS and
+#            a copy (bench_update_gemm), the optimizer step by kernel class (bench_step)
 #
 # Usage, on the GPU machine from the repository root with .gpu/ carried along:
 #   bash benchmarks/gpu_session.sh <part> <git-sha>
@@ -199,8 +201,17 @@ case $part in
   step step 150 python benchmarks/step/bench_step.py --profile "$out/step-trace.json.gz" \
     --host-profile --git-sha "$sha" --out "$out/step.json"
   ;;
+16)
+  step update-gemm-tests 260 python -m pytest -q -p no:cacheprovider tests/gpu/test_update_gemm_gpu.py \
+    tests/gpu/test_update_epilogue_gpu.py tests/gpu/test_ns_graphs_gpu.py tests/gpu/test_fused_gpu.py \
+    tests/gpu/test_overlap_gpu.py tests/gpu/test_syrk_gpu.py
+  step update-gemm 240 python benchmarks/kernels/bench_update_gemm.py --git-sha "$sha" \
+    --out "$out/update-gemm.json"
+  step step 150 python benchmarks/step/bench_step.py --profile "$out/step-trace.json.gz" \
+    --git-sha "$sha" --out "$out/step.json"
+  ;;
 *)
-  echo "part must be 0 to 15" >&2
+  echo "part must be 0 to 16" >&2
   exit 2
   ;;
 esac
