@@ -22,7 +22,7 @@ FUSED_TRITON_ENV = "DMUON_FUSED_TRITON"  # flag, default on: Triton kernels of t
 # flag, default on: on CUDA the Muon update is written by Newton-Schulz's last product
 # (``dmuon_kernels.update_epilogue``)
 UPDATE_EPILOGUE_ENV = "DMUON_UPDATE_EPILOGUE"
-# "triton" (default) or "cublas": the GEMM of that update where it also writes the forward weight
+# "cublas" (default) or "triton": the GEMM of that update where it also writes the forward weight
 # (``dmuon_kernels.update_epilogue``)
 UPDATE_GEMM_ENV = "DMUON_UPDATE_GEMM"
 # flag, default on: on GPUs with a measured prior, tune the expected winner first (autotune)

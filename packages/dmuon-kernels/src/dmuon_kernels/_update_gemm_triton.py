@@ -35,9 +35,10 @@ class TileConfig(NamedTuple):
     num_stages: int
 
 
-# Chosen on the H100 by benchmarks/kernels/bench_update_gemm.py (see the kernels README).
+# The best of bench_update_gemm.py's candidates on most shapes on an H100 (5 of 8;
+# benchmarks/results/update-gemm-h100-2026-12-06-df98817.json).
 DEFAULT_TILES = TileConfig(
-    block_m=128, block_n=128, block_k=64, group_m=8, num_warps=8, num_stages=4
+    block_m=128, block_n=256, block_k=64, group_m=8, num_warps=8, num_stages=3
 )
 
 
