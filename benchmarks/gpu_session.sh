@@ -39,6 +39,10 @@
 #            optimizer step by kernel class with its Chrome trace and host profile (bench_step)
 #   part 16: the update GEMM's and the epilogue's GPU tests, the update GEMM against cuBLAS and
 #            a copy (bench_update_gemm), the optimizer step by kernel class (bench_step)
+#   part 17: float8 compiled on text alone (bench_float8 --compile --data; its compiles take
+#            most of a call)
+#   part 18: the whole tests/gpu, then the 0.89 B Llama's iteration against FSDP2 + AdamW
+#            (bench_e2e) and its optimizer step by kernel class (profile_opt_step)
 #
 # Usage, on the GPU machine from the repository root with .gpu/ carried along:
 #   bash benchmarks/gpu_session.sh <part> <git-sha>
@@ -210,8 +214,21 @@ case $part in
   step step 150 python benchmarks/step/bench_step.py --profile "$out/step-trace.json.gz" \
     --git-sha "$sha" --out "$out/step.json"
   ;;
+17)
+  step float8-compiled 560 python -m torch.distributed.run --standalone --nproc-per-node 1 \
+    benchmarks/e2e/bench_float8.py --compile --data .gpu/shakespeare-bytes.npz \
+    --git-sha "$sha" --out "$out/float8-compiled.json"
+  ;;
+18)
+  sharded_gpu_tests 3 400
+  step e2e 60 python -m torch.distributed.run --standalone --nproc-per-node 1 \
+    benchmarks/e2e/bench_e2e.py --variants fsdp2-adamw,dmuon-z3 \
+    --git-sha "$sha" --out "$out/e2e-w1.json"
+  step profile-opt-step 100 python -m torch.distributed.run --standalone --nproc-per-node 1 \
+    benchmarks/step/profile_opt_step.py --git-sha "$sha" --out "$out/profile-opt-step.json"
+  ;;
 *)
-  echo "part must be 0 to 16" >&2
+  echo "part must be 0 to 18" >&2
   exit 2
   ;;
 esac
