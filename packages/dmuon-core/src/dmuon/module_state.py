@@ -361,7 +361,7 @@ def _load_into_masters(p: Dedicated, value: torch.Tensor) -> None:
     with torch.no_grad():
         if isinstance(p, ExpertStack):
             for piece in p.owned_pieces():
-                _copy(piece.master, piece_value(piece, value))
+                _copy(piece.master_value(), piece_value(piece, value))
             return
         _copy(p.master_value(), _local_part(p, value))
 

@@ -59,7 +59,7 @@ def load_stack_values(values: list[tuple[ExpertStack, torch.Tensor]]) -> None:
     with torch.no_grad():
         for stack, value in values:
             for piece in stack.owned_pieces():
-                piece.master.copy_(piece_value(piece, value))
+                piece.master_value().copy_(piece_value(piece, value))
 
 
 # ---- the optimizer's state ------------------------------------------------------------------
