@@ -44,6 +44,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -241,22 +242,31 @@ class BoundaryGroup:
         self.publish()
         self.wait_for_publish()
 
-    def refresh_from_masters(self) -> None:
-        """Copy updated fp32 masters into the local segment (a no-op where they alias it, or
-        where the step already copied an offloaded one: ``dmuon.offload``)."""
-        with torch.no_grad():
-            for segment in self.segments:
-                if not segment.is_local:
-                    continue
+    def local_values(self) -> Iterator[tuple[DedicatedParam, torch.Tensor]]:
+        """Each parameter of the local segments with its value there (``local_shape``, the
+        compute dtype): a view of a buffer the local segment keeps for its life (only the other
+        segments' storage comes and goes), so a view taken once stays valid."""
+        for segment in self.segments:
+            if segment.is_local:
                 for p in segment.params:
-                    if p.master is None:
-                        continue
-                    source = p.master if p.offload is None else p.offload.value_for_segment(p)
-                    if source is None:
-                        continue
-                    view = _slice(segment.buffer, p.segment_offset, p.local_shape)
-                    if view.data_ptr() != source.data_ptr():
-                        view.copy_(source)
+                    yield p, _slice(segment.buffer, p.segment_offset, p.local_shape)
+
+    def refresh_from_masters(self) -> None:
+        """Copy updated fp32 masters into the local segment: a no-op where they alias it, where
+        the step's update already wrote it (``DedicatedParam.segment_fresh``, which this
+        consumes) and where the step already copied an offloaded one (``dmuon.offload``)."""
+        with torch.no_grad():
+            for p, view in self.local_values():
+                if p.master is None:
+                    continue
+                if p.segment_fresh:
+                    p.segment_fresh = False
+                    continue
+                source = p.master if p.offload is None else p.offload.value_for_segment(p)
+                if source is None:
+                    continue
+                if view.data_ptr() != source.data_ptr():
+                    view.copy_(source)
 
     def refresh_master(self, p: DedicatedParam) -> None:
         """Copy ``p``'s master, as the optimizer holds it now, into its local segment: the

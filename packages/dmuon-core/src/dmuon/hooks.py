@@ -479,9 +479,14 @@ class DedicatedState:
     def before_step(self) -> None:
         """The masters are about to change: a publish still in flight from the previous step
         reads the weights (two steps without a forward in between stay correct), and a copy
-        left unsharded would serve the next forward the weights of before (``reshard_all``)."""
+        left unsharded would serve the next forward the weights of before (``reshard_all``).
+        No segment counts as written by this step yet: a mark left by a step that failed
+        before its publish is forgotten ([Note: the step writes the segments] in
+        ``dmuon.muon_route``)."""
         self.wait_all_replicate_broadcasts()
         self.reshard_all()
+        for p in self.iter_owned_masters():
+            p.segment_fresh = False
 
     def after_step(self, *, asynchronous: bool) -> None:
         """The masters changed: every copy of the weights follows (collective). Asynchronous:
@@ -544,6 +549,16 @@ class DedicatedState:
     def wait_all_replicate_broadcasts(self) -> None:
         for group in self.boundaries:
             group.wait_for_publish()
+
+    def owned_segment_values(self) -> dict[int, torch.Tensor]:
+        """id(p) -> the value of each parameter this rank owns in its local segment
+        (``BoundaryGroup.local_values``: views that stay valid), which the step may write."""
+        return {
+            id(p): value
+            for group in self.boundaries
+            for p, value in group.local_values()
+            if p.master is not None
+        }
 
     def iter_owned_masters(self) -> Iterator[DedicatedParam]:
         for p in self.params.values():

@@ -10,6 +10,20 @@ orchestration: ``dmuon.optim``), lay out the state or choose the batches (``dmuo
 do arithmetic on tensors itself (``muon_update``), move data between ranks other than through
 ``dmuon.tp``'s chunk exchange, or decide when a speculation is valid (``dmuon.overlap``) or
 where a master lives (``dmuon.offload``).
+
+[Note: the step writes the segments]
+Forward computes with each master rounded to the compute dtype, held in the owner's local
+segment; the publish after the step (``BoundaryGroup.refresh_from_masters``) would copy it there,
+one more pass over every master. The plain update instead hands Newton-Schulz each master's
+segment value as its copy (``NewtonSchulz.update_masters_``'s ``copies``: on CUDA the update
+GEMM's epilogue writes master and copy at once), and once every batch of the group has run marks
+the parameter ``segment_fresh``, which the publish consumes instead of copying. No copy where the
+master is its segment (fp32 compute), is offloaded (``dmuon.offload`` writes its segment before
+it goes home), is a TP chunk (``_tensor_parallel_step``), nor where the Newton-Schulz output is
+written out (NorMuon, the overlapped step). A mark must never outlive what it vouches for:
+whatever writes a master after the update (QK-clip's master-update hook, loads, checkpoints)
+goes through ``DedicatedParam.master_value()``, which forgets it, and ``before_step`` forgets
+every mark, so a step that failed before its publish leaves none to a later one.
 """
 
 from __future__ import annotations
@@ -58,7 +72,9 @@ class MuonRoute:
     ``optimizer``: the optimizer whose ``state`` holds the route's entries (read at each use:
     torch's ``load_state_dict`` replaces the dict); ``owned``: the dedicated parameters whose
     masters this rank owns; ``overlapped``: ``overlap_step=True`` (Newton-Schulz inputs up to
-    ``SPECULATION_GRAPH_MAX_NUMEL`` replay as CUDA graphs).
+    ``SPECULATION_GRAPH_MAX_NUMEL`` replay as CUDA graphs); ``segment_values``: id(p) -> the
+    value of each of ``owned`` in its local segment (``DedicatedState.owned_segment_values``),
+    which the plain update writes ([Note: the step writes the segments]).
     """
 
     def __init__(
@@ -70,6 +86,7 @@ class MuonRoute:
         mesh: OwnershipMesh,
         ns_counts: NewtonSchulzCounts,
         overlapped: bool,
+        segment_values: dict[int, torch.Tensor],
     ) -> None:
         self._optimizer = optimizer
         self._newton_schulz = newton_schulz
@@ -85,6 +102,16 @@ class MuonRoute:
         self._tp_chunks = {id(p.master): p for p in owned if p.is_tp_sharded}
         # id(master) -> its row-block sizes ([Note: row blocks] in ``dmuon.row_blocks``).
         self._row_blocks = {id(p.master): p.row_blocks for p in owned if p.row_blocks is not None}
+        # id(master) -> (its parameter, its value in the local segment, which the update writes):
+        # local segments are never reallocated, so the views stay valid.
+        self._segment_copies = {
+            id(p.master): (p, value)
+            for p in owned
+            if (value := segment_values.get(id(p))) is not None
+            and not p.is_tp_sharded
+            and value.dtype != torch.float32
+            and value.data_ptr() != p.master.data_ptr()  # fp32 compute: the master is its segment
+        }
 
     @property
     def _state(self) -> dict:
@@ -115,13 +142,17 @@ class MuonRoute:
         if offload is not None:  # the masters come from CPU memory a batch ahead
             offload.run(batches, functools.partial(self._update, group))
             return
-        for batch in batches:
-            self._update(group, batch)
+        written = [p for batch in batches for p in self._update(group, batch)]
+        # Marked once every batch ran: a master in row blocks is written by several batches.
+        for p in written:
+            p.segment_fresh = True
 
-    def _update(self, group: dict, batch: Batch) -> None:
+    def _update(self, group: dict, batch: Batch) -> list[DedicatedParam]:
         """The Muon step of one batch: its gradients, momenta and scales gathered once, the
         math ``muon_update``'s; the update written by Newton-Schulz's last product unless the
-        output is needed (NorMuon, the overlapped step)."""
+        output is needed (NorMuon, the overlapped step), and with it the new weights into the
+        local segments. Returns the parameters whose segment it wrote ([Note: the step writes
+        the segments])."""
         momentum_dtype = MOMENTUM_DTYPES[group["momentum_dtype"]]
         grads, momenta, scales, first_steps = [], [], [], []
         for master, piece in batch:
@@ -136,7 +167,8 @@ class MuonRoute:
         if group["normuon"] or self._writes_output_out:
             orthogonal = self._orthogonal(group, grads, momenta, first_steps, int8_scales)
             self.apply(group, batch, orthogonal)
-            return
+            return []
+        copies, written = self._segment_copies_of(batch)
         with profiler_range(labels.NEWTON_SCHULZ):
             muon_update.updated_matrices_(
                 self._newton_schulz,
@@ -150,8 +182,25 @@ class MuonRoute:
                 weight_decay=group["weight_decay"],
                 adjust_lr=group["adjust_lr"],
                 scales=int8_scales,
+                copies=copies,
             )
         self._ns_counts.received(batch)
+        return written
+
+    def _segment_copies_of(
+        self, batch: Batch
+    ) -> tuple[list[torch.Tensor | None], list[DedicatedParam]]:
+        """Each entry's copy, its matrix of the segment value as ``matrix`` takes it of the
+        master (None where the update must not write the segment), and the parameters written."""
+        copies, written = [], []
+        for master, piece in batch:
+            p, value = self._segment_copies.get(id(master), (None, None))
+            if p is None or p.offload is not None:  # offloaded: ``dmuon.offload`` writes it
+                copies.append(None)
+                continue
+            copies.append(matrix(value, piece))
+            written.append(p)
+        return copies, written
 
     def _orthogonal(
         self,

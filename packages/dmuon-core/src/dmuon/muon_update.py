@@ -158,11 +158,14 @@ def updated_matrices_(
     weight_decay: float,
     adjust_lr: str | None,
     scales: list[Tensor] | None = None,
+    copies: list[Tensor | None] | None = None,
 ) -> None:
     """The whole Muon step of B matrices of one Newton-Schulz shape: ``normalized_batch``, then
     Newton-Schulz whose last product writes the decayed, scaled update into each fp32 master
     (rows, cols), in place (``NewtonSchulz.update_masters_``: on CUDA the output is never
-    stored, [Note: the update epilogue] in ``dmuon_kernels.update_epilogue``)."""
+    stored, [Note: the update epilogue] in ``dmuon_kernels.update_epilogue``). ``copies[i]``
+    (None, or a (rows, cols) tensor in a narrower dtype) receives the new master rounded, from
+    the same product where the kernel allows."""
     inputs = normalized_batch(
         newton_schulz, grads, momenta, first_steps, momentum=momentum, nesterov=nesterov,
         scales=scales,
@@ -173,6 +176,7 @@ def updated_matrices_(
         lr=lr,
         weight_decay=weight_decay,
         scales=[lr_scale(adjust_lr, *master.shape) for master in masters],
+        copies=copies,
     )
 
 

@@ -187,6 +187,7 @@ class Muon(torch.optim.Optimizer):
             mesh=self._dedicated.mesh,
             ns_counts=self._ns_counts,
             overlapped=overlap_step,
+            segment_values=self._dedicated.owned_segment_values(),
         )
 
         self._facts, local_tensors = _param_facts(model, self._dedicated)

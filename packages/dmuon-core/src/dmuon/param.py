@@ -287,6 +287,11 @@ class DedicatedParam:
     # ``dmuon.Muon(offload_masters=True)``: the ``dmuon.offload.MasterOffload`` that keeps the
     # master's value in CPU memory between steps (see ``master_value``); None: it is ``master``.
     offload: MasterHome | None = field(default=None, repr=False)
+    # The step's update wrote the new master, rounded, into the local segment, so the publish
+    # after it skips the copy (``BoundaryGroup.refresh_from_masters`` consumes it). Set by
+    # ``dmuon.muon_route``, forgotten by ``master_value()`` and at each step's start: see
+    # [Note: the step writes the segments] in ``dmuon.muon_route``.
+    segment_fresh: bool = field(default=False, repr=False)
     # The shape this rank stores (its TP chunk, or the whole parameter) and its element count:
     # fixed at construction, read on every pack and accumulate.
     local_shape: tuple[int, ...] = field(init=False)
@@ -300,7 +305,9 @@ class DedicatedParam:
         """The master's value for whoever reads or writes it outside the optimizer's update
         (checkpoints, ``state_dict``, QK-clip, loads): ``master`` itself, or its CPU home while
         ``offload_masters`` keeps it there (see [Note: offloaded masters] in
-        ``dmuon.offload``). None off the owner."""
+        ``dmuon.offload``). None off the owner. A write through it reaches the segment at
+        the next publish: the step's segment copy no longer counts."""
+        self.segment_fresh = False
         if self.master is None or self.offload is None:
             return self.master
         return self.offload.home_of(self)
