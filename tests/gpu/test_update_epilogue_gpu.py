@@ -10,14 +10,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.profiler import ProfilerActivity, profile
 
-import dmuon
-from dmuon.hooks import get_dedicated_state
-from dmuon.testing import TinyDecoder, batches, loss_fn, proj_predicate
 from dmuon_kernels import NewtonSchulz
 from dmuon_kernels.fused import muon_apply_updates_, muon_normalize
 from dmuon_kernels.update_epilogue import final_update_
+from tests.gpu.tiny_training import train
 from tests.numerics import relative_error
 
 DECAY, STEPS = 0.998, [0.01, 0.03]
@@ -88,32 +85,6 @@ def test_update_masters_is_the_same_eager_and_through_graph_replays():
     for later in results[1:]:
         for a, b in zip(results[0], later):
             assert torch.equal(a, b)
-
-
-def train(monkeypatch, epilogue: bool, steps: int, profiled: bool = False):
-    """(masters, the owner's bf16 segment values, the first step's CUDA kernels if
-    ``profiled``) after ``steps`` steps of a bf16 tiny decoder."""
-    monkeypatch.setenv("DMUON_UPDATE_EPILOGUE", "1" if epilogue else "0")
-    torch.manual_seed(0)
-    model = TinyDecoder(4).to("cuda", torch.bfloat16)
-    dmuon.dedicate_params(model, None, proj_predicate)
-    optimizer = dmuon.Muon(model, weight_decay=0.01)
-    kernels = []
-    for step, tokens in enumerate(batches(steps, 1, per_rank=4, seq=33)):
-        loss_fn(model, tokens.cuda()).backward()
-        if profiled and step == 0:
-            with profile(activities=[ProfilerActivity.CUDA]) as trace:
-                optimizer.step()
-                torch.cuda.synchronize()
-            kernels = [event.name for event in trace.events() if event.device_type.name == "CUDA"]
-        else:
-            optimizer.step()
-        optimizer.zero_grad()
-    torch.cuda.synchronize()
-    owned = [p for p in get_dedicated_state(model).iter_owned_masters() if p.route == "muon"]
-    masters = {p.fqn: p.master.detach().clone() for p in owned}
-    segments = {p.fqn: p.unsharded.detach().clone() for p in owned}
-    return masters, segments, kernels
 
 
 def test_a_muon_step_with_the_epilogue_launches_no_update_pass_and_lands_where_the_other_does(

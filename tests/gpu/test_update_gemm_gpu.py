@@ -1,8 +1,9 @@
 """The Triton update GEMM on CUDA (``dmuon_kernels._update_gemm_triton``, [Note: the update
 epilogue]): the fp32 master within fp32 accumulation of the float64 update, its copy exactly the
 master rounded, for wide and tall masters, fp16 and bf16 factors; the compile ahead derives the
-launch the update makes; ``final_update_`` with copies lands where cuBLAS and a copy do. (On the
-CPU: tests/kernels/test_update_gemm_interpreted.py.)"""
+launch the update makes; ``final_update_`` with copies lands where cuBLAS and a copy do, and a
+``dmuon.Muon`` step with either writes the owner's segments. (On the CPU:
+tests/kernels/test_update_gemm_interpreted.py, tests/core/test_step_writes_segments.py.)"""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from dmuon_kernels._update_gemm_triton import (
     update_gemm_launches,
 )
 from dmuon_kernels.update_epilogue import final_update_
+from tests.gpu.tiny_training import train
 from tests.numerics import relative_error
 
 DECAY, STEP = 0.998, 0.02
@@ -89,3 +91,21 @@ def test_the_compile_ahead_derives_the_launch_the_update_makes():
         update_gemm_(first, second, master, copy, decay=DECAY, step=STEP)
     torch.cuda.synchronize()
     assert len(_update_gemm_kernel.device_caches[device.index][0]) == compiled
+
+
+@pytest.mark.parametrize("gemm", ["cublas", "triton"])
+def test_a_muon_step_writes_each_segment_from_its_update(monkeypatch, gemm):
+    """One step of a bf16 tiny decoder from the same weights with each update GEMM: the owner's
+    segments are the masters rounded (written by the step, which the publish then skips), the
+    Triton kernel runs only when asked for, and the two updates agree to fp32 accumulation."""
+    monkeypatch.setenv("DMUON_UPDATE_GEMM", gemm)
+    initial, _, _ = train(monkeypatch, epilogue=True, steps=0)
+    masters, segments, kernels = train(monkeypatch, epilogue=True, steps=1, profiled=True)
+    assert any("_update_gemm_kernel" in name for name in kernels) == (gemm == "triton"), kernels
+    for name in masters:
+        assert torch.equal(segments[name], masters[name].to(torch.bfloat16)), name
+    monkeypatch.setenv("DMUON_UPDATE_GEMM", "cublas")
+    reference, _, _ = train(monkeypatch, epilogue=True, steps=1)
+    for name in masters:
+        update, expected = masters[name] - initial[name], reference[name] - initial[name]
+        assert relative_error(update, expected) < 1e-4, name
