@@ -79,7 +79,7 @@ def test_a_real_step_launches_only_specialisations_derived_ahead(
 
     requests = []
 
-    def record(device, shapes, **dtypes):
+    def record(device, shapes, more_launches, **dtypes):
         requests.append((list(shapes), dtypes))
         return 0
 
@@ -156,8 +156,42 @@ def test_the_optimizer_asks_for_every_muon_matrix_shape_of_each_group(monkeypatc
                 ns_dtype=torch.float32,
                 normuon=False,
                 aligned_gradients=True,
+                more_launches=[],
             ),
         )
+    ]
+
+
+@pytest.mark.parametrize("gemm", ["cublas", "triton"])
+def test_the_update_gemm_that_writes_the_segments_compiles_ahead_when_chosen(monkeypatch, gemm):
+    """bf16 weights: the plain step's update also writes each owner segment ([Note: the step
+    writes the segments]); with ``DMUON_UPDATE_GEMM=triton`` the GEMM doing it is asked for each
+    Muon shape (its launch on a CUDA step: tests/gpu/test_update_gemm_gpu.py), with cuBLAS none."""
+    from dmuon_kernels import _fused_triton
+    from dmuon_kernels._update_gemm_triton import update_gemm_launches
+
+    monkeypatch.setenv("DMUON_UPDATE_GEMM", gemm)
+    asked = []
+    monkeypatch.setattr(
+        muon_update, "compile_step_kernels_ahead",
+        lambda device, shapes, **options: asked.append(options["more_launches"]) or 0,
+    )  # fmt: skip
+    model = nn.Sequential(nn.Linear(32, 96), nn.Linear(96, 32)).to(torch.bfloat16)
+    dmuon.dedicate_params(
+        model, None, lambda name, p: p.ndim == 2,
+        layer_id_fn=lambda name: name.split(".")[0],
+        hook_boundary_predicate=lambda module: isinstance(module, nn.Linear),
+    )  # fmt: skip
+    dmuon.Muon(model, ns_backend=NewtonSchulz(dtype=torch.float16))
+    expected = []
+    if gemm == "triton":
+        for rows, cols in [(32, 96), (96, 32)]:
+            expected += update_gemm_launches(
+                rows, cols, ns_dtype=torch.float16, copy_dtype=torch.bfloat16
+            )
+    key = _fused_triton.specialisation_key
+    assert [[key(*launch) for launch in launches] for launches in asked] == [
+        [key(*launch) for launch in expected]
     ]
 
 

@@ -334,11 +334,20 @@ class MuonRoute:
             if group["route"] != MUON_ROUTE:
                 continue
             shapes_by_device: dict[torch.device, set[tuple[int, int]]] = defaultdict(set)
+            # device -> copy dtype -> shapes whose update writes a copy ([Note: the step
+            # writes the segments]); none where the output is written out
+            copies_by_device: dict[torch.device, dict[torch.dtype, set[tuple[int, int]]]] = (
+                defaultdict(lambda: defaultdict(set))
+            )
+            writes_copies = not (group["normuon"] or self._writes_output_out)
             for master in group["params"]:
                 if master.numel() == 0 or id(master) in self._tp_chunks:
                     continue
+                copy = self._segment_copies.get(id(master)) if writes_copies else None
                 for entry in matrices_of(master, self._row_blocks.get(id(master))):
                     shapes_by_device[master.device].add(entry_shape(entry))
+                    if copy is not None:
+                        copies_by_device[master.device][copy[1].dtype].add(entry_shape(entry))
             for device, shapes in shapes_by_device.items():
                 muon_update.compile_kernels_ahead(
                     self._newton_schulz,
@@ -347,4 +356,5 @@ class MuonRoute:
                     nesterov=group["nesterov"],
                     momentum_dtype=MOMENTUM_DTYPES[group["momentum_dtype"]],
                     normuon=group["normuon"],
+                    copies=copies_by_device.get(device),
                 )

@@ -82,6 +82,7 @@ from dmuon_kernels.fused import (
     muon_normalize,
     muon_normalized_inputs_,
 )
+from dmuon_kernels.update_epilogue import update_gemm_launches
 
 if TYPE_CHECKING:
     from dmuon_kernels.newton_schulz import NewtonSchulz
@@ -253,20 +254,30 @@ def compile_kernels_ahead(
     nesterov: bool,
     momentum_dtype: torch.dtype,
     normuon: bool,
+    copies: dict[torch.dtype, set[tuple[int, int]]] | None = None,
 ) -> int:
     """Start compiling the fused kernels the step will launch for fp32 matrices of ``shapes``
     on ``device`` (the first step then waits for them instead of compiling each in turn);
     returns how many were started (0 without Triton on CUDA). The gradients are views of their
-    messages, each 16-byte aligned ([Note: aligned gradients in a message] in ``dmuon.group``)."""
+    messages, each 16-byte aligned ([Note: aligned gradients in a message] in ``dmuon.group``).
+    ``copies``: the shapes whose update also writes a copy, by the copy's dtype (the update GEMM
+    that writes both, where it is chosen: ``dmuon_kernels.update_epilogue``)."""
+    ns_dtype = newton_schulz.iteration_dtype(device)
+    more_launches = [
+        launch
+        for dtype, copied in (copies or {}).items()
+        for launch in update_gemm_launches(sorted(copied), ns_dtype, dtype)
+    ]
     return compile_step_kernels_ahead(
         device,
         sorted(shapes),
         # an int8 momentum reaches the kernels dequantised ([Note: 8-bit momentum])
         momentum_dtype=torch.float32 if momentum_dtype == torch.int8 else momentum_dtype,
         nesterov=nesterov,
-        ns_dtype=newton_schulz.iteration_dtype(device),
+        ns_dtype=ns_dtype,
         normuon=normuon,
         aligned_gradients=True,
+        more_launches=more_launches,
     )
 
 
