@@ -79,7 +79,9 @@ def _update_gemm_kernel(
     rows = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
     ks = tl.arange(0, BLOCK_K)
-    # wrapped indices: in bounds, and contiguous runs the loads can vectorise
+    # Wrapped indices: in bounds, and contiguous runs the loads can vectorise. A vector never
+    # straddles the wrap: its width divides the leading stride's alignment, and each operand's
+    # contiguous side is its leading stride (L, X and their transposes are whole tensors).
     a_rows = tl.max_contiguous(tl.multiple_of(rows % M, BLOCK_M), BLOCK_M).to(tl.int64)
     b_cols = tl.max_contiguous(tl.multiple_of(cols % N, BLOCK_N), BLOCK_N).to(tl.int64)
     a_ptrs = a_ptr + a_rows[:, None] * stride_am + ks[None, :].to(tl.int64) * stride_ak
