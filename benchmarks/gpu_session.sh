@@ -42,6 +42,8 @@
 #   part 17: float8 compiled on text alone (bench_float8 --compile --data; its compiles take
 #            most of a call), on the corpus' first 1.7 MB of training text (829 windows of 2048
 #            for the 800 the run takes), which keeps the carried files under a call's 64 MiB
+#   part 19: the 0.89 B Llama's optimizer step by kernel class, inside FSDP2 and alone
+#            (profile_opt_step), with its Chrome trace
 #   part 18: the whole tests/gpu, then the 0.89 B Llama's iteration against FSDP2 + AdamW
 #            (bench_e2e) and its optimizer step by kernel class (profile_opt_step)
 #
@@ -228,8 +230,13 @@ case $part in
   step profile-opt-step 100 python -m torch.distributed.run --standalone --nproc-per-node 1 \
     benchmarks/step/profile_opt_step.py --git-sha "$sha" --out "$out/profile-opt-step.json"
   ;;
+19)
+  step profile-opt-step 200 python -m torch.distributed.run --standalone --nproc-per-node 1 \
+    benchmarks/step/profile_opt_step.py --trace "$out/opt-step-trace" --git-sha "$sha" \
+    --out "$out/profile-opt-step.json"
+  ;;
 *)
-  echo "part must be 0 to 18" >&2
+  echo "part must be 0 to 19" >&2
   exit 2
   ;;
 esac

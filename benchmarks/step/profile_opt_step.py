@@ -61,7 +61,7 @@ def build_alone(args: argparse.Namespace, device: torch.device):
     return model, dmuon.Muon(model, lr=bench_e2e.MUON_LR, adamw_lr=bench_e2e.ADAMW_LR)
 
 
-def profile_context(context: str, args, mesh, device, tokens) -> dict:
+def profile_context(context: str, args, mesh, device, tokens, trace: str | None = None) -> dict:
     if context == "fsdp2":
         model, optimizer, _ = bench_e2e.build("dmuon-z3", args, mesh, device)
     else:
@@ -98,7 +98,7 @@ def profile_context(context: str, args, mesh, device, tokens) -> dict:
         torch.cuda.synchronize(device)
         event_ms.append(timer.ms())
     backward()
-    rows = bench_step.kernel_table(optimizer.step, device)
+    rows = bench_step.kernel_table(optimizer.step, device, trace)
     dmuon.wait_all_replicate_broadcasts(model)
     return {
         "step_ms_median": statistics.median(event_ms),
@@ -115,6 +115,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=10, help="timed steps per context")
     parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument(
+        "--trace", default=None, metavar="PREFIX",
+        help="write each context's profiled step as a Chrome trace, PREFIX-<context>.json.gz",
+    )  # fmt: skip
     _common.add_record_options(parser, "default: benchmarks/results/profile-opt-step-<date>.json")
     options = parser.parse_args(argv)
     args = bench_e2e.parse_args(["--steps", str(options.steps), "--warmup", str(options.warmup)])
@@ -125,7 +129,8 @@ def main(argv: list[str] | None = None) -> int:
     tokens = bench_e2e.training_tokens(args, device)
     results = {}
     for context in CONTEXTS:
-        results[context] = profile_context(context, args, mesh, device, tokens)
+        trace = f"{options.trace}-{context}.json.gz" if options.trace else None
+        results[context] = profile_context(context, args, mesh, device, tokens, trace)
         bench_e2e.free_memory(device)
     record = {
         **bench_e2e.profile_record("profile_opt_step", args, device, options.git_sha),
