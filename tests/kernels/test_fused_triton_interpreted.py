@@ -15,16 +15,12 @@ roundings with it (u = g + μ·buf rounds differently when fused).
 from __future__ import annotations
 
 import importlib.util
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+from tests.kernels.triton_interpreter import run_interpreted
+
 FP32_BOUND = 4 * torch.finfo(torch.float32).eps
 ULPS = {"torch.float16": 1.0, "torch.bfloat16": 2.0}
 
@@ -35,14 +31,7 @@ pytestmark = pytest.mark.skipif(
 
 @pytest.fixture(scope="module")
 def results() -> list[dict]:
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")])
-    completed = subprocess.run(
-        [sys.executable, "-m", "tests.kernels.fused_interpreted"],
-        env=env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=900,
-    )  # fmt: skip
-    assert completed.returncode == 0, completed.stderr[-4000:]
-    return [json.loads(line) for line in completed.stdout.splitlines()]
+    return run_interpreted("tests.kernels.fused_interpreted", timeout=900)
 
 
 def cases(results: list[dict], name: str) -> list[dict]:

@@ -14,15 +14,11 @@ bf16 (the interpreter truncates to bf16 where the GPU rounds to nearest).
 from __future__ import annotations
 
 import importlib.util
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+from tests.kernels.triton_interpreter import run_interpreted
+
 COPY_ULPS = {"torch.float16": 0.0, "torch.bfloat16": 1.0}
 
 pytestmark = pytest.mark.skipif(
@@ -31,14 +27,7 @@ pytestmark = pytest.mark.skipif(
 
 
 def test_the_update_gemm_writes_the_exact_update_and_its_rounded_copy():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")])
-    completed = subprocess.run(
-        [sys.executable, "-m", "tests.kernels.update_gemm_interpreted"],
-        env=env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    assert completed.returncode == 0, completed.stderr[-4000:]
-    results = [json.loads(line) for line in completed.stdout.splitlines()]
+    results = run_interpreted("tests.kernels.update_gemm_interpreted", timeout=600)
     assert len(results) == 16, results
     for result in results:
         assert result["master_error"] < 1e-6, result

@@ -38,6 +38,12 @@ TRUE_SPELLINGS = ("1", "true", "yes", "on")
 FALSE_SPELLINGS = ("0", "false", "no", "off")
 
 
+def _read(name: str) -> tuple[str | None, str]:
+    """Environment variable ``name`` as set, and as compared: stripped, lower case ("" unset)."""
+    raw = os.environ.get(name)
+    return raw, "" if raw is None else raw.strip().lower()
+
+
 def env_flag(name: str, default: bool) -> bool:
     """The on/off value of environment variable ``name``: 1/true/yes/on or 0/false/no/off in any
     case (surrounding spaces ignored); ``default`` when it is unset or empty.
@@ -45,8 +51,7 @@ def env_flag(name: str, default: bool) -> bool:
     Raises ValueError naming the variable, its value and the accepted spellings otherwise, so a
     typo such as ``disabled`` never silently means the default.
     """
-    raw = os.environ.get(name)
-    value = "" if raw is None else raw.strip().lower()
+    raw, value = _read(name)
     if not value:
         return default
     if value in TRUE_SPELLINGS:
@@ -64,8 +69,7 @@ def env_choice(name: str, choices: tuple[str, ...], default: str) -> str:
     """The value of environment variable ``name``, one of ``choices`` (any case, surrounding
     spaces ignored); ``default`` when it is unset or empty. Raises ValueError naming the
     variable, its value and the choices otherwise."""
-    raw = os.environ.get(name)
-    value = "" if raw is None else raw.strip().lower()
+    raw, value = _read(name)
     if not value:
         return default
     if value in choices:
@@ -82,8 +86,7 @@ def kernel_compile_mode(requested: object = None) -> str:
     ``"background"``. Raises ValueError naming the argument or variable, its value and the two
     choices otherwise."""
     if requested is None:
-        raw = os.environ.get(KERNEL_COMPILE_ENV)
-        value = "" if raw is None else raw.strip().lower()
+        raw, value = _read(KERNEL_COMPILE_ENV)
         if not value:
             return COMPILE_IN_BACKGROUND
         source = f"environment variable {KERNEL_COMPILE_ENV}={raw!r}"
