@@ -45,7 +45,7 @@
 #   part 19: the 0.89 B Llama's optimizer step by kernel class, inside FSDP2 and alone
 #            (profile_opt_step), with its Chrome trace
 #   part 18: the whole tests/gpu, then the 0.89 B Llama's iteration against FSDP2 + AdamW
-#            (bench_e2e) and its optimizer step by kernel class (profile_opt_step)
+#            (bench_e2e, 20 steps)
 #
 # Usage, on the GPU machine from the repository root with .gpu/ carried along:
 #   bash benchmarks/gpu_session.sh <part> <git-sha>
@@ -224,11 +224,9 @@ case $part in
   ;;
 18)
   sharded_gpu_tests 3 400
-  step e2e 60 python -m torch.distributed.run --standalone --nproc-per-node 1 \
-    benchmarks/e2e/bench_e2e.py --variants fsdp2-adamw,dmuon-z3 \
+  step e2e 90 python -m torch.distributed.run --standalone --nproc-per-node 1 \
+    benchmarks/e2e/bench_e2e.py --variants fsdp2-adamw,dmuon-z3 --steps 20 \
     --git-sha "$sha" --out "$out/e2e-w1.json"
-  step profile-opt-step 100 python -m torch.distributed.run --standalone --nproc-per-node 1 \
-    benchmarks/step/profile_opt_step.py --git-sha "$sha" --out "$out/profile-opt-step.json"
   ;;
 19)
   step profile-opt-step 200 python -m torch.distributed.run --standalone --nproc-per-node 1 \
