@@ -86,6 +86,31 @@ def test_the_compile_job_gets_a_large_shapes_calls_split_as_the_step_splits_them
     assert [s for s in ns.shapes if s[1:] == (48, 96)] == [(1, 48, 96)] * 4  # the step split
 
 
+def test_with_overlap_step_the_compile_job_gets_each_units_inputs():
+    """``overlap_step=True`` batches per chunk of the model (during backward, and in the step for
+    what it recomputes): each layer here is its own chunk, so each batch holds one layer's
+    matrices of a shape where the plain step's holds both layers'."""
+    torch.manual_seed(0)
+    model = _model()
+    dmuon.dedicate_params(
+        model,
+        None,
+        lambda name, p: p.ndim == 2,
+        layer_id_fn=lambda name: ".".join(name.split(".")[:2]),
+        hook_boundary_predicate=lambda module: isinstance(module, nn.Sequential),
+    )
+    ns = RecordingNewtonSchulz()
+    optimizer = dmuon.Muon(model, ns_backend=ns, overlap_step=True)
+    x = torch.randn(4, 48)
+    sum(layer(x).square().sum() for layer in model["layers"]).backward()
+    optimizer.step()
+    state = get_dedicated_state(model)
+    predicted = ns_inputs(state, optimizer.param_groups, optimizer._overlap)
+    assert sorted(predicted) == sorted(ns.shapes)
+    assert len(ns.shapes) == 8  # 4 (short, long) classes per layer, each layer its own unit
+    assert sorted(predicted) != sorted(ns_inputs(state, optimizer.param_groups))
+
+
 def test_a_muon_on_the_cpu_starts_no_background_compile():
     model = _model()
     dmuon.dedicate_params(model, None, lambda name, p: p.ndim == 2)

@@ -33,27 +33,33 @@ from dmuon_kernels.newton_schulz import NewtonSchulz
 
 if TYPE_CHECKING:
     from dmuon.hooks import DedicatedState
+    from dmuon.overlap import OverlappedStep
 
 
-def ns_inputs(state: DedicatedState, param_groups: list[dict]) -> list[tuple[int, int, int]]:
+def ns_inputs(
+    state: DedicatedState, param_groups: list[dict], overlap: OverlappedStep | None = None
+) -> list[tuple[int, int, int]]:
     """The Newton-Schulz inputs (B, short, long) of a ``dmuon.Muon``'s fused step on this rank:
     per Muon-route group, the calls ``muon_state.batches_of`` makes of its matrices (those of one
     (short, long) together, in runs of at most ``NS_CALL_BYTES``: a large model's matrices of
-    one shape take several calls, never one that the job could not even allocate). The matrices
-    are those ``muon_state.matrices_of`` gives (experts and row blocks each one); TP chunks,
+    one shape take several calls, never one that the job could not even allocate), or with
+    ``overlap`` (``overlap_step=True``) of each unit's: that schedule batches per chunk of the
+    model, during backward and in the step alike. The matrices are those
+    ``muon_state.matrices_of`` gives (experts and row blocks each one); TP chunks,
     orthogonalised whole on their runner one at a time, are left out, as the fused kernels'
-    compiles ahead leave them. Under ``overlap_step=True`` the step batches per chunk of the
-    model instead, which this does not follow."""
+    compiles ahead leave them."""
     tp_chunks = {id(p.master) for p in state.iter_owned_masters() if p.is_tp_sharded}
     row_blocks = {id(p.master): p.row_blocks for p in state.iter_owned_masters()}
     inputs = []
-    for group in param_groups:
+    for index, group in enumerate(param_groups):
         if group["route"] != MUON_ROUTE:
             continue
         masters = [m for m in group["params"] if m.numel() and id(m) not in tp_chunks]
-        for batch in batches_of(masters, row_blocks):
-            rows, cols = entry_shape(batch[0])
-            inputs.append((len(batch), min(rows, cols), max(rows, cols)))
+        units = [masters] if overlap is None else overlap.units_of(index, masters).values()
+        for unit in units:
+            for batch in batches_of(unit, row_blocks):
+                rows, cols = entry_shape(batch[0])
+                inputs.append((len(batch), min(rows, cols), max(rows, cols)))
     return inputs
 
 
@@ -70,13 +76,15 @@ def start_for_optimizer(
     newton_schulz: NewtonSchulz,
     state: DedicatedState,
     param_groups: list[dict],
+    overlap: OverlappedStep | None = None,
     compiles: BackgroundCompile | None = None,
 ) -> None:
     """Submit a ``dmuon.Muon``'s Newton-Schulz inputs (``ns_inputs``) on the model's device to
     the compile job; for a ``Muon`` that ``background_compile_wanted`` (then the step boundaries
     agree until the switch, on this rank even when it owns no matrix)."""
     compiles = background_compile() if compiles is None else compiles
-    compiles.submit(job_spec(newton_schulz, state.device, ns_inputs(state, param_groups)))
+    inputs = ns_inputs(state, param_groups, overlap)
+    compiles.submit(job_spec(newton_schulz, state.device, inputs))
 
 
 def at_step_boundary(

@@ -250,7 +250,7 @@ class Muon(torch.optim.Optimizer):
         self._muon_route.compile_kernels_ahead(self.param_groups)
         if self._compiles_in_background:
             kernel_switch.start_for_optimizer(
-                self._newton_schulz, self._dedicated, self.param_groups
+                self._newton_schulz, self._dedicated, self.param_groups, self._overlap
             )
         _log_route_summaries(self.routing())
 

@@ -372,13 +372,20 @@ class OverlappedStep:
             self._drop(key)
         self._landed.clear()
 
-    def units_to_compute(self, group_index: int, masters: list[nn.Parameter]) -> list[list]:
-        """Commit the speculated units of this group whose inputs are the plain step's; return
-        the others, each a list of masters in group order, for the plain step to compute."""
+    def units_of(self, group_index: int, masters: list[nn.Parameter]) -> dict[int | None, list]:
+        """``masters`` of param group ``group_index`` by the chunk whose unit holds them, each
+        list in group order (None: masters outside every chunk): the batches of Newton-Schulz
+        inputs this schedule runs are each unit's (``dmuon.kernel_switch.ns_inputs``)."""
         by_chunk: dict[int | None, list[nn.Parameter]] = {}
         for m in masters:
             chunk = self._chunk_of.get((group_index, self._boundary_of.get(id(m))))
             by_chunk.setdefault(chunk, []).append(m)
+        return by_chunk
+
+    def units_to_compute(self, group_index: int, masters: list[nn.Parameter]) -> list[list]:
+        """Commit the speculated units of this group whose inputs are the plain step's; return
+        the others, each a list of masters in group order, for the plain step to compute."""
+        by_chunk = self.units_of(group_index, masters)
         group = self._param_groups[group_index]
         remaining, ones = [], {}
         for chunk, unit_masters in by_chunk.items():
