@@ -50,10 +50,14 @@ COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "broadcast", "reduc
 # Bytes an element costs in the element-wise passes of one optimizer step (fp32 unless said):
 # fused AdamW reads param, grad, exp_avg, exp_avg_sq and writes param, exp_avg, exp_avg_sq.
 ADAMW_BYTES_PER_ELEMENT = 7 * 4
-# dmuon's Muon route around Newton-Schulz (whose table time starts from the fp32 input): read the
-# reduced gradient (4), read and write the momentum (8), read and write the fp32 master (8), read
-# the orthogonalised update (fp16, 2), write the compute-dtype copy the owner broadcasts (bf16, 2).
-MUON_BYTES_PER_ELEMENT = 4 + 8 + 8 + 2 + 2
+# dmuon's Muon route around Newton-Schulz (whose table time starts from the fp32 input and ends
+# with the fp16 output written): read the reduced gradient (4), read and write the momentum (8);
+# the last product reads and writes the fp32 master in its epilogue instead of writing the output
+# (8 - 2, [Note: the update epilogue] in dmuon_kernels.update_epilogue); the compute-dtype copy
+# the owner broadcasts reads the master and writes bf16 (4 + 2). (The written-out update moved
+# 28: its separate pass read the output and read and wrote the master, 2 + 8; the count of 24
+# used until 2026-12-06 left out the copy's read of the master.)
+MUON_BYTES_PER_ELEMENT = 4 + 8 + (8 - 2) + (4 + 2)
 # The overlapped step's commit in step(): read and write the fp32 master (8), read the stored
 # orthogonalised update (2), write the compute-dtype copy (2); the rest of the route (gradient,
 # momentum into its scratch buffer) runs during backward.
