@@ -17,11 +17,12 @@ the GEMM's epilogue and O exists only in registers. A tall master (m, n) takes
 
 Numerics: O is no longer rounded to the iteration dtype before it is scaled, so the update is
 closer to the exact product than the written-out one (one fp32 rounding instead of an fp16 one
-and an fp32 one). So the two schedules that must agree bit for bit use one way each: ``dmuon.Muon``'s plain step (and
-its offloaded masters) this one, on CUDA; the overlapped step, whose Newton-Schulz output is
-computed during backward and applied at ``step()`` with the learning rate of that moment, writes
-O out (``dmuon.overlap``), and so does every step on the CPU, where there is no memory traffic
-to save and the CPU tests keep the overlapped step equal to the plain one bit for bit.
+and an fp32 one). So the two schedules that must agree bit for bit use one way each:
+``dmuon.Muon``'s plain step (and its offloaded masters) this one, on CUDA; the overlapped step,
+whose Newton-Schulz output is computed during backward and applied at ``step()`` with the
+learning rate of that moment, writes O out (``dmuon.overlap``), and so does every step on the
+CPU, where there is no memory traffic to save and the CPU tests keep the overlapped step equal
+to the plain one bit for bit.
 
 The weight forward computes with (the owner's bf16 segment, which forward broadcasts) is the
 step's second output: ``copies[i]``, the new master rounded to the copy's dtype. A cuBLAS
@@ -58,8 +59,8 @@ def epilogue_enabled(X: Tensor) -> bool:
 def fused_copies_enabled(X: Tensor | None) -> bool:
     """Whether a copy of the updated master is written by the update GEMM itself (the Triton
     kernel: ``X`` on CUDA, or None for any CUDA tensor; Triton installed;
-    ``DMUON_UPDATE_GEMM=triton``, not the default ``cublas``). Raises ValueError for a value of the variable that is not one of
-    ``UPDATE_GEMMS``."""
+    ``DMUON_UPDATE_GEMM=triton``, not the default ``cublas``). Raises ValueError for a value of
+    the variable that is not one of ``UPDATE_GEMMS``."""
     choice = env_choice(UPDATE_GEMM_ENV, UPDATE_GEMMS, default="cublas")
     return choice == "triton" and (X is None or X.is_cuda) and triton_available()
 
@@ -102,8 +103,8 @@ def final_update_(
     ``copies[i]`` (None, or a tensor of the master's shape) the new master rounded.
 
     ``left`` (B, n, n) and ``X`` (B, n, m) are the iteration's last factors (``L·X`` is its
-    output). ``masters[i]`` is fp32 (or X's dtype), of shape (n, m), or (m, n) for a matrix iterated
-    transposed, rows or columns contiguous. Nothing is returned or kept."""
+    output). ``masters[i]`` is fp32 (or X's dtype), of shape (n, m), or (m, n) for a matrix
+    iterated transposed, rows or columns contiguous. Nothing is returned or kept."""
     if len(masters) != X.shape[0] or len(steps) != X.shape[0]:
         raise ValueError(
             f"final_update_: {X.shape[0]} Newton-Schulz outputs, {len(masters)} masters and "
