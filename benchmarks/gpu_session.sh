@@ -44,8 +44,6 @@
 #            for the 800 the run takes), which keeps the carried files under a call's 64 MiB
 #   part 19: the 0.89 B Llama's optimizer step by kernel class, inside FSDP2 and alone
 #            (profile_opt_step), with its Chrome trace
-#   part 20: the H200 figures where one is lent: the optimizer step by kernel class
-#            (bench_step --profile) and the 0.89 B iteration against FSDP2 + AdamW (bench_e2e)
 #   part 18: the whole tests/gpu, then the 0.89 B Llama's iteration against FSDP2 + AdamW
 #            (bench_e2e, 20 steps)
 #
@@ -235,14 +233,8 @@ case $part in
     benchmarks/step/profile_opt_step.py --trace "$out/opt-step-trace" --git-sha "$sha" \
     --out "$out/profile-opt-step.json"
   ;;
-20)
-  step step 150 python benchmarks/step/bench_step.py --profile --git-sha "$sha" --out "$out/step.json"
-  step e2e 90 python -m torch.distributed.run --standalone --nproc-per-node 1 \
-    benchmarks/e2e/bench_e2e.py --variants fsdp2-adamw,dmuon-z3 --steps 20 \
-    --git-sha "$sha" --out "$out/e2e-w1.json"
-  ;;
 *)
-  echo "part must be 0 to 20" >&2
+  echo "part must be 0 to 19" >&2
   exit 2
   ;;
 esac
