@@ -44,7 +44,8 @@ def _model() -> nn.Module:
     )
 
 
-def test_the_compile_job_gets_the_newton_schulz_inputs_the_step_runs():
+def _model_by_layer() -> nn.Module:
+    """``_model()`` dedicated with each layer its own hook boundary and layer."""
     torch.manual_seed(0)
     model = _model()
     dmuon.dedicate_params(
@@ -54,6 +55,11 @@ def test_the_compile_job_gets_the_newton_schulz_inputs_the_step_runs():
         layer_id_fn=lambda name: ".".join(name.split(".")[:2]),
         hook_boundary_predicate=lambda module: isinstance(module, nn.Sequential),
     )
+    return model
+
+
+def test_the_compile_job_gets_the_newton_schulz_inputs_the_step_runs():
+    model = _model_by_layer()
     ns = RecordingNewtonSchulz()
     optimizer = dmuon.Muon(
         model,
@@ -90,15 +96,7 @@ def test_with_overlap_step_the_compile_job_gets_each_units_inputs():
     """``overlap_step=True`` batches per chunk of the model (during backward, and in the step for
     what it recomputes): each layer here is its own chunk, so each batch holds one layer's
     matrices of a shape where the plain step's holds both layers'."""
-    torch.manual_seed(0)
-    model = _model()
-    dmuon.dedicate_params(
-        model,
-        None,
-        lambda name, p: p.ndim == 2,
-        layer_id_fn=lambda name: ".".join(name.split(".")[:2]),
-        hook_boundary_predicate=lambda module: isinstance(module, nn.Sequential),
-    )
+    model = _model_by_layer()
     ns = RecordingNewtonSchulz()
     optimizer = dmuon.Muon(model, ns_backend=ns, overlap_step=True)
     x = torch.randn(4, 48)
