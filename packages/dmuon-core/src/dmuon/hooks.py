@@ -198,11 +198,6 @@ class DedicatedState:
         return self._gradient_listener
 
     @property
-    def master_offload(self) -> MasterOffload | None:
-        """The offloaded masters' CPU homes (``attach_offload``), if an optimizer took them."""
-        return self._master_offload
-
-    @property
     def requires_gradient_sync(self) -> bool:
         """False inside ``dmuon.no_sync`` (``without_gradient_sync``): backward keeps the
         gradients local."""
@@ -299,6 +294,16 @@ class DedicatedState:
         self.is_adopted = True
 
     # ---- what the optimizer attaches ------------------------------------------------------------
+
+    def check_can_take_optimizer(self, *, overlap_step: bool) -> None:
+        """Refuse a new ``dmuon.Muon`` before anything takes it (the step group, this state):
+        one whose ``overlap_step`` would be this model's second listener, or any other while
+        an ``offload_masters=True`` optimizer's CPU homes hold the masters. The same facts on
+        every rank, so every rank raises alike."""
+        if overlap_step and self._gradient_listener is not None:
+            raise ValueError(OVERLAP_ALREADY_ATTACHED)
+        if self._master_offload is not None:
+            raise ValueError(OFFLOAD_ALREADY_ATTACHED)
 
     def attach_overlap(self, listener: GradientListener) -> None:
         """``dmuon.Muon(..., overlap_step=True)``: from now on each boundary's owned gradients land

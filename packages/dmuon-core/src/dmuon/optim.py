@@ -40,12 +40,7 @@ from dmuon.data_parallel import check_data_parallel_layout
 from dmuon.ddp import check_gradients_are_averaged
 from dmuon.experts import ExpertStack, agreed_name
 from dmuon.fqn import canonical_fqn
-from dmuon.hooks import (
-    OFFLOAD_ALREADY_ATTACHED,
-    OVERLAP_ALREADY_ATTACHED,
-    DedicatedState,
-    get_dedicated_state,
-)
+from dmuon.hooks import DedicatedState, get_dedicated_state
 from dmuon.muon_options import AdjustLr, MomentumDtype, MuonOptions, NonfinitePolicy
 from dmuon.muon_route import MuonRoute
 from dmuon.muon_update import MOMENTUM_DTYPES
@@ -229,12 +224,9 @@ class Muon(torch.optim.Optimizer):
         # refused one left in them would refuse the caller's next try on this model.
         if overlap_step:
             check_speculation_options(self.param_groups, self._dedicated.params.values())
-            if self._dedicated.gradient_listener is not None:
-                raise ValueError(OVERLAP_ALREADY_ATTACHED)
         if offload_masters:
             check_masters_can_be_offloaded(self._dedicated.params.values(), overlap_step)
-        if self._dedicated.master_offload is not None:  # the same on every rank
-            raise ValueError(OFFLOAD_ALREADY_ATTACHED)
+        self._dedicated.check_can_take_optimizer(overlap_step=overlap_step)
         self.step_group = step_group if step_group is not None else StepGroup()
         self.step_group.join(
             StepMember(
