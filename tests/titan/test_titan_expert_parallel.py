@@ -103,14 +103,20 @@ def uninterrupted(pool4, tmp_path_factory) -> tuple[dict, str]:
     return pool4.run(train, job_options=SAVING, checkpoint_root=root)[0], root
 
 
-def test_an_expert_parallel_job_resumed_at_step_3_repeats_steps_4_to_6(pool4, uninterrupted):
-    run, root = uninterrupted
-    resumed = pool4.run(train, job_options={**SAVING, "load_step": 3}, checkpoint_root=root)[0]
-    assert resumed["first_step"] == 4
-    assert resumed["logged"] == run["logged"][3:]
+def assert_resumed_repeats(resumed: dict, run: dict, load_step: int) -> None:
+    """``resumed`` (from ``run``'s checkpoint at ``load_step``) repeated its later steps bit for
+    bit: their losses and the final weights."""
+    assert resumed["first_step"] == load_step + 1
+    assert resumed["logged"] == run["logged"][load_step:]
     assert resumed["final"].keys() == run["final"].keys()
     different = [k for k, v in resumed["final"].items() if not torch.equal(v, run["final"][k])]
     assert not different, different
+
+
+def test_an_expert_parallel_job_resumed_at_step_3_repeats_steps_4_to_6(pool4, uninterrupted):
+    run, root = uninterrupted
+    resumed = pool4.run(train, job_options={**SAVING, "load_step": 3}, checkpoint_root=root)[0]
+    assert_resumed_repeats(resumed, run, load_step=3)
 
 
 def test_an_expert_parallel_checkpoint_resumes_at_ep_1_like_the_ep_2_run(pool4, uninterrupted):
