@@ -125,8 +125,9 @@ def test_a_real_job_that_fails_keeps_cublas_and_warns_once_with_its_output(open_
     assert readiness.tuning_deferred()  # cuBLAS stays
 
 
-def test_a_job_that_cannot_start_keeps_cublas_and_says_why(open_gate, tmp_path):
-    compiles = BackgroundCompile(command=[str(tmp_path / "no-such-python")])
+def submitted_and_not_started(compiles: BackgroundCompile) -> str:
+    """Submit a job that cannot start: it warns once, saying so, and the rank is FAILED; returns
+    the warning's text."""
     spec = job_spec(NewtonSchulz(), torch.device("cpu"), [(2, 16, 32)])
     with pytest.warns(RuntimeWarning) as caught:
         compiles.submit(spec)
@@ -135,6 +136,12 @@ def test_a_job_that_cannot_start_keeps_cublas_and_says_why(open_gate, tmp_path):
         "dmuon background kernel compile failed: it could not be started (FileNotFoundError"
     )
     assert compiles.local_state() == FAILED
+    return str(warning.message)
+
+
+def test_a_job_that_cannot_start_keeps_cublas_and_says_why(open_gate, tmp_path):
+    compiles = BackgroundCompile(command=[str(tmp_path / "no-such-python")])
+    submitted_and_not_started(compiles)
     assert compiles.active  # until the ranks agree (dmuon.kernel_switch)
     compiles.keep_cublas(step=1)
     assert not compiles.active and readiness.tuning_deferred()
@@ -152,15 +159,7 @@ def test_a_job_without_a_temporary_folder_keeps_cublas_and_says_why_instead_of_r
     # the error would leave the other ranks waiting in the step's agreement.
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "no-such-folder"))
     compiles = BackgroundCompile()
-    spec = job_spec(NewtonSchulz(), torch.device("cpu"), [(2, 16, 32)])
-    with pytest.warns(RuntimeWarning) as caught:
-        compiles.submit(spec)
-    (warning,) = caught
-    assert str(warning.message).startswith(
-        "dmuon background kernel compile failed: it could not be started (FileNotFoundError"
-    )
-    assert "no-such-folder" in str(warning.message)
-    assert compiles.local_state() == FAILED
+    assert "no-such-folder" in submitted_and_not_started(compiles)
     compiles.keep_cublas(step=1)
     assert not compiles.active and readiness.tuning_deferred()
 
