@@ -112,6 +112,16 @@ def fail() -> None:
     raise RuntimeError("a master-update hook failed")
 
 
+def step_failing_before_its_publish(model, optimizer) -> None:
+    """One backward and a ``step()`` whose master-update hook raises: the update ran (and wrote
+    the segments), the publish did not."""
+    handle = get_dedicated_state(model).register_master_update_hook(fail)
+    loss_fn(model, batches(1, 1)[0]).backward()
+    with pytest.raises(RuntimeError, match="a master-update hook failed"):
+        optimizer.step()
+    handle.remove()
+
+
 def force_epilogue(monkeypatch) -> None:
     """The CUDA path's last product (the update written into the masters and the copies) on the
     CPU: selects the path, the numbers are the real kernels'."""
@@ -239,11 +249,7 @@ def test_a_master_that_is_its_segment_takes_no_copy():
 def test_a_step_that_failed_before_its_publish_leaves_no_mark_over_a_later_load(moe):
     model = bf16_model(moe=moe)
     optimizer = dmuon.Muon(model, ns_backend=FP32_NS())
-    handle = get_dedicated_state(model).register_master_update_hook(fail)
-    loss_fn(model, batches(1, 1)[0]).backward()
-    with pytest.raises(RuntimeError, match="a master-update hook failed"):
-        optimizer.step()
-    handle.remove()
+    step_failing_before_its_publish(model, optimizer)
     assert all(p.segment_fresh for p in muon_params(model))  # written, never published
     # A load writes every master; the next forward publishes it, marks or not.
     torch.manual_seed(1)
@@ -274,11 +280,7 @@ def test_a_step_that_failed_before_its_publish_leaves_no_mark_to_the_next_step()
     left from the failed step would keep its publish from copying them."""
     model = bf16_model()
     optimizer = dmuon.Muon(model, ns_backend=FP32_NS())
-    handle = get_dedicated_state(model).register_master_update_hook(fail)
-    loss_fn(model, batches(1, 1)[0]).backward()
-    with pytest.raises(RuntimeError, match="a master-update hook failed"):
-        optimizer.step()
-    handle.remove()
+    step_failing_before_its_publish(model, optimizer)
     optimizer.zero_grad()
     for group in optimizer.param_groups:
         group["normuon"] = True
