@@ -2,9 +2,8 @@
 
 Owns the calls ``dmuon.Muon`` makes: ``background_compile_wanted`` and ``start_for_optimizer``
 at construction (this rank's Newton-Schulz shapes to the process's compile job, when one is
-wanted) and
-``at_step_boundary`` at the start of each step (while a job is pending anywhere: one small
-all-reduce, then the same decision on every rank). The jobs, the gate and what the switch does
+wanted) and ``at_step_boundary`` at the start of each step (while a job is pending anywhere: one
+small all-reduce, then the same decision on every rank). The jobs, the gate and what the switch does
 are ``dmuon_kernels.background_compile``'s ([Note: the switch] there). It must not touch
 gradients, weights or optimizer state.
 

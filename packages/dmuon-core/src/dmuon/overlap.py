@@ -73,9 +73,9 @@ cuBLAS, less efficiently (torch.profiler, ``benchmarks/overlap/profile_overlap.p
 SYRK time -16.6 ms per step, cuBLAS's +28 ms; profile-overlap-h200-w1-2026-12-02-8814852.json).
 So each Muon param group's boundaries, in the model's order, are cut into ``SPECULATION_CHUNKS``
 runs of about equal owned elements. Two, not four: each Newton-Schulz batch is then half of the
-plain step's instead of a quarter. On the H200 at world size 1, paired against the plain step, four
-chunks gave +1.87 ms (215ad1a) and two -2.37 and -4.06 ms (215ad1a, 99ae62b), each on its own
-machine start; at side-stream priority -5, four gave +4.50 and two +2.25 (142ad87;
+plain step's instead of a quarter. On the H200 at world size 1, paired against the plain step,
+four chunks gave +1.87 ms (215ad1a) and two -2.37 and -4.06 ms (215ad1a, 99ae62b), each on its
+own machine start; at side-stream priority -5, four gave +4.50 and two +2.25 (142ad87;
 overlap-ab-h200-w1-2026-12-04-*.json). ``dmuon-tools simulate`` puts two and four within 1 ms of
 each other for Llama-3-8B and 70B on 8 to 512 GPUs: half of the owner work starts before
 backward ends instead of three quarters, but there it is a small share of the step.
