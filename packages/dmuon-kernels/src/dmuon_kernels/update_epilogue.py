@@ -113,6 +113,8 @@ def final_update_(
     n, m = X.shape[-2:]
     copies = [None] * len(masters) if copies is None else copies
     fused = fused_copies_enabled(X) and any(c is not None for c in copies)
+    if fused:
+        from dmuon_kernels._update_gemm_triton import update_gemm_
     unfused = []
     for L, x, master, step, copy in zip(left, X, masters, steps, copies, strict=True):
         if tuple(master.shape) == (n, m):
@@ -130,8 +132,6 @@ def final_update_(
                 f"{tuple(master.shape)}; they must be equal"
             )
         if fused and copy is not None and master.dtype == torch.float32:
-            from dmuon_kernels._update_gemm_triton import update_gemm_
-
             update_gemm_(first, second, master, copy, decay=decay, step=step)
             continue
         if copy is not None:
